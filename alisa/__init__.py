@@ -1,0 +1,28 @@
+"""alisa: LLM inference when KV-cache memory is the wall.
+
+ALISA sparse window attention (https://arxiv.org/abs/2403.17312) and baseline KV policies inside
+Hugging Face ``generate``, INT8 KV storage and three-phase offload/recompute scheduling.
+"""
+
+from alisa.attention import attach, detach
+from alisa.cache import AlisaCache
+from alisa.config import AlisaConfig
+from alisa.generate import GenerationOutput, SamplingOptions, generate
+from alisa.models import load_model
+from alisa.policies import POLICIES, KVPolicy, get_policy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "POLICIES",
+    "AlisaCache",
+    "AlisaConfig",
+    "GenerationOutput",
+    "KVPolicy",
+    "SamplingOptions",
+    "attach",
+    "detach",
+    "generate",
+    "get_policy",
+    "load_model",
+]

@@ -1,0 +1,158 @@
+"""Attention received by each stored slot, summed over a sliding window of decode steps.
+
+ALISA's "local attention sum" adds the attention rows of the last w steps (Alg. 1); H2O adds all
+rows since the start. Keeping w full rows would cost w values per stored token. Instead we keep
+one running total per slot and a small ring of snapshots of it, taken every ceil(w / blocks)
+steps: total - snapshot(step - w) is the sum over the last w steps, rounded up to a whole
+snapshot interval (exact when w <= blocks). Memory: (blocks + 3) values per slot.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+NO_STAMP = -(2**62)
+
+
+class AttentionAccumulator:
+    """Per-slot windowed attention sums for one cache layer.
+
+    Parameters
+    ----------
+    batch, groups, capacity
+        Shape (B, Hs, S) of the slot space: batch, selection groups (1 per layer, or one per KV
+        head), stored slots.
+    device
+        Where the sums live (the cache's device).
+    windowed
+        False for whole-history sums (H2O): no snapshots are kept.
+    blocks
+        Snapshots per window; more is closer to exact, each costs one value per slot.
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        groups: int,
+        capacity: int,
+        device: torch.device,
+        *,
+        windowed: bool,
+        blocks: int = 8,
+    ) -> None:
+        self.blocks = blocks
+        self.total = torch.zeros(batch, groups, capacity, dtype=torch.float32, device=device)
+        ring = blocks + 2 if windowed else 0
+        self.snapshots = torch.zeros(
+            ring, batch, groups, capacity, dtype=torch.float32, device=device
+        )
+        self.stamps = np.full(ring, NO_STAMP, dtype=np.int64)
+        self.step = 0
+        self.last_snapshot = 0
+        self.next_slot = 0
+
+    @property
+    def windowed(self) -> bool:
+        return self.snapshots.shape[0] > 0
+
+    def nbytes(self) -> int:
+        """Bytes held by the running totals and snapshots."""
+        return self.total.nbytes + self.snapshots.nbytes
+
+    def add(self, row: torch.Tensor, window: np.ndarray | None) -> None:
+        """Add one step's attention row (B, Hs, S') over the first S' slots."""
+        self.total[..., : row.shape[-1]] += row
+        self._advance(1, window)
+
+    def add_rows(self, rows: torch.Tensor, window: np.ndarray | None) -> None:
+        """Add several consecutive steps at once (prefill seeding): rows is (B, Hs, R, S')."""
+        width = rows.shape[-1]
+        if not self.windowed:
+            self.total[..., :width] += rows.sum(dim=2)
+            self.step += rows.shape[2]
+            return
+        running = rows.cumsum(dim=2)  # (B, Hs, R, S'): totals after each row
+        interval = self._interval(window)
+        base = self.total[..., :width].clone()
+        for index in range(rows.shape[2]):
+            if (self.step + index + 1 - self.last_snapshot) >= interval:
+                self._snapshot(base + running[:, :, index], self.step + index + 1, width)
+        self.total[..., :width] = base + running[:, :, -1]
+        self.step += rows.shape[2]
+
+    def window_sum(self, window: np.ndarray | None, width: int) -> torch.Tensor:
+        """(B, Hs, width) attention summed over each sequence's last ``window[b]`` steps."""
+        total = self.total[..., :width]
+        if window is None or not self.windowed:
+            return total
+        # For each sequence, the newest snapshot taken at least window[b] steps ago. With no such
+        # snapshot, either the history is shorter than the window (sum everything) or the ring
+        # has already recycled it (use the oldest snapshot: a slightly shorter window).
+        taken = self.stamps > NO_STAMP
+        cutoff = self.step - window  # (B,)
+        eligible = taken[None, :] & (self.stamps[None, :] <= cutoff[:, None])  # (B, ring)
+        newest_eligible = np.where(eligible, self.stamps[None, :], NO_STAMP).argmax(axis=1)
+        oldest = int(np.where(taken, self.stamps, np.iinfo(np.int64).max).argmin())
+        ring_full = bool(taken.all())
+        has_snapshot = eligible.any(axis=1) | ring_full
+        choice = np.where(eligible.any(axis=1), newest_eligible, oldest)
+        if not has_snapshot.any():
+            return total
+        index = torch.as_tensor(choice, device=total.device)
+        batch = torch.arange(total.shape[0], device=total.device)
+        older = self.snapshots[index, batch, :, :width]  # (B, Hs, width)
+        keep = torch.as_tensor(has_snapshot, device=total.device).view(-1, 1, 1)
+        return torch.where(keep, total - older, total)
+
+    def clear_slots(self, index: torch.Tensor, valid: torch.Tensor) -> None:
+        """Zero the sums of evicted slots (B, Hs, E) so a reused slot starts from nothing."""
+        zeros = torch.zeros(index.shape, dtype=self.total.dtype, device=index.device)
+        current = self.total.gather(-1, index)
+        self.total.scatter_(-1, index, torch.where(valid, zeros, current))
+        if self.windowed:
+            ring_index = index.unsqueeze(0).expand(self.snapshots.shape[0], -1, -1, -1)
+            current = self.snapshots.gather(-1, ring_index)
+            self.snapshots.scatter_(-1, ring_index, torch.where(valid, zeros, current))
+
+    def reindex(self, index: torch.Tensor) -> None:
+        """Move slots as the cache does: new slot j takes old slot index[b, h, j] (B, Hs, S')."""
+        self.total = self.total.gather(-1, index)
+        if self.windowed:
+            ring_index = index.unsqueeze(0).expand(self.snapshots.shape[0], -1, -1, -1)
+            self.snapshots = self.snapshots.gather(-1, ring_index)
+
+    def grow(self, capacity: int) -> None:
+        """Extend the slot space to ``capacity`` slots, new ones zero."""
+        extra = capacity - self.total.shape[-1]
+        self.total = torch.nn.functional.pad(self.total, (0, extra))
+        self.snapshots = torch.nn.functional.pad(self.snapshots, (0, extra))
+
+    def shrink(self, capacity: int) -> None:
+        """Drop slots at and beyond ``capacity`` (after the cache compacted them away)."""
+        self.total = self.total[..., :capacity].contiguous()
+        self.snapshots = self.snapshots[..., :capacity].contiguous()
+
+    def select_batch(self, indices: torch.Tensor) -> None:
+        """Keep only some sequences (finished ones dropped, beams reordered)."""
+        self.total = self.total.index_select(0, indices)
+        self.snapshots = self.snapshots.index_select(1, indices)
+
+    def _interval(self, window: np.ndarray | None) -> int:
+        widest = int(window.max()) if window is not None and len(window) else 1
+        return max(1, math.ceil(widest / self.blocks))
+
+    def _advance(self, steps: int, window: np.ndarray | None) -> None:
+        self.step += steps
+        if self.windowed and self.step - self.last_snapshot >= self._interval(window):
+            self._snapshot(self.total, self.step, self.total.shape[-1])
+
+    def _snapshot(self, values: torch.Tensor, stamp: int, width: int) -> None:
+        slot = self.next_slot
+        self.snapshots[slot].zero_()
+        self.snapshots[slot, ..., :width] = values[..., :width]
+        self.stamps[slot] = stamp
+        self.next_slot = (slot + 1) % self.snapshots.shape[0]
+        self.last_snapshot = stamp

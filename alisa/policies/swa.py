@@ -1,0 +1,43 @@
+"""ALISA Sparse Window Attention: recent tokens plus tokens with the largest recent attention."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from alisa.policies.base import KVPolicy
+
+
+@dataclass(frozen=True, kw_only=True)
+class SWAPolicy(KVPolicy):
+    """ALISA's SWA: k = round(n*r/2) locally static (recent) plus k globally dynamic tokens.
+
+    Zhao et al., ALISA: Accelerating Large Language Model Inference via Sparsity-Aware KV Caching,
+    ISCA'24, https://arxiv.org/abs/2403.17312, Alg. 1. The globally dynamic tokens are the top-k of
+    the attention summed over the last w decode steps (the "local attention sum"), heads summed
+    within each KV group; by default w = k, as in Alg. 1. The budget is round(n*r) split in half,
+    so r = 1 keeps every token even when n is odd.
+
+    Parameters
+    ----------
+    window
+        w, the number of most recent steps whose attention is summed; ``None`` = k.
+    """
+
+    name = "swa"
+    needs_attention = True
+    window: int | None = None
+
+    @classmethod
+    def config_options(cls, config) -> dict:
+        return {"window": config.score_window}
+
+    def score_window(self, recent: np.ndarray) -> np.ndarray | None:
+        if self.window is not None:
+            return np.full_like(recent, self.window)
+        return np.maximum(recent, 1)
+
+    def score(self, positions, attention, first) -> torch.Tensor:
+        return attention

@@ -1,0 +1,1 @@
+"""KV-cache quantization: pure functions on tensors, no dependency on ``alisa``."""

