@@ -107,22 +107,19 @@ class AttentionAccumulator:
         keep = torch.as_tensor(has_snapshot, device=total.device).view(-1, 1, 1)
         return torch.where(keep, total - older, total)
 
-    def clear_slots(self, index: torch.Tensor, valid: torch.Tensor) -> None:
-        """Zero the sums of evicted slots (B, Hs, E) so a reused slot starts from nothing."""
-        zeros = torch.zeros(index.shape, dtype=self.total.dtype, device=index.device)
-        current = self.total.gather(-1, index)
-        self.total.scatter_(-1, index, torch.where(valid, zeros, current))
+    def clear_slots(self, rows: torch.Tensor, groups: torch.Tensor, slots: torch.Tensor) -> None:
+        """Zero the sums of evicted slots (flat index triples) so a reused slot starts afresh."""
+        self.total[rows, groups, slots] = 0.0
         if self.windowed:
-            ring_index = index.unsqueeze(0).expand(self.snapshots.shape[0], -1, -1, -1)
-            current = self.snapshots.gather(-1, ring_index)
-            self.snapshots.scatter_(-1, ring_index, torch.where(valid, zeros, current))
+            self.snapshots[:, rows, groups, slots] = 0.0
 
     def reindex(self, index: torch.Tensor) -> None:
         """Move slots as the cache does: new slot j takes old slot index[b, h, j] (B, Hs, S')."""
-        self.total = self.total.gather(-1, index)
+        rows = torch.arange(index.shape[0], device=index.device).view(-1, 1, 1)
+        groups = torch.arange(index.shape[1], device=index.device).view(1, -1, 1)
+        self.total = self.total[rows, groups, index]
         if self.windowed:
-            ring_index = index.unsqueeze(0).expand(self.snapshots.shape[0], -1, -1, -1)
-            self.snapshots = self.snapshots.gather(-1, ring_index)
+            self.snapshots = self.snapshots[:, rows, groups, index]
 
     def grow(self, capacity: int) -> None:
         """Extend the slot space to ``capacity`` slots, new ones zero."""

@@ -75,7 +75,7 @@ class AlisaLayer(CacheLayerMixin):
         """Store new tokens and return the K/V this step's attention reads.
 
         Prefill returns the new tensors themselves (dense attention, as HF); later steps return
-        (B, H_kv, width, D) views over the slots, with empty slots masked by the attention.
+        the (B, H_kv, capacity, D) slot buffers, empty slots masked by the attention.
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -88,7 +88,7 @@ class AlisaLayer(CacheLayerMixin):
             self._write_one(key_states, value_states)
         else:
             self._append(key_states, value_states)
-        return self.store.read(self.width)
+        return self.store.read()
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -129,15 +129,16 @@ class AlisaLayer(CacheLayerMixin):
 
     @property
     def needs_attention(self) -> bool:
-        return self.policy.needs_attention
+        """Whether attention probabilities must reach the policy (never when nothing is evicted)."""
+        return self.policy.needs_attention and self.policy.can_evict()
 
     def valid_slots(self) -> torch.Tensor:
-        """(B, Hs, width) bool: slots holding a real token."""
-        return self.positions[..., : self.width] >= 0
+        """(B, Hs, capacity) bool: slots holding a real token."""
+        return self.positions >= 0
 
     def slot_positions(self) -> torch.Tensor:
-        """(B, Hs, width) position of each slot's token (negative: empty or padding)."""
-        return self.positions[..., : self.width]
+        """(B, Hs, capacity) position of each slot's token (negative: empty or padding)."""
+        return self.positions
 
     def stored_tokens(self) -> int:
         """Tokens stored, summed over sequences (and over KV heads when selecting per head)."""
@@ -187,6 +188,8 @@ class AlisaLayer(CacheLayerMixin):
 
     def evict(self) -> None:
         """Drop each sequence's excess tokens, lowest policy score first, sinks/recent protected."""
+        if not self.policy.can_evict():
+            return
         budget = self._budget()
         excess = np.maximum(self.kept - budget, 0)
         if excess.max(initial=0) > 0:
@@ -205,7 +208,7 @@ class AlisaLayer(CacheLayerMixin):
         positions = torch.arange(capacity, device=self.device)
         positions = torch.where(positions < length, positions, FREE)
         self.positions = positions.expand(batch, self.groups, capacity).contiguous()
-        if self.policy.needs_attention:
+        if self.needs_attention:
             window = self.policy.score_window(np.ones(batch, dtype=np.int64))
             self.scores = AttentionAccumulator(
                 batch, self.groups, capacity, self.device, windowed=window is not None
@@ -218,12 +221,16 @@ class AlisaLayer(CacheLayerMixin):
         append = holes <= 0
         if append.any():
             self._ensure_capacity(self.width + 1)
-        free = self.positions[..., : self.width] == FREE
-        first_free = free.to(torch.int8).argmax(dim=-1, keepdim=True)  # (B, Hs, 1)
-        appended = torch.as_tensor(append, device=self.device).view(-1, 1, 1)
-        slots = torch.where(appended, self.width, first_free)
-        self.store.write_slots(slots, keys, values)
-        self.positions.scatter_(-1, slots, self.seen)
+        if append.all():  # every sequence appends at the frontier: plain slice writes
+            self.store.write_range(self.width, keys, values)
+            self.positions[..., self.width] = self.seen
+        else:
+            free = self.positions[..., : self.width] == FREE
+            first_free = free.to(torch.int8).argmax(dim=-1, keepdim=True)  # (B, Hs, 1)
+            appended = torch.as_tensor(append, device=self.device).view(-1, 1, 1)
+            slots = torch.where(appended, self.width, first_free)
+            self.store.write_slots(slots, keys, values)
+            self.positions.scatter_(-1, slots, self.seen)
         if append.any():
             self.width += 1
         self.seen += 1
@@ -264,7 +271,7 @@ class AlisaLayer(CacheLayerMixin):
         attention = None
         if self.scores is not None:
             window = policy.score_window(policy.recent(budget))
-            attention = self.scores.window_sum(window, self.width)
+            attention = self.scores.window_sum(window, self.store.capacity)
         score = policy.score(positions, attention, first).to(torch.float32)
         keep_first = policy.protected(positions, first, self.seen, recent) | (positions < 0)
         priority = torch.where(keep_first, torch.inf, score)
@@ -272,10 +279,11 @@ class AlisaLayer(CacheLayerMixin):
         victims = torch.topk(priority, count, dim=-1, largest=False, sorted=True).indices
         wanted = torch.arange(count, device=self.device).view(1, 1, -1)
         valid = wanted < torch.as_tensor(excess, device=self.device).view(-1, 1, 1)
-        current = self.positions.gather(-1, victims)
-        self.positions.scatter_(-1, victims, torch.where(valid, FREE, current))
+        rows, groups, ranks = valid.nonzero(as_tuple=True)
+        slots = victims[rows, groups, ranks]
+        self.positions[rows, groups, slots] = FREE
         if self.scores is not None:
-            self.scores.clear_slots(victims, valid)
+            self.scores.clear_slots(rows, groups, slots)
         self.kept -= excess
         self.evicted += int(excess.sum()) * self.groups
 

@@ -10,10 +10,18 @@ from __future__ import annotations
 import torch
 
 
-def expand_slot_index(index: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
-    """(B, Hs, n) slot index -> (B, H_kv, n, D) for gather/scatter on (B, H_kv, S, D) tensors."""
+def slot_indices(
+    index: torch.Tensor, heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, Hs, n) slot index -> advanced indices (batch, head, slot) broadcast to (B, H_kv, n).
+
+    Advanced indexing, not ``gather``/``scatter_`` with an expanded index: on CPU the latter
+    copies the whole buffer (measured 3 ms vs 17 us for one token of a 16 x 1K bf16 cache).
+    """
     batch, groups, count = index.shape
-    return index.view(batch, groups, count, 1).expand(batch, heads, count, head_dim)
+    rows = torch.arange(batch, device=index.device).view(batch, 1, 1)
+    heads_index = torch.arange(heads, device=index.device).view(1, heads, 1)
+    return rows, heads_index, index.expand(batch, heads, count)
 
 
 class DenseStore:
@@ -39,9 +47,14 @@ class DenseStore:
         """Bytes one slot (one token, all KV heads of a sequence, K and V) costs."""
         return self.nbytes() // max(1, self.capacity * self.keys.shape[0])
 
-    def read(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense (B, H_kv, width, D) views of the first ``width`` slots."""
-        return self.keys[:, :, :width], self.values[:, :, :width]
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole (B, H_kv, capacity, D) buffers, contiguous.
+
+        Attention reads every slot (empty ones masked) rather than a view of the used prefix: a
+        strided view sends bf16 matmuls on CPU to a slow path (6x here), while the spare
+        capacity is at most 1/8 of the slots.
+        """
+        return self.keys, self.values
 
     def write_range(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write (B, H_kv, q, D) tensors into slots [start, start + q)."""
@@ -51,15 +64,15 @@ class DenseStore:
 
     def write_slots(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write one token per (sequence, group): slots (B, Hs, 1), keys/values (B, H_kv, 1, D)."""
-        index = expand_slot_index(slots, self.keys.shape[1], self.keys.shape[-1])
-        self.keys.scatter_(2, index, keys)
-        self.values.scatter_(2, index, values)
+        index = slot_indices(slots, self.keys.shape[1])
+        self.keys[index] = keys
+        self.values[index] = values
 
     def reindex(self, index: torch.Tensor, capacity: int) -> None:
         """New slot j holds old slot index[b, g, j]; then grow to ``capacity`` slots."""
-        expanded = expand_slot_index(index, self.keys.shape[1], self.keys.shape[-1])
-        self.keys = _with_capacity(self.keys.gather(2, expanded), capacity)
-        self.values = _with_capacity(self.values.gather(2, expanded), capacity)
+        index = slot_indices(index, self.keys.shape[1])
+        self.keys = _with_capacity(self.keys[index], capacity)
+        self.values = _with_capacity(self.values[index], capacity)
 
     def grow(self, capacity: int) -> None:
         """Extend to ``capacity`` slots (one copy, amortised by growing in chunks)."""

@@ -71,7 +71,8 @@ def test_dense_cache_reports_exact_bytes_and_positions():
     expected = sum(layer.store.keys.nbytes + layer.store.values.nbytes for layer in cache.layers)
     assert cache.kv_bytes() == expected
     positions = layer.slot_positions()[0, 0]
-    assert positions.tolist() == list(range(30 + NEW_TOKENS - 1))
+    assert positions[: layer.width].tolist() == list(range(30 + NEW_TOKENS - 1))
+    assert (positions[layer.width :] < 0).all()
 
 
 @pytest.mark.parametrize("policy", sorted(set(POLICIES) - {"dense"}))
@@ -146,7 +147,7 @@ def test_kept_tokens_keep_their_original_positions_and_keys():
     layer = sparse.layers[1]
     positions = layer.slot_positions()[0, 0]
     kept = positions >= 0
-    keys = layer.store.read(layer.width)[0][0, :, kept]
+    keys = layer.store.read()[0][0, :, kept]
     reference = dense.layers[1].keys[0][:, positions[kept]]
     assert torch.equal(keys, reference)
 

@@ -54,6 +54,12 @@ class KVPolicy:
         """Options of this policy's own, read from an ``AlisaConfig`` (none by default)."""
         return {}
 
+    def can_evict(self) -> bool:
+        """False when the budget always covers every token seen (r = 1 with no smaller scale)."""
+        return not (
+            self.budget_tokens is None and self.caching_ratio >= 1.0 and self.budget_scale >= 1.0
+        )
+
     def budget(self, seen: np.ndarray) -> np.ndarray:
         """Tokens to keep per sequence, given the real tokens seen so far (int64 array [B])."""
         if self.budget_tokens is not None:

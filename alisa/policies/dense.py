@@ -16,6 +16,9 @@ class DensePolicy(KVPolicy):
 
     name = "dense"
 
+    def can_evict(self) -> bool:
+        return False
+
     def budget(self, seen: np.ndarray) -> np.ndarray:
         return np.maximum(seen, 1)
 

@@ -1,0 +1,123 @@
+"""Fidelity of KV policies on SmolLM2: decode-regime WikiText-2 perplexity and passkey accuracy.
+
+    python -m experiments.fidelity             # the issue's table (about 30 min on 2 cores)
+    python -m experiments.fidelity --segments 2 --segment-tokens 256 --ratios 0.2  # quick
+
+Prints a table and, as the last line, one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import torch
+
+from alisa import AlisaConfig, load_model
+from experiments.data import data_dir, load_passkey, load_wikitext2
+from experiments.tasks.passkey import passkey_accuracy
+from experiments.tasks.perplexity import decode_perplexity, text_segments
+
+POLICIES = ("dense", "swa", "h2o", "tova", "streaming", "local", "strided")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--ratios", default="1.0,0.5,0.2")
+    parser.add_argument("--segment-tokens", type=int, default=1024)
+    parser.add_argument("--segments", type=int, default=4, help="run as one batch")
+    parser.add_argument("--passkey-ratio", type=float, default=0.2)
+    parser.add_argument("--passkey-max-tokens", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=2)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    root = data_dir(args.data_dir)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    ratios = [float(r) for r in args.ratios.split(",")]
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    segments = text_segments(tokenizer, load_wikitext2(root), args.segment_tokens, args.segments)
+    started = time.perf_counter()
+    perplexity = {}
+    for policy in policies:
+        for ratio in [1.0] if policy == "dense" else ratios:
+            config = AlisaConfig(policy=policy, caching_ratio=ratio)
+            result = decode_perplexity(model, segments, config)
+            perplexity[f"{policy}@{ratio:g}"] = result.perplexity
+            print(f"ppl {policy:9s} r={ratio:<4g} {result.perplexity:8.3f}", file=sys.stderr)
+    passkey = {}
+    rows = load_passkey(root)
+    for policy in policies:
+        ratio = 1.0 if policy == "dense" else args.passkey_ratio
+        config = AlisaConfig(policy=policy, caching_ratio=ratio)
+        result = passkey_accuracy(
+            model, tokenizer, rows, config, max_prompt_tokens=args.passkey_max_tokens
+        )
+        passkey[f"{policy}@{ratio:g}"] = {"accuracy": result.accuracy, "n": result.total}
+        print(
+            f"passkey {policy:9s} r={ratio:<4g} {result.accuracy:.3f} ({result.total})",
+            file=sys.stderr,
+        )
+    report = {
+        "benchmark": "fidelity",
+        "model": args.model,
+        "dtype": args.dtype,
+        "segments": args.segments,
+        "segment_tokens": args.segment_tokens,
+        "perplexity": perplexity,
+        "passkey": passkey,
+        "passkey_max_tokens": args.passkey_max_tokens,
+        "targets": targets(perplexity, ratios),
+        "seconds": round(time.perf_counter() - started, 1),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "threads": args.threads,
+    }
+    print_table(perplexity, passkey, policies, ratios)
+    print(json.dumps(report))
+    return 0
+
+
+def targets(perplexity: dict, ratios: list[float]) -> dict:
+    """The issue's targets, evaluated on what was measured (None when not measured)."""
+    dense = perplexity.get("dense@1")
+    swa = perplexity.get("swa@0.2")
+    result = {"swa_r0.2_within_5pct_of_dense": None, "swa_beats_local_and_strided": None}
+    if dense is not None and swa is not None:
+        result["swa_r0.2_within_5pct_of_dense"] = swa <= 1.05 * dense
+    pairs = [
+        (perplexity.get(f"swa@{r:g}"), perplexity.get(f"{other}@{r:g}"))
+        for r in ratios
+        for other in ("local", "strided")
+    ]
+    if pairs and all(a is not None and b is not None for a, b in pairs):
+        result["swa_beats_local_and_strided"] = all(a <= b for a, b in pairs)
+    return result
+
+
+def print_table(perplexity: dict, passkey: dict, policies: list[str], ratios: list[float]) -> None:
+    header = "| policy | " + " | ".join(f"ppl r={r:g}" for r in ratios) + " | passkey |"
+    print(header)
+    print("|" + "---|" * (len(ratios) + 2))
+    for policy in policies:
+        cells = []
+        for ratio in ratios:
+            value = perplexity.get(f"{policy}@{ratio:g}", perplexity.get(f"{policy}@1"))
+            cells.append(f"{value:.3f}" if value is not None else "")
+        key = next((k for k in passkey if k.startswith(f"{policy}@")), None)
+        accuracy = f"{passkey[key]['accuracy']:.2f} ({key.split('@')[1]})" if key else ""
+        print(f"| {policy} | " + " | ".join(cells) + f" | {accuracy} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

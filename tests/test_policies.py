@@ -1,0 +1,76 @@
+"""Policy arithmetic and selection on hand-made scores (no model)."""
+
+import numpy as np
+import pytest
+import torch
+
+from alisa import AlisaConfig, get_policy
+from alisa.policies import POLICIES, layer_budget_scale, policy_for_layer
+
+
+def test_registry_error_lists_valid_names():
+    with pytest.raises(ValueError) as error:
+        get_policy("nope")
+    for name in POLICIES:
+        assert name in str(error.value)
+
+
+@pytest.mark.parametrize("seen", [1, 2, 5, 7, 101, 2048])
+def test_ratio_one_keeps_every_token(seen):
+    for name in POLICIES:
+        policy = get_policy(name, caching_ratio=1.0)
+        assert policy.budget(np.array([seen]))[0] == seen
+
+
+def test_swa_splits_the_budget_into_recent_and_dynamic_halves():
+    policy = get_policy("swa", caching_ratio=0.2)
+    budget = policy.budget(np.array([2048]))
+    assert budget[0] == round(2048 * 0.2)
+    recent = policy.recent(budget)
+    assert recent[0] == round(budget[0] / 2)
+    # Default window w = k, the number of recent tokens (Alg. 1 sums the last k rows).
+    assert policy.score_window(recent)[0] == recent[0]
+
+
+def test_fixed_budget_caps_but_never_exceeds_what_was_seen():
+    policy = get_policy("h2o", budget_tokens=100)
+    assert policy.budget(np.array([50, 100, 500])).tolist() == [50, 100, 100]
+
+
+def test_protected_tokens_are_sinks_and_recent():
+    policy = get_policy("streaming", caching_ratio=0.5, sink_tokens=2, recent_fraction=1.0)
+    positions = torch.arange(3, 20).view(1, 1, -1)  # 3 padding slots before position 3
+    first = torch.tensor([3])
+    protected = policy.protected(positions, first, seen=20, recent=torch.tensor([4]))
+    kept = positions[protected].tolist()
+    assert kept == [3, 4, 16, 17, 18, 19]
+
+
+def test_strided_prefers_tokens_on_the_stride():
+    policy = get_policy("strided", caching_ratio=0.2, stride=4)
+    positions = torch.arange(12).view(1, 1, -1)
+    scores = policy.score(positions, None, torch.tensor([0]))
+    top = torch.topk(scores[0, 0], 3).indices.sort().values.tolist()
+    assert top == [0, 4, 8]
+    assert get_policy("strided", caching_ratio=0.2).effective_stride() == 9
+
+
+def test_pyramid_budgets_average_to_one_and_decrease():
+    scales = [layer_budget_scale(i, 30, "pyramid", 0) for i in range(30)]
+    assert pytest.approx(sum(scales) / 30) == 1.0
+    assert scales == sorted(scales, reverse=True)
+    assert layer_budget_scale(5, 30, "uniform", 0) == 1.0
+
+
+def test_dense_layers_get_the_dense_policy():
+    config = AlisaConfig(policy="swa", caching_ratio=0.2, dense_layers=2)
+    assert policy_for_layer(config, 0, 4).name == "dense"
+    assert policy_for_layer(config, 1, 4).name == "dense"
+    assert policy_for_layer(config, 2, 4).name == "swa"
+
+
+def test_config_options_reach_the_policy():
+    config = AlisaConfig(policy="swa", caching_ratio=0.3, score_window=7, sink_tokens=2)
+    policy = policy_for_layer(config, 0, 2)
+    assert policy.window == 7 and policy.sink_tokens == 2 and policy.caching_ratio == 0.3
+    assert policy_for_layer(AlisaConfig(policy="strided", stride=3), 0, 2).stride == 3
