@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from torch import nn
 from transformers.cache_utils import Cache
 
@@ -10,6 +12,9 @@ from alisa.attention import ATTENTION_NAME, attach
 from alisa.config import AlisaConfig
 from alisa.layer import AlisaLayer
 from alisa.policies import policy_for_layer
+from alisa.quant_store import QuantizedStore
+from alisa.store import DenseStore, StoreFactory
+from quant import check_options
 
 
 class AlisaCache(Cache):
@@ -35,10 +40,12 @@ class AlisaCache(Cache):
     def __init__(self, model: nn.Module, config: AlisaConfig | None = None) -> None:
         self.config = config or AlisaConfig()
         self.shape: ModelShape = model_shape(model)
+        factory = store_factory(self.config, self.shape)
         layers = [
             AlisaLayer(
                 policy_for_layer(self.config, index, self.shape.num_layers),
                 per_head=self.config.per_head,
+                store_factory=factory,
             )
             for index in range(self.shape.num_layers)
         ]
@@ -70,3 +77,20 @@ class AlisaCache(Cache):
     def evicted_tokens(self) -> int:
         """Tokens evicted so far over all layers and sequences."""
         return sum(layer.evicted for layer in self.layers)
+
+
+def store_factory(config: AlisaConfig, shape: ModelShape) -> StoreFactory:
+    """Dense storage for ``kv_bits=16``, else INT8/INT4 storage checked against the head size."""
+    if config.kv_bits == 16:
+        return DenseStore
+    group = config.quant_group_size or shape.head_dim
+    try:
+        check_options(config.kv_bits, group, shape.head_dim)
+    except ValueError as error:
+        raise ValueError(f"quant_group_size={config.quant_group_size!r}: {error}") from None
+    return partial(
+        QuantizedStore,
+        bits=config.kv_bits,
+        group_size=group,
+        residual_tokens=config.residual_tokens,
+    )

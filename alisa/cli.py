@@ -46,6 +46,10 @@ def add_cache_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--layer-schedule", default="uniform", help="uniform or pyramid")
     group.add_argument("--per-head", action="store_true", help="select tokens per KV head")
     group.add_argument("--kv-bits", type=int, default=16, help="16, 8 or 4")
+    group.add_argument("--quant-group-size", type=int, help="values per scale (default head_dim)")
+    group.add_argument(
+        "--residual-tokens", type=int, default=64, help="recent tokens kept in full precision"
+    )
 
 
 def cache_config_from_args(args: argparse.Namespace) -> AlisaConfig:
@@ -62,6 +66,8 @@ def cache_config_from_args(args: argparse.Namespace) -> AlisaConfig:
         layer_schedule=args.layer_schedule,
         per_head=args.per_head,
         kv_bits=args.kv_bits,
+        quant_group_size=args.quant_group_size,
+        residual_tokens=args.residual_tokens,
     )
 
 

@@ -44,6 +44,12 @@ class AlisaConfig:
         Select tokens per KV head instead of one index set per layer.
     kv_bits
         Storage precision of kept keys/values: 16 (model dtype), 8 or 4 (asymmetric min/max).
+    quant_group_size
+        Values sharing one scale along head_dim when quantized; ``None`` = head_dim (per token
+        per KV head).
+    residual_tokens
+        With kv_bits < 16, the most recent tokens also kept in full precision (KIVI and HF's
+        quantized cache do the same, HF with 128); 0 stores every token quantized, as the paper.
     """
 
     policy: str = "dense"
@@ -57,6 +63,8 @@ class AlisaConfig:
     layer_schedule: str = "uniform"
     per_head: bool = False
     kv_bits: int = 16
+    quant_group_size: int | None = None
+    residual_tokens: int = 64
 
     def __post_init__(self) -> None:
         from alisa.policies import POLICIES  # late: policies import nothing from here
@@ -86,6 +94,8 @@ class AlisaConfig:
             raise ValueError(f"per_head={self.per_head!r} must be a bool")
         if self.kv_bits not in KV_BITS or isinstance(self.kv_bits, bool):
             raise ValueError(f"kv_bits={self.kv_bits!r} must be one of {KV_BITS}")
+        _check_optional_int("quant_group_size", self.quant_group_size, minimum=1)
+        _check_optional_int("residual_tokens", self.residual_tokens, minimum=0)
 
     @property
     def keeps_everything(self) -> bool:

@@ -17,7 +17,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from alisa.accumulator import AttentionAccumulator
 from alisa.policies import KVPolicy
-from alisa.store import DenseStore
+from alisa.store import DenseStore, KVStore, StoreFactory
 
 FREE = -1  # slot holds nothing; may be reused
 PAD = -2  # slot holds a left-padding token; masked, reclaimed at the next compaction
@@ -43,11 +43,14 @@ class AlisaLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, policy: KVPolicy, *, per_head: bool = False) -> None:
+    def __init__(
+        self, policy: KVPolicy, *, per_head: bool = False, store_factory: StoreFactory = DenseStore
+    ) -> None:
         super().__init__()
         self.policy = policy
         self.per_head = per_head
-        self.store: DenseStore | None = None
+        self.store_factory = store_factory
+        self.store: KVStore | None = None
         self.scores: AttentionAccumulator | None = None
         self.positions: torch.Tensor | None = None  # (B, Hs, capacity) int64
         self.seen = 0
@@ -88,7 +91,7 @@ class AlisaLayer(CacheLayerMixin):
             self._write_one(key_states, value_states)
         else:
             self._append(key_states, value_states)
-        return self.store.read()
+        return self.store.read(self.positions)
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -102,7 +105,7 @@ class AlisaLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.__init__(self.policy, per_head=self.per_head)
+        self.__init__(self.policy, per_head=self.per_head, store_factory=self.store_factory)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
@@ -204,7 +207,7 @@ class AlisaLayer(CacheLayerMixin):
     def _start(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         batch, heads, length, _ = keys.shape
         capacity = length + headroom(length)
-        self.store = DenseStore(keys, values, capacity)
+        self.store = self.store_factory(keys, values, capacity, groups=self.groups)
         positions = torch.arange(capacity, device=self.device)
         positions = torch.where(positions < length, positions, FREE)
         self.positions = positions.expand(batch, self.groups, capacity).contiguous()
@@ -222,14 +225,14 @@ class AlisaLayer(CacheLayerMixin):
         if append.any():
             self._ensure_capacity(self.width + 1)
         if append.all():  # every sequence appends at the frontier: plain slice writes
-            self.store.write_range(self.width, keys, values)
+            self.store.write_range(self.width, keys, values, self.seen)
             self.positions[..., self.width] = self.seen
         else:
             free = self.positions[..., : self.width] == FREE
             first_free = free.to(torch.int8).argmax(dim=-1, keepdim=True)  # (B, Hs, 1)
             appended = torch.as_tensor(append, device=self.device).view(-1, 1, 1)
             slots = torch.where(appended, self.width, first_free)
-            self.store.write_slots(slots, keys, values)
+            self.store.write_slots(slots, keys, values, self.seen)
             self.positions.scatter_(-1, slots, self.seen)
         if append.any():
             self.width += 1
@@ -239,7 +242,7 @@ class AlisaLayer(CacheLayerMixin):
     def _append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         length = keys.shape[2]
         self._ensure_capacity(self.width + length)
-        self.store.write_range(self.width, keys, values)
+        self.store.write_range(self.width, keys, values, self.seen)
         new = torch.arange(self.seen, self.seen + length, device=self.device)
         self.positions[..., self.width : self.width + length] = new
         # Sequences whose slots below width are not all used get holes: account them as free.

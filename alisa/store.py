@@ -7,7 +7,40 @@ over the first ``width`` slots, which is what attention consumes.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+
+
+class KVStore(Protocol):
+    """What a cache layer needs from its storage (dense or quantized)."""
+
+    @property
+    def capacity(self) -> int: ...
+
+    def nbytes(self) -> int: ...
+
+    def read(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def write_range(self, start: int, keys: torch.Tensor, values: torch.Tensor, position: int): ...
+
+    def write_slots(
+        self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: int
+    ): ...
+
+    def reindex(self, index: torch.Tensor, capacity: int) -> None: ...
+
+    def grow(self, capacity: int) -> None: ...
+
+    def select_batch(self, indices: torch.Tensor) -> None: ...
+
+
+class StoreFactory(Protocol):
+    """Builds a layer's store from its first (B, H_kv, L, D) keys and values."""
+
+    def __call__(
+        self, keys: torch.Tensor, values: torch.Tensor, capacity: int, *, groups: int
+    ) -> KVStore: ...
 
 
 def slot_indices(
@@ -27,7 +60,9 @@ def slot_indices(
 class DenseStore:
     """Keys and values in the model's dtype, in preallocated (B, H_kv, capacity, D) buffers."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
+    def __init__(
+        self, keys: torch.Tensor, values: torch.Tensor, capacity: int, *, groups: int = 1
+    ) -> None:
         batch, heads, length, head_dim = keys.shape
         # Zeroed, not empty: masked slots still enter p @ V, and 0 * NaN garbage would be NaN.
         self.keys = keys.new_zeros(batch, heads, capacity, head_dim)
@@ -47,8 +82,8 @@ class DenseStore:
         """Bytes one slot (one token, all KV heads of a sequence, K and V) costs."""
         return self.nbytes() // max(1, self.capacity * self.keys.shape[0])
 
-    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole (B, H_kv, capacity, D) buffers, contiguous.
+    def read(self, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole (B, H_kv, capacity, D) buffers, contiguous (``positions`` is not needed).
 
         Attention reads every slot (empty ones masked) rather than a view of the used prefix: a
         strided view sends bf16 matmuls on CPU to a slow path (6x here), while the spare
@@ -56,13 +91,17 @@ class DenseStore:
         """
         return self.keys, self.values
 
-    def write_range(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def write_range(
+        self, start: int, keys: torch.Tensor, values: torch.Tensor, position: int = 0
+    ) -> None:
         """Write (B, H_kv, q, D) tensors into slots [start, start + q)."""
         end = start + keys.shape[2]
         self.keys[:, :, start:end] = keys
         self.values[:, :, start:end] = values
 
-    def write_slots(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def write_slots(
+        self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: int = 0
+    ) -> None:
         """Write one token per (sequence, group): slots (B, Hs, 1), keys/values (B, H_kv, 1, D)."""
         index = slot_indices(slots, self.keys.shape[1])
         self.keys[index] = keys
@@ -71,13 +110,13 @@ class DenseStore:
     def reindex(self, index: torch.Tensor, capacity: int) -> None:
         """New slot j holds old slot index[b, g, j]; then grow to ``capacity`` slots."""
         index = slot_indices(index, self.keys.shape[1])
-        self.keys = _with_capacity(self.keys[index], capacity)
-        self.values = _with_capacity(self.values[index], capacity)
+        self.keys = with_capacity(self.keys[index], capacity)
+        self.values = with_capacity(self.values[index], capacity)
 
     def grow(self, capacity: int) -> None:
         """Extend to ``capacity`` slots (one copy, amortised by growing in chunks)."""
-        self.keys = _with_capacity(self.keys, capacity)
-        self.values = _with_capacity(self.values, capacity)
+        self.keys = with_capacity(self.keys, capacity)
+        self.values = with_capacity(self.values, capacity)
 
     def select_batch(self, indices: torch.Tensor) -> None:
         """Keep (and reorder) sequences: finished ones dropped, beams reordered."""
@@ -85,7 +124,8 @@ class DenseStore:
         self.values = self.values.index_select(0, indices)
 
 
-def _with_capacity(tensor: torch.Tensor, capacity: int) -> torch.Tensor:
+def with_capacity(tensor: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Copy of a (B, H, S, X) tensor with S = capacity: truncated, or zero-padded."""
     batch, heads, length, head_dim = tensor.shape
     if length == capacity:
         return tensor.contiguous()

@@ -1,0 +1,198 @@
+"""Slot storage with INT8/INT4 keys and values (ALISA §V) and a full-precision recent window.
+
+Each written token is quantized once, per token per KV head over groups of head_dim, and never
+re-quantized. Attention reads ``read(positions)``: the slots dequantized to the model dtype, with
+the most recent ``residual_tokens`` tokens taken from a small full-precision ring instead (as KIVI
+and HF's ``QuantizedLayer`` keep a residual), when they still hold the token they were written for.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from alisa.store import slot_indices, with_capacity
+from quant import QuantizedTensor, dequantize, quantize
+
+SCALE_DTYPE = torch.float16
+
+
+class _QuantizedBuffer:
+    """uint8 codes (B, H, capacity, D * bits / 8) plus per-group scale and zero point."""
+
+    def __init__(self, shape: tuple[int, int, int, int], bits: int, group: int, dtype, device):
+        batch, heads, capacity, head_dim = shape
+        self.bits, self.group, self.dtype, self.head_dim = bits, group, dtype, head_dim
+        self.data = torch.zeros(
+            batch, heads, capacity, head_dim * bits // 8, dtype=torch.uint8, device=device
+        )
+        groups = head_dim // group
+        self.scale = torch.zeros(batch, heads, capacity, groups, dtype=SCALE_DTYPE, device=device)
+        self.zero = torch.zeros_like(self.scale)
+
+    def nbytes(self) -> int:
+        return self.data.nbytes + self.scale.nbytes + self.zero.nbytes
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.data, self.scale, self.zero
+
+    def replace(self, tensors) -> None:
+        self.data, self.scale, self.zero = tensors
+
+    def write(self, index, values: torch.Tensor) -> None:
+        """Quantize values (..., D) and store them at ``index`` (slice or advanced index)."""
+        q = quantize(values, self.bits, self.group, scale_dtype=self.scale.dtype)
+        if q.scale.dtype != self.scale.dtype:  # a group needed more precision: widen once
+            self.scale = self.scale.to(q.scale.dtype)
+            self.zero = self.zero.to(q.scale.dtype)
+        self.data[index] = q.data
+        self.scale[index] = q.scale
+        self.zero[index] = q.zero_point
+
+    def dequantized(self) -> torch.Tensor:
+        shape = (*self.data.shape[:-1], self.head_dim)
+        q = QuantizedTensor(
+            data=self.data,
+            scale=self.scale,
+            zero_point=self.zero,
+            shape=shape,
+            dtype=self.dtype,
+            bits=self.bits,
+            group_size=self.group,
+        )
+        return dequantize(q)
+
+
+class QuantizedStore:
+    """Drop-in for :class:`~alisa.store.DenseStore` holding K/V as ``bits``-bit codes.
+
+    Parameters
+    ----------
+    keys, values
+        (B, H_kv, L, D) the first tokens (positions 0..L-1, slots 0..L-1).
+    capacity
+        Slots to allocate.
+    bits, group_size
+        8 or 4 bits; values per scale along head_dim (default head_dim).
+    residual_tokens
+        Most recent tokens also kept in full precision (0: none).
+    groups
+        Selection groups of the cache layer (1, or H_kv when selecting per head).
+    """
+
+    def __init__(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        capacity: int,
+        *,
+        bits: int,
+        group_size: int | None,
+        residual_tokens: int,
+        groups: int,
+    ) -> None:
+        batch, heads, length, head_dim = keys.shape
+        group = group_size or head_dim
+        shape = (batch, heads, capacity, head_dim)
+        self.keys = _QuantizedBuffer(shape, bits, group, keys.dtype, keys.device)
+        self.values = _QuantizedBuffer(shape, bits, group, values.dtype, values.device)
+        self.residual = residual_tokens
+        self.ring_keys = keys.new_zeros(batch, heads, residual_tokens, head_dim)
+        self.ring_values = values.new_zeros(batch, heads, residual_tokens, head_dim)
+        self.ring_slots = torch.full(
+            (batch, groups, residual_tokens), -1, dtype=torch.long, device=keys.device
+        )
+        self.ring_positions = torch.full(
+            (residual_tokens,), -1, dtype=torch.long, device=keys.device
+        )
+        self.write_range(0, keys, values, position=0)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.data.shape[2]
+
+    def nbytes(self) -> int:
+        """Bytes held: codes, scales, zero points and the full-precision ring."""
+        ring = self.ring_keys.nbytes + self.ring_values.nbytes
+        return self.keys.nbytes() + self.values.nbytes() + ring
+
+    def read(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, H_kv, capacity, D) keys and values in the model dtype.
+
+        ``positions`` (B, Hs, capacity) is the layer's slot map; a ring entry is used only while
+        its slot still holds the token it was written for (the token may have been evicted).
+        """
+        keys, values = self.keys.dequantized(), self.values.dequantized()
+        if self.residual:
+            slots = self.ring_slots.clamp(min=0)
+            live = (self.ring_slots >= 0) & (positions.gather(-1, slots) == self.ring_positions)
+            rows, groups, entries = live.nonzero(as_tuple=True)
+            if rows.numel():
+                self._overwrite(keys, values, rows, groups, entries)
+        return keys, values
+
+    def write_range(
+        self, start: int, keys: torch.Tensor, values: torch.Tensor, position: int
+    ) -> None:
+        """Store (B, H_kv, q, D) tokens at slots [start, start + q); positions from ``position``."""
+        end = start + keys.shape[2]
+        index = (slice(None), slice(None), slice(start, end))
+        self.keys.write(index, keys)
+        self.values.write(index, values)
+        for offset in range(max(0, keys.shape[2] - self.residual), keys.shape[2]):
+            slots = torch.full_like(self.ring_slots[..., :1], start + offset)
+            self._remember(slots, keys[:, :, offset], values[:, :, offset], position + offset)
+
+    def write_slots(
+        self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: int
+    ) -> None:
+        """Store one token per (sequence, group) at ``slots`` (B, Hs, 1)."""
+        index = slot_indices(slots, keys.shape[1])
+        self.keys.write(index, keys)
+        self.values.write(index, values)
+        self._remember(slots, keys[:, :, 0], values[:, :, 0], position)
+
+    def reindex(self, index: torch.Tensor, capacity: int) -> None:
+        """New slot j holds old slot index[b, g, j]; grow to ``capacity``; remap the ring."""
+        advanced = slot_indices(index, self.keys.data.shape[1])
+        for buffer in (self.keys, self.values):
+            buffer.replace(tuple(with_capacity(t[advanced], capacity) for t in buffer.tensors()))
+        if self.residual:
+            old_to_new = torch.full(
+                (*index.shape[:2], int(index.max()) + 2), -1, dtype=torch.long, device=index.device
+            )
+            new = torch.arange(index.shape[-1], device=index.device).expand_as(index)
+            old_to_new.scatter_(-1, index, new)
+            slots = self.ring_slots.clamp(min=0, max=old_to_new.shape[-1] - 1)
+            moved = old_to_new.gather(-1, slots)
+            self.ring_slots = torch.where(self.ring_slots >= 0, moved, -1)
+
+    def grow(self, capacity: int) -> None:
+        for buffer in (self.keys, self.values):
+            buffer.replace(tuple(with_capacity(t, capacity) for t in buffer.tensors()))
+
+    def select_batch(self, indices: torch.Tensor) -> None:
+        for buffer in (self.keys, self.values):
+            buffer.replace(tuple(t.index_select(0, indices) for t in buffer.tensors()))
+        self.ring_keys = self.ring_keys.index_select(0, indices)
+        self.ring_values = self.ring_values.index_select(0, indices)
+        self.ring_slots = self.ring_slots.index_select(0, indices)
+
+    def _remember(self, slots: torch.Tensor, keys, values, position: int) -> None:
+        """Put one token (B, H_kv, D) into the full-precision ring at entry position % R."""
+        if not self.residual:
+            return
+        entry = position % self.residual
+        self.ring_keys[:, :, entry] = keys
+        self.ring_values[:, :, entry] = values
+        self.ring_slots[:, :, entry] = slots[..., 0]
+        self.ring_positions[entry] = position
+
+    def _overwrite(self, keys, values, rows, groups, entries) -> None:
+        slots = self.ring_slots[rows, groups, entries]
+        if self.ring_slots.shape[1] == 1:  # one slot map for all heads of a sequence
+            heads = torch.arange(keys.shape[1], device=keys.device).view(1, -1)
+            rows, slots, entries = rows.view(-1, 1), slots.view(-1, 1), entries.view(-1, 1)
+        else:
+            heads = groups
+        keys[rows, heads, slots] = self.ring_keys[rows, heads, entries]
+        values[rows, heads, slots] = self.ring_values[rows, heads, entries]

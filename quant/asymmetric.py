@@ -1,0 +1,160 @@
+"""Asymmetric min/max quantization as ALISA stores its KV (https://arxiv.org/abs/2403.17312, §V).
+
+x_q = round(x / lambda + z), lambda = (max - min) / (2^b - 1), z = round(-min / lambda), per group
+of ``group_size`` consecutive values along the last dimension (default: the whole last dimension,
+i.e. per token per KV head over head_dim for a (B, H, S, D) cache). Dequantization is
+x = lambda * (x_q - z). Every value comes back within lambda / 2 of the original.
+
+Scales and zero points are stored in ``scale_dtype`` (float16 by default, the cache's choice)
+unless that cannot hold them exactly enough (a zero point that is not an exact integer, a scale
+that under- or overflows, a constant group's value); then the whole tensor uses float32, or
+float64 as a last resort, so the error bound always holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quant.packing import pack_nibbles, unpack_nibbles
+
+SUPPORTED_BITS = (4, 8)
+FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """Codes plus per-group scale and zero point.
+
+    Attributes
+    ----------
+    data
+        uint8 codes, shape ``shape`` (8 bits) or ``shape[:-1] + (shape[-1] // 2,)`` (4 bits,
+        two codes per byte).
+    scale, zero_point
+        (..., shape[-1] // group_size) per-group lambda and z.
+    shape, dtype
+        Shape and dtype of the original tensor (what ``dequantize`` returns).
+    bits, group_size
+        Code width and values per group along the last dimension.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    bits: int
+    group_size: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes stored: codes, scales and zero points."""
+        return self.data.nbytes + self.scale.nbytes + self.zero_point.nbytes
+
+
+def check_options(bits: int, group_size: int, last_dim: int) -> None:
+    """``ValueError`` for unsupported bits or a group size that does not divide ``last_dim``."""
+    if bits not in SUPPORTED_BITS or isinstance(bits, bool):
+        raise ValueError(f"bits={bits!r} is not supported; use one of {SUPPORTED_BITS}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size={group_size!r} must be a positive integer")
+    if last_dim % group_size:
+        raise ValueError(f"group_size={group_size} does not divide the last dimension {last_dim}")
+    if bits == 4 and group_size % 2:
+        raise ValueError(f"group_size={group_size} must be even for 4-bit packing")
+
+
+def quantize(
+    x: torch.Tensor,
+    bits: int = 8,
+    group_size: int | None = None,
+    *,
+    scale_dtype: torch.dtype = torch.float16,
+) -> QuantizedTensor:
+    """Quantize a float tensor to ``bits``-bit codes, per group along the last dimension.
+
+    Parameters
+    ----------
+    x
+        (..., D) float32, float16 or bfloat16 tensor; no NaN or infinity.
+    bits
+        8 or 4 (4-bit codes are packed two per byte).
+    group_size
+        Values per group along the last dimension; must divide D. Default: D.
+    scale_dtype
+        Preferred storage dtype of scales and zero points (promoted when it cannot hold them).
+
+    Returns
+    -------
+    QuantizedTensor
+    """
+    if x.dtype not in FLOAT_INPUTS:
+        raise ValueError(f"dtype={x.dtype} is not supported; quantize float32/float16/bfloat16")
+    if x.dim() == 0:
+        raise ValueError("cannot quantize a 0-dimensional tensor")
+    group = x.shape[-1] if group_size is None else group_size
+    check_options(bits, group, x.shape[-1])
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("cannot quantize a tensor with NaN or infinite values")
+    levels = 2**bits - 1
+    grouped = x.double().reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
+    constant = high == low
+    scale = torch.where(constant, low, (high - low) / levels)
+    scale = torch.where(constant & (low == 0), torch.ones_like(scale), scale)
+    zero = torch.where(constant, torch.zeros_like(low), torch.round(-low / scale))
+    stored_scale, stored_zero = _storable(scale, zero, constant, scale_dtype)
+    codes = torch.round(
+        grouped / stored_scale.double().unsqueeze(-1) + stored_zero.double().unsqueeze(-1)
+    )
+    codes = codes.clamp_(0, levels).to(torch.uint8).reshape(x.shape)
+    if bits == 4:
+        codes = pack_nibbles(codes)
+    return QuantizedTensor(
+        data=codes,
+        scale=stored_scale,
+        zero_point=stored_zero,
+        shape=tuple(x.shape),
+        dtype=x.dtype,
+        bits=bits,
+        group_size=group,
+    )
+
+
+def dequantize(q: QuantizedTensor) -> torch.Tensor:
+    """Float tensor of the original shape and dtype: lambda * (x_q - z) per group."""
+    codes = unpack_nibbles(q.data) if q.bits == 4 else q.data
+    compute = torch.float64 if q.scale.dtype == torch.float64 else torch.float32
+    grouped = codes.to(compute).reshape(*q.shape[:-1], q.shape[-1] // q.group_size, q.group_size)
+    values = (grouped - q.zero_point.to(compute).unsqueeze(-1)) * q.scale.to(compute).unsqueeze(-1)
+    return values.reshape(q.shape).to(q.dtype)
+
+
+def _storable(
+    scale: torch.Tensor, zero: torch.Tensor, constant: torch.Tensor, preferred: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point in the first of (preferred, float32, float64) that holds them.
+
+    Scales are rounded up, never down, so the codes still span [min, max]; zero points must be
+    exact integers; a constant group's value (its scale) must be exact.
+    """
+    for dtype in dict.fromkeys((preferred, torch.float32, torch.float64)):
+        stored_zero = zero.to(dtype)
+        stored_scale = scale.to(dtype)
+        below = stored_scale.double().abs() < scale.abs()
+        stored_scale = torch.where(
+            below & ~constant,
+            torch.nextafter(stored_scale, torch.full_like(stored_scale, torch.inf)),
+            stored_scale,
+        )
+        fits = (
+            bool(torch.isfinite(stored_scale).all())
+            and bool((stored_scale != 0).all())
+            and bool((stored_zero.double() == zero).all())
+            and bool((stored_scale.double() == scale)[constant].all())
+        )
+        if fits:
+            return stored_scale, stored_zero
+    raise AssertionError("float64 always holds float64 values")

@@ -1,0 +1,106 @@
+"""quant/: error bound (property-based), exact byte accounting, edge cases, bad input."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from quant import dequantize, pack_nibbles, quantize, unpack_nibbles
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def bound(q, x: torch.Tensor) -> torch.Tensor:
+    """lambda / 2 per element, plus half an ulp of the output dtype (the final rounding)."""
+    # abs(): a constant group stores its value as the scale (and round-trips exactly).
+    scale = q.scale.double().abs().repeat_interleave(q.group_size, dim=-1).reshape(x.shape)
+    ulp = torch.finfo(x.dtype).eps * x.double().abs()
+    return scale / 2 + ulp + 1e-12
+
+
+finite = st.floats(min_value=-1e4, max_value=1e4, allow_nan=False, allow_infinity=False, width=32)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    values=arrays(
+        "float32", st.tuples(st.integers(1, 3), st.sampled_from([4, 8, 16])), elements=finite
+    ),
+    bits=st.sampled_from([8, 4]),
+    group=st.sampled_from([2, 4]),
+    dtype=st.sampled_from(DTYPES),
+)
+def test_error_is_at_most_half_a_step(values, bits, group, dtype):
+    x = torch.from_numpy(values).to(dtype)
+    q = quantize(x, bits=bits, group_size=group)
+    restored = dequantize(q)
+    assert restored.dtype == dtype and restored.shape == x.shape
+    assert ((restored.double() - x.double()).abs() <= bound(q, x)).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_constant_groups_round_trip_exactly(dtype, bits):
+    x = torch.tensor([[0.1234567] * 8, [0.0] * 8, [-3.5] * 8, [60000.0] * 8]).to(dtype)
+    assert torch.equal(dequantize(quantize(x, bits=bits, group_size=4)), x)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_byte_accounting_is_exact(bits):
+    x = torch.randn(2, 3, 10, 64)
+    q = quantize(x, bits=bits, group_size=32)
+    codes = 2 * 3 * 10 * 64 * bits // 8
+    groups = 2 * 3 * 10 * 2
+    assert q.data.nbytes == codes
+    assert q.scale.dtype == torch.float16 and q.zero_point.dtype == torch.float16
+    assert q.nbytes == codes + 2 * groups * 2
+
+
+def test_int8_is_close_on_gaussian_data():
+    torch.manual_seed(0)
+    x = torch.randn(4, 64)
+    error = (dequantize(quantize(x)) - x).abs().max()
+    assert error < (x.max() - x.min()) / 255
+
+
+def test_scales_are_promoted_when_float16_cannot_hold_them():
+    x = torch.tensor([[1e6, 1e6 + 1.0, 1e6 + 2.0, 1e6 + 3.0]])  # zero point far beyond 2048
+    q = quantize(x)
+    assert q.zero_point.dtype != torch.float16
+    assert ((dequantize(q) - x).abs() <= bound(q, x)).all()
+
+
+def test_nibble_packing_round_trips():
+    codes = torch.randint(0, 16, (3, 8), dtype=torch.uint8)
+    packed = pack_nibbles(codes)
+    assert packed.shape == (3, 4)
+    assert torch.equal(unpack_nibbles(packed), codes)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"bits": 3}, "bits=3"),
+        ({"bits": 16}, "bits=16"),
+        ({"group_size": 5}, "group_size=5"),
+        ({"group_size": 0}, "group_size=0"),
+        ({"bits": 4, "group_size": 1}, "group_size=1"),
+    ],
+)
+def test_bad_options_are_rejected(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        quantize(torch.randn(2, 8), **kwargs)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_input_is_rejected(bad):
+    x = torch.randn(2, 8)
+    x[1, 3] = bad
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        quantize(x)
+
+
+def test_integer_input_is_rejected():
+    with pytest.raises(ValueError, match="dtype"):
+        quantize(torch.ones(2, 8, dtype=torch.int32))
