@@ -74,3 +74,15 @@ def test_config_options_reach_the_policy():
     policy = policy_for_layer(config, 0, 2)
     assert policy.window == 7 and policy.sink_tokens == 2 and policy.caching_ratio == 0.3
     assert policy_for_layer(AlisaConfig(policy="strided", stride=3), 0, 2).stride == 3
+
+
+@pytest.mark.parametrize("seen", [1, 3, 5, 6, 20])
+def test_sinks_survive_small_ratio_budgets(seen):
+    policy = get_policy("streaming", caching_ratio=0.1, sink_tokens=4, recent_fraction=1.0)
+    budget = policy.budget(np.array([seen]))
+    assert budget[0] == min(seen, max(5, round(seen * 0.1)))
+    positions = torch.arange(seen).view(1, 1, -1)
+    recent = torch.as_tensor(policy.recent(budget))
+    protected = policy.protected(positions, torch.tensor([0]), seen=seen, recent=recent)
+    assert int(protected.sum()) <= budget[0]
+    assert protected[0, 0, : min(4, seen)].all()

@@ -67,6 +67,9 @@ class KVPolicy:
         else:
             wanted = np.rint(seen * self.caching_ratio).astype(np.int64)
         wanted = np.rint(wanted * self.budget_scale).astype(np.int64)
+        # Sinks are never evicted (once gone they cannot return): the budget always covers them
+        # plus the newest token, even while a ratio budget is still smaller than that.
+        wanted = np.maximum(wanted, self.sink_tokens + 1)
         return np.clip(wanted, 1, None).clip(max=np.maximum(seen, 1))
 
     def recent(self, budget: np.ndarray) -> np.ndarray:

@@ -1,0 +1,87 @@
+"""Time one KV-cache system in a fresh process (clean peak memory); prints one JSON line.
+
+python -m experiments.worker --system hf-dynamic --batch 1 --prompt-tokens 2048 --new-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--system", required=True)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt-tokens", type=int, default=2048)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--data-dir", default=None)
+    return parser.parse_args(argv)
+
+
+def prompts_of_length(tokenizer, text: str, tokens: int, count: int) -> list[str]:
+    """``count`` different windows of a text, each exactly ``tokens`` tokens long."""
+    ids = tokenizer(text)["input_ids"]
+    stride = max(1, (len(ids) - tokens) // count)
+    windows = [ids[i * stride : i * stride + tokens] for i in range(count)]
+    # Decoding and re-encoding can merge a few tokens; trim again to the exact length.
+    return [tokenizer.decode(tokenizer(tokenizer.decode(w))["input_ids"][:tokens]) for w in windows]
+
+
+def measure(args: argparse.Namespace) -> dict:
+    import torch
+
+    from alisa import generate, load_model
+    from experiments.data import data_dir, load_wikitext2
+    from experiments.systems import make_cache
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    prompts = prompts_of_length(
+        tokenizer, load_wikitext2(data_dir(args.data_dir)), args.prompt_tokens, args.batch
+    )
+
+    def run(batch, new_tokens):
+        cache, config = make_cache(args.system, model)
+        return generate(
+            model, tokenizer, batch, config, max_new_tokens=new_tokens, past_key_values=cache
+        )
+
+    run([p[: max(1, len(p) // 8)] for p in prompts], 4)  # warm-up: kernels, allocator
+    result = run(prompts, args.new_tokens)
+    median = statistics.median(result.step_times_s)
+    return {
+        "system": args.system,
+        "batch": args.batch,
+        "decode_tokens_per_s": args.batch / median,
+        "median_step_ms": median * 1000,
+        "ttft_s": result.ttft_s,
+        "kv_bytes": result.kv_bytes,
+        "peak_kv_bytes": result.peak_kv_bytes,
+        "peak_rss_bytes": result.peak_memory_bytes,
+        "generated_tokens": result.generated_tokens,
+        "token_ids": result.token_ids,
+    }
+
+
+def run_in_subprocess(system: str, options: dict) -> dict:
+    """Run the worker for one system in a child process with the same environment."""
+    import subprocess
+
+    command = [sys.executable, "-m", "experiments.worker", "--system", system]
+    for key, value in options.items():
+        if value is not None:
+            command += [f"--{key.replace('_', '-')}", str(value)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"worker for {system!r} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure(parse_args())))
