@@ -58,13 +58,15 @@ def alisa_attention(
         )
         if layer is not None:
             _after_prefill(layer, query, key, attention_mask, scaling)
+            layer.finish_prefill()
         return output, None
     for name in UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise ValueError(f"attention option {name}={kwargs[name]!r} is not supported by alisa")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     visible = _decode_mask(layer, query.shape[2])
-    output, probabilities = grouped_attention(query, key, value, visible, scaling)
+    parts = layer.parts() if getattr(layer.store, "takes_parts", False) else [(key, value)]
+    output, probabilities = grouped_attention_parts(query, parts, visible, scaling)
     if layer.needs_attention:
         layer.add_attention(_group_rows(probabilities, layer.groups))
     layer.evict()
@@ -116,6 +118,37 @@ def grouped_attention(
     probabilities = grouped_probabilities(query, key, visible, scaling)
     flat = probabilities.view(batch, key.shape[1], -1, probabilities.shape[-1]).to(value.dtype)
     output = torch.matmul(flat, value)  # (B, Hkv, G*q, D)
+    output = output.view(batch, heads, length, head_dim).transpose(1, 2).contiguous()
+    return output, probabilities
+
+
+def grouped_attention_parts(
+    query: torch.Tensor,
+    parts: list[tuple[torch.Tensor, torch.Tensor]],
+    visible: torch.Tensor,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over keys/values split in slot order (device, host, recomputed parts).
+
+    One softmax over the concatenated logits (the same probabilities as one tensor), then the
+    outputs of the parts summed.
+    """
+    if len(parts) == 1:
+        return grouped_attention(query, *parts[0], visible, scaling)
+    batch, heads, length, head_dim = query.shape
+    kv_heads = parts[0][0].shape[1]
+    grouped = query.reshape(batch, kv_heads, -1, head_dim)
+    logits = torch.cat([torch.matmul(grouped, k.transpose(-1, -2)) for k, _ in parts], dim=-1)
+    logits = (logits * scaling).view(batch, kv_heads, heads // kv_heads, length, -1)
+    logits = logits.masked_fill(~visible.unsqueeze(2), float("-inf"))
+    probabilities = logits.softmax(dim=-1, dtype=torch.float32)
+    flat = probabilities.view(batch, kv_heads, -1, probabilities.shape[-1])
+    output, offset = None, 0
+    for _, values in parts:
+        width = values.shape[2]
+        piece = torch.matmul(flat[..., offset : offset + width].to(values.dtype), values)
+        output = piece if output is None else output + piece
+        offset += width
     output = output.view(batch, heads, length, head_dim).transpose(1, 2).contiguous()
     return output, probabilities
 
@@ -200,7 +233,12 @@ def _inject_layer(module: nn.Module, args: tuple, kwargs: dict):
 
     cache = kwargs.get("past_key_values")
     if isinstance(cache, AlisaCache):
-        kwargs["alisa_layer"] = cache.layers[module.layer_idx]
+        layer = cache.layers[module.layer_idx]
+        kwargs["alisa_layer"] = layer
+        if layer.tiering is not None and layer.tiering.recompute_enabled:
+            # The recompute tier keeps each token's attention input and RoPE position.
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            layer.inputs = (hidden, kwargs.get("position_ids"))
         return args, kwargs
     return None
 

@@ -37,7 +37,9 @@ class AlisaCache(Cache):
         Policy, caching ratio and storage options.
     """
 
-    def __init__(self, model: nn.Module, config: AlisaConfig | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, config: AlisaConfig | None = None, *, max_new_tokens: int = 256
+    ) -> None:
         self.config = config or AlisaConfig()
         self.shape: ModelShape = model_shape(model)
         factory = store_factory(self.config, self.shape)
@@ -50,6 +52,12 @@ class AlisaCache(Cache):
             for index in range(self.shape.num_layers)
         ]
         super().__init__(layers=layers)
+        self.planner = None
+        if self.config.gpu_memory is not None:
+            self.planner = _planner(model, self.shape, self.config, factory, max_new_tokens)
+        for index, layer in enumerate(layers):
+            layer.layer_idx = index
+            layer.tiering = self.planner
         attach(model)
         self._model_config = model.config
 
@@ -74,6 +82,18 @@ class AlisaCache(Cache):
         """Tokens stored over all layers and sequences (KV heads counted when per head)."""
         return sum(layer.stored_tokens() for layer in self.layers)
 
+    def tier_bytes(self) -> dict[str, int]:
+        """KV bytes per tier: device, host, recompute (hidden states); all on device if untiered."""
+        totals = {"device": 0, "host": 0, "recompute": 0}
+        for layer in self.layers:
+            store = layer.store
+            parts = (
+                store.tier_bytes() if hasattr(store, "tier_bytes") else {"device": layer.kv_bytes()}
+            )
+            for tier, count in parts.items():
+                totals[tier] += count
+        return totals
+
     def evicted_tokens(self) -> int:
         """Tokens evicted so far over all layers and sequences."""
         return sum(layer.evicted for layer in self.layers)
@@ -94,3 +114,18 @@ def store_factory(config: AlisaConfig, shape: ModelShape) -> StoreFactory:
         group_size=group,
         residual_tokens=config.residual_tokens,
     )
+
+
+def _planner(model, shape: ModelShape, config: AlisaConfig, factory, max_new_tokens: int):
+    from alisa.planning import TierPlanner
+    from alisa.recompute import KVRecomputer
+
+    recomputer = None
+    if config.recompute != "never":
+        try:
+            recomputer = KVRecomputer(model)
+        except ValueError:
+            if config.recompute == "always":
+                raise
+    region = partial(factory, groups=1)
+    return TierPlanner(model, shape, config, region, recomputer, max_new_tokens)

@@ -50,6 +50,13 @@ def add_cache_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--residual-tokens", type=int, default=64, help="recent tokens kept in full precision"
     )
+    tiers = parser.add_argument_group("memory tiers")
+    tiers.add_argument(
+        "--gpu-memory", help="device byte budget, e.g. 2GiB (KV beyond it is offloaded)"
+    )
+    tiers.add_argument("--host-memory", help="host tier byte budget (default: what is available)")
+    tiers.add_argument("--recompute", default="auto", help="auto, never or always")
+    tiers.add_argument("--profile", help="hardware profile JSON from `alisa profile`")
 
 
 def cache_config_from_args(args: argparse.Namespace) -> AlisaConfig:
@@ -68,6 +75,10 @@ def cache_config_from_args(args: argparse.Namespace) -> AlisaConfig:
         kv_bits=args.kv_bits,
         quant_group_size=args.quant_group_size,
         residual_tokens=args.residual_tokens,
+        gpu_memory=args.gpu_memory,
+        host_memory=args.host_memory,
+        recompute=args.recompute,
+        profile=args.profile,
     )
 
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
+from alisa.memory import parse_bytes
+
 LAYER_SCHEDULES = ("uniform", "pyramid")
 KV_BITS = (16, 8, 4)
+RECOMPUTE_MODES = ("auto", "never", "always")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +50,17 @@ class AlisaConfig:
     quant_group_size
         Values sharing one scale along head_dim when quantized; ``None`` = head_dim (per token
         per KV head).
+    gpu_memory
+        Byte budget of the model's device for weights, resident KV and working buffers
+        (``"2GiB"``, ``"512MB"`` or bytes); KV beyond it goes to the host tier or is recomputed,
+        as the scheduler plans. ``None``: no limit.
+    host_memory
+        Byte budget of the host tier; ``None``: what psutil reports available.
+    recompute
+        ``auto`` (the plan decides), ``never`` (offload only) or ``always`` (no host KV tier).
+    profile
+        Hardware profile JSON from ``alisa profile`` for planning; ``None``: this machine's saved
+        profile, else rough defaults.
     residual_tokens
         With kv_bits < 16, the most recent tokens also kept in full precision (KIVI and HF's
         quantized cache do the same, HF with 128); 0 stores every token quantized, as the paper.
@@ -65,6 +79,10 @@ class AlisaConfig:
     kv_bits: int = 16
     quant_group_size: int | None = None
     residual_tokens: int = 64
+    gpu_memory: int | str | None = None
+    host_memory: int | str | None = None
+    recompute: str = "auto"
+    profile: str | None = None
 
     def __post_init__(self) -> None:
         from alisa.policies import POLICIES  # late: policies import nothing from here
@@ -96,6 +114,17 @@ class AlisaConfig:
             raise ValueError(f"kv_bits={self.kv_bits!r} must be one of {KV_BITS}")
         _check_optional_int("quant_group_size", self.quant_group_size, minimum=1)
         _check_optional_int("residual_tokens", self.residual_tokens, minimum=0)
+        for name in ("gpu_memory", "host_memory"):
+            if getattr(self, name) is not None:
+                parse_bytes(getattr(self, name), field=name)
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(
+                f"recompute={self.recompute!r} is unknown; valid: {', '.join(RECOMPUTE_MODES)}"
+            )
+        if self.per_head and self.gpu_memory is not None:
+            raise ValueError(
+                "per_head=True cannot be combined with gpu_memory (tiers are per layer)"
+            )
 
     @property
     def keeps_everything(self) -> bool:

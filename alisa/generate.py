@@ -156,7 +156,9 @@ def generate(
     sampling = sampling or SamplingOptions()
     device = next(model.parameters()).device
     batch = tokenizer(prompt_list, return_tensors="pt", padding=True).to(device)
-    cache = past_key_values if past_key_values is not None else AlisaCache(model, config)
+    cache = past_key_values
+    if cache is None:
+        cache = AlisaCache(model, config, max_new_tokens=max_new_tokens)
     decoder = _Decoder(model, tokenizer, sampling, device)
     with PeakMemory(device) as memory:
         result = decoder.run(batch["input_ids"], batch["attention_mask"], cache, max_new_tokens)

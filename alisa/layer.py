@@ -60,6 +60,11 @@ class AlisaLayer(CacheLayerMixin):
         self.dead = np.zeros(0, dtype=np.int64)  # (B,) padding slots still held
         self.evicted = 0  # tokens evicted so far, all sequences and groups
         self.prefilling = False  # the last update started the cache (dense prefill attention)
+        self.layer_idx = 0
+        self.tiering = None  # set by the cache when KV must be split over device/host/recompute
+        self.inputs: tuple[torch.Tensor, torch.Tensor | None] | None = (
+            None  # attention input, RoPE ids
+        )
 
     # ---- HF cache-layer interface -------------------------------------------------------
 
@@ -91,7 +96,13 @@ class AlisaLayer(CacheLayerMixin):
             self._write_one(key_states, value_states)
         else:
             self._append(key_states, value_states)
+        if getattr(self.store, "takes_parts", False):
+            return key_states, value_states  # the attention fetches every tier's part itself
         return self.store.read(self.positions)
+
+    def parts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(K, V) per storage region, on the model's device, in slot order."""
+        return self.store.parts(self.positions)
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -105,7 +116,9 @@ class AlisaLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
+        tiering, index = self.tiering, self.layer_idx
         self.__init__(self.policy, per_head=self.per_head, store_factory=self.store_factory)
+        self.tiering, self.layer_idx = tiering, index
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
@@ -225,14 +238,14 @@ class AlisaLayer(CacheLayerMixin):
         if append.any():
             self._ensure_capacity(self.width + 1)
         if append.all():  # every sequence appends at the frontier: plain slice writes
-            self.store.write_range(self.width, keys, values, self.seen)
+            self.store.write_range(self.width, keys, values, self.seen, **self._inputs(1))
             self.positions[..., self.width] = self.seen
         else:
             free = self.positions[..., : self.width] == FREE
             first_free = free.to(torch.int8).argmax(dim=-1, keepdim=True)  # (B, Hs, 1)
             appended = torch.as_tensor(append, device=self.device).view(-1, 1, 1)
             slots = torch.where(appended, self.width, first_free)
-            self.store.write_slots(slots, keys, values, self.seen)
+            self.store.write_slots(slots, keys, values, self.seen, **self._inputs(1))
             self.positions.scatter_(-1, slots, self.seen)
         if append.any():
             self.width += 1
@@ -242,7 +255,7 @@ class AlisaLayer(CacheLayerMixin):
     def _append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         length = keys.shape[2]
         self._ensure_capacity(self.width + length)
-        self.store.write_range(self.width, keys, values, self.seen)
+        self.store.write_range(self.width, keys, values, self.seen, **self._inputs(length))
         new = torch.arange(self.seen, self.seen + length, device=self.device)
         self.positions[..., self.width : self.width + length] = new
         # Sequences whose slots below width are not all used get holes: account them as free.
@@ -290,8 +303,41 @@ class AlisaLayer(CacheLayerMixin):
         self.kept -= excess
         self.evicted += int(excess.sum()) * self.groups
 
+    def _inputs(self, length: int) -> dict:
+        """Attention inputs and RoPE positions of the new tokens, for stores that recompute."""
+        if not getattr(self.store, "takes_inputs", False):
+            return {}
+        hidden, rope = self.inputs
+        if rope is None:  # HF's default positions: arange from the tokens seen
+            rope = torch.arange(self.seen, self.seen + length, device=hidden.device)
+        return {"hidden": hidden, "rope": rope.expand(hidden.shape[0], -1)}
+
+    def finish_prefill(self) -> None:
+        """After prefill eviction: split the kept tokens over the tiers, if the cache has tiers."""
+        if self.tiering is None:
+            return
+        hidden, rope = self.inputs if self.inputs is not None else (None, None)
+        if hidden is not None:
+            if rope is None:  # HF's default positions: 0..L-1
+                rope = torch.arange(self.seen, device=hidden.device)
+            rope = rope.expand(hidden.shape[0], -1)
+        self.store, mapping, self.width = self.tiering.split(self, self.store, hidden, rope)
+        self.inputs = None  # the prompt's hidden states are no longer needed
+        # Slots moved: old slot mapping[j] is now slot j (-1: nothing there).
+        taken = mapping.clamp(min=0).view(1, 1, -1).expand(*self.positions.shape[:2], -1)
+        moved = self.positions.gather(-1, taken)
+        self.positions = torch.where(mapping >= 0, moved, FREE).contiguous()
+        if self.scores is not None:
+            self.scores.reindex(taken)
+            empty = (mapping < 0).nonzero(as_tuple=True)[0]
+            batch = torch.arange(self.positions.shape[0], device=self.device)
+            rows = batch.repeat_interleave(empty.numel())
+            self.scores.clear_slots(rows, torch.zeros_like(rows), empty.repeat(len(batch)))
+
     def _maybe_compact(self) -> None:
         """Copy live slots to the front of smaller buffers once over a third of width is empty."""
+        if not getattr(self.store, "compactable", True):
+            return
         live = int((self.kept + self.dead).max(initial=0))
         if self.width - live <= max(32, self.width // 3):
             return

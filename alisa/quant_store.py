@@ -151,6 +151,25 @@ class QuantizedStore:
         self.values.write(index, values)
         self._remember(slots, keys[:, :, 0], values[:, :, 0], position)
 
+    def write_entries(
+        self,
+        rows: torch.Tensor,
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        position: int,
+    ) -> None:
+        """Store one token for some sequences: rows, slots (E,), keys/values (E, H_kv, D)."""
+        index = (rows, slice(None), slots)
+        self.keys.write(index, keys)
+        self.values.write(index, values)
+        if self.residual:
+            entry = position % self.residual
+            self.ring_keys[rows, :, entry] = keys
+            self.ring_values[rows, :, entry] = values
+            self.ring_slots[rows, :, entry] = slots.view(-1, 1)
+            self.ring_positions[entry] = position
+
     def reindex(self, index: torch.Tensor, capacity: int) -> None:
         """New slot j holds old slot index[b, g, j]; grow to ``capacity``; remap the ring."""
         advanced = slot_indices(index, self.keys.data.shape[1])

@@ -28,6 +28,15 @@ class KVStore(Protocol):
         self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: int
     ): ...
 
+    def write_entries(
+        self,
+        rows: torch.Tensor,
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        position: int,
+    ): ...
+
     def reindex(self, index: torch.Tensor, capacity: int) -> None: ...
 
     def grow(self, capacity: int) -> None: ...
@@ -78,10 +87,6 @@ class DenseStore:
         """Bytes held by the buffers, spare capacity included."""
         return self.keys.nbytes + self.values.nbytes
 
-    def bytes_per_slot(self) -> int:
-        """Bytes one slot (one token, all KV heads of a sequence, K and V) costs."""
-        return self.nbytes() // max(1, self.capacity * self.keys.shape[0])
-
     def read(self, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole (B, H_kv, capacity, D) buffers, contiguous (``positions`` is not needed).
 
@@ -106,6 +111,18 @@ class DenseStore:
         index = slot_indices(slots, self.keys.shape[1])
         self.keys[index] = keys
         self.values[index] = values
+
+    def write_entries(
+        self,
+        rows: torch.Tensor,
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        position: int = 0,
+    ) -> None:
+        """Write one token for some sequences: rows, slots (E,), keys/values (E, H_kv, D)."""
+        self.keys[rows, :, slots] = keys
+        self.values[rows, :, slots] = values
 
     def reindex(self, index: torch.Tensor, capacity: int) -> None:
         """New slot j holds old slot index[b, g, j]; then grow to ``capacity`` slots."""

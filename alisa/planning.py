@@ -1,0 +1,186 @@
+"""Glue between the runtime and the scheduler: model shape, this machine's profile, tier sizes."""
+
+from __future__ import annotations
+
+import math
+import platform
+from functools import partial
+from pathlib import Path
+
+import psutil
+import torch
+from torch import nn
+
+from alisa.architecture import ModelShape
+from alisa.config import AlisaConfig
+from alisa.memory import parse_bytes
+from alisa.models import cache_root
+from alisa.tiers import TieredStore, TierLayout
+from scheduler import (
+    HardwareProfile,
+    ModelSpec,
+    Options,
+    Plan,
+    Workload,
+    activation_bytes,
+    load_profile,
+    solve,
+)
+
+
+def model_spec(model: nn.Module, shape: ModelShape, name: str | None = None) -> ModelSpec:
+    """The scheduler's view of a loaded (or empty-weights) model."""
+    config = model.config
+    parameters = list(model.parameters())
+    element = parameters[0].element_size() if parameters else 2
+    return ModelSpec(
+        name=name or getattr(config, "_name_or_path", None) or type(model).__name__,
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        intermediate_size=getattr(config, "intermediate_size", None) or 4 * shape.hidden_size,
+        vocab_size=config.vocab_size,
+        bytes_per_element=element,
+        weight_bytes=sum(p.numel() * p.element_size() for p in parameters),
+    )
+
+
+def default_profile_path(device: torch.device) -> Path:
+    """Where ``alisa profile`` saves this machine's profile for a device type."""
+    return cache_root() / f"profile-{platform.node() or 'host'}-{device.type}.json"
+
+
+def machine_profile(device: torch.device, path: str | None = None) -> HardwareProfile:
+    """The measured profile if there is one (``alisa profile``), else rough defaults.
+
+    The defaults (noted in the name) only steer the host-versus-recompute choice; byte budgets
+    are always exact.
+    """
+    chosen = Path(path).expanduser() if path else default_profile_path(device)
+    if path or chosen.is_file():
+        return load_profile(chosen)
+    memory = psutil.virtual_memory()
+    return HardwareProfile(
+        name=f"{device.type} (defaults, not measured: run `alisa profile`)",
+        device_bytes=memory.total,
+        host_bytes=memory.available,
+        h2d_bytes_per_s=5e9,
+        d2h_bytes_per_s=5e9,
+        device_flops=5e10,
+        device_bytes_per_s=1e10,
+        overlap=device.type == "cuda",
+    )
+
+
+class TierPlanner:
+    """Sizes the device/host/recompute regions from byte budgets and the scheduler's plan.
+
+    Parameters
+    ----------
+    model, shape, config
+        The model and the cache's configuration (``gpu_memory``, ``host_memory``, ``kv_bits``).
+    region_factory
+        Builds a (dense or quantized) store for one region.
+    recompute
+        ``KVRecomputer`` of the model, or None when its architecture cannot be recomputed.
+    max_new_tokens
+        Generation length the plan assumes.
+    """
+
+    def __init__(
+        self, model, shape, config: AlisaConfig, region_factory, recompute, max_new_tokens: int
+    ):
+        self.spec = model_spec(model, shape)
+        self.shape, self.config = shape, config
+        self.region_factory, self.recomputer = region_factory, recompute
+        self.max_new_tokens = max_new_tokens
+        self.device = next(model.parameters()).device
+        self.host_device = torch.device("cpu")
+        self.layout: TierLayout | None = None
+        self.plan: Plan | None = None
+        self.recompute_enabled = recompute is not None and config.recompute != "never"
+
+    def decide(self, batch: int, prompt_len: int) -> TierLayout:
+        """Tier sizes per sequence and layer, decided once (first layer's prefill)."""
+        if self.layout is not None:
+            return self.layout
+        config = self.config
+        device_bytes = parse_bytes(config.gpu_memory, field="gpu_memory")
+        profile = machine_profile(self.device, config.profile)
+        host_bytes = (
+            parse_bytes(config.host_memory, field="host_memory")
+            if config.host_memory is not None
+            else psutil.virtual_memory().available
+        )
+        profile = HardwareProfile(
+            **{**profile.__dict__, "device_bytes": device_bytes, "host_bytes": host_bytes}
+        )
+        workload = Workload(
+            batch=batch,
+            prompt_len=prompt_len,
+            gen_len=max(1, self.max_new_tokens),
+            caching_ratio=1.0 if config.policy == "dense" else config.caching_ratio,
+            kv_bits=config.kv_bits,
+            recent_fraction=0.0,
+        )
+        self.plan = solve(
+            profile,
+            self.spec,
+            workload,
+            Options(allow_recompute=self.recompute_enabled, allow_weight_offload=False),
+        )
+        slot_bytes = self.spec.kv_bytes_per_token(config.kv_bits) * batch
+        resident = device_bytes - self.spec.total_weight_bytes - activation_bytes(self.spec, batch)
+        device_slots = max(0, math.floor(resident / slot_bytes))
+        tiers = self.plan.tier_tokens()
+        recompute = self.recompute_enabled and (
+            config.recompute == "always" or tiers["recompute"] > 0
+        )
+        host_slots = math.ceil(tiers["host"] / batch) if recompute else 0
+        if config.recompute == "always":
+            host_slots = 0
+        self.layout = TierLayout(
+            device_slots=device_slots, host_slots=host_slots, recompute=recompute
+        )
+        return self.layout
+
+    def split(self, layer, dense, hidden, rope):
+        """Convert a layer's compacted prefill store to tiers: (store, old-slot mapping, width)."""
+        batch = dense.keys.shape[0]
+        layout = self.decide(batch, layer.seen)
+        recompute = None
+        if layout.recompute:
+            recompute = partial(self.recomputer, layer.layer_idx)
+        store = TieredStore.from_dense(
+            dense,
+            layer.width,
+            layout,
+            region_factory=self.region_factory,
+            host_device=self.host_device,
+            hidden=hidden,
+            rope=rope,
+            slot_positions=layer.positions[:, 0, : layer.width],
+            recompute=recompute,
+        )
+        return (store, *_mapping(store, layer.width, layout))
+
+
+def _mapping(store: TieredStore, width: int, layout: TierLayout) -> tuple[torch.Tensor, int]:
+    """For each new slot, the old slot it holds (-1 for none), and the new width."""
+    mapping = torch.full((store.capacity,), -1, dtype=torch.long)
+    old, new_width, offset = 0, 0, 0
+    for tier, slots in store.regions:
+        if tier == "device":
+            count = min(width, layout.device_slots)
+        elif tier == "host":
+            count = min(width - old, slots)
+        else:
+            count = width - old
+        if count > 0:
+            mapping[offset : offset + count] = torch.arange(old, old + count)
+            new_width = offset + count
+        old += max(count, 0)
+        offset += slots
+    return mapping.to(store.model_device), new_width

@@ -1,0 +1,164 @@
+"""Cost model of one decode step and the memory it needs, per step bucket and placement.
+
+Notation (ALISA Table II, https://arxiv.org/abs/2403.17312): per bucket b of decode steps, the
+kept KV is split into fractions g (device), c (host, offload ratio alpha) and x (deleted and
+recomputed from stored attention inputs, recompute ratio beta); w is the share of weights kept on
+the host. Every quantity below is linear in (g, c, x, w), so the same terms serve the LP and the
+evaluation of a fixed plan.
+
+Step time: compute = overhead + max(weights / mem_bw, FLOPs / flops) + kept KV / mem_bw;
+recompute = x * kept * FLOPs_per_token / flops; transfer = (c * kept * kv + x * kept * hidden
++ w * weights) / h2d + newly offloaded bytes / d2h. With copy/compute overlap (CUDA streams) a
+step takes max(compute + recompute, transfer), else their sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.hardware import HardwareProfile
+from scheduler.model import ModelSpec
+from scheduler.workload import Workload
+
+VARIABLES = ("g", "c", "x", "w", "moved_kv", "moved_hidden")
+
+
+@dataclass(frozen=True)
+class Linear:
+    """constant + sum(coefficient[v] * v) over the placement variables."""
+
+    constant: float
+    coefficients: dict[str, float]
+
+    def value(self, values: dict[str, float]) -> float:
+        return self.constant + sum(k * values.get(v, 0.0) for v, k in self.coefficients.items())
+
+
+@dataclass(frozen=True, kw_only=True)
+class Bucket:
+    """Decode steps [start, stop): their count, mean and largest kept tokens (whole batch)."""
+
+    start: int
+    stop: int
+    mean_kept: float
+    max_kept: int
+
+    @property
+    def steps(self) -> int:
+        return self.stop - self.start
+
+
+def make_buckets(workload: Workload, count: int = 16) -> list[Bucket]:
+    """Split the decode steps into up to ``count`` equal buckets."""
+    count = max(1, min(count, workload.gen_len))
+    edges = [round(i * workload.gen_len / count) for i in range(count + 1)]
+    result = []
+    for start, stop in zip(edges[:-1], edges[1:], strict=True):
+        kept = [workload.kept_tokens(step) for step in range(start, stop)]
+        result.append(
+            Bucket(start=start, stop=stop, mean_kept=sum(kept) / len(kept), max_kept=max(kept))
+        )
+    return result
+
+
+def activation_bytes(model: ModelSpec, batch: int) -> float:
+    """Working activations of one decode step: hidden states, MLP, float32 logits."""
+    per_token = (4 * model.hidden_size + 2 * model.intermediate_size) * model.bytes_per_element
+    return batch * (per_token + 4 * model.vocab_size)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Step time and memory terms for one (hardware, model, workload)."""
+
+    hardware: HardwareProfile
+    model: ModelSpec
+    workload: Workload
+
+    @property
+    def kv_token(self) -> float:
+        return self.model.kv_bytes_per_token(self.workload.kv_bits)
+
+    @property
+    def hidden_token(self) -> float:
+        return self.model.hidden_bytes_per_token(self.workload.hidden_bits)
+
+    @property
+    def activation_bytes(self) -> float:
+        return activation_bytes(self.model, self.workload.batch)
+
+    def compute(self, bucket: Bucket) -> Linear:
+        hw, model = self.hardware, self.model
+        weights = max(
+            model.total_weight_bytes / hw.device_bytes_per_s,
+            self.workload.batch * model.decode_flops_per_token() / hw.device_flops,
+        )
+        attention = bucket.mean_kept * self.kv_token / hw.device_bytes_per_s
+        return Linear(hw.step_overhead_s + weights + attention, {})
+
+    def recompute(self, bucket: Bucket) -> Linear:
+        per_token = self.model.recompute_flops_per_token() / self.hardware.device_flops
+        return Linear(0.0, {"x": bucket.mean_kept * per_token})
+
+    def transfer(self, bucket: Bucket) -> Linear:
+        hw = self.hardware
+        return Linear(
+            0.0,
+            {
+                "c": bucket.mean_kept * self.kv_token / hw.h2d_bytes_per_s,
+                "x": bucket.mean_kept * self.hidden_token / hw.h2d_bytes_per_s,
+                "w": self.model.total_weight_bytes / hw.h2d_bytes_per_s,
+                # tokens newly moved out during the bucket, spread over its steps
+                "moved_kv": self.kv_token / (hw.d2h_bytes_per_s * bucket.steps),
+                "moved_hidden": self.hidden_token / (hw.d2h_bytes_per_s * bucket.steps),
+            },
+        )
+
+    def device_bytes(self, bucket: Bucket) -> Linear:
+        """Resident KV and weights plus one layer's gathered host/recomputed KV and activations."""
+        layer_share = bucket.max_kept * self.kv_token / self.model.num_layers
+        weights = self.model.total_weight_bytes
+        return Linear(
+            weights + self.activation_bytes,
+            {
+                "g": bucket.max_kept * self.kv_token,
+                "c": layer_share,
+                "x": layer_share,
+                "w": -weights
+                + weights / self.model.num_layers,  # one streamed layer stays resident
+            },
+        )
+
+    def host_bytes(self, bucket: Bucket) -> Linear:
+        return Linear(
+            0.0,
+            {
+                "c": bucket.max_kept * self.kv_token,
+                "x": bucket.max_kept * self.hidden_token,
+                "w": self.model.total_weight_bytes,
+            },
+        )
+
+    def step_time(self, bucket: Bucket, values: dict[str, float]) -> float:
+        """Predicted time of one step of the bucket under a placement."""
+        busy = self.compute(bucket).value(values) + self.recompute(bucket).value(values)
+        moving = self.transfer(bucket).value(values)
+        return max(busy, moving) if self.hardware.overlap else busy + moving
+
+    def prefill_time(self) -> float:
+        """Prompt processing: matmul FLOPs (compute-bound) plus reading the weights once."""
+        hw, model, wl = self.hardware, self.model, self.workload
+        tokens = wl.batch * wl.prompt_len
+        flops = tokens * model.decode_flops_per_token()
+        attention = (
+            4.0
+            * wl.batch
+            * wl.prompt_len**2
+            * model.num_heads
+            * model.head_dim
+            * model.num_layers
+            / 2
+        )
+        return (
+            flops + attention
+        ) / hw.device_flops + model.total_weight_bytes / hw.device_bytes_per_s

@@ -1,0 +1,132 @@
+"""Hardware profiles: capacities, link and compute rates, measured or from published figures."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareProfile:
+    """One machine as the cost model sees it.
+
+    Attributes
+    ----------
+    name
+        Label printed with every plan.
+    device_bytes, host_bytes
+        Memory of the fast device (GPU; the model's pool on a CPU-only box) and of the host tier.
+    h2d_bytes_per_s, d2h_bytes_per_s
+        Host-to-device and device-to-host copy bandwidth.
+    device_flops
+        Dense matmul throughput on the device, FLOP/s.
+    device_bytes_per_s
+        Device memory bandwidth (decode is bound by reading weights and KV).
+    overlap
+        True when copies run beside compute (CUDA side streams): a step costs
+        max(compute, transfer). False on a CPU-only box: compute + transfer.
+    step_overhead_s
+        Fixed time per decode step not explained by bytes and FLOPs (kernel launches, Python),
+        fitted by ``alisa profile``; 0 for published presets.
+    simulated
+        True for presets built from published figures rather than measured here.
+    """
+
+    name: str
+    device_bytes: int
+    host_bytes: int
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    device_flops: float
+    device_bytes_per_s: float
+    overlap: bool = True
+    step_overhead_s: float = 0.0
+    simulated: bool = False
+
+    def __post_init__(self) -> None:
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if item.name in ("name", "overlap", "simulated"):
+                continue
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+            ):
+                raise ValueError(f"{item.name}={value!r} must be a finite number")
+            if value < 0 or (value == 0 and item.name != "step_overhead_s"):
+                raise ValueError(f"{item.name}={value!r} must be positive")
+
+    def save(self, path: str | Path) -> None:
+        """Write the profile as JSON."""
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+
+def load_profile(path: str | Path) -> HardwareProfile:
+    """Read a profile written by ``alisa profile``; clear errors for a missing or bad file."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ValueError(f"profile file {str(file)!r} does not exist (run `alisa profile` first)")
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"profile file {str(file)!r} is not valid JSON: {error.msg}") from None
+    known = {f.name for f in fields(HardwareProfile)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"profile file {str(file)!r} has unknown fields {unknown}")
+    try:
+        return HardwareProfile(**data)
+    except TypeError as error:
+        raise ValueError(f"profile file {str(file)!r}: {error}") from None
+
+
+# Published figures (fp16 dense tensor-core throughput at a realistic 70 % of peak; HBM
+# bandwidth; PCIe host link as ALISA and FlexGen measured it, 16-25 GB/s). Host: 128 GiB DRAM as
+# ALISA's testbed.
+PRESETS: dict[str, HardwareProfile] = {
+    "v100-32gb": HardwareProfile(
+        name="V100-32GB (published figures)",
+        device_bytes=32 * GIB,
+        host_bytes=128 * GIB,
+        h2d_bytes_per_s=16e9,
+        d2h_bytes_per_s=16e9,
+        device_flops=0.7 * 125e12,
+        device_bytes_per_s=900e9,
+        simulated=True,
+    ),
+    "a100-40gb": HardwareProfile(
+        name="A100-40GB (published figures)",
+        device_bytes=40 * GIB,
+        host_bytes=128 * GIB,
+        h2d_bytes_per_s=25e9,
+        d2h_bytes_per_s=25e9,
+        device_flops=0.7 * 312e12,
+        device_bytes_per_s=1555e9,
+        simulated=True,
+    ),
+    "h100-80gb": HardwareProfile(
+        name="H100-80GB (published figures)",
+        device_bytes=80 * GIB,
+        host_bytes=128 * GIB,
+        h2d_bytes_per_s=25e9,
+        d2h_bytes_per_s=25e9,
+        device_flops=0.7 * 989e12,
+        device_bytes_per_s=3350e9,
+        simulated=True,
+    ),
+}
+
+
+def preset(name: str) -> HardwareProfile:
+    """A published-figures preset by name; the error lists the known names."""
+    key = name.lower()
+    if key not in PRESETS:
+        raise ValueError(
+            f"hardware preset {name!r} is unknown; known: {', '.join(sorted(PRESETS))}"
+        )
+    return PRESETS[key]

@@ -1,0 +1,207 @@
+"""The placement LP: brute force agreement, recompute pricing, capacities, bad input."""
+
+import itertools
+import json
+
+import pytest
+
+from scheduler import (
+    HardwareProfile,
+    ModelSpec,
+    Options,
+    Workload,
+    evaluate,
+    load_profile,
+    model_preset,
+    preset,
+    solve,
+)
+
+GIB = 1024**3
+
+TINY_MHA = ModelSpec(
+    name="tiny-mha",
+    num_layers=4,
+    hidden_size=256,
+    num_heads=4,
+    num_kv_heads=4,
+    head_dim=64,
+    intermediate_size=1024,
+    vocab_size=1000,
+)
+TINY_GQA = ModelSpec(
+    name="tiny-gqa",
+    num_layers=4,
+    hidden_size=576,
+    num_heads=9,
+    num_kv_heads=1,
+    head_dim=64,
+    intermediate_size=1024,
+    vocab_size=1000,
+)
+
+
+def machine(device_bytes, host_bytes=64 * GIB, link=1e9, flops=1e12, overlap=True):
+    return HardwareProfile(
+        name="test",
+        device_bytes=device_bytes,
+        host_bytes=host_bytes,
+        h2d_bytes_per_s=link,
+        d2h_bytes_per_s=link,
+        device_flops=flops,
+        device_bytes_per_s=100e9,
+        overlap=overlap,
+    )
+
+
+def kv_total(model, workload):
+    return workload.kept_tokens(workload.gen_len - 1) * model.kv_bytes_per_token(workload.kv_bits)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_lp_matches_brute_force_on_a_tiny_case(overlap):
+    workload = Workload(batch=8, prompt_len=512, gen_len=32, recent_fraction=0.25)
+    weights = TINY_MHA.total_weight_bytes
+    hardware = machine(weights + 0.6 * kv_total(TINY_MHA, workload), link=2e9, overlap=overlap)
+    options = Options(buckets=1, allow_weight_offload=False)
+    plan = solve(hardware, TINY_MHA, workload, options)
+    best = None
+    grid = [i / 40 for i in range(41)]
+    for g, c in itertools.product(grid, grid):
+        x = 1 - g - c
+        if g < 0.25 or x < -1e-9:
+            continue
+        candidate = evaluate(
+            hardware, TINY_MHA, workload, {"g": g, "c": c, "x": max(0.0, x), "w": 0.0}, buckets=1
+        )
+        if candidate.peak_device_bytes <= hardware.device_bytes and (
+            best is None or candidate.decode_s < best.decode_s
+        ):
+            best = candidate
+    assert plan.decode_s <= best.decode_s * (1 + 1e-6)
+    assert plan.decode_s >= best.decode_s * 0.97  # the grid is 1/40 coarse
+
+
+def test_everything_stays_on_device_when_it_fits():
+    workload = Workload(batch=4, prompt_len=256, gen_len=64)
+    plan = solve(machine(16 * GIB), TINY_MHA, workload)
+    assert plan.p1 is None and plan.p2 is None
+    assert all(b.device_fraction == 1.0 for b in plan.buckets)
+
+
+def test_phases_switch_as_the_cache_grows():
+    workload = Workload(batch=16, prompt_len=1024, gen_len=2048, recent_fraction=0.1)
+    weights = TINY_MHA.total_weight_bytes
+    first = workload.kept_tokens(0) * TINY_MHA.kv_bytes_per_token()
+    plan = solve(machine(weights + 1.5 * first, link=1e9, flops=1e10), TINY_MHA, workload)
+    assert plan.p1 is not None or plan.p2 is not None
+    assert plan.buckets[0].device_fraction == pytest.approx(1.0, abs=1e-6)
+    assert plan.buckets[-1].device_fraction < 1.0
+    assert plan.peak_device_bytes <= 1.5 * first + weights + 1
+
+
+def test_recompute_is_chosen_for_mha_when_the_link_is_slow():
+    workload = Workload(batch=16, prompt_len=2048, gen_len=64, recent_fraction=0.1)
+    hardware = machine(
+        TINY_MHA.total_weight_bytes + 0.3 * kv_total(TINY_MHA, workload), link=1e8, flops=1e13
+    )
+    plan = solve(hardware, TINY_MHA, workload)
+    # MHA: an attention input (hidden) is half a token's K+V, and recomputing it is cheap here.
+    assert max(b.recompute_fraction for b in plan.buckets) > 0.2
+    no_recompute = solve(hardware, TINY_MHA, workload, Options(allow_recompute=False))
+    assert plan.decode_s < no_recompute.decode_s
+
+
+def test_recompute_is_not_chosen_when_hidden_states_are_bigger_than_kv():
+    workload = Workload(batch=16, prompt_len=2048, gen_len=64, recent_fraction=0.1)
+    # GQA: the hidden state (576 values) is bigger than K+V (128), so recompute moves more bytes.
+    hardware = machine(
+        TINY_GQA.total_weight_bytes + 0.3 * kv_total(TINY_GQA, workload), link=1e8, flops=1e13
+    )
+    plan = solve(hardware, TINY_GQA, workload)
+    assert all(b.recompute_fraction < 1e-6 for b in plan.buckets)
+    assert max(b.host_fraction for b in plan.buckets) > 0
+
+
+def test_sparsity_and_int8_shrink_the_kv_the_plan_moves():
+    hardware = preset("v100-32gb")
+    model = model_preset("opt-13b")
+    dense = solve(hardware, model, Workload(batch=64, prompt_len=128, gen_len=512))
+    sparse = solve(
+        hardware,
+        model,
+        Workload(batch=64, prompt_len=128, gen_len=512, caching_ratio=0.2, kv_bits=8),
+    )
+    assert sparse.tokens_per_s > dense.tokens_per_s
+    assert sparse.simulated and "SIMULATION" in sparse.describe()
+
+
+def test_device_shortfall_is_named_in_bytes():
+    workload = Workload(batch=4, prompt_len=256, gen_len=16)
+    with pytest.raises(ValueError, match=r"short by \d+ bytes"):
+        solve(
+            machine(TINY_MHA.total_weight_bytes // 2),
+            TINY_MHA,
+            workload,
+            Options(allow_weight_offload=False),
+        )
+
+
+def test_host_shortfall_is_named_in_bytes():
+    workload = Workload(batch=16, prompt_len=4096, gen_len=16, recent_fraction=0.1)
+    hardware = machine(
+        TINY_MHA.total_weight_bytes + kv_total(TINY_MHA, workload) // 3, host_bytes=1000
+    )
+    with pytest.raises(ValueError, match=r"host budget .* short by \d+ bytes"):
+        solve(hardware, TINY_MHA, workload)
+
+
+def test_static_split_is_one_placement_for_all_buckets():
+    workload = Workload(batch=16, prompt_len=1024, gen_len=512, recent_fraction=0.1)
+    hardware = machine(TINY_MHA.total_weight_bytes + 0.5 * kv_total(TINY_MHA, workload))
+    plan = solve(hardware, TINY_MHA, workload, Options(static=True))
+    assert len({(b.device_fraction, b.host_fraction) for b in plan.buckets}) == 1
+    assert solve(hardware, TINY_MHA, workload).decode_s <= plan.decode_s + 1e-9
+
+
+def test_profiles_round_trip_and_bad_files_are_reported(tmp_path):
+    path = tmp_path / "p.json"
+    preset("a100-40gb").save(path)
+    assert load_profile(path) == preset("a100-40gb")
+    with pytest.raises(ValueError, match="does not exist"):
+        load_profile(tmp_path / "missing.json")
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_profile(path)
+    path.write_text(json.dumps({"name": "x", "bogus": 1}))
+    with pytest.raises(ValueError, match="unknown fields"):
+        load_profile(path)
+
+
+def test_unknown_presets_list_the_known_ones():
+    with pytest.raises(ValueError, match="a100-40gb"):
+        preset("tpu-v9")
+    with pytest.raises(ValueError, match="opt-13b"):
+        model_preset("gpt-5")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("batch", 0), ("gen_len", -1), ("caching_ratio", 0.0), ("kv_bits", 3)]
+)
+def test_bad_workloads_name_the_field(field, value):
+    options = {"batch": 1, "prompt_len": 8, "gen_len": 8, field: value}
+    with pytest.raises(ValueError, match=field):
+        Workload(**options)
+
+
+def test_bad_hardware_names_the_field():
+    with pytest.raises(ValueError, match="h2d_bytes_per_s"):
+        HardwareProfile(
+            name="x",
+            device_bytes=1,
+            host_bytes=1,
+            h2d_bytes_per_s=0,
+            d2h_bytes_per_s=1,
+            device_flops=1,
+            device_bytes_per_s=1,
+        )

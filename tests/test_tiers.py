@@ -1,0 +1,104 @@
+"""Tiered KV (device budget, host pool, recompute): lossless, bounded, clear errors."""
+
+import pytest
+import torch
+from conftest import PAD, padded_batch, tiny_gpt2, tiny_llama
+
+from alisa import AlisaCache, AlisaConfig, generate
+from alisa.memory import parse_bytes
+
+NEW = 24
+
+
+def weights(model) -> int:
+    return sum(p.nbytes for p in model.parameters())
+
+
+def run(model, config=None, cache=None):
+    ids, mask = padded_batch(lengths=(120, 100, 60))
+    model.generation_config.eos_token_id = None
+    cache = cache if cache is not None else AlisaCache(model, config, max_new_tokens=NEW)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=NEW,
+        do_sample=False,
+        pad_token_id=PAD,
+        past_key_values=cache,
+    )
+    return out, cache
+
+
+@pytest.mark.parametrize("architecture", [tiny_llama, tiny_gpt2], ids=["llama-gqa", "gpt2-mha"])
+@pytest.mark.parametrize(("policy", "ratio"), [("dense", 1.0), ("swa", 0.5), ("h2o", 0.3)])
+@pytest.mark.parametrize("recompute", ["never", "always"])
+def test_offload_and_recompute_change_no_greedy_token(architecture, policy, ratio, recompute):
+    model = architecture()
+    resident, _ = run(model, AlisaConfig(policy=policy, caching_ratio=ratio))
+    # Room for the activations, one streamed layer (half the KV: 2 layers) and a quarter more:
+    # the device tier then holds about half of what the policy keeps.
+    config_ = model.config
+    kv_token = (
+        2
+        * config_.num_hidden_layers
+        * (getattr(config_, "num_key_value_heads", None) or config_.num_attention_heads)
+        * 16
+        * 4
+    )
+    kept = 3 * round((120 + NEW) * ratio)
+    budget = weights(model) + 20_000 + int(kept * kv_token * 0.75)
+    config = AlisaConfig(policy=policy, caching_ratio=ratio, gpu_memory=budget, recompute=recompute)
+    tiered, cache = run(model, config)
+    assert torch.equal(tiered, resident)
+    tiers = cache.tier_bytes()
+    overflow = tiers["recompute"] if recompute == "always" else tiers["host"]
+    assert overflow > 0, tiers  # the budget really pushed KV out of the device tier
+    assert weights(model) + tiers["device"] <= budget
+
+
+def test_tokens_really_come_back_from_the_slower_tiers():
+    model = tiny_gpt2()
+    config = AlisaConfig(gpu_memory=weights(model) + 350_000, recompute="never")
+    _, cache = run(model, config)
+    assert cache.layers[0].store.fetched_bytes > 0
+    config = AlisaConfig(gpu_memory=weights(model) + 350_000, recompute="always")
+    _, cache = run(model, config)
+    assert cache.layers[0].store.recomputed_tokens > 0
+
+
+def test_alisa_generate_plans_with_the_real_generation_length(tokenizer):
+    model = tiny_llama()
+    prompts = ["a long prompt " * 10, "short"]
+    free = generate(model, tokenizer, prompts, AlisaConfig(), max_new_tokens=8)
+    tight = generate(
+        model, tokenizer, prompts, AlisaConfig(gpu_memory=weights(model) + 90_000), max_new_tokens=8
+    )
+    assert tight.token_ids == free.token_ids
+
+
+def test_a_budget_below_the_weights_is_refused_with_the_shortfall():
+    model = tiny_llama()
+    config = AlisaConfig(gpu_memory=weights(model) // 2)
+    with pytest.raises(ValueError, match=r"short by \d+ bytes"):
+        run(model, config)
+
+
+@pytest.mark.parametrize("text", ["16GiB", "512MB", "1.5G", "100", "2 KiB"])
+def test_sizes_parse(text):
+    assert parse_bytes(text) > 0
+
+
+@pytest.mark.parametrize("text", ["lots", "-5GB", "12 parsecs", ""])
+def test_bad_sizes_are_rejected(text):
+    with pytest.raises(ValueError, match="gpu_memory"):
+        AlisaConfig(gpu_memory=text)
+
+
+def test_per_head_selection_cannot_be_tiered():
+    with pytest.raises(ValueError, match="per_head"):
+        AlisaConfig(per_head=True, gpu_memory="1GiB")
+
+
+def test_unknown_recompute_mode_is_rejected():
+    with pytest.raises(ValueError, match="recompute='sometimes'"):
+        AlisaConfig(recompute="sometimes")
