@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import platform
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from scheduler import (
 def model_spec(model: nn.Module, shape: ModelShape, name: str | None = None) -> ModelSpec:
     """The scheduler's view of a loaded (or empty-weights) model."""
     config = model.config
-    parameters = list(model.parameters())
+    parameters = list({id(p): p for p in model.parameters()}.values())  # tied weights once
     element = parameters[0].element_size() if parameters else 2
     return ModelSpec(
         name=name or getattr(config, "_name_or_path", None) or type(model).__name__,
@@ -45,6 +46,39 @@ def model_spec(model: nn.Module, shape: ModelShape, name: str | None = None) -> 
         bytes_per_element=element,
         weight_bytes=sum(p.numel() * p.element_size() for p in parameters),
     )
+
+
+def empty_model_spec(spec: str, dtype: str = "bfloat16") -> tuple[ModelSpec, bool]:
+    """(ModelSpec, recomputable) of a preset or a model spec, without loading any weights.
+
+    Presets (``opt-13b``, ...) come from ``scheduler.MODEL_PRESETS``; anything else is resolved
+    like ``load_model`` and instantiated on the meta device with accelerate's
+    ``init_empty_weights``, so only the config is read.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from alisa.architecture import model_shape
+    from alisa.models import resolve_dtype, resolve_model_path
+    from alisa.recompute import KVRecomputer
+    from scheduler import MODEL_PRESETS
+
+    if spec.lower() in MODEL_PRESETS:
+        return MODEL_PRESETS[spec.lower()], True
+    config = AutoConfig.from_pretrained(resolve_model_path(spec))
+    torch_dtype = resolve_dtype(dtype) or torch.bfloat16
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    model.tie_weights()
+    shape = model_shape(model)
+    try:
+        KVRecomputer(model)
+        recomputable = True
+    except ValueError:
+        recomputable = False
+    unique = {id(p): p for p in model.parameters()}.values()
+    weight_bytes = sum(p.numel() * p.element_size() for p in unique)
+    return replace(model_spec(model, shape, name=spec), weight_bytes=weight_bytes), recomputable
 
 
 def default_profile_path(device: torch.device) -> Path:

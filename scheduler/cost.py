@@ -97,7 +97,8 @@ class CostModel:
         return Linear(hw.step_overhead_s + weights + attention, {})
 
     def recompute(self, bucket: Bucket) -> Linear:
-        per_token = self.model.recompute_flops_per_token() / self.hardware.device_flops
+        rate = self.hardware.recompute_flops or self.hardware.device_flops
+        per_token = self.model.recompute_flops_per_token() / rate
         return Linear(0.0, {"x": bucket.mean_kept * per_token})
 
     def transfer(self, bucket: Bucket) -> Linear:

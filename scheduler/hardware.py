@@ -29,6 +29,9 @@ class HardwareProfile:
     overlap
         True when copies run beside compute (CUDA side streams): a step costs
         max(compute, transfer). False on a CPU-only box: compute + transfer.
+    recompute_flops
+        Effective FLOP/s of rebuilding K/V from stored inputs (small matmuls run below peak);
+        0 means ``device_flops``.
     step_overhead_s
         Fixed time per decode step not explained by bytes and FLOPs (kernel launches, Python),
         fitted by ``alisa profile``; 0 for published presets.
@@ -45,6 +48,7 @@ class HardwareProfile:
     device_bytes_per_s: float
     overlap: bool = True
     step_overhead_s: float = 0.0
+    recompute_flops: float = 0.0
     simulated: bool = False
 
     def __post_init__(self) -> None:
@@ -58,7 +62,9 @@ class HardwareProfile:
                 or not math.isfinite(value)
             ):
                 raise ValueError(f"{item.name}={value!r} must be a finite number")
-            if value < 0 or (value == 0 and item.name != "step_overhead_s"):
+            if value < 0 or (
+                value == 0 and item.name not in ("step_overhead_s", "recompute_flops")
+            ):
                 raise ValueError(f"{item.name}={value!r} must be positive")
 
     def save(self, path: str | Path) -> None:

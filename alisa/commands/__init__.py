@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from alisa.commands import generate
+from alisa.commands import generate, plan, profile
 
 COMMANDS = {
     "generate": (generate.HELP, generate.configure, generate.run),
+    "plan": (plan.HELP, plan.configure, plan.run),
+    "profile": (profile.HELP, profile.configure, profile.run),
 }

@@ -1,0 +1,122 @@
+"""Measure this machine for the scheduler: copy, matmul, memory, recompute rates, step overhead."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import psutil
+import torch
+
+from scheduler import HardwareProfile
+
+
+def _median_seconds(work: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
+    work()  # warm-up: allocation, kernels, caches
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        work()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, megabytes: int = 256) -> tuple[float, float]:
+    """(host->device, device->host) bytes/s: pinned copies on CUDA, pool-to-pool copies on CPU."""
+    count = megabytes * 2**20 // 2
+    host = torch.empty(count, dtype=torch.float16)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    target = torch.empty(count, dtype=torch.float16, device=device)
+    h2d = host.nbytes / _median_seconds(lambda: target.copy_(host, non_blocking=True), device)
+    d2h = host.nbytes / _median_seconds(lambda: host.copy_(target, non_blocking=True), device)
+    return h2d, d2h
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 1024) -> float:
+    """Dense matmul throughput, FLOP/s, in the model's dtype."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    return 2 * size**3 / _median_seconds(lambda: a @ b, device)
+
+
+def memory_bandwidth(device: torch.device, megabytes: int = 256) -> float:
+    """Bytes/s of reading a large tensor (a reduction streams it once)."""
+    x = torch.ones(megabytes * 2**20 // 4, device=device)
+    return x.nbytes / _median_seconds(lambda: x.sum(), device)
+
+
+def decode_overhead(model, device: torch.device, weight_bytes: int, bandwidth: float) -> float:
+    """Seconds a batch-1, 16-token-context decode step takes beyond reading the weights once."""
+    from alisa import AlisaCache
+
+    ids = torch.randint(10, 1000, (1, 16), device=device)
+    cache = AlisaCache(model)
+    with torch.inference_mode():
+        model(input_ids=ids, past_key_values=cache)
+        token = ids[:, -1:]
+
+        def step():
+            model(input_ids=token, past_key_values=cache, logits_to_keep=1)
+
+        seconds = _median_seconds(step, device, repeats=9)
+    return max(0.0, seconds - weight_bytes / bandwidth)
+
+
+def recompute_flops(model, device: torch.device, tokens: int = 512) -> float:
+    """Effective FLOP/s of rebuilding K/V for one layer from stored attention inputs."""
+    from alisa.recompute import KVRecomputer
+
+    recomputer = KVRecomputer(model)
+    hidden_size = model.config.hidden_size
+    dtype = next(model.parameters()).dtype
+    hidden = torch.randn(1, tokens, hidden_size, device=device).to(dtype)
+    positions = torch.arange(tokens, device=device).view(1, -1)
+    module = recomputer.modules[0]
+    kv = 2 * (
+        getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
+    )
+    flops = 2.0 * tokens * hidden_size * kv * module.head_dim
+    with torch.inference_mode():
+        return flops / _median_seconds(lambda: recomputer(0, hidden, positions), device)
+
+
+def measure(
+    model=None, device: torch.device | None = None, dtype: torch.dtype = torch.bfloat16
+) -> HardwareProfile:
+    """A :class:`HardwareProfile` of this machine (optionally calibrated on a loaded model)."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    h2d, d2h = copy_bandwidth(device)
+    bandwidth = memory_bandwidth(device)
+    flops = matmul_flops(device, dtype if model is None else next(model.parameters()).dtype)
+    if device.type == "cuda":
+        device_bytes, host_bytes = (
+            torch.cuda.get_device_properties(device).total_memory,
+            psutil.virtual_memory().total,
+        )
+    else:
+        device_bytes = host_bytes = psutil.virtual_memory().total
+    overhead, rebuild = 0.0, 0.0
+    if model is not None:
+        weight_bytes = sum(p.nbytes for p in model.parameters())
+        overhead = decode_overhead(model, device, weight_bytes, bandwidth)
+        rebuild = recompute_flops(model, device)
+    return HardwareProfile(
+        name=f"{platform.node() or 'host'} {device.type} "
+        f"({torch.get_num_threads()} threads, measured)",
+        device_bytes=device_bytes,
+        host_bytes=host_bytes,
+        h2d_bytes_per_s=h2d,
+        d2h_bytes_per_s=d2h,
+        device_flops=flops,
+        device_bytes_per_s=bandwidth,
+        overlap=device.type == "cuda",
+        step_overhead_s=overhead,
+        recompute_flops=rebuild,
+    )
