@@ -104,8 +104,7 @@ def quantize(
     constant = high == low
     scale = torch.where(constant, low, (high - low) / levels)
     scale = torch.where(constant & (low == 0), torch.ones_like(scale), scale)
-    zero = torch.where(constant, torch.zeros_like(low), torch.round(-low / scale))
-    stored_scale, stored_zero = _storable(scale, zero, constant, scale_dtype)
+    stored_scale, stored_zero = _storable(scale, low, constant, scale_dtype)
     codes = torch.round(
         grouped / stored_scale.double().unsqueeze(-1) + stored_zero.double().unsqueeze(-1)
     )
@@ -133,15 +132,15 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
 
 
 def _storable(
-    scale: torch.Tensor, zero: torch.Tensor, constant: torch.Tensor, preferred: torch.dtype
+    scale: torch.Tensor, low: torch.Tensor, constant: torch.Tensor, preferred: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero point in the first of (preferred, float32, float64) that holds them.
 
-    Scales are rounded up, never down, so the codes still span [min, max]; zero points must be
-    exact integers; a constant group's value (its scale) must be exact.
+    Scales are rounded up, never down, so the codes still span [min, max]; the zero point is
+    then derived from the stored scale (z = round(-min / lambda)) and must be an exact integer in
+    that dtype; a constant group's value (its scale, with z = 0) must be exact.
     """
     for dtype in dict.fromkeys((preferred, torch.float32, torch.float64)):
-        stored_zero = zero.to(dtype)
         stored_scale = scale.to(dtype)
         below = stored_scale.double().abs() < scale.abs()
         stored_scale = torch.where(
@@ -149,6 +148,10 @@ def _storable(
             torch.nextafter(stored_scale, torch.full_like(stored_scale, torch.inf)),
             stored_scale,
         )
+        zero = torch.where(
+            constant, torch.zeros_like(low), torch.round(-low / stored_scale.double())
+        )
+        stored_zero = zero.to(dtype)
         fits = (
             bool(torch.isfinite(stored_scale).all())
             and bool((stored_scale != 0).all())
