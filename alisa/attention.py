@@ -18,6 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from alisa.layer import AlisaLayer
+from alisa.recall import recall_step
 
 ATTENTION_NAME = "alisa"
 # Score rows are computed in query chunks of about this many float32 values (32 MiB).
@@ -70,6 +71,9 @@ def alisa_attention(
     if layer.needs_attention:
         layer.add_attention(_group_rows(probabilities, layer.groups))
     layer.evict()
+    layer.decode_steps += 1
+    if layer.recall is not None and layer.decode_steps % layer.recall_every == 0:
+        layer.recalled += recall_step(layer, query[:, :, -1:], scaling)
     return output, None
 
 

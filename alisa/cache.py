@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
@@ -13,6 +14,7 @@ from alisa.config import AlisaConfig
 from alisa.layer import AlisaLayer
 from alisa.policies import policy_for_layer
 from alisa.quant_store import QuantizedStore
+from alisa.recall import RecallPool
 from alisa.store import DenseStore, StoreFactory
 from quant import check_options
 
@@ -58,6 +60,12 @@ class AlisaCache(Cache):
         for index, layer in enumerate(layers):
             layer.layer_idx = index
             layer.tiering = self.planner
+            if self.config.recall_every and layer.policy.can_evict():
+                layer.recall = RecallPool(torch.device("cpu"))
+                layer.recall_every, layer.recall_tokens = (
+                    self.config.recall_every,
+                    self.config.recall_tokens,
+                )
         attach(model)
         self._model_config = model.config
 

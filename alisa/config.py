@@ -61,6 +61,11 @@ class AlisaConfig:
     profile
         Hardware profile JSON from ``alisa profile`` for planning; ``None``: this machine's saved
         profile, else rough defaults.
+    recall_every
+        Beyond the paper: keep evicted tokens in an INT8 host pool and, every this-many decode
+        steps, let the ones the current query attends to swap back in; 0 disables.
+    recall_tokens
+        Most tokens recalled per sequence and layer each time.
     residual_tokens
         With kv_bits < 16, the most recent tokens also kept in full precision (KIVI and HF's
         quantized cache do the same, HF with 128); 0 stores every token quantized, as the paper.
@@ -83,6 +88,8 @@ class AlisaConfig:
     host_memory: int | str | None = None
     recompute: str = "auto"
     profile: str | None = None
+    recall_every: int = 0
+    recall_tokens: int = 8
 
     def __post_init__(self) -> None:
         from alisa.policies import POLICIES  # late: policies import nothing from here
@@ -120,6 +127,12 @@ class AlisaConfig:
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(
                 f"recompute={self.recompute!r} is unknown; valid: {', '.join(RECOMPUTE_MODES)}"
+            )
+        _check_optional_int("recall_every", self.recall_every, minimum=0)
+        _check_optional_int("recall_tokens", self.recall_tokens, minimum=1)
+        if self.recall_every and (self.per_head or self.gpu_memory is not None):
+            raise ValueError(
+                f"recall_every={self.recall_every} needs one index set per layer and no gpu_memory"
             )
         if self.per_head and self.gpu_memory is not None:
             raise ValueError(

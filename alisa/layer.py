@@ -61,6 +61,11 @@ class AlisaLayer(CacheLayerMixin):
         self.evicted = 0  # tokens evicted so far, all sequences and groups
         self.prefilling = False  # the last update started the cache (dense prefill attention)
         self.layer_idx = 0
+        self.recall = None  # RecallPool of evicted tokens, when recall is on
+        self.recall_every = 0
+        self.recall_tokens = 0
+        self.decode_steps = 0
+        self.recalled = 0  # tokens swapped back in from the recall pool
         self.tiering = None  # set by the cache when KV must be split over device/host/recompute
         self.inputs: tuple[torch.Tensor, torch.Tensor | None] | None = (
             None  # attention input, RoPE ids
@@ -116,9 +121,10 @@ class AlisaLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        tiering, index = self.tiering, self.layer_idx
+        kept = (self.tiering, self.layer_idx, self.recall, self.recall_every, self.recall_tokens)
         self.__init__(self.policy, per_head=self.per_head, store_factory=self.store_factory)
-        self.tiering, self.layer_idx = tiering, index
+        self.tiering, self.layer_idx, recall, self.recall_every, self.recall_tokens = kept
+        self.recall = type(recall)(recall.host) if recall is not None else None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
@@ -134,6 +140,8 @@ class AlisaLayer(CacheLayerMixin):
         if self.scores is not None:
             self.scores.select_batch(indices)
         self.first, self.kept, self.dead = self.first[host], self.kept[host], self.dead[host]
+        if self.recall is not None:
+            self.recall.select_batch(indices)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(
@@ -297,6 +305,11 @@ class AlisaLayer(CacheLayerMixin):
         valid = wanted < torch.as_tensor(excess, device=self.device).view(-1, 1, 1)
         rows, groups, ranks = valid.nonzero(as_tuple=True)
         slots = victims[rows, groups, ranks]
+        if self.recall is not None:
+            keys, values = self.store.read(self.positions)
+            self.recall.add(
+                rows, keys[rows, :, slots], values[rows, :, slots], self.positions[rows, 0, slots]
+            )
         self.positions[rows, groups, slots] = FREE
         if self.scores is not None:
             self.scores.clear_slots(rows, groups, slots)
