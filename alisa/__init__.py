@@ -8,6 +8,7 @@ from alisa.attention import attach, detach
 from alisa.cache import AlisaCache
 from alisa.config import AlisaConfig
 from alisa.generate import GenerationOutput, SamplingOptions, generate
+from alisa.jobs import BatchJob, JobSummary, run_batch
 from alisa.models import load_model
 from alisa.policies import POLICIES, KVPolicy, get_policy
 
@@ -17,6 +18,8 @@ __all__ = [
     "POLICIES",
     "AlisaCache",
     "AlisaConfig",
+    "BatchJob",
+    "JobSummary",
     "GenerationOutput",
     "KVPolicy",
     "SamplingOptions",
@@ -25,4 +28,5 @@ __all__ = [
     "generate",
     "get_policy",
     "load_model",
+    "run_batch",
 ]

@@ -123,6 +123,7 @@ def generate(
     max_new_tokens: int = 64,
     sampling: SamplingOptions | None = None,
     past_key_values=None,
+    prune_finished: bool = False,
 ) -> GenerationOutput:
     """Generate completions for a batch of prompts with the ALISA cache.
 
@@ -140,6 +141,9 @@ def generate(
         Greedy by default; see :class:`SamplingOptions`.
     past_key_values
         A ready cache to use instead of a new ``AlisaCache`` (e.g. HF ``DynamicCache`` to compare).
+    prune_finished
+        Drop sequences from the batch once they emit EOS (faster for batch jobs; the remaining
+        rows then run in a smaller batch, which can change float rounding).
 
     Returns
     -------
@@ -161,7 +165,9 @@ def generate(
         cache = AlisaCache(model, config, max_new_tokens=max_new_tokens)
     decoder = _Decoder(model, tokenizer, sampling, device)
     with PeakMemory(device) as memory:
-        result = decoder.run(batch["input_ids"], batch["attention_mask"], cache, max_new_tokens)
+        result = decoder.run(
+            batch["input_ids"], batch["attention_mask"], cache, max_new_tokens, prune_finished
+        )
     result.peak_memory_bytes = memory.peak_bytes
     return result
 
@@ -192,13 +198,18 @@ class _Decoder:
         pad = tokenizer.pad_token_id
         self.pad = pad if pad is not None else (eos_ids[0] if eos_ids else 0)
 
-    def run(self, input_ids, attention_mask, cache, max_new_tokens: int) -> GenerationOutput:
+    def run(
+        self, input_ids, attention_mask, cache, max_new_tokens: int, prune: bool = False
+    ) -> GenerationOutput:
         batch = input_ids.shape[0]
         prompt_tokens = attention_mask.sum(dim=1).tolist()
-        generated = torch.empty(batch, 0, dtype=torch.long, device=self.device)
+        generated = torch.full(
+            (batch, max_new_tokens), self.pad, dtype=torch.long, device=self.device
+        )
         finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        active = torch.arange(batch, device=self.device)  # original row of each batch row
         positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
-        step_times, peak_kv, ttft = [], 0, 0.0
+        step_times, peak_kv, ttft, steps = [], 0, 0.0, 0
         feed, feed_positions = input_ids, positions
         for step in range(max_new_tokens):
             start = self._clock()
@@ -210,22 +221,32 @@ class _Decoder:
                 use_cache=True,
                 logits_to_keep=1,
             ).logits[:, -1, :]
-            tokens = self._pick(torch.cat([input_ids, generated], dim=1), logits)
+            tokens = self._pick(input_ids, logits)
             tokens = torch.where(finished, self.pad, tokens)
-            generated = torch.cat([generated, tokens[:, None]], dim=1)
+            generated[active, step] = tokens
             finished |= torch.isin(tokens, self.eos)
             elapsed = self._clock() - start
             if step == 0:
                 ttft = elapsed
             else:
                 step_times.append(elapsed)
+            steps = step + 1
             peak_kv = max(peak_kv, cache_kv_bytes(cache))
             if bool(finished.all()):
                 break
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
+            if prune and bool(finished.any()):
+                # Drop finished sequences: later steps only compute for the others.
+                keep = (~finished).nonzero(as_tuple=True)[0]
+                cache.batch_select_indices(keep)
+                active, finished, tokens = active[keep], finished[keep], tokens[keep]
+                input_ids, attention_mask = input_ids[keep], attention_mask[keep]
+                feed_positions = feed_positions[keep]
+            attention_mask = torch.cat(
+                [attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], dim=1
+            )
             feed, feed_positions = tokens[:, None], feed_positions[:, -1:] + 1
         return self._output(
-            generated, prompt_tokens, ttft, step_times, cache, peak_kv, max_new_tokens
+            generated[:, :steps], prompt_tokens, ttft, step_times, cache, peak_kv, max_new_tokens
         )
 
     def _pick(self, sequences: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

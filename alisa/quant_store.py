@@ -40,7 +40,10 @@ class _QuantizedBuffer:
 
     def write(self, index, values: torch.Tensor) -> None:
         """Quantize values (..., D) and store them at ``index`` (slice or advanced index)."""
-        q = quantize(values, self.bits, self.group, scale_dtype=self.scale.dtype)
+        # K/V of a finite model are finite; a NaN here would already have poisoned the output.
+        q = quantize(
+            values, self.bits, self.group, scale_dtype=self.scale.dtype, check_finite=False
+        )
         if q.scale.dtype != self.scale.dtype:  # a group needed more precision: widen once
             self.scale = self.scale.to(q.scale.dtype)
             self.zero = self.zero.to(q.scale.dtype)

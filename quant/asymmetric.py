@@ -72,6 +72,7 @@ def quantize(
     group_size: int | None = None,
     *,
     scale_dtype: torch.dtype = torch.float16,
+    check_finite: bool = True,
 ) -> QuantizedTensor:
     """Quantize a float tensor to ``bits``-bit codes, per group along the last dimension.
 
@@ -85,6 +86,9 @@ def quantize(
         Values per group along the last dimension; must divide D. Default: D.
     scale_dtype
         Preferred storage dtype of scales and zero points (promoted when it cannot hold them).
+    check_finite
+        Reject NaN/infinity (default). A caller that already knows its input is finite, such as
+        a KV cache quantizing each new token, can skip the check.
 
     Returns
     -------
@@ -96,7 +100,7 @@ def quantize(
         raise ValueError("cannot quantize a 0-dimensional tensor")
     group = x.shape[-1] if group_size is None else group_size
     check_options(bits, group, x.shape[-1])
-    if not bool(torch.isfinite(x).all()):
+    if check_finite and not bool(torch.isfinite(x).all()):
         raise ValueError("cannot quantize a tensor with NaN or infinite values")
     levels = 2**bits - 1
     grouped = x.double().reshape(*x.shape[:-1], x.shape[-1] // group, group)
@@ -123,12 +127,27 @@ def quantize(
 
 
 def dequantize(q: QuantizedTensor) -> torch.Tensor:
-    """Float tensor of the original shape and dtype: lambda * (x_q - z) per group."""
+    """Float tensor of the original shape and dtype: lambda * (x_q - z) per group.
+
+    Computed in the output dtype when that is exact (float32, or float16 with float16 scales:
+    codes, zero points and their difference are small integers, so only the product rounds, as
+    it would in float32 before the cast), else in float32/float64 and cast; in place either way.
+    """
     codes = unpack_nibbles(q.data) if q.bits == 4 else q.data
-    compute = torch.float64 if q.scale.dtype == torch.float64 else torch.float32
-    grouped = codes.to(compute).reshape(*q.shape[:-1], q.shape[-1] // q.group_size, q.group_size)
-    values = (grouped - q.zero_point.to(compute).unsqueeze(-1)) * q.scale.to(compute).unsqueeze(-1)
-    return values.reshape(q.shape).to(q.dtype)
+    compute = _compute_dtype(q)
+    groups = q.shape[-1] // q.group_size
+    values = codes.to(compute).view(*q.shape[:-1], groups, q.group_size)
+    values.sub_(q.zero_point.to(compute).unsqueeze(-1)).mul_(q.scale.to(compute).unsqueeze(-1))
+    values = values.view(q.shape)
+    return values if values.dtype == q.dtype else values.to(q.dtype)
+
+
+def _compute_dtype(q: QuantizedTensor) -> torch.dtype:
+    if q.scale.dtype == torch.float64:
+        return torch.float64
+    if q.dtype == torch.float32 or (q.dtype == torch.float16 and q.scale.dtype == torch.float16):
+        return q.dtype
+    return torch.float32
 
 
 def _storable(
@@ -152,12 +171,13 @@ def _storable(
             constant, torch.zeros_like(low), torch.round(-low / stored_scale.double())
         )
         stored_zero = zero.to(dtype)
+        wide = stored_scale.double()
         fits = (
-            bool(torch.isfinite(stored_scale).all())
-            and bool((stored_scale != 0).all())
-            and bool((stored_zero.double() == zero).all())
-            and bool((stored_scale.double() == scale)[constant].all())
+            torch.isfinite(stored_scale)
+            & (stored_scale != 0)
+            & (stored_zero.double() == zero)
+            & ((wide == scale) | ~constant)
         )
-        if fits:
+        if bool(fits.all()):  # one reduction, one host sync
             return stored_scale, stored_zero
     raise AssertionError("float64 always holds float64 values")

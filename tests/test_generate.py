@@ -119,3 +119,15 @@ def test_smollm2_says_paris(smollm2):
     model, tokenizer = smollm2
     result = generate(model, tokenizer, "The capital of France is", max_new_tokens=8)
     assert "Paris" in result.texts[0]
+
+
+def test_pruning_finished_sequences_keeps_every_output(tokenizer):
+    model = tiny_llama()
+    prompts = ["alpha beta gamma", "x", "a much longer prompt than the others, to pad them"]
+    # EOS becomes likely for some rows: compare pruned and unpruned runs row by row.
+    with torch.no_grad():
+        model.lm_head.weight[EOS] += 0.6
+    full = generate(model, tokenizer, prompts, max_new_tokens=12)
+    pruned = generate(model, tokenizer, prompts, max_new_tokens=12, prune_finished=True)
+    assert pruned.token_ids == full.token_ids
+    assert pruned.finish_reasons == full.finish_reasons

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from alisa.commands import generate, plan, profile
+from alisa.commands import batch, generate, plan, profile
 
 COMMANDS = {
+    "batch": (batch.HELP, batch.configure, batch.run),
     "generate": (generate.HELP, generate.configure, generate.run),
     "plan": (plan.HELP, plan.configure, plan.run),
     "profile": (profile.HELP, profile.configure, profile.run),

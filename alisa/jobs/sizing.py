@@ -1,0 +1,87 @@
+"""Predicted peak memory of one batch, and the largest batch that fits a byte budget.
+
+Counted: weights, every layer's KV store after sparsity and quantization (kept tokens plus the
+slot headroom the cache allocates), and the prefill transient (one layer's full-precision prompt
+KV, the layer activations, the padding mask and the logits). The same arithmetic serves the
+ALISA cache and, with r = 1 and 16 bits, HF's ``DynamicCache`` (whose concatenation briefly
+holds one layer twice).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from alisa.config import AlisaConfig
+from alisa.layer import headroom
+from scheduler import ModelSpec
+
+SAFETY = 1.10  # allocator slack on activations
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchMemory:
+    """Predicted bytes of one batch."""
+
+    weights: int
+    kv: int
+    transient: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.transient
+
+
+def kept_tokens(config: AlisaConfig | None, tokens: int) -> int:
+    """Tokens a sequence keeps after ``tokens`` seen (the policy's ratio or budget)."""
+    if config is None or config.keeps_everything:
+        return tokens
+    if config.budget_tokens is not None:
+        return min(tokens, config.budget_tokens)
+    return max(1, math.floor(tokens * config.caching_ratio + 0.5))
+
+
+def batch_memory(
+    spec: ModelSpec, config: AlisaConfig | None, batch: int, prompt_len: int, new_tokens: int
+) -> BatchMemory:
+    """Peak bytes of generating ``new_tokens`` for ``batch`` prompts of ``prompt_len`` tokens.
+
+    ``config=None`` sizes HF's ``DynamicCache``: every token, model dtype, no headroom.
+    """
+    total = prompt_len + new_tokens
+    full_token = spec.kv_bytes_per_token(16)
+    layer_full = full_token / spec.num_layers
+    if config is None:
+        kv = batch * total * full_token + batch * total * layer_full  # cat holds a layer twice
+    else:
+        kept = kept_tokens(config, total)
+        slots = kept + headroom(kept)
+        kv = batch * slots * spec.kv_bytes_per_token(config.kv_bits)
+        if config.kv_bits < 16:
+            kv += batch * min(config.residual_tokens, slots) * full_token
+    element = spec.bytes_per_element
+    activations = batch * prompt_len * (4 * spec.hidden_size + 2 * spec.intermediate_size) * element
+    mask = batch * prompt_len * prompt_len  # boolean padding mask of the prefill
+    prompt_layer = batch * prompt_len * layer_full  # the layer being prefilled, uncompressed
+    logits = batch * spec.vocab_size * 4
+    transient = int(SAFETY * (activations + mask + logits) + prompt_layer)
+    return BatchMemory(weights=spec.total_weight_bytes, kv=int(kv), transient=transient)
+
+
+def largest_batch(
+    spec: ModelSpec,
+    config: AlisaConfig | None,
+    budget: int,
+    prompt_len: int,
+    new_tokens: int,
+    limit: int,
+) -> int:
+    """The largest batch (<= limit) whose predicted peak fits ``budget``; 0 if none."""
+    low, high = 0, limit
+    while low < high:
+        middle = (low + high + 1) // 2
+        if batch_memory(spec, config, middle, prompt_len, new_tokens).total <= budget:
+            low = middle
+        else:
+            high = middle - 1
+    return low

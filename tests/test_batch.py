@@ -1,0 +1,232 @@
+"""`alisa batch`: budgets, resumption, kill -9 safety, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import byte_tokenizer, tiny_llama
+from transformers import DynamicCache
+
+from alisa import AlisaConfig, BatchJob, run_batch
+from alisa.architecture import model_shape
+from alisa.cli import main
+from alisa.jobs import batch_memory
+from alisa.planning import model_spec
+
+TESTS = Path(__file__).parent
+
+
+def write_prompts(path: Path, count: int = 12, long_every: int = 0, words: int = 3) -> list:
+    rows = []
+    for index in range(count):
+        words_here = 60 if long_every and index % long_every == 0 else words + index % 5
+        rows.append({"id": f"p{index}", "prompt": " ".join(["word"] * words_here) + f" {index}"})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def read_rows(path: Path) -> list:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_every_prompt_gets_one_row_and_reruns_skip_finished(tmp_path):
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_prompts(source)
+    job = BatchJob(input=str(source), output=str(target), max_new_tokens=6, progress=False)
+    summary = run_batch(model, tokenizer, job)
+    rows = read_rows(target)
+    assert sorted(r["id"] for r in rows) == sorted(f"p{i}" for i in range(12))
+    assert all(r["finish_reason"] in ("stop", "length") and r["tokens"] >= 1 for r in rows)
+    assert summary.completed == 12 and summary.generated_tokens == sum(r["tokens"] for r in rows)
+    again = run_batch(model, tokenizer, job)
+    assert again.completed == 0 and again.already_done == 12
+    assert len(read_rows(target)) == 12
+
+
+def test_batches_shrink_to_fit_the_budget_and_oversized_prompts_are_reported(tmp_path):
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_prompts(source, count=10, long_every=5)
+    spec = model_spec(model, model_shape(model))
+    small = batch_memory(spec, AlisaConfig(), 3, 30, 6).total
+    job = BatchJob(
+        input=str(source), output=str(target), gpu_memory=small, max_new_tokens=6, progress=False
+    )
+    summary = run_batch(model, tokenizer, job)
+    rows = {r["id"]: r for r in read_rows(target)}
+    assert len(rows) == 10
+    assert max(summary.batches) <= 3
+    assert summary.did_not_fit == ["p0", "p5"]  # 60-word prompts cannot fit even alone
+    assert rows["p0"]["finish_reason"] == "did_not_fit" and "bytes" in rows["p0"]["error"]
+
+
+def test_sparse_int8_batches_are_larger_under_the_same_budget(tmp_path):
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    source = tmp_path / "in.jsonl"
+    write_prompts(source, count=16, words=60)  # about 300 tokens each
+    spec = model_spec(model, model_shape(model))
+    budget = batch_memory(spec, None, 4, 330, 8).total
+    dense = run_batch(
+        model,
+        tokenizer,
+        BatchJob(
+            input=str(source),
+            output=str(tmp_path / "d.jsonl"),
+            gpu_memory=budget,
+            max_new_tokens=8,
+            progress=False,
+        ),
+        cache_factory=DynamicCache,
+    )
+    sparse = run_batch(
+        model,
+        tokenizer,
+        BatchJob(
+            input=str(source),
+            output=str(tmp_path / "s.jsonl"),
+            gpu_memory=budget,
+            max_new_tokens=8,
+            config=AlisaConfig(policy="swa", caching_ratio=0.2, kv_bits=8),
+            progress=False,
+        ),
+    )
+    assert max(sparse.batches) > max(dense.batches)
+
+
+def test_dense_alisa_matches_dynamic_cache_outputs(tmp_path):
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    model.generation_config.eos_token_id = None
+    source = tmp_path / "in.jsonl"
+    write_prompts(source, count=6)
+    ours = tmp_path / "a.jsonl"
+    theirs = tmp_path / "b.jsonl"
+    run_batch(
+        model,
+        tokenizer,
+        BatchJob(input=str(source), output=str(ours), max_new_tokens=8, progress=False),
+    )
+    run_batch(
+        model,
+        tokenizer,
+        BatchJob(input=str(source), output=str(theirs), max_new_tokens=8, progress=False),
+        cache_factory=DynamicCache,
+    )
+    assert {r["id"]: r["text"] for r in read_rows(ours)} == {
+        r["id"]: r["text"] for r in read_rows(theirs)
+    }
+
+
+WORKER = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from conftest import tiny_llama, byte_tokenizer
+from alisa import BatchJob, run_batch
+import alisa.jobs.runner as runner
+real = runner.generate
+def slow(*args, **kwargs):
+    time.sleep(0.15)
+    return real(*args, **kwargs)
+runner.generate = slow
+run_batch(tiny_llama(), byte_tokenizer(), BatchJob(input={source!r}, output={target!r},
+          max_new_tokens=4, max_batch=1, progress=False))
+"""
+
+
+def test_kill_9_loses_and_duplicates_nothing(tmp_path):
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_prompts(source, count=30)
+    script = WORKER.format(tests=str(TESTS), source=str(source), target=str(target))
+    process = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.time() + 120
+    while time.time() < deadline and (
+        not target.exists() or len(target.read_text().splitlines()) < 5
+    ):
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    partial = read_rows(target)
+    assert 5 <= len(partial) < 30
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    run_batch(
+        model,
+        tokenizer,
+        BatchJob(input=str(source), output=str(target), max_new_tokens=4, progress=False),
+    )
+    rows = read_rows(target)
+    ids = [r["id"] for r in rows]
+    assert sorted(ids) == sorted(f"p{i}" for i in range(30))
+    assert rows[: len(partial)] == partial  # what was written before the kill is untouched
+
+
+def test_a_torn_last_line_is_repaired_and_redone(tmp_path):
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_prompts(source, count=4)
+    target.write_text(
+        json.dumps({"id": "p0", "text": "x", "tokens": 1, "finish_reason": "stop"})
+        + '\n{"id": "p1", "te'
+    )
+    run_batch(
+        model,
+        tokenizer,
+        BatchJob(input=str(source), output=str(target), max_new_tokens=3, progress=False),
+    )
+    rows = read_rows(target)
+    assert [r["id"] for r in rows][0] == "p0" and rows[0]["text"] == "x"
+    assert sorted(r["id"] for r in rows) == ["p0", "p1", "p2", "p3"]
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        ('{"id": 1, "prompt": "a"}\n{not json}\n', "in.jsonl:2: malformed JSON"),
+        ('{"id": 1, "prompt": "a"}\n{"id": 1, "prompt": "b"}\n', "in.jsonl:2: duplicate id 1"),
+        ('{"id": 1}\n', "in.jsonl:1: missing or empty 'prompt'"),
+        ('{"id": 1, "prompt": "a", "temprature": 1}\n', "unknown option 'temprature'"),
+        ('{"id": 1, "prompt": "a", "max_new_tokens": "many"}\n', "max_new_tokens='many'"),
+        ("[1, 2]\n", "expected a JSON object"),
+    ],
+)
+def test_bad_rows_name_file_and_line(tmp_path, content, needle):
+    source = tmp_path / "in.jsonl"
+    source.write_text(content)
+    job = BatchJob(input=str(source), output=str(tmp_path / "out.jsonl"), progress=False)
+    with pytest.raises(ValueError, match=needle.replace("[", r"\[")):
+        run_batch(tiny_llama(), byte_tokenizer(), job)
+
+
+def test_unwritable_output_and_tiny_budget_are_errors_that_keep_existing_rows(tmp_path):
+    source = tmp_path / "in.jsonl"
+    write_prompts(source, count=2)
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    with pytest.raises(ValueError, match="cannot write output"):
+        run_batch(
+            tiny_llama(),
+            byte_tokenizer(),
+            BatchJob(input=str(source), output=str(blocked / "out.jsonl")),
+        )
+    target = tmp_path / "out.jsonl"
+    target.write_text('{"id": "p0", "text": "kept", "tokens": 1, "finish_reason": "stop"}\n')
+    with pytest.raises(ValueError, match="smaller than the weights"):
+        run_batch(
+            tiny_llama(),
+            byte_tokenizer(),
+            BatchJob(input=str(source), output=str(target), gpu_memory=1000),
+        )
+    assert read_rows(target) == [{"id": "p0", "text": "kept", "tokens": 1, "finish_reason": "stop"}]
+
+
+def test_cli_reports_bad_input_in_one_line(tmp_path, capsys):
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"id": 1, "prompt": ""}\n')
+    code = main(["batch", str(source), "-o", str(tmp_path / "out.jsonl")])
+    err = capsys.readouterr().err
+    assert code != 0 and "in.jsonl:1" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
