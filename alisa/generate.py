@@ -124,6 +124,7 @@ def generate(
     sampling: SamplingOptions | None = None,
     past_key_values=None,
     prune_finished: bool = False,
+    stop_at_eos: bool = True,
 ) -> GenerationOutput:
     """Generate completions for a batch of prompts with the ALISA cache.
 
@@ -141,6 +142,8 @@ def generate(
         Greedy by default; see :class:`SamplingOptions`.
     past_key_values
         A ready cache to use instead of a new ``AlisaCache`` (e.g. HF ``DynamicCache`` to compare).
+    stop_at_eos
+        False generates exactly ``max_new_tokens`` per prompt (benchmarks of equal work).
     prune_finished
         Drop sequences from the batch once they emit EOS (faster for batch jobs; the remaining
         rows then run in a smaller batch, which can change float rounding).
@@ -163,7 +166,7 @@ def generate(
     cache = past_key_values
     if cache is None:
         cache = AlisaCache(model, config, max_new_tokens=max_new_tokens)
-    decoder = _Decoder(model, tokenizer, sampling, device)
+    decoder = _Decoder(model, tokenizer, sampling, device, stop_at_eos)
     with PeakMemory(device) as memory:
         result = decoder.run(
             batch["input_ids"], batch["attention_mask"], cache, max_new_tokens, prune_finished
@@ -185,7 +188,9 @@ def _check_prompts(prompts: str | Sequence[str]) -> list[str]:
 class _Decoder:
     """The prefill/decode loop of one call; kept apart so ``generate`` stays a thin front."""
 
-    def __init__(self, model, tokenizer, sampling: SamplingOptions, device: torch.device):
+    def __init__(
+        self, model, tokenizer, sampling: SamplingOptions, device: torch.device, stop_at_eos: bool
+    ):
         self.model, self.tokenizer, self.sampling, self.device = model, tokenizer, sampling, device
         self.processors = _warpers(model, sampling)
         self.generator = None
@@ -194,6 +199,7 @@ class _Decoder:
         eos = model.generation_config.eos_token_id
         eos = tokenizer.eos_token_id if eos is None else eos
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        eos_ids = eos_ids if stop_at_eos else []
         self.eos = torch.tensor(eos_ids, device=device, dtype=torch.long)
         pad = tokenizer.pad_token_id
         self.pad = pad if pad is not None else (eos_ids[0] if eos_ids else 0)

@@ -131,3 +131,12 @@ def test_pruning_finished_sequences_keeps_every_output(tokenizer):
     pruned = generate(model, tokenizer, prompts, max_new_tokens=12, prune_finished=True)
     assert pruned.token_ids == full.token_ids
     assert pruned.finish_reasons == full.finish_reasons
+
+
+def test_stop_at_eos_false_generates_every_token(tokenizer):
+    model = tiny_llama()
+    with torch.no_grad():
+        model.lm_head.weight[EOS] += 0.6
+    result = generate(model, tokenizer, ["x", "yz"], max_new_tokens=7, stop_at_eos=False)
+    assert [len(ids) for ids in result.token_ids] == [7, 7]
+    assert result.finish_reasons == ["length", "length"]

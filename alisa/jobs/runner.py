@@ -33,6 +33,8 @@ class BatchJob:
         Default tokens per prompt (a row's ``max_new_tokens`` overrides it).
     max_batch
         Upper bound on the batch size whatever the budget allows.
+    stop_at_eos
+        False: every prompt generates exactly its ``max_new_tokens`` (benchmarks).
     """
 
     input: str
@@ -41,6 +43,7 @@ class BatchJob:
     gpu_memory: int | str | None = None
     max_new_tokens: int = 64
     max_batch: int = 64
+    stop_at_eos: bool = True
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -138,6 +141,7 @@ def _run(model, tokenizer, job, requests, log, cache_factory) -> JobSummary:
                     sampling=_sampling(batch[0].options),
                     past_key_values=cache_factory() if cache_factory else None,
                     prune_finished=True,
+                    stop_at_eos=job.stop_at_eos,
                 )
                 _record(log, summary, batch, result)
             bar.update(len(batch))
