@@ -61,3 +61,47 @@ def load_passkey(root: Path) -> list[dict]:
             if key not in row:
                 raise ValueError(f"passkey row {number} lacks {key!r}")
     return rows
+
+
+def load_niah(root: Path) -> list[dict]:
+    """RULER single-needle prompts: ``input``, ``answer_prefix``, ``outputs``, ``depth``."""
+    rows = read_jsonl(data_file(root, "passkey_niah/ruler_niah_single_1_noise.jsonl"))
+    for number, row in enumerate(rows, start=1):
+        for key in ("input", "answer_prefix", "outputs"):
+            if key not in row:
+                raise ValueError(f"NIAH row {number} lacks {key!r}")
+    return rows
+
+
+def load_piqa(root: Path) -> list[dict]:
+    """PIQA validation: ``goal``, ``choices`` (2), ``label``."""
+    rows = read_jsonl(data_file(root, "piqa/valid.jsonl"))
+    labels_path = data_file(root, "piqa/valid-labels.lst")
+    labels = [line.strip() for line in labels_path.read_text().splitlines() if line.strip()]
+    if len(labels) != len(rows):
+        raise ValueError(f"{labels_path}: {len(labels)} labels for {len(rows)} PIQA rows")
+    return [
+        {
+            "context": f"Question: {r['goal']}\nAnswer:",
+            "choices": [" " + r["sol1"], " " + r["sol2"]],
+            "label": int(label),
+        }
+        for r, label in zip(rows, labels, strict=True)
+    ]
+
+
+def load_copa(root: Path) -> list[dict]:
+    """COPA validation in lm-evaluation-harness form: premise + because/therefore + choice."""
+    rows = read_jsonl(data_file(root, "copa/superglue_COPA_val.jsonl"))
+    examples = []
+    for row in rows:
+        connector = {"cause": "because", "effect": "therefore"}[row["question"]]
+        context = row["premise"].strip().rstrip(".") + f" {connector}"
+        choices = [" " + c[0].lower() + c[1:] for c in (row["choice1"], row["choice2"])]
+        examples.append({"context": context, "choices": choices, "label": int(row["label"])})
+    return examples
+
+
+def load_xsum(root: Path) -> list[dict]:
+    """H2O's 0-shot XSum prompts: ``article`` (ready prompt) and ``summary_gt``."""
+    return read_jsonl(data_file(root, "xsum/h2o_xsum_0shot.jsonl"))

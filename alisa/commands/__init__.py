@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from alisa.commands import batch, generate, plan, profile
+from alisa.commands import batch, experiment, generate, plan, profile
 
 COMMANDS = {
     "batch": (batch.HELP, batch.configure, batch.run),
+    "experiment": (experiment.HELP, experiment.configure, experiment.run),
     "generate": (generate.HELP, generate.configure, generate.run),
     "plan": (plan.HELP, plan.configure, plan.run),
     "profile": (profile.HELP, profile.configure, profile.run),

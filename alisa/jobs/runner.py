@@ -69,6 +69,11 @@ class JobSummary:
     peak_kv_bytes: int = 0
     peak_memory_bytes: int = 0
     budget_bytes: int | None = None
+    ttfts_s: list = field(default_factory=list)  # time to first token of each batch
+
+    @property
+    def mean_ttft_s(self) -> float:
+        return sum(self.ttfts_s) / len(self.ttfts_s) if self.ttfts_s else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -182,6 +187,7 @@ def _record(log: OutputLog, summary: JobSummary, batch: list[Request], result) -
     summary.completed += len(batch)
     summary.generated_tokens += result.generated_tokens
     summary.peak_kv_bytes = max(summary.peak_kv_bytes, result.peak_kv_bytes)
+    summary.ttfts_s.append(result.ttft_s)
 
 
 def _groups(requests: list[Request], job: BatchJob) -> list[list[Request]]:

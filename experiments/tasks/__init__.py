@@ -1,1 +1,200 @@
-"""Evaluation tasks: each runs a model with one ``AlisaConfig`` and returns plain metrics."""
+"""Evaluation tasks for the experiment runner: name -> run(context, point, options) -> metrics.
+
+``context`` gives the loaded model and tokenizer, the data directory and the point's
+``AlisaConfig``; every task returns a flat-ish dict of JSON-serialisable metrics.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from alisa import AlisaConfig
+from experiments import data
+
+
+@dataclass
+class Context:
+    """What a task gets besides its options."""
+
+    model: object
+    tokenizer: object
+    data_root: Path
+    config: AlisaConfig
+
+
+def perplexity(context: Context, point: dict, options: dict) -> dict:
+    from experiments.tasks.perplexity import decode_perplexity, text_segments
+
+    segments = text_segments(
+        context.tokenizer,
+        data.load_wikitext2(context.data_root),
+        options.get("segment_tokens", 512),
+        point.get("batch", 2),
+    )
+    result = decode_perplexity(context.model, segments, context.config, progress=False)
+    return {"perplexity": result.perplexity, "nll": result.nll, "tokens": result.tokens}
+
+
+def passkey(context: Context, point: dict, options: dict) -> dict:
+    from experiments.tasks.retrieval import retrieval_accuracy
+
+    return retrieval_accuracy(
+        context.model,
+        context.tokenizer,
+        data.load_passkey(context.data_root),
+        context.config,
+        kind="passkey",
+        max_prompt_tokens=options.get("max_prompt_tokens", 2048),
+        progress=False,
+    )
+
+
+def niah(context: Context, point: dict, options: dict) -> dict:
+    from experiments.tasks.retrieval import retrieval_accuracy
+
+    return retrieval_accuracy(
+        context.model,
+        context.tokenizer,
+        data.load_niah(context.data_root),
+        context.config,
+        kind="niah",
+        max_prompt_tokens=options.get("max_prompt_tokens", 2048),
+        progress=False,
+    )
+
+
+def _choice(loader):
+    def run(context: Context, point: dict, options: dict) -> dict:
+        from experiments.tasks.choice import multiple_choice
+
+        return multiple_choice(
+            context.model,
+            context.tokenizer,
+            loader(context.data_root),
+            context.config,
+            limit=options.get("limit"),
+            progress=False,
+        )
+
+    return run
+
+
+def xsum(context: Context, point: dict, options: dict) -> dict:
+    from experiments.tasks.summarize import summarization_rouge
+
+    return summarization_rouge(
+        context.model,
+        context.tokenizer,
+        data.load_xsum(context.data_root),
+        context.config,
+        limit=options.get("limit", 20),
+        max_new_tokens=options.get("max_new_tokens", 64),
+        progress=False,
+    )
+
+
+def _analysis_maps(context: Context, options: dict):
+    from experiments.tasks.analysis import attention_maps
+    from experiments.tasks.perplexity import text_segments
+
+    ids = text_segments(
+        context.tokenizer,
+        data.load_wikitext2(context.data_root),
+        options.get("segment_tokens", 512),
+        1,
+    )
+    return attention_maps(context.model, ids)
+
+
+def attention_sparsity(context: Context, point: dict, options: dict) -> dict:
+    from experiments.tasks.analysis import attention_sparsity as sparsity
+
+    per_layer = sparsity(_analysis_maps(context, options), options.get("threshold", 0.01))
+    return {"per_layer": per_layer, "mean": sum(per_layer) / len(per_layer)}
+
+
+def spearman(context: Context, point: dict, options: dict) -> dict:
+    from experiments.tasks.analysis import importance_spearman
+
+    return importance_spearman(
+        _analysis_maps(context, options),
+        ratio=options.get("ratio", 0.2),
+        rows=options.get("rows", 32),
+    )
+
+
+def throughput(context: Context, point: dict, options: dict) -> dict:
+    """Generated tokens/s of `alisa batch` under a fixed memory budget (DynamicCache: system)."""
+    from transformers import DynamicCache, QuantizedCache
+
+    from alisa import BatchJob, run_batch
+    from alisa.memory import parse_bytes
+    from experiments.worker import prompts_of_length
+
+    batch = point.get("batch", 8)
+    prompts = prompts_of_length(
+        context.tokenizer,
+        data.load_wikitext2(context.data_root),
+        options.get("prompt_tokens", 128),
+        batch * options.get("waves", 2),
+    )
+    weights = sum(p.nbytes for p in context.model.parameters())
+    budget = (
+        weights
+        + parse_bytes(options.get("kv_budget", "128MiB"))
+        + parse_bytes(options.get("reserve", "256MiB"))
+    )
+    system = point.get("system", "alisa")
+    factories = {
+        "alisa": None,
+        "hf-dynamic": DynamicCache,
+        "hf-quantized": lambda: QuantizedCache(
+            backend="quanto", config=context.model.config, nbits=4
+        ),
+    }
+    if system not in factories:
+        raise ValueError(f"system={system!r} is unknown; valid: {', '.join(factories)}")
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder) / "in.jsonl"
+        source.write_text("".join(_row(i, p) for i, p in enumerate(prompts)))
+        job = BatchJob(
+            input=str(source),
+            output=str(Path(folder) / "out.jsonl"),
+            config=context.config,
+            gpu_memory=budget,
+            max_new_tokens=options.get("new_tokens", 64),
+            max_batch=batch,
+            stop_at_eos=False,
+            progress=False,
+        )
+        summary = run_batch(context.model, context.tokenizer, job, cache_factory=factories[system])
+    return {
+        "tokens_per_s": summary.tokens_per_s,
+        "largest_batch": max(summary.batches, default=0),
+        "batches": len(summary.batches),
+        "ttft_s": summary.mean_ttft_s,
+        "peak_kv_bytes": summary.peak_kv_bytes,
+        "peak_memory_bytes": summary.peak_memory_bytes,
+        "budget_bytes": budget,
+    }
+
+
+def _row(index: int, prompt: str) -> str:
+    import json
+
+    return json.dumps({"id": index, "prompt": prompt}) + "\n"
+
+
+TASKS = {
+    "perplexity": perplexity,
+    "passkey": passkey,
+    "niah": niah,
+    "piqa": _choice(data.load_piqa),
+    "copa": _choice(data.load_copa),
+    "xsum": xsum,
+    "attention_sparsity": attention_sparsity,
+    "spearman": spearman,
+    "throughput": throughput,
+}

@@ -1,0 +1,149 @@
+"""Run an experiment sweep: ``python -m experiments.run --config experiments/configs/NAME.toml``.
+
+Results go to ``results/NAME/<timestamp>/``: ``config.json`` (resolved), ``env.json`` (versions,
+CPU/GPU, threads, git commit) and ``results.jsonl``, one row per data point appended atomically.
+Running the same config again resumes the newest run with that exact configuration: finished
+points are skipped, and a run killed with ``kill -9`` loses and duplicates nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from alisa.jobs.io import OutputLog
+from experiments.data import REPO_ROOT, data_dir
+from experiments.runconfig import RunConfig, alisa_config, load_config, point_key
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="experiments.run", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="TOML config (experiments/configs/*.toml)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override, e.g. sweep.policy=swa,h2o or runtime.threads=1",
+    )
+    parser.add_argument("--no-progress", action="store_true")
+    return parser.parse_args(argv)
+
+
+def environment(threads: int) -> dict:
+    """Versions and machine facts recorded beside every run."""
+    import transformers
+
+    commit = (
+        subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=False
+        ).stdout.strip()
+        or None
+    )
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "threads": threads,
+        "gpu": gpu,
+        "git_commit": commit,
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def run_directory(config: RunConfig) -> Path:
+    """The newest run with exactly this configuration, or a new timestamped one."""
+    root = Path(config.runtime["results_dir"]) / config.name
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(
+            f"results directory {str(root)!r} cannot be created: {error.strerror}"
+        ) from None
+    resolved = config.as_dict()
+    for previous in sorted(root.iterdir(), reverse=True):
+        saved = previous / "config.json"
+        if saved.is_file() and json.loads(saved.read_text()) == resolved:
+            return previous
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    folder = root / stamp
+    suffix = 1
+    while folder.exists():  # never overwrite a run started in the same second
+        folder, suffix = root / f"{stamp}-{suffix}", suffix + 1
+    try:
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(resolved, indent=2) + "\n")
+        (folder / "env.json").write_text(
+            json.dumps(environment(config.runtime["threads"]), indent=2) + "\n"
+        )
+    except OSError as error:
+        raise ValueError(
+            f"results directory {str(folder)!r} is not writable: {error.strerror}"
+        ) from None
+    return folder
+
+
+def run(config: RunConfig, progress: bool = True) -> Path:
+    """Run every pending point of ``config``; returns the run directory."""
+    from alisa import load_model
+    from experiments.tasks import TASKS, Context
+
+    folder = run_directory(config)
+    log = OutputLog(folder / "results.jsonl")
+    root = data_dir(config.runtime["data_dir"])
+    torch.set_num_threads(int(config.runtime["threads"]))
+    pending = [p for p in config.points() if point_key(p) not in log.done]
+    models: dict = {}
+    try:
+        for point in tqdm(pending, desc=config.name, unit="point", disable=not progress):
+            spec = point.get("model", "smollm2-135m")
+            if spec not in models:
+                models.clear()  # one model in memory at a time
+                models[spec] = load_model(spec, dtype=config.runtime["dtype"])
+            model, tokenizer = models[spec]
+            started = time.perf_counter()
+            context = Context(
+                model=model, tokenizer=tokenizer, data_root=root, config=alisa_config(point)
+            )
+            metrics = TASKS[point["task"]](context, point, config.options.get(point["task"], {}))
+            log.append(
+                {
+                    "id": point_key(point),
+                    "point": point,
+                    "metrics": metrics,
+                    "seconds": round(time.perf_counter() - started, 3),
+                }
+            )
+    finally:
+        log.close()
+    return folder
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        config = load_config(args.config, args.set)
+        folder = run(config, progress=not args.no_progress)
+    except ValueError as error:
+        print(f"experiments.run: error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 1
+    print(f"results in {folder}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

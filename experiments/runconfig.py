@@ -1,0 +1,155 @@
+"""Experiment configs: TOML with ``--set`` overrides, validated key by key, expanded to points.
+
+A config has ``name``, ``[sweep]`` (lists to take the cartesian product of: ``task``, ``model``,
+``batch``, ``system`` and any ``AlisaConfig`` field), ``[options.<task>]`` (task settings) and
+``[runtime]`` (dtype, threads, data_dir, results_dir). Unknown keys are errors naming the key.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import tomllib
+
+from alisa import AlisaConfig
+
+TOP_KEYS = ("name", "sweep", "options", "runtime")
+RUNTIME_DEFAULTS = {"dtype": "float32", "threads": 2, "data_dir": None, "results_dir": "results"}
+POINT_KEYS = ("task", "model", "batch", "system")
+CONFIG_FIELDS = tuple(f.name for f in fields(AlisaConfig))
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A resolved, validated experiment configuration."""
+
+    name: str
+    sweep: dict
+    options: dict
+    runtime: dict
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "sweep": self.sweep,
+            "options": self.options,
+            "runtime": self.runtime,
+        }
+
+    def points(self) -> list[dict]:
+        """Every combination of the sweep, dense policies collapsed to r = 1 (one run)."""
+        keys = list(self.sweep)
+        seen, result = set(), []
+        for values in itertools.product(*(self.sweep[k] for k in keys)):
+            point = dict(zip(keys, values, strict=True))
+            if point.get("policy") == "dense":
+                point["caching_ratio"] = 1.0
+            key = point_key(point)
+            if key not in seen:
+                seen.add(key)
+                result.append(point)
+        return result
+
+
+def point_key(point: dict) -> str:
+    """Stable identity of a data point (what resumption compares)."""
+    return json.dumps(point, sort_keys=True)
+
+
+def alisa_config(point: dict) -> AlisaConfig:
+    """The point's ``AlisaConfig`` (fields not in the point keep their defaults)."""
+    return AlisaConfig(**{k: v for k, v in point.items() if k in CONFIG_FIELDS})
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read, override and validate a config file.
+
+    Raises
+    ------
+    ValueError
+        A missing or unparsable file, an unknown key (named), an empty sweep list, a bad value.
+    """
+    file = Path(path)
+    try:
+        raw = tomllib.loads(file.read_text())
+    except OSError as error:
+        raise ValueError(f"config {str(file)!r} cannot be read: {error.strerror}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ValueError(f"config {str(file)!r} is not valid TOML: {error}") from None
+    for item in overrides or []:
+        _apply(raw, item)
+    return _validate(raw, file)
+
+
+def _apply(raw: dict, item: str) -> None:
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--set {item!r} must be key=value")
+    path = key.strip().split(".")
+    if path[0] not in TOP_KEYS:
+        raise ValueError(f"--set key {key!r} is unknown; top-level keys: {', '.join(TOP_KEYS)}")
+    value = _parse(text.strip())
+    if path[0] == "sweep" and not isinstance(value, list):
+        value = [_parse(part.strip()) for part in text.split(",")]
+    target = raw
+    for part in path[:-1]:
+        target = target.setdefault(part, {})
+    target[path[-1]] = value
+
+
+def _parse(text: str):
+    try:
+        return tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _validate(raw: dict, file: Path) -> RunConfig:
+    unknown = sorted(set(raw) - set(TOP_KEYS))
+    if unknown:
+        raise ValueError(f"config {file}: unknown key(s) {unknown}; valid: {', '.join(TOP_KEYS)}")
+    name = raw.get("name")
+    if not isinstance(name, str) or not name.strip() or "/" in name:
+        raise ValueError(
+            f"config {file}: 'name' must be a non-empty string without '/', got {name!r}"
+        )
+    sweep = raw.get("sweep") or {}
+    if not sweep:
+        raise ValueError(f"config {file}: the sweep is empty (add [sweep] with at least 'task')")
+    for key, values in sweep.items():
+        if key not in POINT_KEYS and key not in CONFIG_FIELDS:
+            raise ValueError(
+                f"config {file}: unknown sweep key {key!r}; "
+                f"valid: {', '.join(POINT_KEYS + CONFIG_FIELDS)}"
+            )
+        if not isinstance(values, list):
+            sweep[key] = values = [values]
+        if not values:
+            raise ValueError(f"config {file}: sweep.{key} is an empty list")
+        # TOML has no null: "none" in a sweep list means the field's default of None.
+        sweep[key] = [None if v == "none" else v for v in values]
+    if "task" not in sweep:
+        raise ValueError(f"config {file}: the sweep needs 'task'")
+    from experiments.tasks import TASKS
+
+    for task in sweep["task"]:
+        if task not in TASKS:
+            raise ValueError(f"config {file}: unknown task {task!r}; valid: {', '.join(TASKS)}")
+    options = raw.get("options") or {}
+    for task in options:
+        if task not in TASKS:
+            raise ValueError(f"config {file}: options for unknown task {task!r}")
+    runtime = dict(RUNTIME_DEFAULTS)
+    for key, value in (raw.get("runtime") or {}).items():
+        if key not in RUNTIME_DEFAULTS:
+            raise ValueError(
+                f"config {file}: unknown runtime key {key!r}; valid: {', '.join(RUNTIME_DEFAULTS)}"
+            )
+        runtime[key] = value
+    config = RunConfig(name=name, sweep=sweep, options=options, runtime=runtime)
+    for point in config.points():
+        alisa_config(point)  # every combination must be a valid AlisaConfig
+    return config

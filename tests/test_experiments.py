@@ -1,0 +1,225 @@
+"""The experiment runner and report: sweeps, resumption, kill -9 safety, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import byte_tokenizer, tiny_llama
+
+from experiments.report import main as report_main
+from experiments.run import main as run_main
+from experiments.runconfig import load_config
+
+COPA = [
+    {
+        "premise": "The man fell.",
+        "choice1": "He tripped.",
+        "choice2": "He sang.",
+        "question": "cause",
+        "label": 0,
+    },
+    {
+        "premise": "It rained.",
+        "choice1": "The street got wet.",
+        "choice2": "The sun rose.",
+        "question": "effect",
+        "label": 0,
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("experiments")
+    model_dir = root / "tiny-model"
+    tiny_llama().save_pretrained(model_dir)
+    byte_tokenizer().save_pretrained(model_dir)
+    data = root / "data"
+    (data / "wikitext2").mkdir(parents=True)
+    (data / "wikitext2" / "wiki.test.raw").write_text(
+        " = Title = \n" + "The quick brown fox. " * 400
+    )
+    (data / "copa").mkdir()
+    (data / "copa" / "superglue_COPA_val.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in COPA)
+    )
+    return root, model_dir, data
+
+
+def write_config(root: Path, model_dir: Path, data: Path, name="t", extra="") -> Path:
+    path = root / f"{name}.toml"
+    path.write_text(f"""
+name = "{name}"
+[sweep]
+task = ["perplexity", "copa"]
+model = ["{model_dir}"]
+policy = ["dense", "swa", "h2o"]
+caching_ratio = [0.5, 0.25]
+batch = [2]
+[options.perplexity]
+segment_tokens = 48
+[runtime]
+data_dir = "{data}"
+results_dir = "{root / "results"}"
+threads = 1
+{extra}
+""")
+    return path
+
+
+def rows(folder: Path) -> list:
+    return [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
+
+
+def only_run(root: Path, name: str) -> Path:
+    runs = sorted((root / "results" / name).iterdir())
+    assert len(runs) == 1
+    return runs[0]
+
+
+def test_sweep_runs_every_point_once_and_resumes(workspace):
+    root, model_dir, data = workspace
+    config = write_config(root, model_dir, data, name="sweep")
+    assert run_main(["--config", str(config), "--no-progress"]) == 0
+    folder = only_run(root, "sweep")
+    first = rows(folder)
+    # 2 tasks x (dense once + swa, h2o at two ratios) = 10 points
+    assert len(first) == 10
+    assert {r["point"]["task"] for r in first} == {"perplexity", "copa"}
+    assert all("perplexity" in r["metrics"] or "acc" in r["metrics"] for r in first)
+    env = json.loads((folder / "env.json").read_text())
+    assert env["torch"] and env["threads"] == 1
+    assert run_main(["--config", str(config), "--no-progress"]) == 0
+    assert rows(only_run(root, "sweep")) == first  # resumed: nothing redone
+
+
+def test_overrides_change_the_sweep_and_start_a_new_run(workspace):
+    root, model_dir, data = workspace
+    config = write_config(root, model_dir, data, name="override")
+    code = run_main(
+        [
+            "--config",
+            str(config),
+            "--set",
+            "sweep.policy=swa",
+            "--set",
+            "sweep.task=copa",
+            "--no-progress",
+        ]
+    )
+    assert code == 0
+    assert [r["point"]["policy"] for r in rows(only_run(root, "override"))] == ["swa", "swa"]
+
+
+def test_report_writes_tables_and_plots(workspace, capsys):
+    root, model_dir, data = workspace
+    config = write_config(root, model_dir, data, name="report")
+    run_main(["--config", str(config), "--set", "sweep.task=perplexity", "--no-progress"])
+    assert report_main([str(root / "results" / "report")]) == 0
+    folder = only_run(root, "report")
+    text = (folder / "report.md").read_text()
+    assert "| perplexity" in text or "perplexity |" in text
+    assert (folder / "perplexity_vs_sparsity.png").stat().st_size > 1000
+
+
+def test_kill_9_loses_and_duplicates_nothing(workspace):
+    root, model_dir, data = workspace
+    config = write_config(root, model_dir, data, name="killed", extra="[options.copa]\nlimit = 2")
+    config.write_text(
+        config.read_text().replace(
+            "caching_ratio = [0.5, 0.25]",
+            "caching_ratio = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2]",
+        )
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "experiments.run", "--config", str(config), "--no-progress"],
+        cwd=Path(__file__).parents[1],
+    )
+    results = root / "results" / "killed"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        files = list(results.glob("*/results.jsonl"))
+        if files and len(files[0].read_text().splitlines()) >= 4:
+            break
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    partial = rows(only_run(root, "killed"))
+    total = len(load_config(config).points())
+    assert 4 <= len(partial) < total
+    assert run_main(["--config", str(config), "--no-progress"]) == 0
+    final = rows(only_run(root, "killed"))
+    assert final[: len(partial)] == partial
+    keys = [r["id"] for r in final]
+    assert len(keys) == len(set(keys)) == total
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ('name = "x"\nbogus = 1\n[sweep]\ntask = ["copa"]', "unknown key(s) ['bogus']"),
+        ('name = "x"\n[sweep]\ntask = ["copa"]\nratio = [0.5]', "unknown sweep key 'ratio'"),
+        ('name = "x"\n[sweep]\ntask = []', "sweep.task is an empty list"),
+        ('name = "x"', "the sweep is empty"),
+        ('name = "x"\n[sweep]\ntask = ["summarise"]', "unknown task 'summarise'"),
+        ('name = "x"\n[sweep]\ntask = ["copa"]\n[runtime]\ngpu = 1', "unknown runtime key 'gpu'"),
+        ('name = "x"\n[sweep]\ntask = ["copa"]\ncaching_ratio = [1.5]', "caching_ratio=1.5"),
+        ("name = [", "not valid TOML"),
+    ],
+)
+def test_bad_configs_name_the_problem(tmp_path, capsys, text, needle):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    assert run_main(["--config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_unknown_override_key_is_named(tmp_path, capsys, workspace):
+    root, model_dir, data = workspace
+    config = write_config(root, model_dir, data, name="ovr")
+    assert run_main(["--config", str(config), "--set", "speed=fast"]) == 1
+    assert "'speed'" in capsys.readouterr().err
+
+
+def test_missing_data_and_unwritable_results_are_clear_errors(tmp_path, capsys, workspace):
+    root, model_dir, data = workspace
+    empty = tmp_path / "no-data"
+    empty.mkdir()
+    config = write_config(tmp_path, model_dir, empty, name="nodata")
+    assert run_main(["--config", str(config), "--set", "sweep.task=copa", "--no-progress"]) == 1
+    assert "superglue_COPA_val.jsonl" in capsys.readouterr().err
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file, not a directory")
+    config = write_config(tmp_path, model_dir, data, name="unwritable")
+    code = run_main(["--config", str(config), "--set", f"runtime.results_dir={str(blocker)!r}"])
+    assert code == 1 and "results directory" in capsys.readouterr().err
+
+
+def test_a_malformed_results_line_is_reported_with_its_line(workspace, capsys):
+    root, model_dir, data = workspace
+    config = write_config(root, model_dir, data, name="corrupt")
+    run_main(
+        [
+            "--config",
+            str(config),
+            "--set",
+            "sweep.task=copa",
+            "--set",
+            "sweep.policy=swa",
+            "--no-progress",
+        ]
+    )
+    folder = only_run(root, "corrupt")
+    lines = (folder / "results.jsonl").read_text().splitlines()
+    (folder / "results.jsonl").write_text(lines[0] + "\n{garbage\n" + "\n".join(lines[1:]) + "\n")
+    assert (
+        run_main(["--config", str(config), "--set", "sweep.task=copa", "--set", "sweep.policy=swa"])
+        == 1
+    )
+    assert "results.jsonl:2" in capsys.readouterr().err
