@@ -211,16 +211,19 @@ def _seed_scores(
     Rows are computed in query chunks so the transient stays near 32 MiB; padding queries give
     zero rows.
     """
-    batch, heads, length, _ = query.shape
-    rows = length if rows_wanted is None else min(rows_wanted, length)
+    batch, heads, queries, _ = query.shape
+    length = key.shape[2]
+    offset = length - queries  # a chunked prefill's queries are the last of the keys
+    rows = queries if rows_wanted is None else min(rows_wanted, queries)
     positions = torch.arange(length, device=query.device)
     keys_valid = torch.ones(batch, length, dtype=torch.bool, device=query.device)
     if valid is not None:
         keys_valid = valid.to(query.device)
     chunk = max(1, SEED_CHUNK_VALUES // max(1, batch * heads * length))
-    for start in range(length - rows, length, chunk):
-        stop = min(start + chunk, length)
-        causal = positions.view(1, -1) <= torch.arange(start, stop, device=query.device).view(-1, 1)
+    for start in range(queries - rows, queries, chunk):
+        stop = min(start + chunk, queries)
+        query_positions = torch.arange(start + offset, stop + offset, device=query.device)
+        causal = positions.view(1, -1) <= query_positions.view(-1, 1)
         visible = (keys_valid.unsqueeze(1) & causal.unsqueeze(0)).unsqueeze(1)  # (B, 1, q, S)
         probabilities = grouped_probabilities(query[:, :, start:stop], key, visible, scaling)
         # Padding queries see nothing: their softmax is NaN; they contribute no attention.

@@ -52,21 +52,45 @@ def memory_bandwidth(device: torch.device, megabytes: int = 256) -> float:
     return x.nbytes / _median_seconds(lambda: x.sum(), device)
 
 
-def decode_overhead(model, device: torch.device, weight_bytes: int, bandwidth: float) -> float:
-    """Seconds a batch-1, 16-token-context decode step takes beyond reading the weights once."""
+def _decode_step(model, device: torch.device, batch: int, context: int) -> float:
+    """Median seconds of one decode step of ``batch`` sequences at ``context`` tokens."""
     from alisa import AlisaCache
 
-    ids = torch.randint(10, 1000, (1, 16), device=device)
+    ids = torch.randint(10, 1000, (batch, context), device=device)
     cache = AlisaCache(model)
     with torch.inference_mode():
-        model(input_ids=ids, past_key_values=cache)
+        model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
         token = ids[:, -1:]
 
         def step():
             model(input_ids=token, past_key_values=cache, logits_to_keep=1)
 
-        seconds = _median_seconds(step, device, repeats=9)
-    return max(0.0, seconds - weight_bytes / bandwidth)
+        return _median_seconds(step, device, repeats=7)
+
+
+def calibrate_decode(
+    model, device: torch.device, bandwidth: float, flops: float
+) -> tuple[float, float]:
+    """(fixed seconds per step, KV bytes read per second) fitted on two real decode steps.
+
+    Step time = overhead + max(weights / bandwidth, FLOPs / flops) + KV bytes / kv_rate, solved
+    from a small step (batch 1, 16 tokens) and a KV-heavy one (batch 4, 1024 tokens).
+    """
+    from alisa.architecture import model_shape
+    from alisa.planning import model_spec
+
+    spec = model_spec(model, model_shape(model))
+    points = []
+    for batch, context in ((1, 16), (4, 1024)):
+        seconds = _decode_step(model, device, batch, context)
+        fixed = max(
+            spec.total_weight_bytes / bandwidth, batch * spec.decode_flops_per_token() / flops
+        )
+        points.append((seconds - fixed, batch * context * spec.kv_bytes_per_token(16)))
+    (small_time, small_kv), (large_time, large_kv) = points
+    per_byte = max(1e-15, (large_time - small_time) / (large_kv - small_kv))
+    overhead = max(0.0, small_time - small_kv * per_byte)
+    return overhead, 1.0 / per_byte
 
 
 def recompute_flops(model, device: torch.device, tokens: int = 512) -> float:
@@ -102,10 +126,9 @@ def measure(
         )
     else:
         device_bytes = host_bytes = psutil.virtual_memory().total
-    overhead, rebuild = 0.0, 0.0
+    overhead, rebuild, kv_rate = 0.0, 0.0, 0.0
     if model is not None:
-        weight_bytes = sum(p.nbytes for p in model.parameters())
-        overhead = decode_overhead(model, device, weight_bytes, bandwidth)
+        overhead, kv_rate = calibrate_decode(model, device, bandwidth, flops)
         rebuild = recompute_flops(model, device)
     return HardwareProfile(
         name=f"{platform.node() or 'host'} {device.type} "
@@ -119,4 +142,5 @@ def measure(
         overlap=device.type == "cuda",
         step_overhead_s=overhead,
         recompute_flops=rebuild,
+        kv_bytes_per_s=kv_rate,
     )

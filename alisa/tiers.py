@@ -187,8 +187,10 @@ class TieredStore:
                 parts.append(self.device.read(region_positions))
             elif tier == "host":
                 keys, values = self.host.read(region_positions.to(_device_of(self.host)))
-                keys = keys.to(self.model_device, non_blocking=True)
-                values = values.to(self.model_device, non_blocking=True)
+                # A real copy even on CPU-only machines (where .to would be a no-op view): the
+                # host pool is a separate tier, and the cost model prices this traffic.
+                keys = keys.to(self.model_device, non_blocking=True, copy=True)
+                values = values.to(self.model_device, non_blocking=True, copy=True)
                 self.fetched_bytes += keys.nbytes + values.nbytes
                 parts.append((keys, values))
             else:

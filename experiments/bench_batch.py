@@ -81,6 +81,7 @@ def main(argv=None) -> int:
             gpu_memory=budget,
             max_new_tokens=args.new_tokens,
             max_batch=64,
+            stop_at_eos=False,  # equal work: every prompt generates new_tokens
         )
         summary = run_batch(model, tokenizer, job, cache_factory=factory)
         rows.append(
@@ -151,6 +152,7 @@ def output_agreement(model, tokenizer, source: Path, work: Path, budget: int, ar
                 gpu_memory=budget,
                 max_new_tokens=args.new_tokens,
                 progress=False,
+                stop_at_eos=False,
             ),
             cache_factory=factory,
         )

@@ -93,7 +93,7 @@ class CostModel:
             model.total_weight_bytes / hw.device_bytes_per_s,
             self.workload.batch * model.decode_flops_per_token() / hw.device_flops,
         )
-        attention = bucket.mean_kept * self.kv_token / hw.device_bytes_per_s
+        attention = bucket.mean_kept * self.kv_token / (hw.kv_bytes_per_s or hw.device_bytes_per_s)
         return Linear(hw.step_overhead_s + weights + attention, {})
 
     def recompute(self, bucket: Bucket) -> Linear:

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 GIB = 1024**3
+OPTIONAL_RATES = ("step_overhead_s", "recompute_flops", "kv_bytes_per_s")  # 0: not measured
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +33,9 @@ class HardwareProfile:
     recompute_flops
         Effective FLOP/s of rebuilding K/V from stored inputs (small matmuls run below peak);
         0 means ``device_flops``.
+    kv_bytes_per_s
+        Effective rate at which decode attention reads KV (fitted by ``alisa profile``); 0 means
+        ``device_bytes_per_s``.
     step_overhead_s
         Fixed time per decode step not explained by bytes and FLOPs (kernel launches, Python),
         fitted by ``alisa profile``; 0 for published presets.
@@ -49,6 +53,7 @@ class HardwareProfile:
     overlap: bool = True
     step_overhead_s: float = 0.0
     recompute_flops: float = 0.0
+    kv_bytes_per_s: float = 0.0
     simulated: bool = False
 
     def __post_init__(self) -> None:
@@ -62,9 +67,7 @@ class HardwareProfile:
                 or not math.isfinite(value)
             ):
                 raise ValueError(f"{item.name}={value!r} must be a finite number")
-            if value < 0 or (
-                value == 0 and item.name not in ("step_overhead_s", "recompute_flops")
-            ):
+            if value < 0 or (value == 0 and item.name not in OPTIONAL_RATES):
                 raise ValueError(f"{item.name}={value!r} must be positive")
 
     def save(self, path: str | Path) -> None:

@@ -26,6 +26,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--top-p", type=float)
     sampling.add_argument("--seed", type=int, help="seed for sampling")
     add_cache_options(parser)
+    parallel = parser.add_argument_group("multi-process (launch with torchrun --nproc-per-node N)")
+    parallel.add_argument("--parallel", default="none", help="none, kvr (KV-Runahead) or tsp")
+    parallel.add_argument("--partition", default="even", help="even, search or table")
+    parallel.add_argument("--partition-table", help="JSON table for --partition table")
+    parallel.add_argument("--partition-key", help="entry of the table")
+    parallel.add_argument("--parallel-decode", default="local", help="local or sharded")
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -71,9 +77,14 @@ def run(args: argparse.Namespace) -> int:
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
-    result = generate(
-        model, tokenizer, prompt, config, max_new_tokens=args.max_new_tokens, sampling=sampling
-    )
+    if args.parallel != "none":
+        result = _parallel(args, model, tokenizer, prompt, config, sampling)
+        if result is None:  # not the last rank: it printed nothing, the last rank reports
+            return 0
+    else:
+        result = generate(
+            model, tokenizer, prompt, config, max_new_tokens=args.max_new_tokens, sampling=sampling
+        )
     print(result.texts[0])
     print(
         f"[alisa] prompt {result.prompt_tokens[0]} tok | generated {result.generated_tokens} tok | "
@@ -84,3 +95,37 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _parallel(args, model, tokenizer, prompt, config, sampling):
+    """Run under torchrun: every rank joins; the last one returns the result."""
+    import torch.distributed as dist
+
+    from alisa.memory import PeakMemory
+    from alisa.parallel import ParallelConfig, parallel_generate
+    from alisa.parallel.dist import init_from_env
+
+    parallel = ParallelConfig(
+        mode=args.parallel,
+        partition=args.partition,
+        decode=args.parallel_decode,
+        table_path=args.partition_table,
+        table_key=args.partition_key,
+    )
+    init_from_env()
+    try:
+        with PeakMemory(next(model.parameters()).device) as memory:
+            result = parallel_generate(
+                model,
+                tokenizer,
+                prompt,
+                config,
+                parallel,
+                max_new_tokens=args.max_new_tokens,
+                sampling=sampling,
+            )
+        if result is not None:
+            result.peak_memory_bytes = memory.peak_bytes
+        return result
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,255 @@
+"""Multi-process generation: KV-Runahead (or TSP) prefill, then local or sharded decode.
+
+Call :func:`parallel_generate` on every rank of an initialised process group (torchrun, or
+:func:`alisa.parallel.dist.spawn`); the last rank returns the :class:`GenerationOutput`, the
+others None. A single process needs none of this: use :func:`alisa.generate`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from alisa.architecture import model_shape
+from alisa.attention import attention_modules
+from alisa.config import AlisaConfig
+from alisa.generate import GenerationOutput, SamplingOptions, _Decoder, cache_kv_bytes
+from alisa.parallel.kvr import (
+    AllGatherCache,
+    RunaheadAlisaCache,
+    RunaheadDynamicCache,
+    chunk_forward,
+    new_chain,
+)
+from alisa.parallel.partition import PartitionTable, attention_cost_model, even_split, grid_search
+from alisa.parallel.sharded import SHARDED_ATTENTION, MasterShardCache, ShardContext, make_shards
+
+MODES = ("kvr", "tsp")
+PARTITIONS = ("even", "search", "table")
+DECODES = ("local", "sharded")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """How prefill and decode are spread over the ranks.
+
+    Parameters
+    ----------
+    mode
+        ``kvr`` (KV-Runahead chain) or ``tsp`` (even split, K/V all-gathered: the baseline).
+    partition
+        ``even`` (KVR-E), ``search`` (KVR-S: grid search on measured TTFT) or ``table``
+        (KVR-P: interpolated from ``table_path``, entry ``table_key``).
+    decode
+        ``local``: the last rank decodes alone with the ALISA cache it received (exact).
+        ``sharded``: K/V stay spread over ranks (exact for dense; per-shard top-k for sparse
+        policies is an approximation).
+    """
+
+    mode: str = "kvr"
+    partition: str = "even"
+    decode: str = "local"
+    table_path: str | None = None
+    table_key: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, valid in (("mode", MODES), ("partition", PARTITIONS), ("decode", DECODES)):
+            if getattr(self, name) not in valid:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is unknown; valid: {', '.join(valid)}"
+                )
+        if self.partition == "table" and not (self.table_path and self.table_key):
+            raise ValueError("partition='table' needs table_path and table_key")
+        if self.mode == "tsp" and (self.partition != "even" or self.decode != "local"):
+            raise ValueError(
+                "mode='tsp' is the even all-gather baseline: partition even, decode local"
+            )
+
+
+@dataclass
+class PrefillResult:
+    """What one rank's prefill produced."""
+
+    logits: torch.Tensor
+    cache: object
+    bounds: list[int]
+    ttft_s: float
+    bytes_sent: int
+    cpu_s: float
+
+
+def check_consistent(length: int) -> None:
+    """Every rank must see the same prompt length; a mismatch fails on all ranks at once."""
+    mine = torch.tensor([length], dtype=torch.long)
+    lengths = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(lengths, mine)
+    seen = [int(t) for t in lengths]
+    if len(set(seen)) != 1:
+        raise ValueError(f"ranks disagree on the prompt length: {seen} (one prompt for all ranks)")
+
+
+def choose_bounds(model, input_ids, parallel: ParallelConfig, config: AlisaConfig) -> list[int]:
+    """Chunk boundaries for this prompt, the same on every rank."""
+    length, world = input_ids.shape[1], dist.get_world_size()
+    if parallel.partition == "even" or parallel.mode == "tsp":
+        return even_split(length, world)
+    if parallel.partition == "table":
+        table = PartitionTable.load(parallel.table_path, parallel.table_key)
+        bounds = table.lookup(length)
+        if len(bounds) != world + 1:
+            raise ValueError(
+                f"partition table {parallel.table_key!r} splits over {len(bounds) - 1} ranks; "
+                f"the world has {world}"
+            )
+        return bounds
+
+    def measure(bounds: list[int]) -> float:
+        result = prefill(model, input_ids, bounds, ParallelConfig(mode="kvr"), AlisaConfig())
+        cost = torch.tensor([result.ttft_s])
+        dist.broadcast(cost, src=world - 1)  # the last rank's TTFT decides, for everyone
+        return float(cost)
+
+    best, _ = grid_search(
+        measure, length, world, points=3, rounds=3, min_stride=max(8, length // 64)
+    )
+    return best
+
+
+def prefill(
+    model, input_ids, bounds, parallel: ParallelConfig, config: AlisaConfig
+) -> PrefillResult:
+    """This rank's prefill; on the last rank the cache holds the whole prompt."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch = input_ids.shape[0]
+    dist.barrier()
+    wall, cpu = time.perf_counter(), time.process_time()
+    if parallel.mode == "tsp":
+        cache = AllGatherCache(bounds)
+        logits = chunk_forward(model, input_ids, bounds, cache)
+        cache.gathering = False
+        sent = cache.bytes_sent
+    else:
+        chain = new_chain(model, bounds, batch)
+        last = rank == world - 1 and parallel.decode == "local"
+        cache = RunaheadAlisaCache(model, config, chain) if last else RunaheadDynamicCache(chain)
+        logits = chunk_forward(model, input_ids, bounds, cache)
+        chain.finish()
+        cache.chain = None
+        sent = chain.bytes_sent
+    ttft = time.perf_counter() - wall
+    return PrefillResult(logits, cache, bounds, ttft, sent, time.process_time() - cpu)
+
+
+@torch.inference_mode()
+def parallel_generate(
+    model,
+    tokenizer,
+    prompt: str,
+    config: AlisaConfig | None = None,
+    parallel: ParallelConfig | None = None,
+    *,
+    max_new_tokens: int = 64,
+    sampling: SamplingOptions | None = None,
+) -> GenerationOutput | None:
+    """Generate for one prompt with every rank of the process group; the last rank returns.
+
+    Raises
+    ------
+    ValueError
+        Ranks with different prompt lengths, a prompt shorter than the world, a partition table
+        for another world size.
+    """
+    config, parallel = config or AlisaConfig(), parallel or ParallelConfig()
+    sampling = sampling or SamplingOptions()
+    device = next(model.parameters()).device
+    input_ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
+    check_consistent(input_ids.shape[1])
+    bounds = choose_bounds(model, input_ids, parallel, config)
+    result = prefill(model, input_ids, bounds, parallel, config)
+    decoder = _Decoder(model, tokenizer, sampling, device, stop_at_eos=True)
+    if parallel.decode == "sharded":
+        return _sharded_decode(model, decoder, input_ids, result, config, max_new_tokens)
+    if dist.get_rank() != dist.get_world_size() - 1:
+        return None
+    return _local_decode(model, decoder, input_ids, result, max_new_tokens)
+
+
+def _local_decode(model, decoder, input_ids, result: PrefillResult, max_new_tokens: int):
+    length = input_ids.shape[1]
+    cache, logits = result.cache, result.logits
+    tokens, times = [], []
+    for step in range(max_new_tokens):
+        start = time.perf_counter()
+        token = decoder._pick(input_ids, logits)
+        tokens.append(int(token[0]))
+        if step:
+            times.append(time.perf_counter() - start)
+        if int(token[0]) in decoder.eos.tolist() or step == max_new_tokens - 1:
+            break
+        start = time.perf_counter()
+        position = torch.tensor([[length + step]], device=input_ids.device)
+        logits = model(
+            input_ids=token[:, None], position_ids=position, past_key_values=cache, use_cache=True
+        ).logits[:, -1]
+        times.append(time.perf_counter() - start)
+    return _output(decoder, tokens, length, result, times, cache_kv_bytes(cache))
+
+
+def _sharded_decode(model, decoder, input_ids, result: PrefillResult, config, max_new_tokens: int):
+    shape = model_shape(model)
+    scalings = [getattr(m, "scaling", shape.head_dim**-0.5) for m in attention_modules(model)]
+    query_shape = (input_ids.shape[0], shape.num_heads, 1, shape.head_dim)
+    shards = make_shards(result.cache, result.bounds, config, shape.num_layers)
+    context = ShardContext(shards, query_shape, next(model.parameters()).dtype, scalings)
+    if context.rank != context.master:
+        context.serve()
+        return None
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(SHARDED_ATTENTION)
+    length = input_ids.shape[1]
+    cache = MasterShardCache(context, length)
+    tokens, logits, times = [], result.logits, []
+    try:
+        for step in range(max_new_tokens):
+            token = decoder._pick(input_ids, logits)
+            tokens.append(int(token[0]))
+            more = int(token[0]) not in decoder.eos.tolist() and step < max_new_tokens - 1
+            context.announce(more)
+            if not more:
+                break
+            start = time.perf_counter()
+            position = torch.tensor([[length + step]], device=input_ids.device)
+            logits = model(
+                input_ids=token[:, None],
+                position_ids=position,
+                past_key_values=cache,
+                use_cache=True,
+                shard_context=context,
+            ).logits[:, -1]
+            times.append(time.perf_counter() - start)
+    finally:
+        model.set_attn_implementation(previous)
+    kv = sum(s.kv_bytes() for s in shards)
+    return _output(decoder, tokens, length, result, times, kv)
+
+
+def _output(decoder, tokens, length, result: PrefillResult, times, kv_bytes) -> GenerationOutput:
+    eos = set(decoder.eos.tolist())
+    stop = next((i for i, t in enumerate(tokens) if t in eos), None)
+    text_ids = tokens if stop is None else tokens[:stop]
+    return GenerationOutput(
+        texts=[decoder.tokenizer.decode(text_ids, skip_special_tokens=True)],
+        token_ids=[tokens if stop is None else tokens[: stop + 1]],
+        prompt_tokens=[length],
+        finish_reasons=["stop" if stop is not None else "length"],
+        ttft_s=result.ttft_s,
+        step_times_s=times,
+        kv_bytes=kv_bytes,
+        peak_kv_bytes=kv_bytes,
+    )
+
+
+__all__ = ["ParallelConfig", "attention_cost_model", "parallel_generate", "prefill"]
