@@ -6,9 +6,10 @@ data is missing or malformed. Nothing is copied into the repository.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
+
+from alisa.jsonl import read_jsonl
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA_DIR = REPO_ROOT.parent / "shared" / "data"
@@ -28,23 +29,6 @@ def data_file(root: Path, relative: str) -> Path:
     if not path.is_file():
         raise ValueError(f"data file {str(path)!r} is missing")
     return path
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """Rows of a JSONL file; a malformed line is reported with file and line number."""
-    rows = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number}: malformed JSON ({error.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{number}: expected a JSON object")
-            rows.append(row)
-    return rows
 
 
 def load_wikitext2(root: Path) -> str:

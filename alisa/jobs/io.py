@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from alisa.jsonl import iter_jsonl
+
 ROW_OPTIONS = {
     "max_new_tokens": int,
     "do_sample": bool,
@@ -37,21 +39,9 @@ def read_requests(path: str | Path) -> list[Request]:
         is not a string or integer, a duplicate ``id``, an unknown or mistyped option.
     """
     file = Path(path)
-    try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"cannot read input {str(file)!r}: {error}") from None
     requests, seen = [], {}
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
+    for number, row in iter_jsonl(file):
         where = f"{file}:{number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{where}: malformed JSON ({error.msg})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{where}: expected a JSON object")
         identifier = row.get("id")
         if isinstance(identifier, bool) or not isinstance(identifier, str | int):
             raise ValueError(f"{where}: 'id' must be a string or an integer, got {identifier!r}")
