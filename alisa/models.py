@@ -176,6 +176,7 @@ def load_model(
     dtype: str | torch.dtype | None = "auto",
     device: str | torch.device | None = None,
     attn_implementation: str = "sdpa",
+    max_memory: dict | None = None,
 ):
     """Load a causal LM and its tokenizer from a built-in name, directory, GGUF file or hub id.
 
@@ -191,6 +192,10 @@ def load_model(
         Where to put the weights; default CUDA when available, else CPU.
     attn_implementation
         Attention used outside the ALISA cache; ``"sdpa"`` by default.
+    max_memory
+        Per-device byte budgets, e.g. ``{0: "6GiB", "cpu": "30GiB"}``: weights that do not fit
+        the GPU are placed by accelerate (``device_map="auto"``) and streamed from the host, as
+        ``alisa plan`` proposes when the weights exceed the device budget.
 
     Returns
     -------
@@ -204,12 +209,14 @@ def load_model(
     path = resolve_model_path(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
+        placement = {"device_map": "auto", "max_memory": max_memory} if max_memory else {}
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype or "auto", attn_implementation=attn_implementation
+            path, dtype=torch_dtype or "auto", attn_implementation=attn_implementation, **placement
         )
     except OSError as error:
         raise ValueError(f"model={spec!r} could not be loaded from {path!r}: {error}") from error
-    model.to(torch.device(device) if device is not None else default_device())
+    if not max_memory:
+        model.to(torch.device(device) if device is not None else default_device())
     model.eval()
     prepare_tokenizer(tokenizer)
     return model, tokenizer

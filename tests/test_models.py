@@ -64,3 +64,13 @@ def test_builtin_smollm2_is_converted_once_and_cached(smollm2):
     path = resolve_model_path("smollm2-135m")
     assert str(path).startswith(str(cache_root()))
     assert any(p.suffix == ".safetensors" for p in __import__("pathlib").Path(path).iterdir())
+
+
+def test_weights_can_be_placed_by_accelerate(tmp_path, tokenizer):
+    model = tiny_llama()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded, _ = load_model(str(tmp_path), dtype="float32", max_memory={"cpu": "1GB"})
+    ids = torch.tensor([[5, 6, 7]])
+    assert torch.allclose(loaded(ids).logits, model(ids).logits)
+    assert getattr(loaded, "hf_device_map", None)

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import psutil
 from tqdm.auto import tqdm
 
 from alisa.architecture import model_shape
@@ -124,6 +125,10 @@ def _run(model, tokenizer, job, requests, log, cache_factory) -> JobSummary:
             f"gpu_memory={job.gpu_memory!r} ({budget} bytes) is smaller than the weights "
             f"({spec.total_weight_bytes} bytes)"
         )
+    if next(model.parameters()).device.type == "cpu":
+        # On a CPU the device is host memory: never plan past what is free (weights are loaded).
+        free = spec.total_weight_bytes + int(0.9 * psutil.virtual_memory().available)
+        budget = free if budget is None else min(budget, free)
     summary = JobSummary(prompts=len(requests), budget_bytes=budget)
     pending = [r for r in requests if r.id not in log.done]
     summary.already_done = len(requests) - len(pending)
