@@ -127,11 +127,6 @@ class AttentionAccumulator:
         self.total = torch.nn.functional.pad(self.total, (0, extra))
         self.snapshots = torch.nn.functional.pad(self.snapshots, (0, extra))
 
-    def shrink(self, capacity: int) -> None:
-        """Drop slots at and beyond ``capacity`` (after the cache compacted them away)."""
-        self.total = self.total[..., :capacity].contiguous()
-        self.snapshots = self.snapshots[..., :capacity].contiguous()
-
     def select_batch(self, indices: torch.Tensor) -> None:
         """Keep only some sequences (finished ones dropped, beams reordered)."""
         self.total = self.total.index_select(0, indices)

@@ -156,10 +156,6 @@ class AlisaLayer(CacheLayerMixin):
         """Whether attention probabilities must reach the policy (never when nothing is evicted)."""
         return self.policy.needs_attention and self.policy.can_evict()
 
-    def valid_slots(self) -> torch.Tensor:
-        """(B, Hs, capacity) bool: slots holding a real token."""
-        return self.positions >= 0
-
     def slot_positions(self) -> torch.Tensor:
         """(B, Hs, capacity) position of each slot's token (negative: empty or padding)."""
         return self.positions
