@@ -1,6 +1,6 @@
 """Batch jobs under one memory budget: ALISA (SWA r=0.2 + INT8) vs HF DynamicCache batched to fit.
 
-    python -m experiments.bench_batch                    # 200 XSum prompts, SmolLM2 bf16
+    python -m experiments.bench_batch                    # 160 XSum prompts, SmolLM2 bf16
     python -m experiments.bench_batch --prompts 40 --new-tokens 32    # quick look
 
 Both systems run the same ``alisa batch`` machinery (budget-sized batches, longest first) under the
@@ -30,11 +30,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--prompts", type=int, default=200)
+    parser.add_argument("--prompts", type=int, default=160)
     parser.add_argument("--min-tokens", type=int, default=96)
     parser.add_argument("--max-tokens", type=int, default=384)
-    parser.add_argument("--new-tokens", type=int, default=192)
-    parser.add_argument("--kv-budget", default="160MiB", help="KV share of the device budget")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--kv-budget", default="48MiB", help="KV share of the device budget")
     parser.add_argument("--agreement-prompts", type=int, default=24)
     parser.add_argument("--threads", type=int, default=2)
     return parser.parse_args(argv)
