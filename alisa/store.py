@@ -142,11 +142,11 @@ class DenseStore:
 
 
 def with_capacity(tensor: torch.Tensor, capacity: int) -> torch.Tensor:
-    """Copy of a (B, H, S, X) tensor with S = capacity: truncated, or zero-padded."""
-    batch, heads, length, head_dim = tensor.shape
+    """Copy with the slot dimension (second to last) at ``capacity``: cut or zero-padded."""
+    length = tensor.shape[-2]
     if length == capacity:
         return tensor.contiguous()
-    out = tensor.new_zeros(batch, heads, capacity, head_dim)
+    out = tensor.new_zeros(*tensor.shape[:-2], capacity, tensor.shape[-1])
     kept = min(length, capacity)
-    out[:, :, :kept] = tensor[:, :, :kept]
+    out[..., :kept, :] = tensor[..., :kept, :]
     return out

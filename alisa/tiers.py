@@ -277,7 +277,7 @@ class TieredStore:
 
 
 def _device_of(store: KVStore) -> torch.device:
-    buffer = store.keys if isinstance(store.keys, torch.Tensor) else store.keys.data
+    buffer = store.codes.data if hasattr(store, "codes") else store.keys
     return buffer.device
 
 

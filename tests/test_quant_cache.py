@@ -84,12 +84,12 @@ def test_stored_codes_are_never_requantized():
     cache = AlisaCache(model, AlisaConfig(kv_bits=8, residual_tokens=0))
     prefill_and_decode(model, cache, ids, mask, steps=3)
     store = cache.layers[1].store
-    before = store.keys.data[:, :, :63].clone(), store.keys.scale[:, :, :63].clone()
+    before = store.codes.data[:, :, :, :63].clone(), store.codes.scale[:, :, :, :63].clone()
     with torch.no_grad():
         for _ in range(5):
             model(input_ids=torch.tensor([[5]]), past_key_values=cache)
-    assert torch.equal(store.keys.data[:, :, :63], before[0])
-    assert torch.equal(store.keys.scale[:, :, :63], before[1])
+    assert torch.equal(store.codes.data[:, :, :, :63], before[0])
+    assert torch.equal(store.codes.scale[:, :, :, :63], before[1])
 
 
 def test_residual_window_is_full_precision_and_survives_evictions():
@@ -108,7 +108,7 @@ def test_residual_window_is_full_precision_and_survives_evictions():
     positions = layer.positions[0, 0]
     full = reference.layers[0].keys[0]
     seen = layer.seen
-    scale_bound = layer.store.keys.scale.float().abs().max() / 2 + 1e-6
+    scale_bound = layer.store.codes.scale.float().abs().max() / 2 + 1e-6
     for slot, position in enumerate(positions.tolist()):
         if position < 0:
             continue
