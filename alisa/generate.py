@@ -107,10 +107,30 @@ class GenerationOutput:
 
 
 def cache_kv_bytes(cache) -> int:
-    """KV bytes held by an ALISA cache or any HF cache built of layers with keys/values."""
+    """KV bytes held by an ALISA cache or any HF cache (quantized layers' packed data included)."""
     if hasattr(cache, "kv_bytes"):
         return cache.kv_bytes()
-    return sum(tensor_bytes((layer.keys, layer.values)) for layer in getattr(cache, "layers", []))
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        total += tensor_bytes((layer.keys, layer.values))
+        for name in ("_quantized_keys", "_quantized_values"):
+            total += _nested_bytes(getattr(layer, name, None))
+    return total
+
+
+def _nested_bytes(value, depth: int = 3) -> int:
+    """Bytes of the tensors inside a backend's quantized object (quanto/hqq/fp8 layouts differ)."""
+    if type(value) in (torch.Tensor, torch.nn.Parameter):
+        return value.nbytes
+    # Tensor subclasses (quanto's QTensor) report their logical size: count what they wrap.
+    if depth == 0 or value is None:
+        return 0
+    if isinstance(value, tuple | list):
+        return sum(_nested_bytes(v, depth - 1) for v in value)
+    if isinstance(value, dict):
+        return sum(_nested_bytes(v, depth - 1) for v in value.values())
+    inner = getattr(value, "__dict__", None)
+    return sum(_nested_bytes(v, depth - 1) for v in inner.values()) if inner else 0
 
 
 @torch.inference_mode()
