@@ -347,7 +347,7 @@ class AlisaLayer(CacheLayerMixin):
         """Copy live slots to the front of smaller buffers once over a third of width is empty."""
         if not getattr(self.store, "compactable", True):
             return
-        live = int((self.kept + self.dead).max(initial=0))
+        live = int(self.kept.max(initial=0))  # compaction drops padding slots as well
         if self.width - live <= max(32, self.width // 3):
             return
         occupied = self.positions[..., : self.width] >= 0

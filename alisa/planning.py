@@ -182,7 +182,7 @@ class TierPlanner:
 
     def split(self, layer, dense, hidden, rope):
         """Convert a layer's compacted prefill store to tiers: (store, old-slot mapping, width)."""
-        batch = dense.keys.shape[0]
+        batch = layer.kept.shape[0]
         layout = self.decide(batch, layer.seen)
         recompute = None
         if layout.recompute:
@@ -196,6 +196,7 @@ class TierPlanner:
             hidden=hidden,
             rope=rope,
             slot_positions=layer.positions[:, 0, : layer.width],
+            positions=layer.positions,
             recompute=recompute,
         )
         return (store, *_mapping(store, layer.width, layout))

@@ -108,14 +108,16 @@ class TieredStore:
         hidden: torch.Tensor | None,
         rope: torch.Tensor | None,
         slot_positions: torch.Tensor,
+        positions: torch.Tensor,
         recompute: Recompute | None,
     ) -> TieredStore:
         """Split the first ``width`` slots of a prefill store into the tiers of ``layout``.
 
         ``hidden``/``rope`` are the prompt's attention inputs (B, L, hidden) and RoPE positions
-        (B, L); ``slot_positions`` (B, width) says which prompt token each slot holds.
+        (B, L); ``slot_positions`` (B, width) says which prompt token each slot holds, and
+        ``positions`` is the layer's whole slot map (B, 1, capacity), for stores that need it.
         """
-        keys, values = dense.read()
+        keys, values = dense.read(positions)
         device_end = min(width, layout.device_slots)
         if layout.recompute:
             host_end = device_end + min(width - device_end, layout.host_slots)

@@ -102,3 +102,12 @@ def test_per_head_selection_cannot_be_tiered():
 def test_unknown_recompute_mode_is_rejected():
     with pytest.raises(ValueError, match="recompute='sometimes'"):
         AlisaConfig(recompute="sometimes")
+
+
+def test_int8_storage_can_be_tiered_too():
+    model = tiny_gpt2()
+    resident, _ = run(model, AlisaConfig(kv_bits=8, residual_tokens=0))
+    config = AlisaConfig(kv_bits=8, residual_tokens=0, gpu_memory=weights(model) + 130_000)
+    tiered, cache = run(model, config)
+    assert torch.equal(tiered, resident)  # the host tier keeps the same INT8 codes
+    assert cache.tier_bytes()["host"] > 0
