@@ -214,3 +214,14 @@ def test_switching_the_model_to_eager_is_refused():
     model.set_attn_implementation("eager")
     with pytest.raises(ValueError, match="attn_implementation='eager' is incompatible"):
         hf_generate(model, ids, mask, cache)
+
+
+def test_padding_slots_are_reclaimed_by_compaction():
+    model = tiny_llama()
+    ids, mask = padded_batch(lengths=(400, 60))
+    cache = AlisaCache(model, AlisaConfig(policy="swa", caching_ratio=0.2))
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    layer = cache.layers[0]
+    assert layer.store.capacity <= int(layer.kept.max()) + 32
+    assert (layer.dead == 0).all()
