@@ -71,14 +71,14 @@ def test_sparse_int8_batches_are_larger_under_the_same_budget(tmp_path):
     source = tmp_path / "in.jsonl"
     write_prompts(source, count=16, words=60)  # about 300 tokens each
     spec = model_spec(model, model_shape(model))
-    budget = batch_memory(spec, None, 4, 330, 8).total
+    budget = batch_memory(spec, None, 4, 330, 8).kv  # the KV of 4 dense sequences
     dense = run_batch(
         model,
         tokenizer,
         BatchJob(
             input=str(source),
             output=str(tmp_path / "d.jsonl"),
-            gpu_memory=budget,
+            kv_memory=budget,
             max_new_tokens=8,
             progress=False,
         ),
@@ -90,13 +90,16 @@ def test_sparse_int8_batches_are_larger_under_the_same_budget(tmp_path):
         BatchJob(
             input=str(source),
             output=str(tmp_path / "s.jsonl"),
-            gpu_memory=budget,
+            kv_memory=budget,
             max_new_tokens=8,
             config=AlisaConfig(policy="swa", caching_ratio=0.2, kv_bits=8),
             progress=False,
         ),
     )
     assert max(sparse.batches) > max(dense.batches)
+    assert max(dense.batches) <= 4
+    # Measured KV stays inside the shared KV budget for both caches.
+    assert dense.peak_kv_bytes <= budget and sparse.peak_kv_bytes <= budget
 
 
 def test_dense_alisa_matches_dynamic_cache_outputs(tmp_path):

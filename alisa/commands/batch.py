@@ -15,6 +15,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", required=True, help="JSONL results, appended")
     add_model_options(parser)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--kv-memory", help="byte budget of the KV cache alone, e.g. 256MiB")
     parser.add_argument("--max-batch", type=int, default=64, help="upper bound on the batch size")
     parser.add_argument("--no-progress", action="store_true")
     add_cache_options(parser)
@@ -33,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
         output=args.output,
         config=config,
         gpu_memory=budget,
+        kv_memory=args.kv_memory,
         max_new_tokens=args.max_new_tokens,
         max_batch=args.max_batch,
         progress=not args.no_progress,

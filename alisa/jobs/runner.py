@@ -13,7 +13,7 @@ from alisa.architecture import model_shape
 from alisa.config import AlisaConfig
 from alisa.generate import SamplingOptions, generate
 from alisa.jobs.io import OutputLog, Request, read_requests
-from alisa.jobs.sizing import batch_memory, largest_batch
+from alisa.jobs.sizing import BatchMemory, batch_memory, largest_batch
 from alisa.memory import PeakMemory, format_bytes, parse_bytes
 from alisa.planning import model_spec
 
@@ -30,6 +30,9 @@ class BatchJob:
         KV policy and storage for every batch.
     gpu_memory
         Device byte budget for weights, KV and activations (``"8GiB"``); ``None``: no limit.
+    kv_memory
+        Byte budget for the KV cache alone (the comparison the paper makes: the same KV bytes
+        for every system); ``None``: only ``gpu_memory`` limits the batches.
     max_new_tokens
         Default tokens per prompt (a row's ``max_new_tokens`` overrides it).
     max_batch
@@ -42,14 +45,16 @@ class BatchJob:
     output: str
     config: AlisaConfig = field(default_factory=AlisaConfig)
     gpu_memory: int | str | None = None
+    kv_memory: int | str | None = None
     max_new_tokens: int = 64
     max_batch: int = 64
     stop_at_eos: bool = True
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.gpu_memory is not None:
-            parse_bytes(self.gpu_memory, field="gpu_memory")
+        for name in ("gpu_memory", "kv_memory"):
+            if getattr(self, name) is not None:
+                parse_bytes(getattr(self, name), field=name)
         for name in ("max_new_tokens", "max_batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -120,6 +125,7 @@ def _run(model, tokenizer, job, requests, log, cache_factory) -> JobSummary:
     spec = model_spec(model, model_shape(model))
     sizing = None if cache_factory is not None else job.config
     budget = parse_bytes(job.gpu_memory, field="gpu_memory") if job.gpu_memory is not None else None
+    kv_budget = parse_bytes(job.kv_memory, field="kv_memory") if job.kv_memory is not None else None
     if budget is not None and budget <= spec.total_weight_bytes:
         raise ValueError(
             f"gpu_memory={job.gpu_memory!r} ({budget} bytes) is smaller than the weights "
@@ -137,7 +143,7 @@ def _run(model, tokenizer, job, requests, log, cache_factory) -> JobSummary:
     bar = tqdm(total=len(pending), unit="prompt", disable=not job.progress, desc="alisa batch")
     started = time.perf_counter()
     with PeakMemory(next(model.parameters()).device) as memory:
-        for batch, new_tokens in _batches(pending, lengths, job, spec, sizing, budget):
+        for batch, new_tokens in _batches(pending, lengths, job, spec, sizing, budget, kv_budget):
             if len(batch) == 1 and isinstance(batch[0], dict):  # did not fit even alone
                 log.append(batch[0])
                 summary.did_not_fit.append(batch[0]["id"])
@@ -163,7 +169,7 @@ def _run(model, tokenizer, job, requests, log, cache_factory) -> JobSummary:
     return summary
 
 
-def _batches(pending, lengths, job, spec, sizing, budget):
+def _batches(pending, lengths, job, spec, sizing, budget, kv_budget):
     """(batch, new_tokens) in run order: longest prompts first within each option group.
 
     A prompt that cannot fit even alone comes out as a one-element batch holding its error row.
@@ -173,12 +179,12 @@ def _batches(pending, lengths, job, spec, sizing, budget):
         queue = sorted(group, key=lambda r: lengths[r.id], reverse=True)
         while queue:
             longest = lengths[queue[0].id]
-            size = job.max_batch
-            if budget is not None:
-                size = largest_batch(spec, sizing, budget, longest, new_tokens, job.max_batch)
+            size = largest_batch(
+                spec, sizing, budget, longest, new_tokens, job.max_batch, kv_budget
+            )
             if size == 0:
-                need = batch_memory(spec, sizing, 1, longest, new_tokens).total
-                yield [_too_large(queue.pop(0), need, budget)], new_tokens
+                need = batch_memory(spec, sizing, 1, longest, new_tokens)
+                yield [_too_large(queue.pop(0), need, budget, kv_budget)], new_tokens
                 continue
             batch, queue = queue[:size], queue[size:]
             yield batch, new_tokens
@@ -209,11 +215,14 @@ def _sampling(options: dict) -> SamplingOptions:
     return SamplingOptions(**{k: options[k] for k in keys if k in options})
 
 
-def _too_large(request: Request, need: int, budget: int | None) -> dict:
+def _too_large(request: Request, need: BatchMemory, budget, kv_budget) -> dict:
     return {
         "id": request.id,
         "text": None,
         "tokens": 0,
         "finish_reason": "did_not_fit",
-        "error": f"needs about {need} bytes of device memory even alone; the budget is {budget}",
+        "error": (
+            f"needs about {need.total} bytes of device memory ({need.kv} of KV) even alone; "
+            f"the budget is {budget} bytes (KV budget {kv_budget})"
+        ),
     }

@@ -68,19 +68,27 @@ def batch_memory(
     return BatchMemory(weights=spec.total_weight_bytes, kv=int(kv), transient=transient)
 
 
+def fits(memory: BatchMemory, budget: int | None, kv_budget: int | None) -> bool:
+    """Whether predicted memory stays within the total and the KV budgets (None: no limit)."""
+    return (budget is None or memory.total <= budget) and (
+        kv_budget is None or memory.kv <= kv_budget
+    )
+
+
 def largest_batch(
     spec: ModelSpec,
     config: AlisaConfig | None,
-    budget: int,
+    budget: int | None,
     prompt_len: int,
     new_tokens: int,
     limit: int,
+    kv_budget: int | None = None,
 ) -> int:
-    """The largest batch (<= limit) whose predicted peak fits ``budget``; 0 if none."""
+    """The largest batch (<= limit) that :func:`fits` both budgets; 0 if none."""
     low, high = 0, limit
     while low < high:
         middle = (low + high + 1) // 2
-        if batch_memory(spec, config, middle, prompt_len, new_tokens).total <= budget:
+        if fits(batch_memory(spec, config, middle, prompt_len, new_tokens), budget, kv_budget):
             low = middle
         else:
             high = middle - 1

@@ -126,7 +126,7 @@ def spearman(context: Context, point: dict, options: dict) -> dict:
 
 
 def throughput(context: Context, point: dict, options: dict) -> dict:
-    """Generated tokens/s of `alisa batch` under a fixed memory budget (DynamicCache: system)."""
+    """Generated tokens/s of `alisa batch` under a fixed KV byte budget (``system``: the cache)."""
     from transformers import DynamicCache, QuantizedCache
 
     from alisa import BatchJob, run_batch
@@ -140,12 +140,7 @@ def throughput(context: Context, point: dict, options: dict) -> dict:
         options.get("prompt_tokens", 128),
         batch * options.get("waves", 2),
     )
-    weights = sum(p.nbytes for p in context.model.parameters())
-    budget = (
-        weights
-        + parse_bytes(options.get("kv_budget", "128MiB"))
-        + parse_bytes(options.get("reserve", "256MiB"))
-    )
+    kv_budget = parse_bytes(options.get("kv_budget", "128MiB"))
     system = point.get("system", "alisa")
     factories = {
         "alisa": None,
@@ -163,7 +158,7 @@ def throughput(context: Context, point: dict, options: dict) -> dict:
             input=str(source),
             output=str(Path(folder) / "out.jsonl"),
             config=context.config,
-            gpu_memory=budget,
+            kv_memory=kv_budget,
             max_new_tokens=options.get("new_tokens", 64),
             max_batch=batch,
             stop_at_eos=False,
@@ -177,7 +172,7 @@ def throughput(context: Context, point: dict, options: dict) -> dict:
         "ttft_s": summary.mean_ttft_s,
         "peak_kv_bytes": summary.peak_kv_bytes,
         "peak_memory_bytes": summary.peak_memory_bytes,
-        "budget_bytes": budget,
+        "kv_budget_bytes": kv_budget,
     }
 
 
