@@ -36,6 +36,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--passkey-ratio", type=float, default=0.2)
     parser.add_argument("--passkey-max-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--sink-tokens", type=int, default=None, help="override the policies' attention sinks"
+    )
     return parser.parse_args(argv)
 
 
@@ -51,7 +54,9 @@ def main(argv=None) -> int:
     perplexity = {}
     for policy in policies:
         for ratio in [1.0] if policy == "dense" else ratios:
-            config = AlisaConfig(policy=policy, caching_ratio=ratio)
+            config = AlisaConfig(
+                policy=policy, caching_ratio=ratio, sink_tokens=sinks(args, policy)
+            )
             result = decode_perplexity(model, segments, config)
             perplexity[f"{policy}@{ratio:g}"] = result.perplexity
             print(f"ppl {policy:9s} r={ratio:<4g} {result.perplexity:8.3f}", file=sys.stderr)
@@ -59,7 +64,7 @@ def main(argv=None) -> int:
     rows = load_passkey(root)
     for policy in policies:
         ratio = 1.0 if policy == "dense" else args.passkey_ratio
-        config = AlisaConfig(policy=policy, caching_ratio=ratio)
+        config = AlisaConfig(policy=policy, caching_ratio=ratio, sink_tokens=sinks(args, policy))
         result = passkey_accuracy(
             model, tokenizer, rows, config, max_prompt_tokens=args.passkey_max_tokens
         )
@@ -77,6 +82,7 @@ def main(argv=None) -> int:
         "perplexity": perplexity,
         "passkey": passkey,
         "passkey_max_tokens": args.passkey_max_tokens,
+        "sink_tokens": args.sink_tokens,
         "targets": targets(perplexity, ratios),
         "seconds": round(time.perf_counter() - started, 1),
         "torch": torch.__version__,
@@ -86,6 +92,11 @@ def main(argv=None) -> int:
     print_table(perplexity, passkey, policies, ratios)
     print(json.dumps(report))
     return 0
+
+
+def sinks(args, policy: str) -> int | None:
+    """The --sink-tokens override for sparse policies (dense keeps everything anyway)."""
+    return None if policy == "dense" else args.sink_tokens
 
 
 def targets(perplexity: dict, ratios: list[float]) -> dict:
