@@ -67,9 +67,8 @@ class AlisaLayer(CacheLayerMixin):
         self.decode_steps = 0
         self.recalled = 0  # tokens swapped back in from the recall pool
         self.tiering = None  # set by the cache when KV must be split over device/host/recompute
-        self.inputs: tuple[torch.Tensor, torch.Tensor | None] | None = (
-            None  # attention input, RoPE ids
-        )
+        # Attention input and RoPE positions of the current call (tiers that recompute keep them).
+        self.inputs: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     # ---- HF cache-layer interface -------------------------------------------------------
 
