@@ -71,6 +71,9 @@ def alisa_attention(
     if layer.needs_attention:
         layer.add_attention(_group_rows(probabilities, layer.groups))
     layer.evict()
+    following = layer.next_layer
+    if following is not None and hasattr(following.store, "prefetch"):
+        following.store.prefetch()  # overlaps the next layer's host copy with this layer's work
     layer.decode_steps += 1
     if layer.recall is not None and layer.decode_steps % layer.recall_every == 0:
         layer.recalled += recall_step(layer, query[:, :, -1:], scaling)

@@ -60,6 +60,7 @@ class AlisaCache(Cache):
         for index, layer in enumerate(layers):
             layer.layer_idx = index
             layer.tiering = self.planner
+            layer.next_layer = layers[(index + 1) % len(layers)]
             if self.config.recall_every and layer.policy.can_evict():
                 layer.recall = RecallPool(torch.device("cpu"))
                 layer.recall_every, layer.recall_tokens = (

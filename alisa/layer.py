@@ -67,6 +67,7 @@ class AlisaLayer(CacheLayerMixin):
         self.decode_steps = 0
         self.recalled = 0  # tokens swapped back in from the recall pool
         self.tiering = None  # set by the cache when KV must be split over device/host/recompute
+        self.next_layer: AlisaLayer | None = None  # whose host tier to prefetch after this one
         # Attention input and RoPE positions of the current call (tiers that recompute keep them).
         self.inputs: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
@@ -120,9 +121,23 @@ class AlisaLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        kept = (self.tiering, self.layer_idx, self.recall, self.recall_every, self.recall_tokens)
+        kept = (
+            self.tiering,
+            self.layer_idx,
+            self.next_layer,
+            self.recall,
+            self.recall_every,
+            self.recall_tokens,
+        )
         self.__init__(self.policy, per_head=self.per_head, store_factory=self.store_factory)
-        self.tiering, self.layer_idx, recall, self.recall_every, self.recall_tokens = kept
+        (
+            self.tiering,
+            self.layer_idx,
+            self.next_layer,
+            recall,
+            self.recall_every,
+            self.recall_tokens,
+        ) = kept
         self.recall = type(recall)(recall.host) if recall is not None else None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

@@ -92,6 +92,9 @@ class TieredStore:
         self.model_device = model_device
         self.fetched_bytes = 0  # host -> device traffic so far
         self.recomputed_tokens = 0
+        self.prefetch_hits = 0
+        self._prefetched = None  # (keys, values, event) of the host region, copied ahead
+        self._stream = None  # CUDA side stream for the copies, created on first use
         self.takes_inputs = hidden is not None
 
     # ---- construction -------------------------------------------------------------------
@@ -188,13 +191,7 @@ class TieredStore:
             if tier == "device":
                 parts.append(self.device.read(region_positions))
             elif tier == "host":
-                keys, values = self.host.read(region_positions.to(_device_of(self.host)))
-                # A real copy even on CPU-only machines (where .to would be a no-op view): the
-                # host pool is a separate tier, and the cost model prices this traffic.
-                keys = keys.to(self.model_device, non_blocking=True, copy=True)
-                values = values.to(self.model_device, non_blocking=True, copy=True)
-                self.fetched_bytes += keys.nbytes + values.nbytes
-                parts.append((keys, values))
+                parts.append(self._host_part(region_positions))
             else:
                 hidden = self.hidden.hidden.to(self.model_device, non_blocking=True)
                 rope = self.hidden.rope.to(self.model_device, non_blocking=True)
@@ -202,6 +199,53 @@ class TieredStore:
                 parts.append(self.recompute(hidden, rope))
             offset += slots
         return parts
+
+    def prefetch(self) -> None:
+        """Start copying the host region to the device (a side stream on CUDA).
+
+        Called while the previous layer computes: the next ``parts`` finds the copy ready. SWA's
+        kept set for a step is fixed by the step before, so what the copy holds stays valid; the
+        one token written in between is patched into the copy. Only plain (not quantized) host
+        regions are prefetched; others are read when needed.
+        """
+        if self.host is None or not isinstance(self.host, DenseStore) or self._prefetched:
+            return
+        if self.model_device.type == "cuda":
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.model_device)
+            stream = self._stream
+            stream.wait_stream(torch.cuda.current_stream(self.model_device))
+            with torch.cuda.stream(stream):
+                keys, values = self._copy_host()
+                event = torch.cuda.Event()
+                event.record(stream)
+        else:
+            (keys, values), event = self._copy_host(), None
+        self._prefetched = (keys, values, event)
+
+    def _copy_host(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # A real copy even on CPU-only machines (where .to would be a no-op view): the host
+        # pool is a separate tier, and the cost model prices this traffic.
+        keys = self.host.keys.to(self.model_device, non_blocking=True, copy=True)
+        values = self.host.values.to(self.model_device, non_blocking=True, copy=True)
+        self.fetched_bytes += keys.nbytes + values.nbytes
+        return keys, values
+
+    def _host_part(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._prefetched is not None:
+            keys, values, event = self._prefetched
+            self._prefetched = None
+            if event is not None:
+                torch.cuda.current_stream(self.model_device).wait_event(event)
+            self.prefetch_hits += 1
+            return keys, values
+        if isinstance(self.host, DenseStore):
+            return self._copy_host()
+        keys, values = self.host.read(positions.to(_device_of(self.host)))
+        keys = keys.to(self.model_device, non_blocking=True, copy=True)
+        values = values.to(self.model_device, non_blocking=True, copy=True)
+        self.fetched_bytes += keys.nbytes + values.nbytes
+        return keys, values
 
     def read(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         parts = self.parts(positions)
@@ -223,6 +267,10 @@ class TieredStore:
                 else:
                     region = self.device if tier == "device" else self.host
                     target = _device_of(region)
+                    if tier == "host" and self._prefetched is not None:
+                        copied_keys, copied_values, _ = self._prefetched  # keep it in step
+                        copied_keys[:, :, lo - offset : hi - offset] = keys[:, :, part]
+                        copied_values[:, :, lo - offset : hi - offset] = values[:, :, part]
                     region.write_range(
                         lo - offset,
                         keys[:, :, part].to(target),
@@ -245,6 +293,11 @@ class TieredStore:
                 else:
                     region = self.device if tier == "device" else self.host
                     target = _device_of(region)
+                    if tier == "host" and self._prefetched is not None:
+                        # Keep the copy in step: the same values go to its slots.
+                        copied_keys, copied_values, _ = self._prefetched
+                        copied_keys[rows, :, local] = keys[rows, :, 0].to(copied_keys.dtype)
+                        copied_values[rows, :, local] = values[rows, :, 0].to(copied_values.dtype)
                     region.write_entries(
                         rows.to(target),
                         local.to(target),
@@ -258,6 +311,7 @@ class TieredStore:
         """Extend the last region (appends land there)."""
         extra = capacity - self.capacity
         tier, slots = self.regions[-1]
+        self._prefetched = None
         if tier == "recompute":
             self.hidden.grow(slots + extra)
         elif tier == "host":
@@ -271,6 +325,7 @@ class TieredStore:
         raise NotImplementedError("tiered stores are not compacted; holes are reused")
 
     def select_batch(self, indices: torch.Tensor) -> None:
+        self._prefetched = None
         self.device.select_batch(indices)
         if self.host is not None:
             self.host.select_batch(indices.to(_device_of(self.host)))

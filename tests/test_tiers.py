@@ -66,6 +66,14 @@ def test_tokens_really_come_back_from_the_slower_tiers():
     assert cache.layers[0].store.recomputed_tokens > 0
 
 
+def test_host_copies_are_prefetched_a_layer_ahead():
+    model = tiny_gpt2()
+    resident, _ = run(model, AlisaConfig())
+    tiered, cache = run(model, AlisaConfig(gpu_memory=weights(model) + 350_000, recompute="never"))
+    assert torch.equal(tiered, resident)  # the patched prefetched copies are exact
+    assert sum(layer.store.prefetch_hits for layer in cache.layers) > 0
+
+
 def test_alisa_generate_plans_with_the_real_generation_length(tokenizer):
     model = tiny_llama()
     prompts = ["a long prompt " * 10, "short"]
