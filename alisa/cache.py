@@ -60,7 +60,8 @@ class AlisaCache(Cache):
         for index, layer in enumerate(layers):
             layer.layer_idx = index
             layer.tiering = self.planner
-            layer.next_layer = layers[(index + 1) % len(layers)]
+            # Prefetch the next layer's host tier while this one runs (pointless with <= 2 layers).
+            layer.next_layer = layers[(index + 1) % len(layers)] if len(layers) > 2 else None
             if self.config.recall_every and layer.policy.can_evict():
                 layer.recall = RecallPool(torch.device("cpu"))
                 layer.recall_every, layer.recall_tokens = (

@@ -24,6 +24,7 @@ from scheduler import (
     Plan,
     Workload,
     activation_bytes,
+    gathered_layers,
     load_profile,
     solve,
 )
@@ -165,9 +166,15 @@ class TierPlanner:
             workload,
             Options(allow_recompute=self.recompute_enabled, allow_weight_offload=False),
         )
-        slot_bytes = self.spec.kv_bytes_per_token(config.kv_bits) * batch
+        slot_bytes = self.spec.kv_bytes_per_token(config.kv_bits) * batch  # all layers
         resident = device_bytes - self.spec.total_weight_bytes - activation_bytes(self.spec, batch)
-        device_slots = max(0, math.floor(resident / slot_bytes))
+        # Besides the resident slots, the device briefly holds the off-device KV of two layers
+        # (the one attending and the one prefetched): D*S + 2*(K - D)*S/L <= resident.
+        kept = workload.kept_tokens(workload.gen_len - 1) // batch
+        share = gathered_layers(self.spec.num_layers) / self.spec.num_layers
+        room = resident - share * kept * slot_bytes
+        device_slots = max(0, math.floor(room / (slot_bytes * max(1e-9, 1 - share))))
+        device_slots = min(device_slots, kept + 1)
         tiers = self.plan.tier_tokens()
         recompute = self.recompute_enabled and (
             config.recompute == "always" or tiers["recompute"] > 0

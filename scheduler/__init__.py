@@ -4,7 +4,7 @@
 costs a fixed placement. See ``scheduler.cost`` for the model and ``scheduler.lp`` for the LP.
 """
 
-from scheduler.cost import CostModel, activation_bytes, make_buckets
+from scheduler.cost import CostModel, activation_bytes, gathered_layers, make_buckets
 from scheduler.hardware import PRESETS, HardwareProfile, load_profile, preset
 from scheduler.lp import Options, build_lp, evaluate, solve
 from scheduler.model import MODEL_PRESETS, ModelSpec, model_preset
@@ -17,6 +17,7 @@ __all__ = [
     "BucketPlan",
     "CostModel",
     "activation_bytes",
+    "gathered_layers",
     "HardwareProfile",
     "ModelSpec",
     "Options",

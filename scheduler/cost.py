@@ -61,6 +61,12 @@ def make_buckets(workload: Workload, count: int = 16) -> list[Bucket]:
     return result
 
 
+def gathered_layers(num_layers: int) -> int:
+    """Layers whose off-device KV sits on the device at once: the attending one and, with more
+    than two layers, the next one (prefetched a layer ahead)."""
+    return 2 if num_layers > 2 else 1
+
+
 def activation_bytes(model: ModelSpec, batch: int) -> float:
     """Working activations of one decode step: hidden states, MLP, float32 logits."""
     per_token = (4 * model.hidden_size + 2 * model.intermediate_size) * model.bytes_per_element
@@ -116,14 +122,15 @@ class CostModel:
         )
 
     def device_bytes(self, bucket: Bucket) -> Linear:
-        """Resident KV and weights plus one layer's gathered host/recomputed KV and activations."""
+        """Resident KV and weights, the gathered off-device KV of the attending layer (and of the
+        prefetched next one, for host KV), and activations."""
         layer_share = bucket.max_kept * self.kv_token / self.model.num_layers
         weights = self.model.total_weight_bytes
         return Linear(
             weights + self.activation_bytes,
             {
                 "g": bucket.max_kept * self.kv_token,
-                "c": layer_share,
+                "c": gathered_layers(self.model.num_layers) * layer_share,
                 "x": layer_share,
                 "w": -weights
                 + weights / self.model.num_layers,  # one streamed layer stays resident

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pulp
 
-from scheduler.cost import Bucket, CostModel, Linear, make_buckets
+from scheduler.cost import Bucket, CostModel, Linear, gathered_layers, make_buckets
 from scheduler.hardware import HardwareProfile
 from scheduler.model import ModelSpec
 from scheduler.plan import BucketPlan, Plan
@@ -223,7 +223,14 @@ def _check_device(cost: CostModel, buckets: list[Bucket], options: Options) -> N
     resident_weights = weights / model.num_layers if options.allow_weight_offload else weights
     worst = max(buckets, key=lambda b: b.max_kept)
     recent = wl.recent_fraction * worst.max_kept * cost.kv_token
-    streamed = (1 - wl.recent_fraction) * worst.max_kept * cost.kv_token / model.num_layers
+    # The off-device KV of the attending layer and of the prefetched next one.
+    streamed = (
+        gathered_layers(model.num_layers)
+        * (1 - wl.recent_fraction)
+        * worst.max_kept
+        * cost.kv_token
+        / model.num_layers
+    )
     need = resident_weights + cost.activation_bytes + recent + streamed
     if need > cost.hardware.device_bytes:
         what = "one streamed layer of weights" if options.allow_weight_offload else "the weights"

@@ -67,10 +67,11 @@ def test_tokens_really_come_back_from_the_slower_tiers():
 
 
 def test_host_copies_are_prefetched_a_layer_ahead():
-    model = tiny_gpt2()
+    model = tiny_gpt2(n_layer=4)  # prefetching needs more than two layers
     resident, _ = run(model, AlisaConfig())
-    tiered, cache = run(model, AlisaConfig(gpu_memory=weights(model) + 350_000, recompute="never"))
+    tiered, cache = run(model, AlisaConfig(gpu_memory=weights(model) + 600_000, recompute="never"))
     assert torch.equal(tiered, resident)  # the patched prefetched copies are exact
+    assert cache.tier_bytes()["host"] > 0
     assert sum(layer.store.prefetch_hits for layer in cache.layers) > 0
 
 
