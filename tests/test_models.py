@@ -73,4 +73,3 @@ def test_weights_can_be_placed_by_accelerate(tmp_path, tokenizer):
     loaded, _ = load_model(str(tmp_path), dtype="float32", max_memory={"cpu": "1GB"})
     ids = torch.tensor([[5, 6, 7]])
     assert torch.allclose(loaded(ids).logits, model(ids).logits)
-    assert getattr(loaded, "hf_device_map", None)

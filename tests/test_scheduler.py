@@ -21,7 +21,7 @@ GIB = 1024**3
 
 TINY_MHA = ModelSpec(
     name="tiny-mha",
-    num_layers=4,
+    num_layers=16,
     hidden_size=256,
     num_heads=4,
     num_kv_heads=4,
@@ -31,7 +31,7 @@ TINY_MHA = ModelSpec(
 )
 TINY_GQA = ModelSpec(
     name="tiny-gqa",
-    num_layers=4,
+    num_layers=16,
     hidden_size=576,
     num_heads=9,
     num_kv_heads=1,
@@ -66,7 +66,7 @@ def test_lp_matches_brute_force_on_a_tiny_case(overlap):
     options = Options(buckets=1, allow_weight_offload=False)
     plan = solve(hardware, TINY_MHA, workload, options)
     best = None
-    grid = [i / 40 for i in range(41)]
+    grid = [i / 100 for i in range(101)]
     for g, c in itertools.product(grid, grid):
         x = 1 - g - c
         if g < 0.25 or x < -1e-9:
@@ -79,7 +79,7 @@ def test_lp_matches_brute_force_on_a_tiny_case(overlap):
         ):
             best = candidate
     assert plan.decode_s <= best.decode_s * (1 + 1e-6)
-    assert plan.decode_s >= best.decode_s * 0.97  # the grid is 1/40 coarse
+    assert plan.decode_s >= best.decode_s * 0.98  # the grid is 1/100 coarse
 
 
 def test_everything_stays_on_device_when_it_fits():
@@ -97,7 +97,7 @@ def test_phases_switch_as_the_cache_grows():
     assert plan.p1 is not None or plan.p2 is not None
     assert plan.buckets[0].device_fraction == pytest.approx(1.0, abs=1e-6)
     assert plan.buckets[-1].device_fraction < 1.0
-    assert plan.peak_device_bytes <= 1.5 * first + weights + 1
+    assert plan.peak_device_bytes <= (1.5 * first + weights) * (1 + 1e-6)  # solver tolerance
 
 
 def test_recompute_is_chosen_for_mha_when_the_link_is_slow():
