@@ -56,21 +56,21 @@ def _expr(linear: Linear, variables: dict[str, pulp.LpAffineExpression]):
 def build_lp(cost: CostModel, buckets: list[Bucket], options: Options, host_limit: bool = True):
     """The pulp problem and its variables; ``host_limit=False`` lifts the host capacity row."""
     problem = pulp.LpProblem("alisa_kv_placement", pulp.LpMinimize)
-    weight_host = pulp.LpVariable("w", 0, 1 if options.allow_weight_offload else 0)
+    weight_host = problem.add_variable("w", 0, 1 if options.allow_weight_offload else 0)
     rows, previous = [], None
-    peak_host = pulp.LpVariable("peak_host", 0)
+    peak_host = problem.add_variable("peak_host", 0)
     for index, bucket in enumerate(buckets):
         name = "static" if options.static else str(index)
         if options.static and rows:
             g, c, x = rows[0]["g"], rows[0]["c"], rows[0]["x"]
         else:
-            g = pulp.LpVariable(f"g_{name}", cost.workload.recent_fraction, 1)
-            c = pulp.LpVariable(f"c_{name}", 0, 1)
-            x = pulp.LpVariable(f"x_{name}", 0, 1 if options.allow_recompute else 0)
+            g = problem.add_variable(f"g_{name}", cost.workload.recent_fraction, 1)
+            c = problem.add_variable(f"c_{name}", 0, 1)
+            x = problem.add_variable(f"x_{name}", 0, 1 if options.allow_recompute else 0)
             problem += g + c + x == 1, f"split_{index}"
-        moved_kv = pulp.LpVariable(f"moved_kv_{index}", 0)
-        moved_hidden = pulp.LpVariable(f"moved_hidden_{index}", 0)
-        step = pulp.LpVariable(f"T_{index}", 0)
+        moved_kv = problem.add_variable(f"moved_kv_{index}", 0)
+        moved_hidden = problem.add_variable(f"moved_hidden_{index}", 0)
+        step = problem.add_variable(f"T_{index}", 0)
         v = {
             "g": g,
             "c": c,
