@@ -104,6 +104,16 @@ class AlisaCache(Cache):
                 totals[tier] += count
         return totals
 
+    def tier_tokens(self) -> dict[str, int]:
+        """Stored tokens per tier (device, host, recompute) over all layers and sequences."""
+        totals = {"device": 0, "host": 0, "recompute": 0}
+        for layer in self.layers:
+            offset = 0
+            for tier, slots in getattr(layer.store, "regions", [("device", layer.store.capacity)]):
+                totals[tier] += int((layer.positions[..., offset : offset + slots] >= 0).sum())
+                offset += slots
+        return totals
+
     def evicted_tokens(self) -> int:
         """Tokens evicted so far over all layers and sequences."""
         return sum(layer.evicted for layer in self.layers)

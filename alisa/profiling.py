@@ -10,7 +10,7 @@ from collections.abc import Callable
 import psutil
 import torch
 
-from scheduler import HardwareProfile
+from scheduler import HardwareProfile, activation_bytes, gathered_layers
 
 
 def _median_seconds(work: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
@@ -52,20 +52,47 @@ def memory_bandwidth(device: torch.device, megabytes: int = 256) -> float:
     return x.nbytes / _median_seconds(lambda: x.sum(), device)
 
 
-def _decode_step(model, device: torch.device, batch: int, context: int) -> float:
-    """Median seconds of one decode step of ``batch`` sequences at ``context`` tokens."""
+def half_offload_budget(spec, batch: int, tokens: int) -> int:
+    """A device budget (bytes) that leaves about half of ``batch`` x ``tokens`` KV off-device.
+
+    ``spec`` is a :class:`scheduler.ModelSpec`. The terms are the planner's: weights, one
+    step's activations, half the KV, and the gathered off-device share of the attending (and
+    prefetched) layer.
+    """
+    kv = spec.kv_bytes_per_token() * batch * tokens
+    gathered = gathered_layers(spec.num_layers) * 0.5 * kv / spec.num_layers
+    return int(spec.total_weight_bytes + activation_bytes(spec, batch) + 0.5 * kv + gathered)
+
+
+def _decode_step(
+    model, device: torch.device, batch: int, context: int, config=None
+) -> tuple[float, object]:
+    """(median seconds of one decode step of ``batch`` sequences at ``context`` tokens, cache)."""
     from alisa import AlisaCache
 
-    ids = torch.randint(10, 1000, (batch, context), device=device)
-    cache = AlisaCache(model)
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.randint(min(10, vocab - 1), min(1000, vocab), (batch, context), device=device)
+    cache = AlisaCache(model, config, max_new_tokens=16)
+    # The same call as a generate() step (mask, positions, argmax): mask building and the
+    # token pick are part of what a real step costs.
+    state = {"mask": torch.ones_like(ids), "token": ids[:, -1:]}
     with torch.inference_mode():
         model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
-        token = ids[:, -1:]
 
         def step():
-            model(input_ids=token, past_key_values=cache, logits_to_keep=1)
+            mask = state["mask"]
+            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
+            positions = torch.full((batch, 1), mask.shape[1] - 1, device=device)
+            logits = model(
+                input_ids=state["token"],
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                logits_to_keep=1,
+            ).logits
+            state["mask"], state["token"] = mask, logits[:, -1].argmax(-1, keepdim=True)
 
-        return _median_seconds(step, device, repeats=7)
+        return _median_seconds(step, device, repeats=7), cache
 
 
 def calibrate_decode(
@@ -82,7 +109,7 @@ def calibrate_decode(
     spec = model_spec(model, model_shape(model))
     points = []
     for batch, context in ((1, 16), (4, 1024)):
-        seconds = _decode_step(model, device, batch, context)
+        seconds, _ = _decode_step(model, device, batch, context)
         fixed = max(
             spec.total_weight_bytes / bandwidth, batch * spec.decode_flops_per_token() / flops
         )
@@ -91,6 +118,43 @@ def calibrate_decode(
     per_byte = max(1e-15, (large_time - small_time) / (large_kv - small_kv))
     overhead = max(0.0, small_time - small_kv * per_byte)
     return overhead, 1.0 / per_byte
+
+
+def calibrate_tiers(
+    model, device: torch.device, h2d: float, rebuild: float, batch: int = 4, context: int = 1024
+) -> tuple[float, float]:
+    """(host-read bytes/s, recompute FLOP/s) as the tiered cache really achieves them.
+
+    Copy and matmul micro-benchmarks miss the per-layer gathers, small copies and the extra
+    attention parts of a tiered step. Three real decode steps (all resident, about half on the
+    host, about half recomputed) give the effective rates; they only ever lower the
+    micro-benchmark figures (copies hidden behind compute on CUDA would otherwise read as
+    free).
+    """
+    from alisa import AlisaConfig
+    from alisa.architecture import model_shape
+    from alisa.planning import model_spec
+
+    spec = model_spec(model, model_shape(model))
+    bits = torch.finfo(next(model.parameters()).dtype).bits
+    budget = half_offload_budget(spec, batch, context + 16)
+    resident, _ = _decode_step(model, device, batch, context)
+    hosted, cache = _decode_step(
+        model, device, batch, context, AlisaConfig(gpu_memory=budget, recompute="never")
+    )
+    host_bytes = cache.tier_tokens()["host"] * spec.kv_bytes_per_token() / spec.num_layers
+    if host_bytes > 0:
+        h2d = min(h2d, host_bytes / max(hosted - resident, 1e-9))
+    rebuilt, cache = _decode_step(
+        model, device, batch, context, AlisaConfig(gpu_memory=budget, recompute="always")
+    )
+    tokens = cache.tier_tokens()["recompute"] / spec.num_layers  # per layer, as the cost model
+    if tokens > 0:
+        # The hidden states are read like host KV, then projected: the rest is recompute.
+        read = tokens * spec.hidden_bytes_per_token(bits) / h2d
+        busy = max(rebuilt - resident - read, 1e-9)
+        rebuild = min(rebuild, tokens * spec.recompute_flops_per_token() / busy)
+    return h2d, rebuild
 
 
 def recompute_flops(model, device: torch.device, tokens: int = 512) -> float:
@@ -130,6 +194,7 @@ def measure(
     if model is not None:
         overhead, kv_rate = calibrate_decode(model, device, bandwidth, flops)
         rebuild = recompute_flops(model, device)
+        h2d, rebuild = calibrate_tiers(model, device, h2d, rebuild)
     return HardwareProfile(
         name=f"{platform.node() or 'host'} {device.type} "
         f"({torch.get_num_threads()} threads, measured)",

@@ -20,7 +20,7 @@ import torch
 from alisa import AlisaCache, AlisaConfig, generate, load_model
 from alisa.architecture import model_shape
 from alisa.planning import model_spec
-from alisa.profiling import measure
+from alisa.profiling import half_offload_budget, measure
 from experiments.data import data_dir, load_wikitext2
 from experiments.worker import prompts_of_length
 from scheduler import Workload, evaluate
@@ -40,12 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def placement(cache: AlisaCache) -> dict[str, float]:
     """Fractions of the stored tokens per tier, as the cache really placed them."""
-    counts = {"device": 0, "host": 0, "recompute": 0}
-    for layer in cache.layers:
-        offset = 0
-        for tier, slots in getattr(layer.store, "regions", [("device", layer.store.capacity)]):
-            counts[tier] += int((layer.positions[..., offset : offset + slots] >= 0).sum())
-            offset += slots
+    counts = cache.tier_tokens()
     total = max(1, sum(counts.values()))
     return {
         "g": counts["device"] / total,
@@ -64,12 +59,11 @@ def main(argv=None) -> int:
     prompts = prompts_of_length(
         tokenizer, load_wikitext2(data_dir(args.data_dir)), args.prompt_tokens, args.batch
     )
-    kv_total = spec.kv_bytes_per_token() * args.batch * (args.prompt_tokens + args.new_tokens)
-    half = spec.total_weight_bytes + kv_total * 0.5 + kv_total / spec.num_layers + 50e6
+    half = half_offload_budget(spec, args.batch, args.prompt_tokens + args.new_tokens)
     configs = {
         "resident": AlisaConfig(),
-        "half on host": AlisaConfig(gpu_memory=int(half), recompute="never"),
-        "half recomputed": AlisaConfig(gpu_memory=int(half), recompute="always"),
+        "half on host": AlisaConfig(gpu_memory=half, recompute="never"),
+        "half recomputed": AlisaConfig(gpu_memory=half, recompute="always"),
     }
     generate(model, tokenizer, [p[:200] for p in prompts], max_new_tokens=4)  # warm-up
     rows = []
