@@ -49,6 +49,8 @@ def find_run(path: Path) -> Path:
 
 
 def series_name(point: dict) -> str:
+    if point.get("system", "alisa") != "alisa":
+        return str(point["system"])  # a peer cache: the ALISA options do not apply to it
     parts = [f"{k}={point[k]}" for k in SERIES_KEYS if k in point]
     return ", ".join(parts) or "default"
 
