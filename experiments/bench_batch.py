@@ -154,7 +154,8 @@ def output_agreement(model, tokenizer, source: Path, work: Path, args) -> float:
     )
     outputs = []
     for index, factory in enumerate((None, DynamicCache)):
-        target = work / f"agree{index}.jsonl"
+        # One file per dtype: the runner resumes from an existing file.
+        target = work / f"agree-{next(model.parameters()).dtype}-{index}.jsonl"
         job = BatchJob(
             input=str(subset),
             output=str(target),

@@ -107,6 +107,8 @@ def plot_sparsity_curves(task: str, rows: list[dict], folder: Path) -> Path | No
         axis.axhline(dense[0], color="black", linestyle="--", label="dense")
     axis.set_xlabel("KV sparsity (%) = 1 - caching ratio")
     axis.set_ylabel(metric)
+    if metric == "perplexity":
+        axis.set_yscale("log")  # one weak policy would otherwise flatten all the others
     axis.set_title(f"{task}: {metric} vs KV sparsity")
     axis.legend(fontsize=7)
     return _save(figure, folder / f"{task}_vs_sparsity.png")
