@@ -95,20 +95,25 @@ def _decode_step(
         return _median_seconds(step, device, repeats=7), cache
 
 
+# The KV-heavy decode step both calibrations use: (batch, context tokens).
+HEAVY_STEP = (4, 1024)
+
+
 def calibrate_decode(
     model, device: torch.device, bandwidth: float, flops: float
-) -> tuple[float, float]:
-    """(fixed seconds per step, KV bytes read per second) fitted on two real decode steps.
+) -> tuple[float, float, float]:
+    """(fixed seconds per step, KV bytes read per second, seconds of the heavy step).
 
     Step time = overhead + max(weights / bandwidth, FLOPs / flops) + KV bytes / kv_rate, solved
-    from a small step (batch 1, 16 tokens) and a KV-heavy one (batch 4, 1024 tokens).
+    from a small step (batch 1, 16 tokens) and a KV-heavy one (:data:`HEAVY_STEP`), which
+    :func:`calibrate_tiers` reuses as its all-resident reference.
     """
     from alisa.architecture import model_shape
     from alisa.planning import model_spec
 
     spec = model_spec(model, model_shape(model))
-    points = []
-    for batch, context in ((1, 16), (4, 1024)):
+    points, seconds = [], 0.0
+    for batch, context in ((1, 16), HEAVY_STEP):
         seconds, _ = _decode_step(model, device, batch, context)
         fixed = max(
             spec.total_weight_bytes / bandwidth, batch * spec.decode_flops_per_token() / flops
@@ -117,11 +122,17 @@ def calibrate_decode(
     (small_time, small_kv), (large_time, large_kv) = points
     per_byte = max(1e-15, (large_time - small_time) / (large_kv - small_kv))
     overhead = max(0.0, small_time - small_kv * per_byte)
-    return overhead, 1.0 / per_byte
+    return overhead, 1.0 / per_byte, seconds  # the loop ends on the heavy step
 
 
 def calibrate_tiers(
-    model, device: torch.device, h2d: float, rebuild: float, batch: int = 4, context: int = 1024
+    model,
+    device: torch.device,
+    h2d: float,
+    rebuild: float,
+    batch: int = HEAVY_STEP[0],
+    context: int = HEAVY_STEP[1],
+    resident: float | None = None,
 ) -> tuple[float, float]:
     """(host-read bytes/s, recompute FLOP/s) as the tiered cache really achieves them.
 
@@ -129,7 +140,8 @@ def calibrate_tiers(
     attention parts of a tiered step. Three real decode steps (all resident, about half on the
     host, about half recomputed) give the effective rates; they only ever lower the
     micro-benchmark figures (copies hidden behind compute on CUDA would otherwise read as
-    free).
+    free). ``resident``: seconds of the all-resident step if already measured
+    (:func:`calibrate_decode` returns it for :data:`HEAVY_STEP`).
     """
     from alisa import AlisaConfig
     from alisa.architecture import model_shape
@@ -138,7 +150,8 @@ def calibrate_tiers(
     spec = model_spec(model, model_shape(model))
     bits = torch.finfo(next(model.parameters()).dtype).bits
     budget = half_offload_budget(spec, batch, context + 16)
-    resident, _ = _decode_step(model, device, batch, context)
+    if resident is None:  # seconds of the same step with everything on the device
+        resident, _ = _decode_step(model, device, batch, context)
     hosted, cache = _decode_step(
         model, device, batch, context, AlisaConfig(gpu_memory=budget, recompute="never")
     )
@@ -192,9 +205,9 @@ def measure(
         device_bytes = host_bytes = psutil.virtual_memory().total
     overhead, rebuild, kv_rate = 0.0, 0.0, 0.0
     if model is not None:
-        overhead, kv_rate = calibrate_decode(model, device, bandwidth, flops)
+        overhead, kv_rate, resident = calibrate_decode(model, device, bandwidth, flops)
         rebuild = recompute_flops(model, device)
-        h2d, rebuild = calibrate_tiers(model, device, h2d, rebuild)
+        h2d, rebuild = calibrate_tiers(model, device, h2d, rebuild, resident=resident)
     return HardwareProfile(
         name=f"{platform.node() or 'host'} {device.type} "
         f"({torch.get_num_threads()} threads, measured)",
