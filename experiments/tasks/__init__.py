@@ -37,32 +37,21 @@ def perplexity(context: Context, point: dict, options: dict) -> dict:
     return {"perplexity": result.perplexity, "nll": result.nll, "tokens": result.tokens}
 
 
-def passkey(context: Context, point: dict, options: dict) -> dict:
-    from experiments.tasks.retrieval import retrieval_accuracy
+def _retrieval(loader, kind: str):
+    def run(context: Context, point: dict, options: dict) -> dict:
+        from experiments.tasks.retrieval import retrieval_accuracy
 
-    return retrieval_accuracy(
-        context.model,
-        context.tokenizer,
-        data.load_passkey(context.data_root),
-        context.config,
-        kind="passkey",
-        max_prompt_tokens=options.get("max_prompt_tokens", 2048),
-        progress=False,
-    )
+        return retrieval_accuracy(
+            context.model,
+            context.tokenizer,
+            loader(context.data_root),
+            context.config,
+            kind=kind,
+            max_prompt_tokens=options.get("max_prompt_tokens", 2048),
+            progress=False,
+        )
 
-
-def niah(context: Context, point: dict, options: dict) -> dict:
-    from experiments.tasks.retrieval import retrieval_accuracy
-
-    return retrieval_accuracy(
-        context.model,
-        context.tokenizer,
-        data.load_niah(context.data_root),
-        context.config,
-        kind="niah",
-        max_prompt_tokens=options.get("max_prompt_tokens", 2048),
-        progress=False,
-    )
+    return run
 
 
 def _choice(loader):
@@ -184,8 +173,8 @@ def _row(index: int, prompt: str) -> str:
 
 TASKS = {
     "perplexity": perplexity,
-    "passkey": passkey,
-    "niah": niah,
+    "passkey": _retrieval(data.load_passkey, "passkey"),
+    "niah": _retrieval(data.load_niah, "niah"),
     "piqa": _choice(data.load_piqa),
     "copa": _choice(data.load_copa),
     "xsum": xsum,
