@@ -18,6 +18,7 @@ from transformers.generation.logits_process import (
 from alisa.cache import AlisaCache
 from alisa.config import AlisaConfig
 from alisa.memory import PeakMemory, tensor_bytes
+from alisa.models import check_prompt_length
 
 # HF GenerationConfig defaults, used when the model's own generation config leaves them unset.
 HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
@@ -183,6 +184,7 @@ def generate(
     sampling = sampling or SamplingOptions()
     device = next(model.parameters()).device
     batch = tokenizer(prompt_list, return_tensors="pt", padding=True).to(device)
+    check_prompt_length(model, tokenizer, batch["input_ids"].shape[-1])
     cache = past_key_values
     if cache is None:
         cache = AlisaCache(model, config, max_new_tokens=max_new_tokens)
