@@ -129,27 +129,23 @@ class OutputLog:
                 self._add(self._row(line, number))
         if not tail.strip():
             return
-        last = complete.count(b"\n") + 1
-        try:
-            row = self._row(tail, last)
-        except ValueError:
-            if not tail.startswith(ROW_START):
-                raise
-            with self.path.open("r+b") as handle:  # our torn row: drop it, it will be redone
+        if _parses(tail):  # a whole line that only lacks its newline: keep it
+            self._add(self._row(tail, complete.count(b"\n") + 1))
+            with self.path.open("ab") as handle:
+                handle.write(b"\n")
+        elif tail.startswith(ROW_START):  # our torn row: drop it, it will be redone
+            with self.path.open("r+b") as handle:
                 handle.truncate(len(complete))
-            return
-        with self.path.open("ab") as handle:  # a whole row that only lacks its newline
-            handle.write(b"\n")
-        self._add(row)
+        else:
+            self._row(tail, complete.count(b"\n") + 1)  # raises: not ours, nothing changed
 
     def _row(self, line: bytes, number: int) -> dict:
         where = f"{self.path}:{number}"
-        try:
-            row = json.loads(line.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        if not _parses(line):
             raise ValueError(
                 f"{where}: not a JSON line; is this the right output file? (nothing was changed)"
-            ) from None
+            )
+        row = json.loads(line.decode("utf-8"))
         if not isinstance(row, dict) or any(key not in row for key in self.keys):
             raise ValueError(
                 f"{where}: not a results row (a JSON object with {', '.join(map(repr, self.keys))}"
@@ -169,6 +165,14 @@ class OutputLog:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+def _parses(line: bytes) -> bool:
+    try:
+        json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return True
 
 
 def same_file(first: str | Path, second: str | Path) -> bool:
