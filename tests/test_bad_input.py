@@ -380,3 +380,18 @@ def test_every_flag_has_help_text():
         for action in parser._actions:
             if action.option_strings and action.dest != "help":
                 assert action.help, f"alisa {name} {action.option_strings[0]} has no help"
+
+
+def test_python_api_refuses_the_same_inputs(tmp_path):
+    from alisa import BatchJob, generate, run_batch
+
+    model, tokenizer = tiny_llama(max_position_embeddings=64), byte_tokenizer()
+    with pytest.raises(ValueError, match="200 tokens, more than the model's context of 64"):
+        generate(model, tokenizer, LONG, max_new_tokens=1)
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(ONE)
+    with pytest.raises(ValueError, match="is the input file"):
+        run_batch(model, tokenizer, BatchJob(input=str(source), output=str(source)))
+    assert source.read_bytes() == ONE
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        BatchJob(input=str(source), output=str(tmp_path / "o.jsonl"), max_new_tokens=0)

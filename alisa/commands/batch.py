@@ -7,10 +7,10 @@ import sys
 
 from alisa.commands.options import (
     EXIT_ROWS_FAILED,
-    add_config_options,
+    add_cache_options,
     add_model_options,
+    cache_config_from_args,
     check_minimum,
-    config_from_args,
     load_for_cli,
 )
 
@@ -29,7 +29,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-memory", help="byte budget of the KV cache alone, e.g. 256MiB")
     parser.add_argument("--max-batch", type=int, default=64, help="upper bound on the batch size")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_config_options(parser)
+    add_cache_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     check_minimum("--max-batch", args.max_batch, 1)
     if args.kv_memory is not None:
         parse_bytes(args.kv_memory, field="--kv-memory")
-    config = config_from_args(args)
+    config = cache_config_from_args(args)
     # The job's budget sizes whole batches; the cache itself is not tiered per batch.
     budget, config = config.gpu_memory, config.with_overrides(gpu_memory=None)
     job = BatchJob(

@@ -8,10 +8,10 @@ from pathlib import Path
 
 from alisa.commands.options import (
     CommandError,
-    add_config_options,
+    add_cache_options,
     add_model_options,
+    cache_config_from_args,
     check_minimum,
-    config_from_args,
     load_for_cli,
     with_flag,
 )
@@ -47,7 +47,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--top-k", type=int, help="sample among the k likeliest tokens")
     sampling.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
     sampling.add_argument("--seed", type=int, help="seed for sampling")
-    add_config_options(parser)
+    add_cache_options(parser)
     parallel = parser.add_argument_group("multi-process (launch with torchrun --nproc-per-node N)")
     parallel.add_argument(
         "--parallel", default="none", help=f"none, {', '.join(MODES)} (default: none)"
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_minimum("--max-new-tokens", args.max_new_tokens, 0)
     prompt = read_prompt(args)
-    config = config_from_args(args)
+    config = cache_config_from_args(args)
     parallel = parallel_config(args)
     try:
         sampling = SamplingOptions(

@@ -56,19 +56,24 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def _flag_type(annotation) -> tuple[type, str]:
-    """(argparse type, metavar) of a field annotation: ``X | None`` -> X; unions -> str."""
+    """(argparse type, metavar) of a field annotation: ``X | None`` -> X; other unions -> str.
+
+    ``int | str`` byte sizes stay text for the config to parse; any type argparse cannot build
+    from one word is read as text too.
+    """
     kinds = [a for a in typing.get_args(annotation) if a is not type(None)]
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         annotation = kinds[0] if len(kinds) == 1 else str
-    metavar = {int: "N", float: "X", str: "TEXT"}.get(annotation, "VALUE")
-    return annotation, metavar
+    if annotation not in (bool, int, float, str):
+        return str, "VALUE"
+    return annotation, {bool: "", int: "N", float: "X", str: "TEXT"}[annotation]
 
 
 def _default(item: Field):
     return item.default_factory() if item.default is MISSING else item.default
 
 
-def add_config_options(
+def add_cache_options(
     parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None, title: str = "KV cache"
 ) -> None:
     """One flag per ``AlisaConfig`` field (or per field in ``only``), typed, defaulted, helped.
@@ -105,7 +110,9 @@ def add_config_options(
             )
 
 
-def config_from_args(args: argparse.Namespace, only: tuple[str, ...] | None = None) -> AlisaConfig:
+def cache_config_from_args(
+    args: argparse.Namespace, only: tuple[str, ...] | None = None
+) -> AlisaConfig:
     """The validated ``AlisaConfig`` the generated flags describe; errors name the flag.
 
     Raises

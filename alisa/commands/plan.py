@@ -7,9 +7,9 @@ import json
 
 from alisa.commands.options import (
     CommandError,
-    add_config_options,
+    add_cache_options,
+    cache_config_from_args,
     check_minimum,
-    config_from_args,
     dtype_from_flag,
 )
 from alisa.models import DTYPES
@@ -45,7 +45,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--hardware", help="published preset instead of this machine: v100-32gb, a100-40gb, ..."
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    add_config_options(parser, only=PLAN_FIELDS)
+    add_cache_options(parser, only=PLAN_FIELDS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     for flag in ("--batch", "--prompt-len", "--gen-len"):
         check_minimum(flag, getattr(args, flag[2:].replace("-", "_")), 1)
     torch_dtype = dtype_from_flag(args.dtype) or torch.bfloat16
-    config = config_from_args(args, only=PLAN_FIELDS)
+    config = cache_config_from_args(args, only=PLAN_FIELDS)
     profile = _hardware(args, config)
     try:
         spec, recomputable = empty_model_spec(args.model, args.dtype)
