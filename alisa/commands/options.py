@@ -69,6 +69,11 @@ def _flag_type(annotation) -> tuple[type, str]:
     return annotation, {bool: "", int: "N", float: "X", str: "TEXT"}[annotation]
 
 
+def _settable_fields(only: tuple[str, ...] | None) -> list[Field]:
+    """The ``AlisaConfig`` fields a flag can set (all ``__init__`` fields, or those in ``only``)."""
+    return [f for f in fields(AlisaConfig) if f.init and (only is None or f.name in only)]
+
+
 def _default(item: Field):
     return item.default_factory() if item.default is MISSING else item.default
 
@@ -78,22 +83,17 @@ def add_cache_options(
 ) -> None:
     """One flag per ``AlisaConfig`` field (or per field in ``only``), typed, defaulted, helped.
 
-    Raises
-    ------
-    ValueError
-        A field without a docstring entry (every flag must have help text).
+    A field without a docstring entry still gets a flag (its help then only names the field);
+    ``tests/test_bad_input.py`` fails until the entry is written.
     """
     group = parser.add_argument_group(f"{title} (AlisaConfig fields)")
     docs = field_docs(AlisaConfig)
     hints = typing.get_type_hints(AlisaConfig)
-    for item in fields(AlisaConfig):
-        if only is not None and item.name not in only:
-            continue
-        if not docs.get(item.name):
-            raise ValueError(f"AlisaConfig field {item.name!r} has no entry in its docstring")
+    for item in _settable_fields(only):
         default = _default(item)
         # A field left at None is a flag not given: say so in the flag's words.
-        help_text = re.sub(r"\bNone\b", "unset", docs[item.name]).replace("%", "%%")
+        text = docs.get(item.name) or f"AlisaConfig.{item.name}"
+        help_text = re.sub(r"\bNone\b", "unset", text).replace("%", "%%")
         if default is not None and default is not False:
             help_text += f" (default: {default})"
         kind, metavar = _flag_type(hints[item.name])
@@ -121,7 +121,7 @@ def cache_config_from_args(
         A bad value (the message names the flag, then the field and value), or a ``--profile``
         file that cannot be read.
     """
-    names = [f.name for f in fields(AlisaConfig) if only is None or f.name in only]
+    names = [item.name for item in _settable_fields(only)]
     try:
         config = AlisaConfig(**{name: getattr(args, name) for name in names})
     except ValueError as error:
