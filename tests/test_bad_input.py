@@ -348,10 +348,16 @@ def test_rows_that_did_not_fit_are_retried_by_a_rerun(tmp_path, models, capsys, 
     source.write_bytes(ONE)
     argv = ["batch", str(source), "-o", str(target), "--model", models["model"], "--no-progress"]
     argv += ["--max-new-tokens", "2"]
+    failures = tmp_path / "out.jsonl.failed"
     assert run_cli(argv + ["--kv-memory", "1B"], capsys, monkeypatch, None)[0] == FAILED
+    assert target.read_text() == ""  # a failed row is not a result: the output holds none
+    failed = [json.loads(line) for line in failures.read_text().splitlines()]
+    assert [(r["id"], r["finish_reason"]) for r in failed] == [("a", "did_not_fit")]
     assert run_cli(argv, capsys, monkeypatch, None)[0] == OK
     lines = target.read_text().splitlines()
-    assert len(lines) == 2 and '"did_not_fit"' in lines[0] and '"text": null' not in lines[1]
+    assert len(lines) == 1 and json.loads(lines[0])["id"] == "a"  # each id exactly once
+    assert json.loads(lines[0])["text"] is not None and "error" not in json.loads(lines[0])
+    assert not failures.exists()  # nothing failed this time: the stale list is gone
     assert run_cli(argv, capsys, monkeypatch, None)[0] == OK  # done now: nothing more appended
     assert target.read_text().splitlines() == lines
 

@@ -7,6 +7,7 @@ import sys
 
 from alisa.commands.options import (
     EXIT_ROWS_FAILED,
+    CommandError,
     add_cache_options,
     add_model_options,
     cache_config_from_args,
@@ -29,11 +30,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-memory", help="byte budget of the KV cache alone, e.g. 256MiB")
     parser.add_argument("--max-batch", type=int, default=64, help="upper bound on the batch size")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--rank-timeout",
+        type=float,
+        help="under torchrun: seconds a rank waits for a silent peer before failing (a killed "
+        "rank fails the others at once; default: 1800)",
+    )
     add_cache_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from alisa.jobs import BatchJob, run_batch
+    from alisa.jobs.distributed import launched
     from alisa.jobs.runner import open_job
     from alisa.memory import parse_bytes
 
@@ -54,16 +62,49 @@ def run(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         progress=not args.no_progress,
     )
+    if launched():
+        return _run_ranks(args, job)
     _, log = open_job(job)  # every file check before loading the model
     log.close()
     model, tokenizer = load_for_cli(args.model, args.dtype)
-    summary = run_batch(model, tokenizer, job)
+    return _report(run_batch(model, tokenizer, job), args.output)
+
+
+def _run_ranks(args: argparse.Namespace, job) -> int:
+    """The same job over torchrun's ranks; rank 0 reports for all."""
+    from alisa.jobs.distributed import WAIT_TIMEOUT_S, RankError, process_group
+    from alisa.jobs.ranked import plan_ranks, run_ranked
+
+    if args.rank_timeout is not None and args.rank_timeout <= 0:
+        raise CommandError(f"--rank-timeout={args.rank_timeout} must be > 0")
+    try:
+        with process_group(args.rank_timeout or WAIT_TIMEOUT_S) as ranks:
+            plan = plan_ranks(job, ranks)
+            model, tokenizer = load_for_cli(args.model, args.dtype)
+            summary = run_ranked(model, tokenizer, job, plan, ranks)
+    except RankError as error:
+        raise CommandError(str(error)) from None
+    if ranks.rank != 0:
+        return EXIT_ROWS_FAILED if summary.failed else 0
+    return _report(summary, args.output)
+
+
+SHOWN_FAILURES = 10  # failed rows named on stderr; all of them go to the failures file
+
+
+def _report(summary, output: str) -> int:
+    """Print the summary and the failed rows; write the failures file; the exit code."""
+    from alisa.jobs.io import write_failures
+
     print(f"[alisa batch] {summary.describe()}", file=sys.stderr)
-    if summary.failed:
-        print(
-            f"alisa batch: {len(summary.failed)} row(s) failed (see their 'error' in "
-            f"{args.output}); they are not done: re-run with a larger budget to retry them",
-            file=sys.stderr,
-        )
-        return EXIT_ROWS_FAILED
-    return 0
+    failures = write_failures(output, list(summary.errors.values()))
+    if not summary.failed:
+        return 0
+    for row in list(summary.errors.values())[:SHOWN_FAILURES]:
+        print(f"alisa batch: {row['id']!r} {row['finish_reason']}: {row['error']}", file=sys.stderr)
+    print(
+        f"alisa batch: {len(summary.failed)} row(s) failed (listed in {failures}); they are not "
+        f"in {output}: re-run with a larger budget to retry them",
+        file=sys.stderr,
+    )
+    return EXIT_ROWS_FAILED

@@ -13,6 +13,7 @@ from alisa.architecture import model_shape
 from alisa.config import AlisaConfig
 from alisa.generate import SamplingOptions, generate
 from alisa.jobs.io import OutputLog, Request, read_requests, same_file
+from alisa.jobs.parts import merge_parts
 from alisa.jobs.sizing import BatchMemory, batch_memory, largest_batch
 from alisa.memory import PeakMemory, format_bytes, parse_bytes
 from alisa.models import context_length
@@ -79,10 +80,11 @@ class JobSummary:
     budget_bytes: int | None = None
     kv_budget_bytes: int | None = None
     ttfts_s: list = field(default_factory=list)  # time to first token of each batch
+    errors: dict = field(default_factory=dict)  # id -> error row of every failed prompt
 
     @property
     def failed(self) -> list:
-        """Ids written as error rows this run (not done: a re-run retries them)."""
+        """Ids that failed this run: kept out of the output, so a re-run retries them."""
         return self.did_not_fit + self.too_long
 
     @property
@@ -115,6 +117,8 @@ RESULT_KEYS = ("id", "finish_reason")  # what every row of a batch output has
 def open_job(job: BatchJob) -> tuple[list[Request], OutputLog]:
     """Validated requests and the reopened output log: every file check before any model work.
 
+    Parts left by a killed multi-process run of the same output are merged in first.
+
     Raises
     ------
     ValueError
@@ -126,7 +130,13 @@ def open_job(job: BatchJob) -> tuple[list[Request], OutputLog]:
         raise ValueError(
             f"the output {job.output!r} is the input file; results go to a file of their own"
         )
-    return requests, OutputLog(job.output, keys=RESULT_KEYS)
+    log = OutputLog(job.output, keys=RESULT_KEYS)
+    try:
+        merge_parts(log)
+    except ValueError:
+        log.close()
+        raise
+    return requests, log
 
 
 def run_batch(
@@ -146,7 +156,11 @@ def run_batch(
     """
     requests, log = open_job(job)
     try:
-        return _run(model, tokenizer, job, requests, log, cache_factory)
+        pending = [r for r in requests if r.id not in log.done]
+        bar = tqdm(total=len(pending), unit="prompt", disable=not job.progress, desc="alisa batch")
+        summary = run_requests(model, tokenizer, job, pending, log, bar, cache_factory)
+        summary.prompts, summary.already_done = len(requests), len(requests) - len(pending)
+        return summary
     finally:
         log.close()
 
@@ -161,7 +175,7 @@ class _Budgets:
     kv_name: str
 
 
-def _budgets(model, job: BatchJob, spec) -> _Budgets:
+def _budgets(model, job: BatchJob, spec, host_share: int) -> _Budgets:
     budget = parse_bytes(job.gpu_memory, field="gpu_memory") if job.gpu_memory is not None else None
     kv_budget = parse_bytes(job.kv_memory, field="kv_memory") if job.kv_memory is not None else None
     if budget is not None and budget <= spec.total_weight_bytes:
@@ -173,7 +187,8 @@ def _budgets(model, job: BatchJob, spec) -> _Budgets:
     name = f"--gpu-memory {job.gpu_memory}"
     if next(model.parameters()).device.type == "cpu":
         # On a CPU the device is host memory: never plan past what is free (weights are loaded).
-        free = spec.total_weight_bytes + int(0.9 * psutil.virtual_memory().available)
+        # Processes sharing this host (torchrun ranks) split what is free evenly.
+        free = spec.total_weight_bytes + int(0.9 * psutil.virtual_memory().available) // host_share
         if budget is None or free < budget:
             budget, name = free, "free host memory"
     return _Budgets(
@@ -181,24 +196,37 @@ def _budgets(model, job: BatchJob, spec) -> _Budgets:
     )
 
 
-def _run(model, tokenizer, job, requests, log, cache_factory) -> JobSummary:
+def run_requests(
+    model,
+    tokenizer,
+    job: BatchJob,
+    pending: list[Request],
+    log: OutputLog,
+    bar,
+    cache_factory: Callable | None = None,
+    host_share: int = 1,
+) -> JobSummary:
+    """Generate for ``pending`` (requests not done yet), appending each finished row to ``log``.
+
+    Failed prompts (too long for the context, or too large for the budget even alone) are not
+    written: they land in ``summary.errors`` and a re-run retries them. ``bar`` is a tqdm-like
+    progress bar updated per batch; ``host_share`` is how many processes share this host's free
+    memory (CPU budgets only).
+    """
     spec = model_spec(model, model_shape(model))
     sizing = None if cache_factory is not None else job.config
-    budgets = _budgets(model, job, spec)
-    summary = JobSummary(prompts=len(requests), budget_bytes=budgets.device)
+    budgets = _budgets(model, job, spec, host_share)
+    summary = JobSummary(prompts=len(pending), budget_bytes=budgets.device)
     summary.kv_budget_bytes = budgets.kv
-    pending = [r for r in requests if r.id not in log.done]
-    summary.already_done = len(requests) - len(pending)
     encoded = tokenizer([r.prompt for r in pending])["input_ids"] if pending else []
     lengths = {r.id: len(ids) for r, ids in zip(pending, encoded, strict=True)}
-    bar = tqdm(total=len(pending), unit="prompt", disable=not job.progress, desc="alisa batch")
-    pending = _drop_too_long(pending, lengths, context_length(model, tokenizer), log, summary)
+    pending = _drop_too_long(pending, lengths, context_length(model, tokenizer), summary)
     bar.update(len(summary.too_long))
     started = time.perf_counter()
     with PeakMemory(next(model.parameters()).device) as memory:
         for batch, new_tokens in _batches(pending, lengths, job, spec, sizing, budgets):
             if len(batch) == 1 and isinstance(batch[0], dict):  # did not fit even alone
-                log.append(batch[0])
+                summary.errors[batch[0]["id"]] = batch[0]
                 summary.did_not_fit.append(batch[0]["id"])
             else:
                 result = generate(
@@ -222,8 +250,8 @@ def _run(model, tokenizer, job, requests, log, cache_factory) -> JobSummary:
     return summary
 
 
-def _drop_too_long(pending, lengths, context, log: OutputLog, summary: JobSummary) -> list:
-    """Record prompts longer than the model's context as failed rows; return the others."""
+def _drop_too_long(pending, lengths, context, summary: JobSummary) -> list:
+    """Record prompts longer than the model's context as failed; return the others."""
     if context is None:
         return pending
     limit, source = context
@@ -236,7 +264,7 @@ def _drop_too_long(pending, lengths, context, log: OutputLog, summary: JobSummar
             f"the prompt has {lengths[request.id]} tokens, more than the model's context of "
             f"{limit} tokens ({source})"
         )
-        log.append(_failed_row(request, "prompt_too_long", error))
+        summary.errors[request.id] = _failed_row(request, "prompt_too_long", error)
         summary.too_long.append(request.id)
     return kept
 

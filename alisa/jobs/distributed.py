@@ -1,0 +1,182 @@
+"""One job over torchrun's ranks: torch.distributed collectives only (gloo on CPUs, NCCL on GPUs).
+
+Rank 0 checks the files, merges parts a killed run left and tells every rank which ids are done;
+each rank runs the ids it owns (:func:`alisa.jobs.parts.owner`) into its own part; rank 0 merges
+the parts into the one output at the end. A rank that dies closes its sockets, so the others fail
+at their next collective at once (``timeout_s`` is the backstop for a rank that hangs), and
+torchrun stops the rest of its ranks with SIGTERM, which ends them with a :class:`RankError`.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from alisa.jobs.parts import MARKER, parts_dir, written_rows
+from alisa.parallel.dist import init_from_env
+
+WAIT_TIMEOUT_S = 1800.0  # the longest a rank waits for a live peer (finished ranks wait too)
+RERUN = "rows finished so far are kept: re-run the same command to finish the missing ids"
+
+
+class RankError(RuntimeError):
+    """Another rank stopped (killed, failed) or the launcher stopped this one."""
+
+
+def launched() -> bool:
+    """Whether this process was started by torchrun (or another env:// launcher)."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ranks:
+    """This process's place in the job."""
+
+    rank: int
+    world: int
+    local_world: int  # ranks on this machine (they share its host memory)
+
+
+def _stopped(signum: int, frame) -> None:
+    raise RankError(f"stopped by the launcher (signal {signum}): another rank ended first; {RERUN}")
+
+
+@contextmanager
+def process_group(timeout_s: float = WAIT_TIMEOUT_S) -> Iterator[Ranks]:
+    """Join torchrun's group for the ``with`` block; SIGTERM then raises :class:`RankError`."""
+    rank, world = init_from_env(timeout_s)
+    previous = signal.signal(signal.SIGTERM, _stopped)
+    try:
+        yield Ranks(rank=rank, world=world, local_world=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        dist.destroy_process_group()
+
+
+def _collective(function: Callable, *args):
+    try:
+        return function(*args)
+    except RankError:
+        raise
+    except RuntimeError as error:  # DistBackendError and gloo's connection errors
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise RankError(f"another rank stopped or cannot be reached ({reason}); {RERUN}") from None
+
+
+def from_rank0(ranks: Ranks, function: Callable[[], object]) -> object:
+    """``function()`` run on rank 0, its (picklable) result on every rank.
+
+    Raises
+    ------
+    ValueError
+        On every rank, when ``function`` raised it on rank 0.
+    """
+    payload: list = [None]
+    if ranks.rank == 0:
+        try:
+            payload = [(True, function())]
+        except ValueError as error:
+            payload = [(False, str(error))]
+    _collective(dist.broadcast_object_list, payload, 0)
+    ok, value = payload[0]
+    if not ok:
+        raise ValueError(value)
+    return value
+
+
+def on_every_rank(ranks: Ranks, function: Callable[[], object]) -> object:
+    """``function()`` on every rank; a ValueError on any rank is raised on all, naming it."""
+    try:
+        outcome = (True, function())
+    except ValueError as error:
+        outcome = (False, str(error))
+    outcomes = gather(ranks, outcome)
+    failed = [f"rank {rank}: {value}" for rank, (ok, value) in enumerate(outcomes) if not ok]
+    if failed:
+        raise ValueError("; ".join(failed))
+    return outcome[1]
+
+
+def gather(ranks: Ranks, value: object) -> list:
+    """Every rank's ``value``, in rank order, on every rank."""
+    values: list = [None] * ranks.world
+    _collective(dist.all_gather_object, values, value)
+    return values
+
+
+def new_parts(ranks: Ranks, output: Path) -> None:
+    """Rank 0 makes the parts folder of ``output``; every rank checks that it sees it.
+
+    Raises
+    ------
+    ValueError
+        On every rank, when some rank cannot see the folder (the output must be on a
+        filesystem every machine shares).
+    """
+
+    def make() -> str:
+        token = secrets.token_hex(8)
+        folder = parts_dir(output)
+        try:
+            folder.mkdir(exist_ok=True)
+            (folder / MARKER).write_text(token)
+        except OSError as error:
+            raise ValueError(f"cannot write {str(folder)!r}: {error.strerror}") from None
+        return token
+
+    token = from_rank0(ranks, make)
+
+    def check() -> None:
+        marker = parts_dir(output) / MARKER
+        if not marker.is_file() or marker.read_text() != token:
+            raise ValueError(
+                f"{str(parts_dir(output))!r} written by rank 0 is not visible here: the output "
+                "must be on a filesystem every machine shares"
+            )
+
+    on_every_rank(ranks, check)
+
+
+def wait_for_all(poll: Callable[[], None], every_s: float = 0.5) -> None:
+    """Wait until every rank gets here, calling ``poll`` meanwhile (rank 0's progress bar)."""
+    work = _collective(dist.barrier, None, True)  # group, async_op
+    while not work.is_completed():
+        poll()
+        time.sleep(every_s)
+    _collective(work.wait)
+
+
+class PartsProgress:
+    """Rank 0's bar over the rows every rank has written, read from the part files."""
+
+    def __init__(self, output: Path, total: int, enabled: bool, desc: str) -> None:
+        self.output = output
+        self.bar = tqdm(total=total, unit="row", disable=not enabled, desc=desc)
+
+    def update(self, count: int) -> None:
+        """Called per local batch: re-read the counts of every rank."""
+        self.refresh()
+
+    def refresh(self) -> None:
+        if not self.bar.disable:
+            self.bar.n = min(self.bar.total, written_rows(self.output))
+            self.bar.refresh()
+
+    def set_postfix(self, **values) -> None:
+        self.bar.set_postfix(**values)
+
+    def close(self) -> None:
+        """Rank 0's own rows are done; the bar goes on until :meth:`finish`."""
+
+    def finish(self) -> None:
+        self.bar.n = self.bar.total
+        self.bar.close()

@@ -1,0 +1,128 @@
+"""``alisa batch`` under torchrun: each rank runs the ids it owns, rank 0 merges one output.
+
+Every rank writes ``OUT.parts/rank-K.jsonl`` (one ``write`` + ``fsync`` per row); at the end
+rank 0 appends the parts to ``OUT`` with the rules of the single-process output (never cutting
+foreign data, skipping ids already there) and deletes them. A run that was killed leaves its
+parts; the next run, with any number of ranks, merges them before anything else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from alisa.jobs.distributed import (
+    PartsProgress,
+    Ranks,
+    from_rank0,
+    gather,
+    new_parts,
+    on_every_rank,
+    wait_for_all,
+)
+from alisa.jobs.io import OutputLog, Request, read_requests
+from alisa.jobs.parts import merge_parts, owner, part_path
+from alisa.jobs.runner import RESULT_KEYS, BatchJob, JobSummary, open_job, run_requests
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankPlan:
+    """What one rank runs, and the job-wide counts rank 0 reports."""
+
+    pending: list[Request]  # this rank's ids not done yet
+    prompts: int
+    already_done: int
+
+
+def plan_ranks(job: BatchJob, ranks: Ranks) -> RankPlan:
+    """Every file check of :func:`open_job` (rank 0), leftover parts merged, ids split by owner.
+
+    Raises
+    ------
+    ValueError
+        On every rank: a bad input row, a bad output, a parts folder some rank cannot see.
+    """
+
+    def done_ids() -> list:
+        _, log = open_job(job)  # validates the files and merges a killed run's parts
+        log.close()
+        return list(log.done)
+
+    done = set(from_rank0(ranks, done_ids))
+    new_parts(ranks, Path(job.output))
+    requests = on_every_rank(ranks, lambda: read_requests(job.input))
+    pending = [r for r in requests if r.id not in done]
+    mine = [r for r in pending if owner(r.id, ranks.world) == ranks.rank]
+    return RankPlan(pending=mine, prompts=len(requests), already_done=len(requests) - len(pending))
+
+
+def run_ranked(
+    model,
+    tokenizer,
+    job: BatchJob,
+    plan: RankPlan,
+    ranks: Ranks,
+    cache_factory: Callable | None = None,
+) -> JobSummary:
+    """Run this rank's share of ``plan``, wait for every rank, merge; the job-wide summary.
+
+    Raises
+    ------
+    RankError
+        Another rank stopped; what was written stays in the parts for the next run.
+    """
+    output = Path(job.output)
+    total = plan.prompts - plan.already_done
+    if ranks.rank == 0:
+        bar = PartsProgress(output, total, job.progress, "alisa batch")
+    else:
+        bar = tqdm(disable=True)
+    log = OutputLog(part_path(output, ranks.rank), keys=RESULT_KEYS)
+    try:
+        summary = run_requests(
+            model, tokenizer, job, plan.pending, log, bar, cache_factory, ranks.local_world
+        )
+    finally:
+        log.close()
+    wait_for_all(bar.refresh if ranks.rank == 0 else _nothing)
+    if ranks.rank == 0:
+        bar.finish()
+    summaries = gather(ranks, summary)
+    from_rank0(ranks, lambda: _merge(output))
+    combined = combine(summaries)
+    combined.prompts, combined.already_done = plan.prompts, plan.already_done
+    return combined
+
+
+def _nothing() -> None:
+    """Ranks other than 0 show no progress while they wait."""
+
+
+def _merge(output: Path) -> int:
+    log = OutputLog(output, keys=RESULT_KEYS)
+    try:
+        return merge_parts(log)
+    finally:
+        log.close()
+
+
+def combine(summaries: list[JobSummary]) -> JobSummary:
+    """One summary of the ranks' summaries (times and peaks: the largest of any rank)."""
+    total = JobSummary()
+    for part in summaries:
+        total.completed += part.completed
+        total.did_not_fit += part.did_not_fit
+        total.too_long += part.too_long
+        total.batches += part.batches
+        total.generated_tokens += part.generated_tokens
+        total.ttfts_s += part.ttfts_s
+        total.errors.update(part.errors)
+        total.seconds = max(total.seconds, part.seconds)
+        total.peak_kv_bytes = max(total.peak_kv_bytes, part.peak_kv_bytes)
+        total.peak_memory_bytes = max(total.peak_memory_bytes, part.peak_memory_bytes)
+    total.budget_bytes = summaries[0].budget_bytes
+    total.kv_budget_bytes = summaries[0].kv_budget_bytes
+    return total
