@@ -3,7 +3,9 @@
 Results go to ``results/NAME/<timestamp>/``: ``config.json`` (resolved), ``env.json`` (versions,
 CPU/GPU, threads, git commit) and ``results.jsonl``, one row per data point appended atomically.
 Running the same config again resumes the newest run with that exact configuration: finished
-points are skipped, and a run killed with ``kill -9`` loses and duplicates nothing.
+points are skipped, and a run killed with ``kill -9`` loses and duplicates nothing. Under
+``torchrun --nproc-per-node N -m experiments.run ...`` the points are spread over the ranks and
+merged into the one ``results.jsonl`` at the end.
 """
 
 from __future__ import annotations
@@ -21,7 +23,18 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from alisa.jobs.distributed import (
+    PartsProgress,
+    RankError,
+    Ranks,
+    finish_parts,
+    from_rank0,
+    launched,
+    new_parts,
+    process_group,
+)
 from alisa.jobs.io import OutputLog
+from alisa.jobs.parts import merge_parts, owner, part_path, parts_dir
 from experiments.data import REPO_ROOT, data_dir
 from experiments.runconfig import RunConfig, alisa_config, load_config, point_key
 
@@ -98,50 +111,111 @@ def run_directory(config: RunConfig) -> tuple[Path, bool]:
     return folder, True
 
 
-def run(config: RunConfig, progress: bool = True) -> Path:
-    """Run every pending point of ``config``; returns the run directory."""
-    from alisa import load_model
-    from experiments.tasks import TASKS, Context
+RESULT_KEYS = ("id", "point")  # what every row of results.jsonl has
 
+
+def run(config: RunConfig, progress: bool = True) -> Path:
+    """Run every pending point of ``config``; returns the run directory.
+
+    Under torchrun every rank runs the points it owns (a stable hash of the point's key) into
+    ``results.jsonl.parts/rank-K.jsonl``; rank 0 merges them into ``results.jsonl`` at the end.
+    """
     root = data_dir(config.runtime["data_dir"])  # before any directory is made
+    if launched():
+        with process_group() as ranks:
+            return _run_ranks(config, progress, root, ranks)
     folder, created = run_directory(config)
+    log = _open_results(folder, created)
+    pending = [p for p in config.points() if point_key(p) not in log.done]
+    bar = tqdm(total=len(pending), desc=config.name, unit="point", disable=not progress)
     try:
-        log = OutputLog(folder / "results.jsonl", keys=("id", "point"))
+        _run_points(config, pending, log, root, bar)
+    finally:
+        log.close()
+        bar.close()
+        _remove_if_empty(folder, created)
+    return folder
+
+
+def _open_results(folder: Path, created: bool) -> OutputLog:
+    """The reopened ``results.jsonl``, with the parts a killed multi-process run left merged."""
+    try:
+        log = OutputLog(folder / "results.jsonl", keys=RESULT_KEYS)
     except ValueError:
         _remove_if_empty(folder, created)
         raise
-    torch.set_num_threads(config.runtime["threads"])
-    pending = [p for p in config.points() if point_key(p) not in log.done]
-    models: dict = {}
     try:
-        for point in tqdm(pending, desc=config.name, unit="point", disable=not progress):
-            spec = point.get("model", "smollm2-135m")
-            if spec not in models:
-                models.clear()  # one model in memory at a time
-                models[spec] = load_model(spec, dtype=config.runtime["dtype"])
-            model, tokenizer = models[spec]
-            started = time.perf_counter()
-            context = Context(
-                model=model, tokenizer=tokenizer, data_root=root, config=alisa_config(point)
-            )
-            metrics = TASKS[point["task"]](context, point, config.options.get(point["task"], {}))
-            log.append(
-                {
-                    "id": point_key(point),
-                    "point": point,
-                    "metrics": metrics,
-                    "seconds": round(time.perf_counter() - started, 3),
-                }
-            )
+        merge_parts(log)
+    except ValueError:
+        log.close()
+        raise
+    return log
+
+
+def _run_ranks(config: RunConfig, progress: bool, root: Path, ranks: Ranks) -> Path:
+    """This rank's share of the pending points; rank 0 merges every rank's results."""
+
+    def prepare() -> tuple[str, bool, list]:
+        folder, created = run_directory(config)
+        log = _open_results(folder, created)
+        log.close()
+        return str(folder), created, list(log.done)
+
+    name, created, done = from_rank0(ranks, prepare)
+    folder = Path(name)
+    results = folder / "results.jsonl"
+    new_parts(ranks, results)
+    pending = [p for p in config.points() if point_key(p) not in set(done)]
+    mine = [p for p in pending if owner(point_key(p), ranks.world) == ranks.rank]
+    bar = PartsProgress(ranks, results, len(pending), progress, config.name)
+    log = OutputLog(part_path(results, ranks.rank), keys=RESULT_KEYS)
+    try:
+        _run_points(config, mine, log, root, bar)
     finally:
         log.close()
-        _remove_if_empty(folder, created)
+    finish_parts(ranks, bar, lambda: _merge_results(folder, created))
     return folder
+
+
+def _merge_results(folder: Path, created: bool) -> None:
+    _open_results(folder, created).close()
+    _remove_if_empty(folder, created)
+
+
+def _run_points(config: RunConfig, points: list[dict], log: OutputLog, root: Path, bar) -> None:
+    """Run ``points`` in order, one result row each; ``bar`` is updated per point."""
+    from alisa import load_model
+    from experiments.tasks import TASKS, Context
+
+    torch.set_num_threads(config.runtime["threads"])
+    models: dict = {}
+    for point in points:
+        spec = point.get("model", "smollm2-135m")
+        if spec not in models:
+            models.clear()  # one model in memory at a time
+            models[spec] = load_model(spec, dtype=config.runtime["dtype"])
+        model, tokenizer = models[spec]
+        started = time.perf_counter()
+        context = Context(
+            model=model, tokenizer=tokenizer, data_root=root, config=alisa_config(point)
+        )
+        metrics = TASKS[point["task"]](context, point, config.options.get(point["task"], {}))
+        log.append(
+            {
+                "id": point_key(point),
+                "point": point,
+                "metrics": metrics,
+                "seconds": round(time.perf_counter() - started, 3),
+            }
+        )
+        bar.update(1)
 
 
 def _remove_if_empty(folder: Path, created: bool) -> None:
     """A run this call started that recorded nothing leaves no directory behind."""
     results = folder / "results.jsonl"
+    if parts_dir(results).exists():  # ranks of this run recorded points not merged yet
+        return
     if created and (not results.exists() or results.stat().st_size == 0):
         for name in ("results.jsonl", "config.json", "env.json"):
             (folder / name).unlink(missing_ok=True)
@@ -158,10 +232,11 @@ def main(argv=None) -> int:
     try:
         config = load_config(args.config, overrides)
         folder = run(config, progress=not args.no_progress)
-    except ValueError as error:
+    except (ValueError, RankError) as error:
         print(f"experiments.run: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 1
-    print(f"results in {folder}")
+    if not launched() or os.environ["RANK"] == "0":
+        print(f"results in {folder}")
     return 0
 
 

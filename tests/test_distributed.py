@@ -120,3 +120,27 @@ def test_two_ranks_write_the_texts_of_one_process(tmp_path, model_dir):
         texts[path.name] = {r["id"]: r["text"] for r in rows}
     assert texts["ranked.jsonl"] == texts["single.jsonl"]
     assert not parts_dir(ranked).exists()
+
+
+def _finish_early_or_wait(rank, world, queue):
+    from alisa.jobs.distributed import RankError, wait_for_all
+
+    if rank == 1:
+        os._exit(0)  # gone without a word: no SIGTERM from a launcher reaches rank 0
+    started = time.time()
+    try:
+        wait_for_all(lambda: None, every_s=0.05)
+    except RankError as error:
+        queue.put((str(error), time.time() - started))
+
+
+def test_a_rank_waiting_for_a_dead_peer_fails_at_once_with_a_clear_error():
+    import torch.multiprocessing as mp
+
+    from alisa.parallel.dist import spawn
+
+    queue = mp.get_context("spawn").Queue()
+    spawn(_finish_early_or_wait, 2, queue, timeout_s=600)
+    message, seconds = queue.get(timeout=5)
+    assert "another rank stopped" in message and "re-run the same command" in message
+    assert seconds < 30  # the closed connection ends the wait, not the 600 s timeout

@@ -223,3 +223,32 @@ def test_a_malformed_results_line_is_reported_with_its_line(workspace, capsys):
         == 1
     )
     assert "results.jsonl:2" in capsys.readouterr().err
+
+
+def test_torchrun_spreads_points_over_ranks_and_merges_one_results_file(workspace):
+    from alisa.jobs.parts import owner, parts_dir
+    from experiments.runconfig import point_key
+
+    root, model_dir, data = workspace
+    config = write_config(root, model_dir, data, name="ranks", extra="[options.copa]\nlimit = 2")
+    overrides = ["--set", "sweep.task=copa", "--no-progress"]
+    points = load_config(config, ["sweep.task=copa"]).points()
+    assert {owner(point_key(p), 2) for p in points} == {0, 1}  # both ranks get points
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    command += ["2", "-m", "experiments.run", "--config", str(config), *overrides]
+    done = subprocess.run(
+        command,
+        cwd=Path(__file__).parents[1],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("results in") == 1  # rank 0 reports
+    folder = only_run(root, "ranks")
+    merged = rows(folder)
+    assert sorted(r["id"] for r in merged) == sorted(point_key(p) for p in points)
+    assert not parts_dir(folder / "results.jsonl").exists()
+    assert run_main(["--config", str(config), *overrides]) == 0  # one process resumes: no work
+    assert rows(only_run(root, "ranks")) == merged

@@ -146,6 +146,21 @@ def new_parts(ranks: Ranks, output: Path) -> None:
     on_every_rank(ranks, check)
 
 
+def finish_parts(ranks: Ranks, bar: PartsProgress, merge: Callable[[], object]) -> None:
+    """Wait for every rank (rank 0 keeps its bar moving), then ``merge()`` on rank 0.
+
+    Raises
+    ------
+    RankError
+        Another rank stopped before it finished.
+    ValueError
+        On every rank, when the merge failed on rank 0.
+    """
+    wait_for_all(bar.refresh)
+    bar.finish()
+    from_rank0(ranks, merge)
+
+
 def wait_for_all(poll: Callable[[], None], every_s: float = 0.5) -> None:
     """Wait until every rank gets here, calling ``poll`` meanwhile (rank 0's progress bar)."""
     work = _collective(dist.barrier, None, True)  # group, async_op
@@ -156,10 +171,15 @@ def wait_for_all(poll: Callable[[], None], every_s: float = 0.5) -> None:
 
 
 class PartsProgress:
-    """Rank 0's bar over the rows every rank has written, read from the part files."""
+    """Rank 0's bar over the rows every rank has written, read from the part files.
 
-    def __init__(self, output: Path, total: int, enabled: bool, desc: str) -> None:
+    Other ranks get a silent one. Rows done / total across ranks, with no collective: ranks
+    run different numbers of batches, so per-batch collectives would not line up.
+    """
+
+    def __init__(self, ranks: Ranks, output: Path, total: int, enabled: bool, desc: str) -> None:
         self.output = output
+        enabled = enabled and ranks.rank == 0
         self.bar = tqdm(total=total, unit="row", disable=not enabled, desc=desc)
 
     def update(self, count: int) -> None:

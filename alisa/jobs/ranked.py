@@ -12,16 +12,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from alisa.jobs.distributed import (
     PartsProgress,
     Ranks,
+    finish_parts,
     from_rank0,
     gather,
     new_parts,
     on_every_rank,
-    wait_for_all,
 )
 from alisa.jobs.io import OutputLog, Request, read_requests
 from alisa.jobs.parts import merge_parts, owner, part_path
@@ -76,10 +74,7 @@ def run_ranked(
     """
     output = Path(job.output)
     total = plan.prompts - plan.already_done
-    if ranks.rank == 0:
-        bar = PartsProgress(output, total, job.progress, "alisa batch")
-    else:
-        bar = tqdm(disable=True)
+    bar = PartsProgress(ranks, output, total, job.progress, "alisa batch")
     log = OutputLog(part_path(output, ranks.rank), keys=RESULT_KEYS)
     try:
         summary = run_requests(
@@ -87,18 +82,10 @@ def run_ranked(
         )
     finally:
         log.close()
-    wait_for_all(bar.refresh if ranks.rank == 0 else _nothing)
-    if ranks.rank == 0:
-        bar.finish()
-    summaries = gather(ranks, summary)
-    from_rank0(ranks, lambda: _merge(output))
-    combined = combine(summaries)
+    finish_parts(ranks, bar, lambda: _merge(output))
+    combined = combine(gather(ranks, summary))
     combined.prompts, combined.already_done = plan.prompts, plan.already_done
     return combined
-
-
-def _nothing() -> None:
-    """Ranks other than 0 show no progress while they wait."""
 
 
 def _merge(output: Path) -> int:
