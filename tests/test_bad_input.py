@@ -206,6 +206,13 @@ CASES = {
         ("--max-new-tokens=0",),
         {"in.jsonl": ONE},
     ),
+    "batch-rank-timeout-zero": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --rank-timeout 0",
+        ERR,
+        ("--rank-timeout=0",),
+        {"in.jsonl": ONE},
+        absent=("o.jsonl",),
+    ),
     "batch-kv-memory-text": Case(
         "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --kv-memory lots",
         ERR,

@@ -47,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
 
     check_minimum("--max-new-tokens", args.max_new_tokens, 1)
     check_minimum("--max-batch", args.max_batch, 1)
+    if args.rank_timeout is not None and args.rank_timeout <= 0:
+        raise CommandError(f"--rank-timeout={args.rank_timeout} must be > 0")
     if args.kv_memory is not None:
         parse_bytes(args.kv_memory, field="--kv-memory")
     config = cache_config_from_args(args)
@@ -75,8 +77,6 @@ def _run_ranks(args: argparse.Namespace, job) -> int:
     from alisa.jobs.distributed import WAIT_TIMEOUT_S, RankError, process_group
     from alisa.jobs.ranked import plan_ranks, run_ranked
 
-    if args.rank_timeout is not None and args.rank_timeout <= 0:
-        raise CommandError(f"--rank-timeout={args.rank_timeout} must be > 0")
     try:
         with process_group(args.rank_timeout or WAIT_TIMEOUT_S) as ranks:
             plan = plan_ranks(job, ranks)

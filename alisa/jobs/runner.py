@@ -229,17 +229,7 @@ def run_requests(
                 summary.errors[batch[0]["id"]] = batch[0]
                 summary.did_not_fit.append(batch[0]["id"])
             else:
-                result = generate(
-                    model,
-                    tokenizer,
-                    [r.prompt for r in batch],
-                    job.config,
-                    max_new_tokens=new_tokens,
-                    sampling=_sampling(batch[0].options),
-                    past_key_values=cache_factory() if cache_factory else None,
-                    prune_finished=True,
-                    stop_at_eos=job.stop_at_eos,
-                )
+                result = _generate(model, tokenizer, job, batch, new_tokens, cache_factory)
                 _record(log, summary, batch, result)
             bar.update(len(batch))
             rate = summary.generated_tokens / (time.perf_counter() - started)
@@ -248,6 +238,21 @@ def run_requests(
     summary.seconds = time.perf_counter() - started
     summary.peak_memory_bytes = memory.peak_bytes
     return summary
+
+
+def _generate(model, tokenizer, job: BatchJob, batch: list[Request], new_tokens: int, factory):
+    """One batch through :func:`alisa.generate.generate` (a fresh cache from ``factory``)."""
+    return generate(
+        model,
+        tokenizer,
+        [r.prompt for r in batch],
+        job.config,
+        max_new_tokens=new_tokens,
+        sampling=_sampling(batch[0].options),
+        past_key_values=factory() if factory else None,
+        prune_finished=True,
+        stop_at_eos=job.stop_at_eos,
+    )
 
 
 def _drop_too_long(pending, lengths, context, summary: JobSummary) -> list:
