@@ -24,8 +24,8 @@ import torch
 from tqdm.auto import tqdm
 
 from alisa.jobs.distributed import (
-    PartsProgress,
     RankError,
+    RankProgress,
     Ranks,
     finish_parts,
     from_rank0,
@@ -164,10 +164,10 @@ def _run_ranks(config: RunConfig, progress: bool, root: Path, ranks: Ranks) -> P
     name, created, done = from_rank0(ranks, prepare)
     folder = Path(name)
     results = folder / "results.jsonl"
-    new_parts(ranks, results)
+    token = new_parts(ranks, results)
     pending = [p for p in config.points() if point_key(p) not in set(done)]
     mine = [p for p in pending if owner(point_key(p), ranks.world) == ranks.rank]
-    bar = PartsProgress(ranks, results, len(pending), progress, config.name)
+    bar = RankProgress(ranks, token, len(pending), progress, config.name)
     log = OutputLog(part_path(results, ranks.rank), keys=RESULT_KEYS)
     try:
         _run_points(config, mine, log, root, bar)

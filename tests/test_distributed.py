@@ -122,25 +122,40 @@ def test_two_ranks_write_the_texts_of_one_process(tmp_path, model_dir):
     assert not parts_dir(ranked).exists()
 
 
-def _finish_early_or_wait(rank, world, queue):
-    from alisa.jobs.distributed import RankError, wait_for_all
+def _finish_early_or_wait(rank, world, port, how, queue):
+    from alisa.jobs.distributed import RankError, RankProgress, process_group
 
-    if rank == 1:
-        os._exit(0)  # gone without a word: no SIGTERM from a launcher reaches rank 0
-    started = time.time()
-    try:
-        wait_for_all(lambda: None, every_s=0.05)
-    except RankError as error:
-        queue.put((str(error), time.time() - started))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
+    os.environ.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    with process_group(timeout_s=3) as ranks:
+        progress = RankProgress(ranks, f"test-{how}", 4, False, "test")
+        progress.update(1)
+        if rank == 1:
+            if how == "dies":
+                os._exit(0)  # gone without a word: no launcher's SIGTERM reaches rank 0
+            time.sleep(8)  # alive but doing nothing (past the 3 s): only the heartbeat tells
+            os._exit(0)
+        started = time.time()
+        try:
+            progress.wait_for_all(every_s=0.05)
+        except RankError as error:
+            queue.put((str(error), time.time() - started))
+        queue.close()
+        queue.join_thread()  # delivered before the hard exit below
+        os._exit(0)  # do not wait for the silent rank at teardown
 
 
-def test_a_rank_waiting_for_a_dead_peer_fails_at_once_with_a_clear_error():
+@pytest.mark.parametrize(
+    ("how", "needle", "within"),
+    [("dies", "another rank stopped", 2.5), ("hangs", "rank 1 did no work for 3 s", 10)],
+)
+def test_a_rank_waiting_for_a_dead_or_silent_peer_fails_with_a_clear_error(how, needle, within):
     import torch.multiprocessing as mp
 
-    from alisa.parallel.dist import spawn
+    from alisa.parallel.dist import free_port
 
     queue = mp.get_context("spawn").Queue()
-    spawn(_finish_early_or_wait, 2, queue, timeout_s=600)
+    mp.spawn(_finish_early_or_wait, args=(2, free_port(), how, queue), nprocs=2, join=True)
     message, seconds = queue.get(timeout=5)
-    assert "another rank stopped" in message and "re-run the same command" in message
-    assert seconds < 30  # the closed connection ends the wait, not the 600 s timeout
+    assert needle in message and "re-run the same command" in message
+    assert seconds < within  # a dead peer at once; a silent one after --rank-timeout

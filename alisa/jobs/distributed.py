@@ -3,8 +3,10 @@
 Rank 0 checks the files, merges parts a killed run left and tells every rank which ids are done;
 each rank runs the ids it owns (:func:`alisa.jobs.parts.owner`) into its own part; rank 0 merges
 the parts into the one output at the end. A rank that dies closes its sockets, so the others fail
-at their next collective at once (``timeout_s`` is the backstop for a rank that hangs), and
-torchrun stops the rest of its ranks with SIGTERM, which ends them with a :class:`RankError`.
+at their next collective at once, and torchrun stops the rest of its ranks with SIGTERM, which
+ends them with a :class:`RankError`. Ranks that finish early wait for the others on a group
+without a deadline, watching each unfinished rank's heartbeat (a counter in torchrun's c10d
+store, bumped per batch): a rank silent for ``timeout_s`` fails them, a slow one never does.
 """
 
 from __future__ import annotations
@@ -15,16 +17,18 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from alisa.jobs.parts import MARKER, parts_dir, written_rows
+from alisa.jobs.parts import MARKER, parts_dir
 from alisa.parallel.dist import init_from_env
 
-WAIT_TIMEOUT_S = 1800.0  # the longest a rank waits for a live peer (finished ranks wait too)
+WAIT_TIMEOUT_S = 1800.0  # a rank silent this long (no batch done) fails the job
+NO_DEADLINE = timedelta(days=30)  # the finished ranks' wait: heartbeats bound it instead
 RERUN = "rows finished so far are kept: re-run the same command to finish the missing ids"
 
 
@@ -44,6 +48,9 @@ class Ranks:
     rank: int
     world: int
     local_world: int  # ranks on this machine (they share its host memory)
+    timeout_s: float  # how long a silent rank is waited for
+    waiting: object = field(repr=False)  # gloo group without a deadline, for the final wait
+    store: object = field(repr=False)  # torchrun's c10d store: counters without collectives
 
 
 def _stopped(signum: int, frame) -> None:
@@ -56,7 +63,21 @@ def process_group(timeout_s: float = WAIT_TIMEOUT_S) -> Iterator[Ranks]:
     rank, world = init_from_env(timeout_s)
     previous = signal.signal(signal.SIGTERM, _stopped)
     try:
-        yield Ranks(rank=rank, world=world, local_world=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        waiting = dist.new_group(backend="gloo", timeout=NO_DEADLINE)
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        yield Ranks(
+            rank=rank,
+            world=world,
+            local_world=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+            timeout_s=timeout_s,
+            waiting=waiting,
+            store=store,
+        )
     finally:
         signal.signal(signal.SIGTERM, previous)
         dist.destroy_process_group()
@@ -113,8 +134,10 @@ def gather(ranks: Ranks, value: object) -> list:
     return values
 
 
-def new_parts(ranks: Ranks, output: Path) -> None:
+def new_parts(ranks: Ranks, output: Path) -> str:
     """Rank 0 makes the parts folder of ``output``; every rank checks that it sees it.
+
+    Returns the run's token (the same on every rank; it names this run's store counters).
 
     Raises
     ------
@@ -144,9 +167,76 @@ def new_parts(ranks: Ranks, output: Path) -> None:
             )
 
     on_every_rank(ranks, check)
+    return token
 
 
-def finish_parts(ranks: Ranks, bar: PartsProgress, merge: Callable[[], object]) -> None:
+class RankProgress:
+    """Every rank's heartbeat and row count in the c10d store; rank 0's bar over all ranks.
+
+    Rows done / total across ranks without a collective (ranks run different numbers of
+    batches, so per-batch collectives would not line up): each rank adds to store counters.
+    """
+
+    def __init__(self, ranks: Ranks, token: str, total: int, enabled: bool, desc: str) -> None:
+        self.ranks = ranks
+        self.store = dist.PrefixStore(f"alisa/{token}/", ranks.store)
+        enabled = enabled and ranks.rank == 0
+        self.bar = tqdm(total=total, unit="row", disable=not enabled, desc=desc)
+
+    def update(self, count: int) -> None:
+        """``count`` more rows done here (per batch): a heartbeat, and rank 0's bar moves."""
+        self._store(self.store.add, f"beat/{self.ranks.rank}", 1)
+        self._store(self.store.add, "rows", count)
+        self.refresh()
+
+    def refresh(self) -> None:
+        if not self.bar.disable:
+            self.bar.n = min(self.bar.total, self._store(self.store.add, "rows", 0))
+            self.bar.refresh()
+
+    def set_postfix(self, **values) -> None:
+        self.bar.set_postfix(**values)
+
+    def close(self) -> None:
+        """This rank's rows are done; rank 0's bar goes on until :func:`finish_parts`."""
+
+    def _store(self, function: Callable, *args):
+        return _collective(function, *args)
+
+    def wait_for_all(self, every_s: float = 0.5) -> None:
+        """Wait until every rank is here; fail when an unfinished one is silent too long.
+
+        Raises
+        ------
+        RankError
+            Another rank died (at once: its sockets close) or sent no heartbeat for
+            ``timeout_s``.
+        """
+        self._store(self.store.set, f"done/{self.ranks.rank}", "1")
+        work = _collective(dist.barrier, self.ranks.waiting, True)  # group, async_op
+        heard: dict[int, tuple[int, float]] = {}  # rank -> (heartbeats, when they last changed)
+        while not work.is_completed():
+            self.refresh()
+            for other in range(self.ranks.world):
+                if self._store(self.store.check, [f"done/{other}"]):
+                    continue
+                beats, now = self._store(self.store.add, f"beat/{other}", 0), time.monotonic()
+                if heard.get(other, (None,))[0] != beats:
+                    heard[other] = (beats, now)
+                elif now - heard[other][1] > self.ranks.timeout_s:
+                    raise RankError(
+                        f"rank {other} did no work for {self.ranks.timeout_s:.0f} s "
+                        f"(--rank-timeout); {RERUN}"
+                    )
+            time.sleep(every_s)
+        _collective(work.wait)
+
+    def finish(self) -> None:
+        self.bar.n = self.bar.total
+        self.bar.close()
+
+
+def finish_parts(ranks: Ranks, bar: RankProgress, merge: Callable[[], object]) -> None:
     """Wait for every rank (rank 0 keeps its bar moving), then ``merge()`` on rank 0.
 
     Raises
@@ -156,47 +246,6 @@ def finish_parts(ranks: Ranks, bar: PartsProgress, merge: Callable[[], object]) 
     ValueError
         On every rank, when the merge failed on rank 0.
     """
-    wait_for_all(bar.refresh)
+    bar.wait_for_all()
     bar.finish()
     from_rank0(ranks, merge)
-
-
-def wait_for_all(poll: Callable[[], None], every_s: float = 0.5) -> None:
-    """Wait until every rank gets here, calling ``poll`` meanwhile (rank 0's progress bar)."""
-    work = _collective(dist.barrier, None, True)  # group, async_op
-    while not work.is_completed():
-        poll()
-        time.sleep(every_s)
-    _collective(work.wait)
-
-
-class PartsProgress:
-    """Rank 0's bar over the rows every rank has written, read from the part files.
-
-    Other ranks get a silent one. Rows done / total across ranks, with no collective: ranks
-    run different numbers of batches, so per-batch collectives would not line up.
-    """
-
-    def __init__(self, ranks: Ranks, output: Path, total: int, enabled: bool, desc: str) -> None:
-        self.output = output
-        enabled = enabled and ranks.rank == 0
-        self.bar = tqdm(total=total, unit="row", disable=not enabled, desc=desc)
-
-    def update(self, count: int) -> None:
-        """Called per local batch: re-read the counts of every rank."""
-        self.refresh()
-
-    def refresh(self) -> None:
-        if not self.bar.disable:
-            self.bar.n = min(self.bar.total, written_rows(self.output))
-            self.bar.refresh()
-
-    def set_postfix(self, **values) -> None:
-        self.bar.set_postfix(**values)
-
-    def close(self) -> None:
-        """Rank 0's own rows are done; the bar goes on until :meth:`finish`."""
-
-    def finish(self) -> None:
-        self.bar.n = self.bar.total
-        self.bar.close()

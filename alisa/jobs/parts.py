@@ -62,14 +62,3 @@ def merge_parts(log: OutputLog) -> int:
     if not any(folder.iterdir()):  # never remove a folder holding files that are not ours
         folder.rmdir()
     return merged
-
-
-def written_rows(output: str | Path) -> int:
-    """Complete rows in all parts of ``output`` right now (what the progress bar counts)."""
-    total = 0
-    for part in parts_dir(output).glob("rank-*.jsonl"):
-        try:
-            total += part.read_bytes().count(b"\n")
-        except OSError:  # merged and removed meanwhile
-            continue
-    return total

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from alisa.jobs.distributed import (
-    PartsProgress,
+    RankProgress,
     Ranks,
     finish_parts,
     from_rank0,
@@ -31,6 +31,7 @@ class RankPlan:
     """What one rank runs, and the job-wide counts rank 0 reports."""
 
     pending: list[Request]  # this rank's ids not done yet
+    token: str  # this run's name (see new_parts)
     prompts: int
     already_done: int
 
@@ -50,11 +51,16 @@ def plan_ranks(job: BatchJob, ranks: Ranks) -> RankPlan:
         return list(log.done)
 
     done = set(from_rank0(ranks, done_ids))
-    new_parts(ranks, Path(job.output))
+    token = new_parts(ranks, Path(job.output))
     requests = on_every_rank(ranks, lambda: read_requests(job.input))
     pending = [r for r in requests if r.id not in done]
     mine = [r for r in pending if owner(r.id, ranks.world) == ranks.rank]
-    return RankPlan(pending=mine, prompts=len(requests), already_done=len(requests) - len(pending))
+    return RankPlan(
+        pending=mine,
+        token=token,
+        prompts=len(requests),
+        already_done=len(requests) - len(pending),
+    )
 
 
 def run_ranked(
@@ -74,7 +80,7 @@ def run_ranked(
     """
     output = Path(job.output)
     total = plan.prompts - plan.already_done
-    bar = PartsProgress(ranks, output, total, job.progress, "alisa batch")
+    bar = RankProgress(ranks, plan.token, total, job.progress, "alisa batch")
     log = OutputLog(part_path(output, ranks.rank), keys=RESULT_KEYS)
     try:
         summary = run_requests(
