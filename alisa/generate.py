@@ -17,6 +17,7 @@ from transformers.generation.logits_process import (
 
 from alisa.cache import AlisaCache
 from alisa.config import AlisaConfig
+from alisa.hooks import attached
 from alisa.memory import PeakMemory, tensor_bytes
 
 # HF GenerationConfig defaults, used when the model's own generation config leaves them unset.
@@ -187,7 +188,7 @@ def generate(
     if cache is None:
         cache = AlisaCache(model, config, max_new_tokens=max_new_tokens)
     decoder = _Decoder(model, tokenizer, sampling, device, stop_at_eos)
-    with PeakMemory(device) as memory:
+    with attached(model), PeakMemory(device) as memory:  # the model's attention is restored
         result = decoder.run(
             batch["input_ids"], batch["attention_mask"], cache, max_new_tokens, prune_finished
         )

@@ -216,10 +216,14 @@ class AlisaLayer(CacheLayerMixin):
         return self.eviction.rows_wanted(self.slots)
 
     def account(self, probabilities: torch.Tensor) -> None:
-        """Add attention probabilities (B, H_kv, G, q, S') over slots [0, S') to the sums."""
+        """Add attention probabilities (B, H_kv, G, q, S') over slots [0, S') to the sums.
+
+        Columns past the slot map (parts a store adds beyond its slots) are not slots: ignored.
+        """
         if self.eviction.scores is None:
             return
-        rows = probabilities.sum(dim=2)  # heads summed within each KV group: (B, Hkv, q, S')
+        # Heads summed within each KV group: (B, Hkv, q, S').
+        rows = probabilities[..., : self.slots.capacity].sum(dim=2)
         if self.groups == 1:
             rows = rows.sum(dim=1, keepdim=True)
         self.eviction.account(rows, self.slots)

@@ -170,7 +170,8 @@ class HostRegion:
                 torch.cuda.current_stream(self.model_device).wait_event(event)
             self.stats.prefetch_hits += 1
             return keys, values
-        return self._copy(positions.to(self.store.device))
+        # A lossless store reads without the slot map: skip moving it to the host.
+        return self._copy(None if self.store.lossless else positions.to(self.store.device))
 
     def _copy(self, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.store.read(positions)

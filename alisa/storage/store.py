@@ -54,12 +54,14 @@ class KVStore(Protocol):
     """What a cache layer needs from its storage, whatever regions it has.
 
     Capabilities are plain members: ``compactable`` (``reindex`` may move slots; tiered stores
-    keep their layout and reuse holes instead) and ``needs_inputs`` (writes must carry
-    :class:`TokenInputs`, for regions that recompute K/V).
+    keep their layout and reuse holes instead), ``needs_inputs`` (writes must carry
+    :class:`TokenInputs`, for regions that recompute K/V) and ``lossless`` (``read`` returns
+    exactly what was written and needs no slot map, so a copy of it can be patched in place).
     """
 
     compactable: bool
     needs_inputs: bool
+    lossless: bool
 
     @property
     def capacity(self) -> int: ...
@@ -78,7 +80,9 @@ class KVStore(Protocol):
 
     def tier_bytes(self) -> dict[str, int]: ...
 
-    def read(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def read(self, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, H_kv, capacity, D) keys and values; ``positions`` is the layer's slot map."""
+        ...
 
     def parts(self, positions: torch.Tensor, query: torch.Tensor | None = None) -> list[Part]: ...
 

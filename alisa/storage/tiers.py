@@ -61,6 +61,7 @@ class TieredStore:
     """
 
     compactable = False
+    lossless = False  # a read may rebuild K/V (recompute) and needs the slot map
 
     def __init__(self, regions: list[Region], model_device: torch.device, stats: TierStats):
         self._regions = regions
