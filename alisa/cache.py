@@ -57,7 +57,7 @@ class AlisaCache(Cache):
             self.planner = _planner(model, adapter, self.config, factory, max_new_tokens)
         layers = [self._layer(index, factory) for index in range(self.shape.num_layers)]
         super().__init__(layers=layers)
-        attach(model)
+        attach(model, adapter=adapter)
         self._model_config = model.config
 
     def _layer(self, index: int, factory: StoreFactory) -> AlisaLayer:

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from torch import nn
 from transformers.cache_utils import Cache
 
-from alisa.architecture import attention_modules
+from alisa.architecture import ModelAdapter, attention_modules
 from alisa.attention import ATTENTION_NAME
 from alisa.layer import AlisaLayer
 
@@ -75,13 +75,15 @@ def _attachment(model: nn.Module) -> _Attachment | None:
     return next((hook for hook in hooks if isinstance(hook, _Attachment)), None)
 
 
-def attach(model: nn.Module) -> None:
+def attach(model: nn.Module, *, adapter: ModelAdapter | None = None) -> None:
     """Route a model's attention through ``alisa`` (idempotent).
 
     The implementation in use before is remembered; it comes back at the first forward with
-    another cache, or with :func:`detach`.
+    another cache, or with :func:`detach`. ``adapter``: the model's inspection, when already
+    made (the cache's); else the attention modules are looked up.
     """
-    for module in attention_modules(model):
+    modules = adapter.modules if adapter is not None else attention_modules(model)
+    for module in modules:
         if _inject_layer not in module._forward_pre_hooks.values():
             module.register_forward_pre_hook(_inject_layer, with_kwargs=True)
     attachment = _attachment(model)

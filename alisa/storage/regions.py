@@ -49,6 +49,19 @@ class Region(Protocol):
     tier: str
     needs_inputs: bool
 
+    @classmethod
+    def build(
+        cls,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        inputs: TokenInputs | None,
+        capacity: int,
+        context: RegionContext,
+    ) -> Region:
+        """A region of ``capacity`` slots holding the first tokens (B, H_kv, n, D) (inputs
+        (B, n, ...) when it ``needs_inputs``)."""
+        ...
+
     @property
     def slots(self) -> int: ...
 

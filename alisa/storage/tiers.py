@@ -45,7 +45,7 @@ class TierLayout:
     host_slots: int
     recompute: bool = False
 
-    def regions(self) -> list[tuple[type, int]]:
+    def regions(self) -> list[tuple[type[Region], int]]:
         """(region class, slots) in slot order; the last region takes all overflow and grows."""
         if not self.recompute:
             return [(DeviceRegion, self.device_slots), (HostRegion, self.host_slots)]
