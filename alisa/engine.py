@@ -293,11 +293,7 @@ class Engine:
             if not more:
                 break
             if prune and bool(state.finished.any()):
-                # Drop finished rows: later steps only compute for the others.
-                rows = (~state.finished).nonzero(as_tuple=True)[0]
-                cache.batch_select_indices(rows)
-                state.keep(rows)
-                tokens = tokens[rows]
+                tokens = _drop_finished(state, cache, tokens)
             state.advance(tokens)
         ttft = prefill_s + (times[0] if times else 0.0)
         return self.output(
@@ -332,3 +328,14 @@ class Engine:
             kv_bytes=kv_bytes,
             peak_kv_bytes=peak_kv,
         )
+
+
+def _drop_finished(state: DecodeState, cache, tokens: torch.Tensor) -> torch.Tensor:
+    """Keep only unfinished rows in ``state`` and ``cache``; their ``tokens`` (B',).
+
+    Later steps then compute only for the rows still generating.
+    """
+    rows = (~state.finished).nonzero(as_tuple=True)[0]
+    cache.batch_select_indices(rows)
+    state.keep(rows)
+    return tokens[rows]
