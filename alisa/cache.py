@@ -10,9 +10,8 @@ from transformers.cache_utils import Cache
 
 from alisa.architecture import ModelShape, model_shape
 from alisa.attention import ATTENTION_NAME, attach
-from alisa.config import AlisaConfig
+from alisa.config import AlisaConfig, policy_for_layer
 from alisa.layer import AlisaLayer
-from alisa.policies import policy_for_layer
 from alisa.quant_store import QuantizedStore
 from alisa.recall import RecallPool
 from alisa.store import DenseStore, StoreFactory

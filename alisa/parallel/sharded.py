@@ -18,9 +18,8 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from alisa.config import AlisaConfig
+from alisa.config import AlisaConfig, policy_for_layer
 from alisa.layer import AlisaLayer
-from alisa.policies import policy_for_layer
 
 SHARDED_ATTENTION = "alisa_sharded"
 
