@@ -21,7 +21,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 # Re-exported only for alisa/parallel/generate.py until it imports it from alisa.architecture.
-from alisa.architecture import attention_modules as attention_modules
 from alisa.grouped import grouped_logits
 from alisa.layer import AlisaLayer
 from alisa.storage.store import Part

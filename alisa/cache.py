@@ -10,12 +10,11 @@ from transformers.cache_utils import Cache
 
 from alisa.architecture import ModelAdapter, ModelShape
 from alisa.attention import ATTENTION_NAME
-from alisa.config import AlisaConfig
+from alisa.config import AlisaConfig, policy_for_layer
 from alisa.extensions import Recall
 from alisa.hooks import attach
 from alisa.layer import AlisaLayer, StepExtension
 from alisa.planning import TierPlanner
-from alisa.policies import policy_for_layer
 from alisa.storage.quantized import QuantizedStore
 from alisa.storage.recompute import KVRecomputer
 from alisa.storage.store import DenseStore, StoreFactory

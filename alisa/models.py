@@ -227,3 +227,49 @@ def prepare_tokenizer(tokenizer) -> None:
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+
+
+# Tokenizers without a known limit report this sentinel (transformers' VERY_LARGE_INTEGER).
+_NO_LIMIT = 10**12
+
+
+def context_length(model, tokenizer=None) -> tuple[int, str] | None:
+    """(tokens, source) of the longest input the model was built for, or None when unknown.
+
+    The model config's ``max_position_embeddings`` (GPT-2's ``n_positions`` maps onto it) is the
+    real limit; a tokenizer's ``model_max_length`` is the fallback for configs without one.
+    """
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(limit, int) and limit > 0:
+        return limit, "max_position_embeddings"
+    length = getattr(tokenizer, "model_max_length", None) if tokenizer is not None else None
+    if isinstance(length, int) and 0 < length < _NO_LIMIT:
+        return length, "model_max_length"
+    return None
+
+
+def check_prompt_length(model, tokenizer, prompt_tokens: int, hint: str = "") -> None:
+    """Refuse a prompt longer than the model's context: past it, positions are garbage.
+
+    Raises
+    ------
+    ValueError
+        Naming the prompt length, the limit and where the limit comes from (``hint`` appended).
+    """
+    known = context_length(model, tokenizer)
+    if known is not None and prompt_tokens > known[0]:
+        limit, source = known
+        raise ValueError(
+            f"the prompt has {prompt_tokens} tokens, more than the model's context of {limit} "
+            f"tokens ({source}){hint}"
+        )
+
+
+def keep_last_tokens(tokenizer, prompt: str, tokens: int) -> str:
+    """The text of ``prompt``'s last ``tokens`` tokens (re-encoding may merge a few: trimmed)."""
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"][-tokens:]
+    text = tokenizer.decode(ids)
+    while len(tokenizer(text)["input_ids"]) > tokens and ids:
+        ids = ids[1:]
+        text = tokenizer.decode(ids)
+    return text

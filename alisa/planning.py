@@ -165,7 +165,8 @@ class TierPlanner:
             batch=batch,
             prompt_len=prompt_len,
             gen_len=max(1, self.max_new_tokens),
-            caching_ratio=1.0 if config.policy == "dense" else config.caching_ratio,
+            caching_ratio=1.0 if config.keeps_everything else config.caching_ratio,
+            keep=config.keep_rules(self.spec.num_layers),
             kv_bits=config.kv_bits,
             recent_fraction=0.0,
         )

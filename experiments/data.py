@@ -19,7 +19,10 @@ def data_dir(path: str | Path | None = None) -> Path:
     """The data directory: explicit path, else ``$ALISA_DATA_DIR``, else ``../shared/data``."""
     chosen = Path(path or os.environ.get("ALISA_DATA_DIR") or DEFAULT_DATA_DIR).expanduser()
     if not chosen.is_dir():
-        raise ValueError(f"data directory {str(chosen)!r} does not exist (set --data-dir)")
+        raise ValueError(
+            f"data directory {str(chosen)!r} does not exist: pass --data-dir PATH "
+            "(or runtime.data_dir in an experiment config) or set $ALISA_DATA_DIR"
+        )
     return chosen
 
 

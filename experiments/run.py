@@ -36,7 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="override, e.g. sweep.policy=swa,h2o or runtime.threads=1",
     )
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--data-dir", help="evaluation data (same as --set runtime.data_dir=PATH)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
 
 
@@ -65,8 +66,8 @@ def environment(threads: int) -> dict:
     }
 
 
-def run_directory(config: RunConfig) -> Path:
-    """The newest run with exactly this configuration, or a new timestamped one."""
+def run_directory(config: RunConfig) -> tuple[Path, bool]:
+    """(folder, created): the newest run with exactly this configuration, or a new one."""
     root = Path(config.runtime["results_dir"]) / config.name
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -78,7 +79,7 @@ def run_directory(config: RunConfig) -> Path:
     for previous in sorted(root.iterdir(), reverse=True):
         saved = previous / "config.json"
         if saved.is_file() and json.loads(saved.read_text()) == resolved:
-            return previous
+            return previous, False
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     folder = root / stamp
     suffix = 1
@@ -94,7 +95,7 @@ def run_directory(config: RunConfig) -> Path:
         raise ValueError(
             f"results directory {str(folder)!r} is not writable: {error.strerror}"
         ) from None
-    return folder
+    return folder, True
 
 
 def run(config: RunConfig, progress: bool = True) -> Path:
@@ -102,10 +103,14 @@ def run(config: RunConfig, progress: bool = True) -> Path:
     from alisa import load_model
     from experiments.tasks import TASKS, Context
 
-    folder = run_directory(config)
-    log = OutputLog(folder / "results.jsonl")
-    root = data_dir(config.runtime["data_dir"])
-    torch.set_num_threads(int(config.runtime["threads"]))
+    root = data_dir(config.runtime["data_dir"])  # before any directory is made
+    folder, created = run_directory(config)
+    try:
+        log = OutputLog(folder / "results.jsonl", keys=("id", "point"))
+    except ValueError:
+        _remove_if_empty(folder, created)
+        raise
+    torch.set_num_threads(config.runtime["threads"])
     pending = [p for p in config.points() if point_key(p) not in log.done]
     models: dict = {}
     try:
@@ -130,13 +135,28 @@ def run(config: RunConfig, progress: bool = True) -> Path:
             )
     finally:
         log.close()
+        _remove_if_empty(folder, created)
     return folder
+
+
+def _remove_if_empty(folder: Path, created: bool) -> None:
+    """A run this call started that recorded nothing leaves no directory behind."""
+    results = folder / "results.jsonl"
+    if created and (not results.exists() or results.stat().st_size == 0):
+        for name in ("results.jsonl", "config.json", "env.json"):
+            (folder / name).unlink(missing_ok=True)
+        folder.rmdir()
+        if not any(folder.parent.iterdir()):
+            folder.parent.rmdir()
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    overrides = list(args.set)
+    if args.data_dir is not None:
+        overrides.append(f"runtime.data_dir={json.dumps(args.data_dir)}")
     try:
-        config = load_config(args.config, args.set)
+        config = load_config(args.config, overrides)
         folder = run(config, progress=not args.no_progress)
     except ValueError as error:
         print(f"experiments.run: error: {' '.join(str(error).split())}", file=sys.stderr)

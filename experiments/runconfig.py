@@ -149,7 +149,28 @@ def _validate(raw: dict, file: Path) -> RunConfig:
                 f"config {file}: unknown runtime key {key!r}; valid: {', '.join(RUNTIME_DEFAULTS)}"
             )
         runtime[key] = value
+    _check_runtime(runtime, file)
     config = RunConfig(name=name, sweep=sweep, options=options, runtime=runtime)
     for point in config.points():
         alisa_config(point)  # every combination must be a valid AlisaConfig
     return config
+
+
+def _check_runtime(runtime: dict, file: Path) -> None:
+    """Types and ranges of the ``[runtime]`` values, each error naming ``runtime.KEY``."""
+    from alisa.models import DTYPES
+
+    threads = runtime["threads"]
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"config {file}: runtime.threads={threads!r} must be an integer >= 1")
+    if runtime["dtype"] not in DTYPES:
+        raise ValueError(
+            f"config {file}: runtime.dtype={runtime['dtype']!r} is unknown; "
+            f"valid: {', '.join(DTYPES)}"
+        )
+    for key in ("data_dir", "results_dir"):
+        value = runtime[key]
+        if value is not None and not (isinstance(value, str) and value.strip()):
+            raise ValueError(f"config {file}: runtime.{key}={value!r} must be a path string")
+    if runtime["results_dir"] is None:
+        raise ValueError(f"config {file}: runtime.results_dir must be a path string")

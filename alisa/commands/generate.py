@@ -6,79 +6,152 @@ import argparse
 import sys
 from pathlib import Path
 
-from alisa.cli import CommandError, add_cache_options, add_model_options, cache_config_from_args
+from alisa.commands.options import (
+    CommandError,
+    add_cache_options,
+    add_model_options,
+    cache_config_from_args,
+    check_minimum,
+    load_for_cli,
+    with_flag,
+)
+from alisa.parallel.generate import DECODES, MODES, PARTITIONS
 
 HELP = "generate a completion for one prompt"
+# ParallelConfig field -> the flag that sets it, so its errors name the flag.
+PARALLEL_FLAGS = {
+    "mode": "--parallel",
+    "partition": "--partition",
+    "decode": "--parallel-decode",
+    "table_path": "--partition-table",
+    "table_key": "--partition-key",
+}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="?", help="the prompt (else --prompt-file, else stdin)")
-    parser.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    parser.add_argument("--prompt-file", type=Path, help="read the prompt from this file (UTF-8)")
     add_model_options(parser)
     parser.add_argument(
         "--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)"
     )
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    parser.add_argument(
+        "--truncate-prompt",
+        action="store_true",
+        help="keep the last tokens of a prompt longer than the model's context (else an error)",
+    )
     sampling = parser.add_argument_group("sampling (greedy unless --do-sample)")
     sampling.add_argument("--do-sample", action="store_true", help="sample instead of greedy")
-    sampling.add_argument("--temperature", type=float)
-    sampling.add_argument("--top-k", type=int)
-    sampling.add_argument("--top-p", type=float)
+    sampling.add_argument("--temperature", type=float, help="> 0 (default: the model's, or 1.0)")
+    sampling.add_argument("--top-k", type=int, help="sample among the k likeliest tokens")
+    sampling.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
     sampling.add_argument("--seed", type=int, help="seed for sampling")
     add_cache_options(parser)
     parallel = parser.add_argument_group("multi-process (launch with torchrun --nproc-per-node N)")
-    parallel.add_argument("--parallel", default="none", help="none, kvr (KV-Runahead) or tsp")
-    parallel.add_argument("--partition", default="even", help="even, search or table")
+    parallel.add_argument(
+        "--parallel", default="none", help=f"none, {', '.join(MODES)} (default: none)"
+    )
+    parallel.add_argument(
+        "--partition", default="even", help=f"{', '.join(PARTITIONS)} (default: even)"
+    )
     parallel.add_argument("--partition-table", help="JSON table for --partition table")
     parallel.add_argument("--partition-key", help="entry of the table")
-    parallel.add_argument("--parallel-decode", default="local", help="local or sharded")
+    parallel.add_argument(
+        "--parallel-decode", default="local", help=f"{', '.join(DECODES)} (default: local)"
+    )
 
 
 def read_prompt(args: argparse.Namespace) -> str:
-    """The prompt from the argument, ``--prompt-file`` or stdin; never empty."""
+    """The prompt from the argument, ``--prompt-file`` or stdin; never empty, always UTF-8."""
     if args.prompt is not None and args.prompt_file is not None:
         raise CommandError("give the prompt either as an argument or with --prompt-file, not both")
     if args.prompt is not None:
-        prompt = args.prompt
+        prompt, source = args.prompt, "the prompt argument"
     elif args.prompt_file is not None:
+        source = f"--prompt-file {str(args.prompt_file)!r}"
         try:
             prompt = args.prompt_file.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as error:
-            raise CommandError(
-                f"cannot read --prompt-file {str(args.prompt_file)!r}: {error}"
-            ) from None
+            raise CommandError(f"cannot read {source}: {error}") from None
     elif not sys.stdin.isatty():
-        prompt = sys.stdin.read()
+        source = "the prompt on stdin"
+        try:
+            prompt = sys.stdin.buffer.read().decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise CommandError(f"{source} is not valid UTF-8: {error}") from None
     else:
         raise CommandError("no prompt: pass it as an argument, with --prompt-file, or on stdin")
+    try:
+        prompt.encode("utf-8")  # an argument with undecodable bytes holds lone surrogates
+    except UnicodeEncodeError:
+        raise CommandError(f"{source} is not valid UTF-8") from None
     if not prompt.strip():
         raise CommandError("the prompt is empty")
     return prompt
 
 
-def run(args: argparse.Namespace) -> int:
-    from alisa.cli import load_for_cli
-    from alisa.generate import SamplingOptions, generate
-    from alisa.memory import format_bytes
+def parallel_config(args: argparse.Namespace):
+    """The ``ParallelConfig`` of the flags (None for ``--parallel none``); errors name flags."""
+    from alisa.parallel import ParallelConfig
 
-    if args.max_new_tokens < 0:
-        raise CommandError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
+    if args.parallel == "none":
+        return None
+    if args.parallel not in MODES:
+        valid = ", ".join(("none", *MODES))
+        raise CommandError(f"--parallel={args.parallel!r} is unknown; valid: {valid}")
+    try:
+        return ParallelConfig(
+            mode=args.parallel,
+            partition=args.partition,
+            decode=args.parallel_decode,
+            table_path=args.partition_table,
+            table_key=args.partition_key,
+        )
+    except ValueError as error:
+        raise CommandError(with_flag(str(error), PARALLEL_FLAGS)) from None
+
+
+def fit_prompt(model, tokenizer, prompt: str, args: argparse.Namespace) -> str:
+    """The prompt, or with ``--truncate-prompt`` its last tokens that fit the context."""
+    from alisa.models import check_prompt_length, context_length, keep_last_tokens
+
+    tokens = len(tokenizer(prompt)["input_ids"])
+    known = context_length(model, tokenizer)
+    if not args.truncate_prompt or known is None or tokens <= known[0]:
+        check_prompt_length(model, tokenizer, tokens, hint="; --truncate-prompt keeps the last")
+        return prompt
+    keep = max(1, known[0] - args.max_new_tokens)  # room for the generated tokens too
+    print(f"[alisa] prompt truncated from {tokens} to its last {keep} tokens", file=sys.stderr)
+    return keep_last_tokens(tokenizer, prompt, keep)
+
+
+def run(args: argparse.Namespace) -> int:
+    from alisa.generate import SamplingOptions, generate
+
+    check_minimum("--max-new-tokens", args.max_new_tokens, 0)
     prompt = read_prompt(args)
     config = cache_config_from_args(args)
-    sampling = SamplingOptions(
-        do_sample=args.do_sample,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-    )
+    parallel = parallel_config(args)
+    try:
+        sampling = SamplingOptions(
+            do_sample=args.do_sample,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+        )
+    except ValueError as error:
+        flags = dict.fromkeys(("temperature", "top_k", "top_p", "seed"))
+        raise CommandError(with_flag(str(error), flags)) from None
     model, tokenizer = load_for_cli(args.model, args.dtype)
     if args.chat:
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
-    if args.parallel != "none":
-        result = _parallel(args, model, tokenizer, prompt, config, sampling)
+    prompt = fit_prompt(model, tokenizer, prompt, args)
+    if parallel is not None:
+        result = _parallel(args, model, tokenizer, prompt, config, parallel, sampling)
         if result is None:  # not the last rank: it printed nothing, the last rank reports
             return 0
     else:
@@ -86,32 +159,31 @@ def run(args: argparse.Namespace) -> int:
             model, tokenizer, prompt, config, max_new_tokens=args.max_new_tokens, sampling=sampling
         )
     print(result.texts[0])
-    print(
+    print(stats_line(result, config), file=sys.stderr)
+    return 0
+
+
+def stats_line(result, config) -> str:
+    """The one ``[alisa]`` line on stderr: lengths, speed, KV and memory."""
+    from alisa.memory import format_bytes
+
+    return (
         f"[alisa] prompt {result.prompt_tokens[0]} tok | generated {result.generated_tokens} tok | "
         f"ttft {result.ttft_s:.2f} s | decode {result.decode_tokens_per_s:.1f} tok/s | "
         f"kv held {format_bytes(result.kv_bytes)} (peak {format_bytes(result.peak_kv_bytes)}) | "
         f"peak memory {format_bytes(result.peak_memory_bytes)} | policy {config.policy} "
-        f"r={config.caching_ratio:g}",
-        file=sys.stderr,
+        f"r={config.caching_ratio:g}"
     )
-    return 0
 
 
-def _parallel(args, model, tokenizer, prompt, config, sampling):
+def _parallel(args, model, tokenizer, prompt, config, parallel, sampling):
     """Run under torchrun: every rank joins; the last one returns the result."""
     import torch.distributed as dist
 
     from alisa.memory import PeakMemory
-    from alisa.parallel import ParallelConfig, parallel_generate
+    from alisa.parallel import parallel_generate
     from alisa.parallel.dist import init_from_env
 
-    parallel = ParallelConfig(
-        mode=args.parallel,
-        partition=args.partition,
-        decode=args.parallel_decode,
-        table_path=args.partition_table,
-        table_key=args.partition_key,
-    )
     init_from_env()
     try:
         with PeakMemory(next(model.parameters()).device) as memory:

@@ -5,67 +5,113 @@ from __future__ import annotations
 import argparse
 import json
 
+from alisa.commands.options import (
+    CommandError,
+    add_cache_options,
+    cache_config_from_args,
+    check_minimum,
+    dtype_from_flag,
+)
+from alisa.models import DTYPES
+
 HELP = "print the three-phase plan (weights, KV tiers, p1/p2, alpha/beta, memory, tokens/s)"
+# The AlisaConfig fields the runtime's tier planner reads (alisa.planning.TierPlanner.decide).
+PLAN_FIELDS = (
+    "policy",
+    "caching_ratio",
+    "kv_bits",
+    "gpu_memory",
+    "host_memory",
+    "recompute",
+    "profile",
+)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default="smollm2-135m", help="model spec or preset (opt-13b, ...)"
     )
-    parser.add_argument("--dtype", default="bfloat16", help="weights dtype")
-    parser.add_argument("--gpu-memory", help="device byte budget (default: the profile's device)")
-    parser.add_argument("--host-memory", help="host byte budget (default: the profile's host)")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--gen-len", type=int, default=128)
-    parser.add_argument("--caching-ratio", type=float, default=1.0)
-    parser.add_argument("--kv-bits", type=int, default=16)
     parser.add_argument(
-        "--recent-fraction", type=float, default=0.0, help="share of kept KV pinned to the device"
+        "--dtype",
+        default="bfloat16",
+        help=f"weights dtype, presets included: {', '.join(DTYPES)} (default: bfloat16)",
     )
-    parser.add_argument("--no-recompute", action="store_true", help="offload only")
-    hardware = parser.add_mutually_exclusive_group()
-    hardware.add_argument("--hardware", help="published preset: v100-32gb, a100-40gb, h100-80gb")
-    hardware.add_argument("--profile", help="profile JSON from `alisa profile`")
+    parser.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
+    parser.add_argument(
+        "--prompt-len", type=int, default=512, help="prompt tokens per sequence (default 512)"
+    )
+    parser.add_argument("--gen-len", type=int, default=128, help="tokens to generate (default 128)")
+    parser.add_argument(
+        "--hardware", help="published preset instead of this machine: v100-32gb, a100-40gb, ..."
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_cache_options(parser, only=PLAN_FIELDS)
 
 
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from alisa.memory import parse_bytes
-    from alisa.planning import empty_model_spec, machine_profile
-    from scheduler import Options, Workload, preset, solve
+    import torch
 
-    if args.hardware:
-        profile = preset(args.hardware)
-    else:
-        import torch
+    from alisa.planning import empty_model_spec
+    from scheduler import MODEL_PRESETS, Options, Workload, solve
 
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        profile = machine_profile(device, args.profile)
-    if args.gpu_memory is not None:
-        profile = replace(profile, device_bytes=parse_bytes(args.gpu_memory, field="--gpu-memory"))
-    if args.host_memory is not None:
-        profile = replace(profile, host_bytes=parse_bytes(args.host_memory, field="--host-memory"))
-    spec, recomputable = empty_model_spec(args.model, args.dtype)
+    for flag in ("--batch", "--prompt-len", "--gen-len"):
+        check_minimum(flag, getattr(args, flag[2:].replace("-", "_")), 1)
+    torch_dtype = dtype_from_flag(args.dtype) or torch.bfloat16
+    config = cache_config_from_args(args, only=PLAN_FIELDS)
+    profile = _hardware(args, config)
+    try:
+        spec, recomputable = empty_model_spec(args.model, args.dtype)
+    except ValueError as error:
+        raise CommandError(f"{error}; plan presets: {', '.join(MODEL_PRESETS)}") from None
+    if args.model.lower() in MODEL_PRESETS:  # a preset's bytes follow --dtype too
+        spec = replace(spec, bytes_per_element=torch_dtype.itemsize)
     workload = Workload(
         batch=args.batch,
         prompt_len=args.prompt_len,
         gen_len=args.gen_len,
-        caching_ratio=args.caching_ratio,
-        kv_bits=args.kv_bits,
-        recent_fraction=args.recent_fraction,
+        caching_ratio=1.0 if config.policy == "dense" else config.caching_ratio,
+        kv_bits=config.kv_bits,
+        recent_fraction=0.0,  # as the runtime: no window is pinned to the device
     )
-    plan = solve(
-        profile, spec, workload, Options(allow_recompute=recomputable and not args.no_recompute)
-    )
+    options = Options(allow_recompute=recomputable and config.recompute != "never")
+    plan = solve(profile, spec, workload, options)
     if args.json:
         print(json.dumps(plan.to_dict(), default=str))
     else:
         print(plan.describe())
         print(weight_placement(spec, plan.weight_host_fraction))
     return 0
+
+
+def _hardware(args: argparse.Namespace, config):
+    """The preset or this machine's profile, with the flags' byte budgets."""
+    from dataclasses import replace
+
+    import torch
+
+    from alisa.memory import parse_bytes
+    from alisa.planning import machine_profile
+    from scheduler import preset
+
+    if args.hardware and config.profile:
+        raise CommandError("give --hardware or --profile, not both")
+    if args.hardware:
+        profile = preset(args.hardware)
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        profile = machine_profile(device, config.profile)
+    for flag, value, name in (
+        ("--gpu-memory", config.gpu_memory, "device_bytes"),
+        ("--host-memory", config.host_memory, "host_bytes"),
+    ):
+        if value is not None:
+            size = parse_bytes(value, field=flag)
+            if size <= 0:
+                raise CommandError(f"{flag}={value!r} must be positive")
+            profile = replace(profile, **{name: size})
+    return profile
 
 
 def weight_placement(spec, host_fraction: float) -> str:

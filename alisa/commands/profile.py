@@ -5,26 +5,29 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from alisa.commands.options import add_model_options, check_minimum, check_new_file, load_for_cli
+
 HELP = "measure copy/matmul/memory rates (calibrated on a model) and save a hardware profile"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", type=Path, help="where to save (default: the planner's path)")
+    add_model_options(parser, dtype="bfloat16", model_note="; none: no calibration")
     parser.add_argument(
-        "--model", default="smollm2-135m", help="model to calibrate on ('none' to skip)"
+        "--threads", type=int, help="torch threads while measuring (default: torch's choice)"
     )
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--threads", type=int, help="torch threads while measuring")
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from alisa.cli import load_for_cli
     from alisa.planning import default_profile_path
     from alisa.profiling import measure
 
-    if args.threads:
+    check_minimum("--threads", args.threads, 1)
+    if args.output is not None:
+        check_new_file("--output", args.output)  # before measuring, not after
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     model = None
     if args.model.lower() != "none":

@@ -30,13 +30,14 @@ class Request:
 
 
 def read_requests(path: str | Path) -> list[Request]:
-    """Parse and validate an input JSONL file; every problem names the file and the line.
+    """Parse and validate an input JSONL file; every problem names the file, the line and the id.
 
     Raises
     ------
     ValueError
-        Malformed JSON, a row that is not an object, a missing/empty ``prompt``, an ``id`` that
-        is not a string or integer, a duplicate ``id``, an unknown or mistyped option.
+        Malformed JSON, a row that is not an object, a ``prompt`` that is not a non-empty
+        string, an ``id`` that is not a string or integer, a duplicate ``id``, an unknown,
+        mistyped or out-of-range option (same rules as the matching flag).
     """
     file = Path(path)
     requests, seen = [], {}
@@ -51,22 +52,37 @@ def read_requests(path: str | Path) -> list[Request]:
             )
         seen[identifier] = number
         prompt = row.get("prompt")
+        if "prompt" in row and not isinstance(prompt, str):
+            raise ValueError(
+                f"{where}: 'prompt' must be a string, got {prompt!r} for id {identifier!r}"
+            )
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError(f"{where}: missing or empty 'prompt' for id {identifier!r}")
-        options = {}
-        for key, value in row.items():
-            if key in ("id", "prompt"):
-                continue
-            if key not in ROW_OPTIONS:
-                raise ValueError(
-                    f"{where}: unknown option {key!r}; known: {', '.join(ROW_OPTIONS)}"
-                )
-            kind = ROW_OPTIONS[key]
-            if not _is_kind(value, kind):
-                raise ValueError(f"{where}: option {key}={value!r} must be {kind.__name__}")
-            options[key] = value
+        options = {k: v for k, v in row.items() if k not in ("id", "prompt")}
+        _check_options(options, where, f" (id {identifier!r})")
         requests.append(Request(id=identifier, prompt=prompt, options=options, line=number))
     return requests
+
+
+def _check_options(options: dict, where: str, which: str) -> None:
+    """Types and ranges of a row's options, with the rules of the flags they override."""
+    from alisa.generate import SamplingOptions
+
+    for key, value in options.items():
+        if key not in ROW_OPTIONS:
+            raise ValueError(
+                f"{where}: unknown option {key!r}{which}; known: {', '.join(ROW_OPTIONS)}"
+            )
+        kind = ROW_OPTIONS[key]
+        if not _is_kind(value, kind):
+            raise ValueError(f"{where}: option {key}={value!r} must be {kind.__name__}{which}")
+    new_tokens = options.get("max_new_tokens", 1)
+    if new_tokens < 1:  # as --max-new-tokens: a row must generate something
+        raise ValueError(f"{where}: option max_new_tokens={new_tokens!r} must be >= 1{which}")
+    try:
+        SamplingOptions(**{k: v for k, v in options.items() if k != "max_new_tokens"})
+    except ValueError as error:
+        raise ValueError(f"{where}: option {error}{which}") from None
 
 
 def _is_kind(value, kind: type) -> bool:
@@ -77,17 +93,24 @@ def _is_kind(value, kind: type) -> bool:
     return isinstance(value, int | float) if kind is float else isinstance(value, kind)
 
 
+# Every row we write starts like this (json.dumps of a dict whose first key is "id").
+ROW_START = b'{"id": '
+
+
 class OutputLog:
     """Append-only JSONL results that survive ``kill -9``.
 
     Each row is one ``write`` of a whole line on an ``O_APPEND`` descriptor, then ``fsync``: a
     killed process leaves complete lines (a write to a regular file is not interrupted by a
-    signal). A torn last line (power loss) is cut off when the log is reopened, so resuming
-    never duplicates or corrupts a row.
+    signal). On reopening, every complete line must be a JSON object with ``keys`` (else the
+    file is not ours and is left untouched); a torn last line (power loss) is cut off only when
+    it provably is our partial row, so resuming never duplicates or corrupts a row and never
+    deletes anything else. Ids of rows without an ``"error"`` are done; failed rows are retried.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, keys: tuple[str, ...] = ("id",)) -> None:
         self.path = Path(path)
+        self.keys = keys
         self.done: set = set()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -100,24 +123,61 @@ class OutputLog:
         if not self.path.exists():
             return
         data = self.path.read_bytes()
-        complete = data[: data.rfind(b"\n") + 1]
-        if len(complete) != len(data):  # a torn last line: drop it, it will be redone
+        complete, tail = data[: data.rfind(b"\n") + 1], data[data.rfind(b"\n") + 1 :]
+        for number, line in enumerate(complete.split(b"\n")[:-1], start=1):
+            if line.strip():
+                self._add(self._row(line, number))
+        if not tail.strip():
+            return
+        if _parses(tail):  # a whole line that only lacks its newline: keep it
+            self._add(self._row(tail, complete.count(b"\n") + 1))
+            with self.path.open("ab") as handle:
+                handle.write(b"\n")
+        elif tail.startswith(ROW_START):  # our torn row: drop it, it will be redone
             with self.path.open("r+b") as handle:
                 handle.truncate(len(complete))
-        for number, line in enumerate(complete.decode("utf-8").splitlines(), start=1):
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                raise ValueError(
-                    f"{self.path}:{number}: malformed JSON in the output log"
-                ) from None
-            self.done.add(row.get("id"))
+        else:
+            self._row(tail, complete.count(b"\n") + 1)  # raises: not ours, nothing changed
+
+    def _row(self, line: bytes, number: int) -> dict:
+        where = f"{self.path}:{number}"
+        if not _parses(line):
+            raise ValueError(
+                f"{where}: not a JSON line; is this the right output file? (nothing was changed)"
+            )
+        row = json.loads(line.decode("utf-8"))
+        if not isinstance(row, dict) or any(key not in row for key in self.keys):
+            raise ValueError(
+                f"{where}: not a results row (a JSON object with {', '.join(map(repr, self.keys))}"
+                "); is this the right output file? (nothing was changed)"
+            )
+        return row
+
+    def _add(self, row: dict) -> None:
+        if "error" not in row:
+            self.done.add(row["id"])
 
     def append(self, row: dict) -> None:
         """Write one result row durably."""
         os.write(self.fd, (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
         os.fsync(self.fd)
-        self.done.add(row["id"])
+        self._add(row)
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+def _parses(line: bytes) -> bool:
+    try:
+        json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return True
+
+
+def same_file(first: str | Path, second: str | Path) -> bool:
+    """Whether two paths name one file (links and ``..`` resolved; a missing file is new)."""
+    one, two = Path(first), Path(second)
+    if one.exists() and two.exists():
+        return one.samefile(two)
+    return one.resolve() == two.resolve()

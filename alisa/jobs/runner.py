@@ -12,9 +12,10 @@ from tqdm.auto import tqdm
 from alisa.architecture import model_shape
 from alisa.config import AlisaConfig
 from alisa.generate import SamplingOptions, generate
-from alisa.jobs.io import OutputLog, Request, read_requests
+from alisa.jobs.io import OutputLog, Request, read_requests, same_file
 from alisa.jobs.sizing import BatchMemory, batch_memory, largest_batch
 from alisa.memory import PeakMemory, format_bytes, parse_bytes
+from alisa.models import context_length
 from alisa.planning import model_spec
 
 
@@ -69,13 +70,20 @@ class JobSummary:
     already_done: int = 0
     completed: int = 0
     did_not_fit: list = field(default_factory=list)
+    too_long: list = field(default_factory=list)  # prompts longer than the model's context
     batches: list = field(default_factory=list)  # sizes of the batches run
     generated_tokens: int = 0
     seconds: float = 0.0
     peak_kv_bytes: int = 0
     peak_memory_bytes: int = 0
     budget_bytes: int | None = None
+    kv_budget_bytes: int | None = None
     ttfts_s: list = field(default_factory=list)  # time to first token of each batch
+
+    @property
+    def failed(self) -> list:
+        """Ids written as error rows this run (not done: a re-run retries them)."""
+        return self.did_not_fit + self.too_long
 
     @property
     def mean_ttft_s(self) -> float:
@@ -87,15 +95,38 @@ class JobSummary:
 
     def describe(self) -> str:
         budget = format_bytes(self.budget_bytes) if self.budget_bytes else "unlimited"
+        if self.kv_budget_bytes is not None:
+            budget += f", KV budget {format_bytes(self.kv_budget_bytes)}"
         return (
             f"{self.completed} prompts done ({self.already_done} already done before), "
-            f"{len(self.did_not_fit)} did not fit, {len(self.batches)} batches "
+            f"{len(self.did_not_fit)} did not fit, {len(self.too_long)} longer than the context, "
+            f"{len(self.batches)} batches "
             f"(sizes {min(self.batches, default=0)}-{max(self.batches, default=0)}); "
             f"{self.generated_tokens} tokens in {self.seconds:.1f} s = "
             f"{self.tokens_per_s:.1f} tok/s; "
             f"peak KV {format_bytes(self.peak_kv_bytes)}, peak memory "
             f"{format_bytes(self.peak_memory_bytes)} (budget {budget})"
         )
+
+
+RESULT_KEYS = ("id", "finish_reason")  # what every row of a batch output has
+
+
+def open_job(job: BatchJob) -> tuple[list[Request], OutputLog]:
+    """Validated requests and the reopened output log: every file check before any model work.
+
+    Raises
+    ------
+    ValueError
+        A bad input row (file, line, id), ``output`` naming the input file, or an output that
+        is not a batch output (left untouched) or cannot be written.
+    """
+    requests = read_requests(job.input)
+    if same_file(job.input, job.output):
+        raise ValueError(
+            f"the output {job.output!r} is the input file; results go to a file of their own"
+        )
+    return requests, OutputLog(job.output, keys=RESULT_KEYS)
 
 
 def run_batch(
@@ -113,37 +144,59 @@ def run_batch(
     ValueError
         Bad input rows (file and line), an unwritable output, or a budget below the weights.
     """
-    requests = read_requests(job.input)
-    log = OutputLog(job.output)
+    requests, log = open_job(job)
     try:
         return _run(model, tokenizer, job, requests, log, cache_factory)
     finally:
         log.close()
 
 
-def _run(model, tokenizer, job, requests, log, cache_factory) -> JobSummary:
-    spec = model_spec(model, model_shape(model))
-    sizing = None if cache_factory is not None else job.config
+@dataclass(frozen=True, kw_only=True)
+class _Budgets:
+    """The byte limits batches are sized under, and how to name each in a message."""
+
+    device: int | None
+    device_name: str
+    kv: int | None
+    kv_name: str
+
+
+def _budgets(model, job: BatchJob, spec) -> _Budgets:
     budget = parse_bytes(job.gpu_memory, field="gpu_memory") if job.gpu_memory is not None else None
     kv_budget = parse_bytes(job.kv_memory, field="kv_memory") if job.kv_memory is not None else None
     if budget is not None and budget <= spec.total_weight_bytes:
         raise ValueError(
-            f"gpu_memory={job.gpu_memory!r} ({budget} bytes) is smaller than the weights "
+            f"the device budget --gpu-memory {job.gpu_memory} ({budget} bytes) is smaller than "
+            "the weights "
             f"({spec.total_weight_bytes} bytes)"
         )
+    name = f"--gpu-memory {job.gpu_memory}"
     if next(model.parameters()).device.type == "cpu":
         # On a CPU the device is host memory: never plan past what is free (weights are loaded).
         free = spec.total_weight_bytes + int(0.9 * psutil.virtual_memory().available)
-        budget = free if budget is None else min(budget, free)
-    summary = JobSummary(prompts=len(requests), budget_bytes=budget)
+        if budget is None or free < budget:
+            budget, name = free, "free host memory"
+    return _Budgets(
+        device=budget, device_name=name, kv=kv_budget, kv_name=f"--kv-memory {job.kv_memory}"
+    )
+
+
+def _run(model, tokenizer, job, requests, log, cache_factory) -> JobSummary:
+    spec = model_spec(model, model_shape(model))
+    sizing = None if cache_factory is not None else job.config
+    budgets = _budgets(model, job, spec)
+    summary = JobSummary(prompts=len(requests), budget_bytes=budgets.device)
+    summary.kv_budget_bytes = budgets.kv
     pending = [r for r in requests if r.id not in log.done]
     summary.already_done = len(requests) - len(pending)
     encoded = tokenizer([r.prompt for r in pending])["input_ids"] if pending else []
     lengths = {r.id: len(ids) for r, ids in zip(pending, encoded, strict=True)}
     bar = tqdm(total=len(pending), unit="prompt", disable=not job.progress, desc="alisa batch")
+    pending = _drop_too_long(pending, lengths, context_length(model, tokenizer), log, summary)
+    bar.update(len(summary.too_long))
     started = time.perf_counter()
     with PeakMemory(next(model.parameters()).device) as memory:
-        for batch, new_tokens in _batches(pending, lengths, job, spec, sizing, budget, kv_budget):
+        for batch, new_tokens in _batches(pending, lengths, job, spec, sizing, budgets):
             if len(batch) == 1 and isinstance(batch[0], dict):  # did not fit even alone
                 log.append(batch[0])
                 summary.did_not_fit.append(batch[0]["id"])
@@ -169,7 +222,26 @@ def _run(model, tokenizer, job, requests, log, cache_factory) -> JobSummary:
     return summary
 
 
-def _batches(pending, lengths, job, spec, sizing, budget, kv_budget):
+def _drop_too_long(pending, lengths, context, log: OutputLog, summary: JobSummary) -> list:
+    """Record prompts longer than the model's context as failed rows; return the others."""
+    if context is None:
+        return pending
+    limit, source = context
+    kept = []
+    for request in pending:
+        if lengths[request.id] <= limit:
+            kept.append(request)
+            continue
+        error = (
+            f"the prompt has {lengths[request.id]} tokens, more than the model's context of "
+            f"{limit} tokens ({source})"
+        )
+        log.append(_failed_row(request, "prompt_too_long", error))
+        summary.too_long.append(request.id)
+    return kept
+
+
+def _batches(pending, lengths, job, spec, sizing, budgets: _Budgets):
     """(batch, new_tokens) in run order: longest prompts first within each option group.
 
     A prompt that cannot fit even alone comes out as a one-element batch holding its error row.
@@ -180,11 +252,11 @@ def _batches(pending, lengths, job, spec, sizing, budget, kv_budget):
         while queue:
             longest = lengths[queue[0].id]
             size = largest_batch(
-                spec, sizing, budget, longest, new_tokens, job.max_batch, kv_budget
+                spec, sizing, budgets.device, longest, new_tokens, job.max_batch, budgets.kv
             )
             if size == 0:
                 need = batch_memory(spec, sizing, 1, longest, new_tokens)
-                yield [_too_large(queue.pop(0), need, budget, kv_budget)], new_tokens
+                yield [_too_large(queue.pop(0), need, budgets)], new_tokens
                 continue
             batch, queue = queue[:size], queue[size:]
             yield batch, new_tokens
@@ -215,14 +287,17 @@ def _sampling(options: dict) -> SamplingOptions:
     return SamplingOptions(**{k: options[k] for k in keys if k in options})
 
 
-def _too_large(request: Request, need: BatchMemory, budget, kv_budget) -> dict:
-    return {
-        "id": request.id,
-        "text": None,
-        "tokens": 0,
-        "finish_reason": "did_not_fit",
-        "error": (
-            f"needs about {need.total} bytes of device memory ({need.kv} of KV) even alone; "
-            f"the budget is {budget} bytes (KV budget {kv_budget})"
-        ),
-    }
+def _failed_row(request: Request, reason: str, error: str) -> dict:
+    return {"id": request.id, "text": None, "tokens": 0, "finish_reason": reason, "error": error}
+
+
+def _too_large(request: Request, need: BatchMemory, budgets: _Budgets) -> dict:
+    """The error row of a prompt that fits no budget alone, quoting the budget it exceeds."""
+    if budgets.kv is not None and need.kv > budgets.kv:
+        over = f"{need.kv} bytes of KV, over the KV budget {budgets.kv_name} ({budgets.kv} bytes)"
+    else:
+        over = (
+            f"{need.total} bytes ({need.kv} of KV), over the device budget "
+            f"{budgets.device_name} ({budgets.device} bytes)"
+        )
+    return _failed_row(request, "did_not_fit", f"needs about {over} even alone")

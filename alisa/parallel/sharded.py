@@ -18,10 +18,9 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from alisa.config import AlisaConfig
+from alisa.config import AlisaConfig, policy_for_layer
 from alisa.grouped import grouped_logits
 from alisa.layer import AlisaLayer
-from alisa.policies import policy_for_layer
 
 SHARDED_ATTENTION = "alisa_sharded"
 

@@ -1,0 +1,203 @@
+"""Flags shared by the subcommands; the cache flags are generated from ``AlisaConfig``'s fields.
+
+Every ``AlisaConfig`` field becomes a flag (``caching_ratio`` -> ``--caching-ratio``) with the
+type of its annotation, its default, and the help text of its entry in the class docstring's
+``Parameters`` section, so a new field is a new flag with nothing else to edit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import types
+import typing
+from dataclasses import MISSING, Field, fields
+from pathlib import Path
+
+from alisa.config import AlisaConfig
+from alisa.models import DEFAULT_MODEL, DTYPES
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_ROWS_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
+class CommandError(Exception):
+    """A user-facing error: printed as one line, exit code 1, no traceback."""
+
+
+def flag_name(field_name: str) -> str:
+    """The CLI flag of a config field: ``caching_ratio`` -> ``--caching-ratio``."""
+    return "--" + field_name.replace("_", "-")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> description from a numpy-style docstring's ``Parameters`` section.
+
+    An entry line ``a, b`` documents both names; ````literal```` markup is dropped.
+    """
+    lines = (cls.__doc__ or "").splitlines()
+    docs: dict[str, list[str]] = {}
+    current: list[str] = []
+    inside = False
+    for index, line in enumerate(lines):
+        stripped = line.strip()
+        underline = index + 1 < len(lines) and set(lines[index + 1].strip()) == {"-"}
+        if underline:  # a section title: only Parameters is read
+            inside = stripped == "Parameters"
+            continue
+        if not inside or set(stripped) == {"-"} or not stripped:
+            continue
+        if len(line) - len(line.lstrip()) <= 4:  # "    name" (class docstring indentation)
+            current = []
+            for name in stripped.split(","):
+                docs[name.strip()] = current
+        else:
+            current.append(stripped)
+    return {name: " ".join(" ".join(text).replace("``", "").split()) for name, text in docs.items()}
+
+
+def _flag_type(annotation) -> tuple[type, str]:
+    """(argparse type, metavar) of a field annotation: ``X | None`` -> X; other unions -> str.
+
+    ``int | str`` byte sizes stay text for the config to parse; any type argparse cannot build
+    from one word is read as text too.
+    """
+    kinds = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        annotation = kinds[0] if len(kinds) == 1 else str
+    if annotation not in (bool, int, float, str):
+        return str, "VALUE"
+    return annotation, {bool: "", int: "N", float: "X", str: "TEXT"}[annotation]
+
+
+def _settable_fields(only: tuple[str, ...] | None) -> list[Field]:
+    """The ``AlisaConfig`` fields a flag can set (all ``__init__`` fields, or those in ``only``)."""
+    return [f for f in fields(AlisaConfig) if f.init and (only is None or f.name in only)]
+
+
+def _default(item: Field):
+    return item.default_factory() if item.default is MISSING else item.default
+
+
+def add_cache_options(
+    parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None, title: str = "KV cache"
+) -> None:
+    """One flag per ``AlisaConfig`` field (or per field in ``only``), typed, defaulted, helped.
+
+    A field without a docstring entry still gets a flag (its help then only names the field);
+    ``tests/test_bad_input.py`` fails until the entry is written.
+    """
+    group = parser.add_argument_group(f"{title} (AlisaConfig fields)")
+    docs = field_docs(AlisaConfig)
+    hints = typing.get_type_hints(AlisaConfig)
+    for item in _settable_fields(only):
+        default = _default(item)
+        # A field left at None is a flag not given: say so in the flag's words.
+        text = docs.get(item.name) or f"AlisaConfig.{item.name}"
+        help_text = re.sub(r"\bNone\b", "unset", text).replace("%", "%%")
+        if default is not None and default is not False:
+            help_text += f" (default: {default})"
+        kind, metavar = _flag_type(hints[item.name])
+        if kind is bool:
+            group.add_argument(
+                flag_name(item.name),
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=help_text,
+            )
+        else:
+            group.add_argument(
+                flag_name(item.name), type=kind, default=default, metavar=metavar, help=help_text
+            )
+
+
+def cache_config_from_args(
+    args: argparse.Namespace, only: tuple[str, ...] | None = None
+) -> AlisaConfig:
+    """The validated ``AlisaConfig`` the generated flags describe; errors name the flag.
+
+    Raises
+    ------
+    CommandError
+        A bad value (the message names the flag, then the field and value), or a ``--profile``
+        file that cannot be read.
+    """
+    names = [item.name for item in _settable_fields(only)]
+    try:
+        config = AlisaConfig(**{name: getattr(args, name) for name in names})
+    except ValueError as error:
+        raise CommandError(with_flag(str(error), dict.fromkeys(names))) from None
+    if config.profile is not None:
+        from scheduler import load_profile
+
+        try:
+            load_profile(config.profile)  # a missing profile is an error, not a silent default
+        except ValueError as error:
+            raise CommandError(f"--profile: {error}") from None
+    return config
+
+
+def with_flag(message: str, flags: dict[str, str | None]) -> str:
+    """Prefix a ``field=value ...`` message with the flag that set the field.
+
+    ``flags`` maps field names to flags; ``None`` means the field's own name as a flag.
+    """
+    match = re.match(r"(\w+)=", message)
+    if match and match.group(1) in flags:
+        name = match.group(1)
+        return f"{flags[name] or flag_name(name)}: {message}"
+    return message
+
+
+def add_model_options(
+    parser: argparse.ArgumentParser, dtype: str = "auto", model_note: str = ""
+) -> None:
+    """``--model`` and ``--dtype``, shared by every command that loads a model."""
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"built-in name, HF directory, .gguf file or hub id{model_note} "
+        f"(default: {DEFAULT_MODEL})",
+    )
+    parser.add_argument(
+        "--dtype", default=dtype, help=f"weights dtype: {', '.join(DTYPES)} (default: {dtype})"
+    )
+
+
+def check_minimum(flag: str, value: int | None, minimum: int) -> None:
+    """Refuse an integer flag below ``minimum`` (argparse only checks that it is an integer)."""
+    if value is not None and value < minimum:
+        raise CommandError(f"{flag}={value} must be >= {minimum}")
+
+
+def check_new_file(flag: str, path: Path) -> None:
+    """Fail before slow work when ``path`` cannot be written (a directory, a missing parent)."""
+    if path.is_dir():
+        raise CommandError(f"{flag} {str(path)!r} is a directory")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise CommandError(f"{flag} {str(path)!r}: {str(parent)!r} is not a directory")
+
+
+def dtype_from_flag(value: str):
+    """The torch dtype of ``--dtype`` (None for ``auto``); the error names the flag."""
+    from alisa.models import resolve_dtype
+
+    try:
+        return resolve_dtype(value)
+    except ValueError as error:
+        raise CommandError(f"--dtype: {error}") from None
+
+
+def load_for_cli(spec: str, dtype: str):
+    """Load a model quietly (HF's per-load bars off) after any one-time GGUF conversion."""
+    from transformers.utils import logging as hf_logging
+
+    from alisa.models import load_model, resolve_model_path
+
+    dtype_from_flag(dtype)  # fail on a bad dtype before any slow work
+    path = resolve_model_path(spec)  # converts a GGUF once, with its progress bar
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    return load_model(path, dtype=dtype)

@@ -1,0 +1,397 @@
+"""A new user's bad input, one row each: exit code, no traceback, the value named, no data lost.
+
+Every row runs ``alisa.cli.main`` in-process on the tiny random models of ``conftest`` (saved to
+a directory, as a user's model would be). For rows that bring files, the bytes of every file
+that existed before the command are compared afterwards.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shlex
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import pytest
+from conftest import byte_tokenizer, tiny_llama
+
+from alisa import AlisaConfig
+from alisa.cli import build_parser, main
+from alisa.commands.options import (
+    EXIT_ERROR,
+    EXIT_ROWS_FAILED,
+    EXIT_USAGE,
+    field_docs,
+    flag_name,
+)
+
+REPO = Path(__file__).parents[1]
+OK, ERR, USAGE, FAILED = 0, EXIT_ERROR, EXIT_USAGE, EXIT_ROWS_FAILED
+ONE = b'{"id": "a", "prompt": "Hi"}\n'
+ROW = b'{"id": "a", "text": "x", "tokens": 1, "finish_reason": "stop"}\n'
+LONG = "word " * 40  # 200 byte tokens: longer than the short model's 64-token context
+
+
+@dataclass(frozen=True)
+class Case:
+    """One command line: ``{tmp}``, ``{model}``, ``{short}``, ``{repo}`` are filled in."""
+
+    argv: str
+    code: int
+    needles: tuple[str, ...] = ()
+    files: dict = field(default_factory=dict)  # name -> bytes written before the run
+    stdin: bytes | None = None
+    changes: tuple[str, ...] = ()  # pre-existing files the command may rewrite
+    absent: tuple[str, ...] = ()  # paths that must not exist afterwards
+
+
+CASES = {
+    # alisa generate
+    "stdin-invalid-utf8": Case(
+        "generate --model {model} --max-new-tokens 4",
+        ERR,
+        ("not valid UTF-8",),
+        stdin=b"\xff\xfe\x80x",
+    ),
+    "prompt-empty": Case("generate '   ' --model {model}", ERR, ("prompt is empty",)),
+    "prompt-and-file": Case(
+        "generate hi --prompt-file {tmp}/p.txt", ERR, ("not both",), files={"p.txt": b"hi"}
+    ),
+    "prompt-file-binary": Case(
+        "generate --prompt-file {tmp}/binary.txt", ERR, ("binary.txt",), {"binary.txt": b"\xff\x80"}
+    ),
+    "prompt-file-missing": Case("generate --prompt-file {tmp}/none.txt", ERR, ("none.txt",)),
+    "max-new-tokens-negative": Case(
+        "generate hi --max-new-tokens -3", ERR, ("--max-new-tokens=-3",)
+    ),
+    "max-new-tokens-text": Case(
+        "generate hi --max-new-tokens many", USAGE, ("--max-new-tokens", "many")
+    ),
+    "dtype-unknown": Case("generate hi --dtype float64", ERR, ("--dtype", "float64")),
+    "model-missing": Case("generate hi --model no/such/model/here", ERR, ("no/such/model/here",)),
+    "policy-unknown": Case("generate hi --policy magic", ERR, ("--policy", "'magic'", "swa")),
+    "caching-ratio-range": Case("generate hi --caching-ratio 1.5", ERR, ("--caching-ratio", "1.5")),
+    "caching-ratio-text": Case(
+        "generate hi --caching-ratio abc", USAGE, ("--caching-ratio", "abc")
+    ),
+    "budget-tokens-zero": Case("generate hi --budget-tokens 0", ERR, ("--budget-tokens", "=0")),
+    "sink-tokens-negative": Case("generate hi --sink-tokens -1", ERR, ("--sink-tokens", "-1")),
+    "kv-bits-3": Case("generate hi --kv-bits 3", ERR, ("--kv-bits", "3")),
+    "gpu-memory-text": Case("generate hi --gpu-memory lots", ERR, ("--gpu-memory", "'lots'")),
+    "recall-with-per-head": Case(
+        "generate hi --recall-every 2 --per-head", ERR, ("--recall-every", "recall_every=2")
+    ),
+    "profile-missing": Case(
+        "generate hi --profile {tmp}/missing.json", ERR, ("--profile", "missing.json")
+    ),
+    "parallel-unknown": Case("generate hi --parallel bogus", ERR, ("--parallel", "bogus", "none")),
+    "partition-table-without-file": Case(
+        "generate hi --parallel kvr --partition table", ERR, ("--partition", "table")
+    ),
+    "temperature-zero": Case("generate hi --do-sample --temperature 0", ERR, ("--temperature",)),
+    "top-p-above-one": Case("generate hi --do-sample --top-p 2", ERR, ("--top-p", "2")),
+    "unknown-flag": Case("generate hi --caching-ration 0.5", USAGE, ("--caching-ration",)),
+    "prompt-past-context": Case(
+        f"generate '{LONG}' --model {{short}} --max-new-tokens 2",
+        ERR,
+        ("200 tokens", "context of 64", "max_position_embeddings", "--truncate-prompt"),
+    ),
+    "prompt-past-context-truncated": Case(
+        f"generate '{LONG}' --model {{short}} --max-new-tokens 2 --truncate-prompt", OK
+    ),
+    "generate-clean": Case("generate hi --model {model} --max-new-tokens 2", OK),
+    # alisa batch: output files that are not ours are never cut
+    "output-is-notes": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/notes.txt --model {model}",
+        ERR,
+        ("notes.txt:1",),
+        {"in.jsonl": ONE, "notes.txt": b"line one\nimportant last line"},
+    ),
+    "output-is-input": Case(
+        "batch {tmp}/s.jsonl -o {tmp}/./s.jsonl --model {model}",
+        ERR,
+        ("s.jsonl", "input file"),
+        {"s.jsonl": b'{"id":1,"prompt":"Hi"}\n{"id":2,"prompt":"Hello"}'},
+    ),
+    "output-rows-not-objects": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --model {model}",
+        ERR,
+        ("o.jsonl:1", "not a results row"),
+        {"in.jsonl": ONE, "o.jsonl": b"[1]\n"},
+    ),
+    "output-is-a-copy-of-input": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/copy.jsonl --model {model}",
+        ERR,
+        ("copy.jsonl:1", "finish_reason"),
+        {"in.jsonl": ONE, "copy.jsonl": ONE.rstrip()},
+    ),
+    "output-foreign-last-line": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --model {model}",
+        ERR,
+        ("o.jsonl:2",),
+        {"in.jsonl": ONE, "o.jsonl": ROW + b"important"},
+    ),
+    "output-invalid-utf8": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --model {model}",
+        ERR,
+        ("o.jsonl:1",),
+        {"in.jsonl": ONE, "o.jsonl": b"\xff\xfe\n"},
+    ),
+    "output-our-torn-row": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --model {model} --max-new-tokens 2 --no-progress",
+        OK,
+        (),
+        {"in.jsonl": ONE + b'{"id": "b", "prompt": "Yo"}\n', "o.jsonl": ROW + b'{"id": "b", "te'},
+        changes=("o.jsonl",),
+    ),
+    "output-is-a-directory": Case(
+        "batch {tmp}/in.jsonl -o {tmp} --model {model}",
+        ERR,
+        ("cannot write output",),
+        {"in.jsonl": ONE},
+    ),
+    # alisa batch: rows checked before the model loads, with file:line and id
+    "row-max-new-tokens-negative": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --model {tmp}/no-model",
+        ERR,
+        ("in.jsonl:2", "max_new_tokens=-5", "'b'"),
+        {"in.jsonl": ONE + b'{"id": "b", "prompt": "x", "max_new_tokens": -5}\n'},
+        absent=("o.jsonl",),
+    ),
+    "row-max-new-tokens-zero": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --model {tmp}/no-model",
+        ERR,
+        ("in.jsonl:1", "max_new_tokens=0"),
+        {"in.jsonl": b'{"id": "a", "prompt": "x", "max_new_tokens": 0}\n'},
+    ),
+    "row-temperature-zero": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --model {tmp}/no-model",
+        ERR,
+        ("in.jsonl:1", "temperature=0"),
+        {"in.jsonl": b'{"id": "a", "prompt": "x", "temperature": 0}\n'},
+    ),
+    "row-prompt-number": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl",
+        ERR,
+        ("in.jsonl:1", "must be a string", "42"),
+        {"in.jsonl": b'{"id": "a", "prompt": 42}\n'},
+    ),
+    "row-prompt-missing": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl",
+        ERR,
+        ("in.jsonl:1", "missing"),
+        {"in.jsonl": b'{"id": "a"}\n'},
+    ),
+    "row-malformed": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl",
+        ERR,
+        ("in.jsonl:2", "malformed"),
+        {"in.jsonl": ONE + b"{x\n"},
+    ),
+    "row-not-object": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl",
+        ERR,
+        ("in.jsonl:1", "object"),
+        {"in.jsonl": b"[1]\n"},
+    ),
+    "input-invalid-utf8": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl", ERR, ("in.jsonl",), {"in.jsonl": b"\xff\xfe\n"}
+    ),
+    "input-missing": Case("batch {tmp}/missing.jsonl -o {tmp}/o.jsonl", ERR, ("missing.jsonl",)),
+    "batch-max-new-tokens-zero": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --max-new-tokens 0",
+        ERR,
+        ("--max-new-tokens=0",),
+        {"in.jsonl": ONE},
+    ),
+    "batch-kv-memory-text": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --kv-memory lots",
+        ERR,
+        ("--kv-memory", "lots"),
+        {"in.jsonl": ONE},
+    ),
+    # alisa batch: rows that do not fit fail the job (exit 3) and are retried by a re-run
+    "kv-budget-1-byte": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --model {model} --kv-memory 1B --no-progress",
+        FAILED,
+        ("1 row(s) failed", "did_not_fit", "KV budget --kv-memory 1B"),
+        {"in.jsonl": ONE},
+    ),
+    "max-new-tokens-huge": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --model {model} --max-new-tokens 1000000000 "
+        "--no-progress",
+        FAILED,
+        ("1 row(s) failed", "did_not_fit", "budget"),
+        {"in.jsonl": ONE},
+    ),
+    "batch-prompt-past-context": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --model {short} --no-progress",
+        FAILED,
+        ("1 row(s) failed", "prompt_too_long", "context of 64"),
+        {"in.jsonl": f'{{"id": "long", "prompt": "{LONG}"}}\n'.encode()},
+    ),
+    # alisa plan
+    "plan-dtype-int3": Case("plan --dtype int3", ERR, ("--dtype", "int3")),
+    "plan-gpu-memory-zero": Case(
+        "plan --hardware v100-32gb --gpu-memory 0", ERR, ("--gpu-memory", "0")
+    ),
+    "plan-model-unknown": Case("plan --model nosuch", ERR, ("nosuch", "opt-13b", "smollm2-135m")),
+    "plan-hardware-unknown": Case("plan --hardware tpu-v9", ERR, ("tpu-v9", "v100-32gb")),
+    "plan-hardware-and-profile": Case(
+        "plan --hardware v100-32gb --profile {tmp}/p.json", ERR, ("--profile",)
+    ),
+    "plan-batch-zero": Case("plan --hardware v100-32gb --batch 0", ERR, ("--batch=0",)),
+    "plan-kv-bits-3": Case("plan --hardware v100-32gb --kv-bits 3", ERR, ("--kv-bits", "3")),
+    "plan-recent-fraction-gone": Case("plan --recent-fraction 0.5", USAGE, ("--recent-fraction",)),
+    "plan-clean": Case("plan --model opt-13b --hardware v100-32gb --batch 4", OK),
+    # alisa profile: every check before measuring
+    "profile-threads-negative": Case("profile --threads -1 --model none", ERR, ("--threads=-1",)),
+    "profile-threads-zero": Case("profile --threads 0 --model none", ERR, ("--threads=0",)),
+    "profile-output-directory": Case(
+        "profile --model none --output {tmp}", ERR, ("--output", "directory")
+    ),
+    "profile-output-under-file": Case(
+        "profile --model none --output {tmp}/f/p.json",
+        ERR,
+        ("--output", "not a directory"),
+        {"f": b"x"},
+    ),
+    # alisa experiment
+    "experiment-threads-zero": Case(
+        "experiment --config {repo}/experiments/configs/smoke.toml --set runtime.threads=0",
+        ERR,
+        ("runtime.threads=0",),
+    ),
+    "experiment-threads-text": Case(
+        "experiment --config {repo}/experiments/configs/smoke.toml --set runtime.threads=abc",
+        ERR,
+        ("runtime.threads='abc'",),
+    ),
+    "experiment-dtype-unknown": Case(
+        "experiment --config {repo}/experiments/configs/smoke.toml --set runtime.dtype=int3",
+        ERR,
+        ("runtime.dtype='int3'",),
+    ),
+    "experiment-set-without-value": Case(
+        "experiment --config {repo}/experiments/configs/smoke.toml --set threads",
+        ERR,
+        ("'threads'", "key=value"),
+    ),
+    "experiment-config-missing": Case("experiment --config {tmp}/none.toml", ERR, ("none.toml",)),
+    "experiment-data-dir-missing": Case(
+        "experiment --config {repo}/experiments/configs/smoke.toml --data-dir {tmp}/no-data "
+        "--set runtime.results_dir='{tmp}/results' --no-progress",
+        ERR,
+        ("--data-dir", "no-data"),
+        absent=("results",),
+    ),
+    "experiment-model-fails-leaves-no-run": Case(
+        "experiment --config {repo}/experiments/configs/smoke.toml --data-dir {tmp} "
+        "--set sweep.model='{tmp}/no-model' --set runtime.results_dir='{tmp}/results' "
+        "--no-progress",
+        ERR,
+        ("no-model",),
+        absent=("results/smoke",),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("models")
+    for name, model in (("tiny", tiny_llama()), ("short", tiny_llama(max_position_embeddings=64))):
+        model.save_pretrained(root / name)
+        byte_tokenizer().save_pretrained(root / name)
+    return {"model": str(root / "tiny"), "short": str(root / "short")}
+
+
+def run_cli(argv: list[str], capsys, monkeypatch, stdin: bytes | None) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin or b"")))
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's usage errors
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input(name, tmp_path, models, capsys, monkeypatch):
+    case = CASES[name]
+    for file, data in case.files.items():
+        (tmp_path / file).write_bytes(data)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    values = {"tmp": str(tmp_path), "repo": str(REPO), **models}
+    argv = shlex.split(case.argv.format(**values))
+    if "--model" not in argv and argv[0] in ("generate", "batch"):
+        argv += ["--model", models["model"]]
+    code, _, err = run_cli(argv, capsys, monkeypatch, case.stdin)
+    created = [p for p in tmp_path.rglob("*") if p.is_file() and p not in before]
+    seen = err + "".join(p.read_text(errors="replace") for p in created)
+    assert code == case.code, err
+    assert "Traceback" not in err
+    for needle in case.needles:
+        assert needle in seen, f"{needle!r} not in {seen!r}"
+    if code != OK:
+        assert err.strip(), "a failure must say why"
+    for path, data in before.items():
+        if path.name not in case.changes:
+            assert path.read_bytes() == data, f"{path.name} was modified"
+    for relative in case.absent:
+        assert not (tmp_path / relative).exists(), f"{relative} was left behind"
+
+
+def test_rows_that_did_not_fit_are_retried_by_a_rerun(tmp_path, models, capsys, monkeypatch):
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(ONE)
+    argv = ["batch", str(source), "-o", str(target), "--model", models["model"], "--no-progress"]
+    argv += ["--max-new-tokens", "2"]
+    assert run_cli(argv + ["--kv-memory", "1B"], capsys, monkeypatch, None)[0] == FAILED
+    assert run_cli(argv, capsys, monkeypatch, None)[0] == OK
+    lines = target.read_text().splitlines()
+    assert len(lines) == 2 and '"did_not_fit"' in lines[0] and '"text": null' not in lines[1]
+    assert run_cli(argv, capsys, monkeypatch, None)[0] == OK  # done now: nothing more appended
+    assert target.read_text().splitlines() == lines
+
+
+def test_plan_dtype_applies_to_presets(capsys, monkeypatch):
+    argv = ["plan", "--model", "opt-13b", "--hardware", "a100-40gb", "--json", "--dtype"]
+    code16, out16, _ = run_cli(argv + ["bfloat16"], capsys, monkeypatch, None)
+    code32, out32, _ = run_cli(argv + ["float32"], capsys, monkeypatch, None)
+    assert code16 == code32 == OK
+    # opt-13b's 26 GB of bf16 weights fit the 40 GB device; in float32 they must spill.
+    assert json.loads(out16)["weight_host_fraction"] == 0
+    assert json.loads(out32)["weight_host_fraction"] > 0
+
+
+def test_every_config_field_is_a_documented_flag():
+    docs = field_docs(AlisaConfig)
+    help_text = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
+    for item in fields(AlisaConfig):
+        assert docs.get(item.name), f"AlisaConfig field {item.name!r} has no docstring entry"
+        assert flag_name(item.name) in help_text
+
+
+def test_every_flag_has_help_text():
+    subcommands = build_parser()._subparsers._group_actions[0].choices
+    for name, parser in subcommands.items():
+        for action in parser._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help, f"alisa {name} {action.option_strings[0]} has no help"
+
+
+def test_python_api_refuses_the_same_inputs(tmp_path):
+    from alisa import BatchJob, generate, run_batch
+
+    model, tokenizer = tiny_llama(max_position_embeddings=64), byte_tokenizer()
+    with pytest.raises(ValueError, match="200 tokens, more than the model's context of 64"):
+        generate(model, tokenizer, LONG, max_new_tokens=1)
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(ONE)
+    with pytest.raises(ValueError, match="is the input file"):
+        run_batch(model, tokenizer, BatchJob(input=str(source), output=str(source)))
+    assert source.read_bytes() == ONE
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        BatchJob(input=str(source), output=str(tmp_path / "o.jsonl"), max_new_tokens=0)
