@@ -30,7 +30,7 @@ def cache_kept(config: AlisaConfig, prompt_len: int) -> list[int]:
     ids = torch.randint(10, 200, (1, prompt_len))
     with torch.inference_mode():
         model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return [int(layer.kept[0]) for layer in cache.layers]
+    return [int(layer.slots.kept[0]) for layer in cache.layers]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.policy}")
