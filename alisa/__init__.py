@@ -4,10 +4,10 @@ ALISA sparse window attention (https://arxiv.org/abs/2403.17312) and baseline KV
 Hugging Face ``generate``, INT8 KV storage and three-phase offload/recompute scheduling.
 """
 
-from alisa.attention import attach, detach
 from alisa.cache import AlisaCache
 from alisa.config import AlisaConfig
 from alisa.generate import GenerationOutput, SamplingOptions, generate
+from alisa.hooks import attach, attached, detach
 from alisa.jobs import BatchJob, JobSummary, run_batch
 from alisa.models import load_model
 from alisa.policies import POLICIES, KVPolicy, get_policy
@@ -24,6 +24,7 @@ __all__ = [
     "KVPolicy",
     "SamplingOptions",
     "attach",
+    "attached",
     "detach",
     "generate",
     "get_policy",

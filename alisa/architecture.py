@@ -1,12 +1,18 @@
-"""What the runtime needs to know about a model, and a clear error when it is not supported."""
+"""What the runtime needs to know about a model, and a clear error when it is not supported.
+
+:class:`ModelAdapter` inspects a model once (attention modules in layer order, geometry, rotary
+embedding, key/value projections, softmax scales); the cache, the recomputer and
+:func:`alisa.hooks.attach` read it instead of probing the model themselves.
+"""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
-
-from alisa.attention import attention_modules
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +89,92 @@ def model_shape(model: nn.Module) -> ModelShape:
         head_dim=head_dim,
         hidden_size=hidden,
     )
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The self-attention modules of a model, in layer order."""
+    modules = [m for m in model.modules() if _is_attention_module(m)]
+    return sorted(modules, key=lambda m: m.layer_idx)
+
+
+def _is_attention_module(module: nn.Module) -> bool:
+    return hasattr(module, "layer_idx") and type(module).__name__.endswith("Attention")
+
+
+@dataclass(frozen=True, eq=False)
+class ModelAdapter:
+    """One inspection of a supported model: what the runtime reads from it.
+
+    Attributes
+    ----------
+    shape
+        Attention geometry (checked supported).
+    modules
+        The self-attention modules, in layer order.
+    scalings
+        Softmax scale of each layer's attention.
+    rotary
+        The base model's rotary embedding module, or None (learned positions, as GPT-2).
+    apply_rotary
+        The modeling file's ``apply_rotary_pos_emb`` (None without rotary or when missing).
+    projection
+        How K/V are projected from an attention input: ``"separate"`` (``k_proj``/``v_proj``),
+        ``"fused"`` (GPT-2's ``c_attn``), or None (unknown: K/V cannot be recomputed).
+    """
+
+    shape: ModelShape
+    modules: tuple[nn.Module, ...]
+    scalings: tuple[float, ...]
+    rotary: nn.Module | None
+    apply_rotary: Callable | None
+    projection: str | None
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelAdapter:
+        """Inspect ``model`` (raises ValueError as :func:`model_shape` when unsupported)."""
+        shape = model_shape(model)
+        modules = tuple(attention_modules(model))
+        first = modules[0]
+        projection = None
+        if hasattr(first, "k_proj") and hasattr(first, "v_proj"):
+            projection = "separate"
+        elif hasattr(first, "c_attn"):
+            projection = "fused"
+        rotary = _find_rotary(model)
+        apply_rotary = None
+        if rotary is not None:
+            apply_rotary = getattr(
+                sys.modules[type(first).__module__], "apply_rotary_pos_emb", None
+            )
+        scalings = tuple(getattr(m, "scaling", shape.head_dim**-0.5) for m in modules)
+        return cls(
+            shape=shape,
+            modules=modules,
+            scalings=scalings,
+            rotary=rotary,
+            apply_rotary=apply_rotary,
+            projection=projection,
+        )
+
+    def project_kv(self, layer_idx: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (before RoPE) and values (B, H_kv, n, D) of attention inputs (B, n, hidden)."""
+        module = self.modules[layer_idx]
+        batch, length, _ = hidden.shape
+        if self.projection == "separate":
+            keys, values = module.k_proj(hidden), module.v_proj(hidden)
+        else:
+            _, keys, values = module.c_attn(hidden).split(module.split_size, dim=2)
+        head_dim = self.shape.head_dim
+        keys = keys.view(batch, length, -1, head_dim).transpose(1, 2)
+        values = values.view(batch, length, -1, head_dim).transpose(1, 2)
+        return keys, values
+
+
+def _find_rotary(model: nn.Module) -> nn.Module | None:
+    for name, module in model.named_modules():
+        if name.endswith("rotary_emb") and name.split(".")[-2:-1] != ["self_attn"]:
+            return module
+    return None
 
 
 def _uses_sliding_window(config) -> bool:

@@ -8,15 +8,19 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from alisa.architecture import ModelShape, model_shape
-from alisa.attention import ATTENTION_NAME, attach
-from alisa.config import AlisaConfig
-from alisa.layer import AlisaLayer
-from alisa.policies import policy_for_layer
-from alisa.quant_store import QuantizedStore
-from alisa.recall import RecallPool
-from alisa.store import DenseStore, StoreFactory
+from alisa.architecture import ModelAdapter, ModelShape
+from alisa.attention import ATTENTION_NAME
+from alisa.config import AlisaConfig, policy_for_layer
+from alisa.extensions import Recall
+from alisa.hooks import attach
+from alisa.layer import AlisaLayer, StepExtension
+from alisa.planning import TierPlanner
+from alisa.storage.quantized import QuantizedStore
+from alisa.storage.recompute import KVRecomputer
+from alisa.storage.store import DenseStore, StoreFactory
 from quant import check_options
+
+TIERS = ("device", "host", "recompute")  # reported even when empty
 
 
 class AlisaCache(Cache):
@@ -28,7 +32,8 @@ class AlisaCache(Cache):
         model.generate(**inputs, past_key_values=cache)
 
     Building it routes the model's attention through the ``alisa`` attention function (see
-    :func:`alisa.attention.attach`), which is plain SDPA for any other cache. One cache serves one
+    :func:`alisa.hooks.attach`), which is plain SDPA for any other cache; the model's previous
+    attention comes back at its first forward with another cache. One cache serves one
     generation (one batch of sequences).
 
     Parameters
@@ -43,33 +48,35 @@ class AlisaCache(Cache):
         self, model: nn.Module, config: AlisaConfig | None = None, *, max_new_tokens: int = 256
     ) -> None:
         self.config = config or AlisaConfig()
-        self.shape: ModelShape = model_shape(model)
+        adapter = ModelAdapter.of(model)
+        self.shape: ModelShape = adapter.shape
         factory = store_factory(self.config, self.shape)
-        layers = [
-            AlisaLayer(
-                policy_for_layer(self.config, index, self.shape.num_layers),
-                per_head=self.config.per_head,
-                store_factory=factory,
-            )
-            for index in range(self.shape.num_layers)
-        ]
-        super().__init__(layers=layers)
         self.planner = None
         if self.config.gpu_memory is not None:
-            self.planner = _planner(model, self.shape, self.config, factory, max_new_tokens)
-        for index, layer in enumerate(layers):
-            layer.layer_idx = index
-            layer.tiering = self.planner
-            # Prefetch the next layer's host tier while this one runs (pointless with <= 2 layers).
-            layer.next_layer = layers[(index + 1) % len(layers)] if len(layers) > 2 else None
-            if self.config.recall_every and layer.policy.can_evict():
-                layer.recall = RecallPool(torch.device("cpu"))
-                layer.recall_every, layer.recall_tokens = (
-                    self.config.recall_every,
-                    self.config.recall_tokens,
-                )
-        attach(model)
+            self.planner = _planner(model, adapter, self.config, factory, max_new_tokens)
+        layers = [self._layer(index, factory) for index in range(self.shape.num_layers)]
+        super().__init__(layers=layers)
+        attach(model, adapter=adapter)
         self._model_config = model.config
+
+    def _layer(self, index: int, factory: StoreFactory) -> AlisaLayer:
+        config = self.config
+        policy = policy_for_layer(config, index, self.shape.num_layers)
+        extensions: list[StepExtension] = []
+        if config.recall_every and policy.can_evict():
+            extensions.append(
+                Recall(config.recall_every, config.recall_tokens, torch.device("cpu"))
+            )
+        if self.planner is not None:
+            extensions.append(self.planner)  # prefetches the next layer's host tier
+        return AlisaLayer(
+            policy,
+            layer_idx=index,
+            per_head=config.per_head,
+            store_factory=factory,
+            tiering=self.planner,
+            extensions=extensions,
+        )
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if layer_idx == 0 and self._model_config._attn_implementation != ATTENTION_NAME:
@@ -94,29 +101,29 @@ class AlisaCache(Cache):
 
     def tier_bytes(self) -> dict[str, int]:
         """KV bytes per tier: device, host, recompute (hidden states); all on device if untiered."""
-        totals = {"device": 0, "host": 0, "recompute": 0}
-        for layer in self.layers:
-            store = layer.store
-            parts = (
-                store.tier_bytes() if hasattr(store, "tier_bytes") else {"device": layer.kv_bytes()}
-            )
-            for tier, count in parts.items():
-                totals[tier] += count
+        totals = dict.fromkeys(TIERS, 0)
+        for layer in self._started():
+            for tier, count in layer.store.tier_bytes().items():
+                totals[tier] = totals.get(tier, 0) + count
         return totals
 
     def tier_tokens(self) -> dict[str, int]:
         """Stored tokens per tier (device, host, recompute) over all layers and sequences."""
-        totals = {"device": 0, "host": 0, "recompute": 0}
-        for layer in self.layers:
-            offset = 0
-            for tier, slots in getattr(layer.store, "regions", [("device", layer.store.capacity)]):
-                totals[tier] += int((layer.positions[..., offset : offset + slots] >= 0).sum())
+        totals = dict.fromkeys(TIERS, 0)
+        for layer in self._started():
+            positions, offset = layer.slot_positions(), 0
+            for tier, slots in layer.store.regions:
+                stored = int((positions[..., offset : offset + slots] >= 0).sum())
+                totals[tier] = totals.get(tier, 0) + stored
                 offset += slots
         return totals
 
     def evicted_tokens(self) -> int:
         """Tokens evicted so far over all layers and sequences."""
         return sum(layer.evicted for layer in self.layers)
+
+    def _started(self) -> list[AlisaLayer]:
+        return [layer for layer in self.layers if layer.store is not None]
 
 
 def store_factory(config: AlisaConfig, shape: ModelShape) -> StoreFactory:
@@ -136,16 +143,13 @@ def store_factory(config: AlisaConfig, shape: ModelShape) -> StoreFactory:
     )
 
 
-def _planner(model, shape: ModelShape, config: AlisaConfig, factory, max_new_tokens: int):
-    from alisa.planning import TierPlanner
-    from alisa.recompute import KVRecomputer
-
+def _planner(model, adapter: ModelAdapter, config: AlisaConfig, factory, max_new_tokens: int):
     recomputer = None
     if config.recompute != "never":
         try:
-            recomputer = KVRecomputer(model)
+            recomputer = KVRecomputer(model, adapter=adapter)
         except ValueError:
             if config.recompute == "always":
                 raise
     region = partial(factory, groups=1)
-    return TierPlanner(model, shape, config, region, recomputer, max_new_tokens)
+    return TierPlanner(model, adapter.shape, config, region, recomputer, max_new_tokens)

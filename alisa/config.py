@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields, replace
 
+from alisa.checks import check_field_types, check_number, check_optional_int
 from alisa.memory import parse_bytes
+from alisa.policies import POLICIES, DensePolicy, KVPolicy, layer_budget_scale
+from scheduler.budget import KeepRule
 
 LAYER_SCHEDULES = ("uniform", "pyramid")
 KV_BITS = (16, 8, 4)
@@ -15,6 +17,9 @@ RECOMPUTE_MODES = ("auto", "never", "always")
 @dataclass(frozen=True, kw_only=True)
 class AlisaConfig:
     """How the ALISA cache keeps, stores and places KV.
+
+    Every field is type-checked: integers must be ints (not floats or bools), flags bools,
+    names strings; a ``ValueError`` names the field and the value.
 
     Parameters
     ----------
@@ -92,35 +97,32 @@ class AlisaConfig:
     recall_tokens: int = 8
 
     def __post_init__(self) -> None:
-        from alisa.policies import POLICIES  # late: policies import nothing from here
-
+        check_field_types(self)
         if self.policy not in POLICIES:
             raise ValueError(
                 f"policy={self.policy!r} is unknown; valid: {', '.join(sorted(POLICIES))}"
             )
-        _check_number("caching_ratio", self.caching_ratio)
+        check_number("caching_ratio", self.caching_ratio)
         if not 0.0 < self.caching_ratio <= 1.0:
             raise ValueError(f"caching_ratio={self.caching_ratio!r} must be in (0, 1]")
-        _check_optional_int("budget_tokens", self.budget_tokens, minimum=1)
+        check_optional_int("budget_tokens", self.budget_tokens, minimum=1)
         if self.recent_fraction is not None:
-            _check_number("recent_fraction", self.recent_fraction)
+            check_number("recent_fraction", self.recent_fraction)
             if not 0.0 <= self.recent_fraction <= 1.0:
                 raise ValueError(f"recent_fraction={self.recent_fraction!r} must be in [0, 1]")
-        _check_optional_int("sink_tokens", self.sink_tokens, minimum=0)
-        _check_optional_int("score_window", self.score_window, minimum=1)
-        _check_optional_int("stride", self.stride, minimum=1)
-        _check_optional_int("dense_layers", self.dense_layers, minimum=0)
+        check_optional_int("sink_tokens", self.sink_tokens, minimum=0)
+        check_optional_int("score_window", self.score_window, minimum=1)
+        check_optional_int("stride", self.stride, minimum=1)
+        check_optional_int("dense_layers", self.dense_layers, minimum=0)
         if self.layer_schedule not in LAYER_SCHEDULES:
             raise ValueError(
                 f"layer_schedule={self.layer_schedule!r} is unknown; "
                 f"valid: {', '.join(LAYER_SCHEDULES)}"
             )
-        if not isinstance(self.per_head, bool):
-            raise ValueError(f"per_head={self.per_head!r} must be a bool")
-        if self.kv_bits not in KV_BITS or isinstance(self.kv_bits, bool):
+        if self.kv_bits not in KV_BITS:
             raise ValueError(f"kv_bits={self.kv_bits!r} must be one of {KV_BITS}")
-        _check_optional_int("quant_group_size", self.quant_group_size, minimum=1)
-        _check_optional_int("residual_tokens", self.residual_tokens, minimum=0)
+        check_optional_int("quant_group_size", self.quant_group_size, minimum=1)
+        check_optional_int("residual_tokens", self.residual_tokens, minimum=0)
         for name in ("gpu_memory", "host_memory"):
             if getattr(self, name) is not None:
                 parse_bytes(getattr(self, name), field=name)
@@ -128,8 +130,8 @@ class AlisaConfig:
             raise ValueError(
                 f"recompute={self.recompute!r} is unknown; valid: {', '.join(RECOMPUTE_MODES)}"
             )
-        _check_optional_int("recall_every", self.recall_every, minimum=0)
-        _check_optional_int("recall_tokens", self.recall_tokens, minimum=1)
+        check_optional_int("recall_every", self.recall_every, minimum=0)
+        check_optional_int("recall_tokens", self.recall_tokens, minimum=1)
         if self.recall_every and (self.per_head or self.gpu_memory is not None):
             raise ValueError(
                 f"recall_every={self.recall_every} needs one index set per layer and no gpu_memory"
@@ -141,8 +143,15 @@ class AlisaConfig:
 
     @property
     def keeps_everything(self) -> bool:
-        """True when no token can ever be evicted (dense, or r = 1 without a token budget)."""
-        return self.policy == "dense" or (self.caching_ratio == 1.0 and self.budget_tokens is None)
+        """True when no token can ever be evicted (a policy that never evicts, or r = 1 with no
+        token budget and a uniform schedule)."""
+        uniform = self.caching_ratio == 1.0 and self.layer_schedule == "uniform"
+        return not POLICIES[self.policy].evicts or (uniform and self.budget_tokens is None)
+
+    def keep_rules(self, num_layers: int) -> tuple[KeepRule, ...]:
+        """The budget rule of each of ``num_layers`` layers: what the cache keeps, for sizing and
+        planning (sinks, pyramid scales and dense layers included)."""
+        return tuple(policy_for_layer(self, i, num_layers).keep_rule for i in range(num_layers))
 
     def with_overrides(self, **changes) -> AlisaConfig:
         """A copy with some fields changed (validated again); unknown names raise ``ValueError``."""
@@ -153,13 +162,24 @@ class AlisaConfig:
         return replace(self, **changes)
 
 
-def _check_number(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{name}={value!r} must be a finite number")
+def policy_for_layer(config: AlisaConfig, layer_idx: int, num_layers: int) -> KVPolicy:
+    """The policy one layer runs: the config's, with its options and the layer's budget scale.
 
-
-def _check_optional_int(name: str, value: object, *, minimum: int) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+    The first ``config.dense_layers`` layers keep every token. A policy's own options (SWA's
+    window, strided's stride) come from the config fields its ``config_fields`` names.
+    """
+    if layer_idx < config.dense_layers:
+        return DensePolicy()
+    cls = POLICIES[config.policy]
+    recent = config.recent_fraction
+    sinks = config.sink_tokens
+    return cls(
+        caching_ratio=config.caching_ratio,
+        budget_tokens=config.budget_tokens,
+        recent_fraction=cls.default_recent_fraction if recent is None else recent,
+        sink_tokens=cls.default_sink_tokens if sinks is None else sinks,
+        budget_scale=layer_budget_scale(
+            layer_idx, num_layers, config.layer_schedule, config.dense_layers
+        ),
+        **cls.own_options(vars(config)),
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import platform
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -16,7 +17,9 @@ from alisa.architecture import ModelShape
 from alisa.config import AlisaConfig
 from alisa.memory import parse_bytes
 from alisa.models import cache_root
-from alisa.tiers import TieredStore, TierLayout
+from alisa.storage.regions import RegionContext, TierStats
+from alisa.storage.store import KVStore, TokenInputs
+from alisa.storage.tiers import TieredStore, TierLayout, split_prefill
 from scheduler import (
     HardwareProfile,
     ModelSpec,
@@ -61,7 +64,7 @@ def empty_model_spec(spec: str, dtype: str = "bfloat16") -> tuple[ModelSpec, boo
 
     from alisa.architecture import model_shape
     from alisa.models import resolve_dtype, resolve_model_path
-    from alisa.recompute import KVRecomputer
+    from alisa.storage.recompute import KVRecomputer
     from scheduler import MODEL_PRESETS
 
     if spec.lower() in MODEL_PRESETS:
@@ -112,6 +115,10 @@ def machine_profile(device: torch.device, path: str | None = None) -> HardwarePr
 class TierPlanner:
     """Sizes the device/host/recompute regions from byte budgets and the scheduler's plan.
 
+    It also splits each layer's prefill into a tiered store (:meth:`split`) and, as a step
+    extension of every layer, starts copying the next layer's host tier while a layer finishes
+    (:meth:`after_step`).
+
     Parameters
     ----------
     model, shape, config
@@ -136,6 +143,8 @@ class TierPlanner:
         self.layout: TierLayout | None = None
         self.plan: Plan | None = None
         self.recompute_enabled = recompute is not None and config.recompute != "never"
+        self.keeps_inputs = self.recompute_enabled  # layers keep attention inputs to recompute
+        self.stores: dict[int, TieredStore] = {}  # by layer, for prefetching a layer ahead
 
     def decide(self, batch: int, prompt_len: int) -> TierLayout:
         """Tier sizes per sequence and layer, decided once (first layer's prefill)."""
@@ -156,7 +165,8 @@ class TierPlanner:
             batch=batch,
             prompt_len=prompt_len,
             gen_len=max(1, self.max_new_tokens),
-            caching_ratio=1.0 if config.policy == "dense" else config.caching_ratio,
+            caching_ratio=1.0 if config.keeps_everything else config.caching_ratio,
+            keep=config.keep_rules(self.spec.num_layers),
             kv_bits=config.kv_bits,
             recent_fraction=0.0,
         )
@@ -187,42 +197,66 @@ class TierPlanner:
         )
         return self.layout
 
-    def split(self, layer, dense, hidden, rope):
-        """Convert a layer's compacted prefill store to tiers: (store, old-slot mapping, width)."""
-        batch = layer.kept.shape[0]
-        layout = self.decide(batch, layer.seen)
-        recompute = None
-        if layout.recompute:
-            recompute = partial(self.recomputer, layer.layer_idx)
-        store = TieredStore.from_dense(
-            dense,
-            layer.width,
-            layout,
-            region_factory=self.region_factory,
+    def split(
+        self,
+        layer_idx: int,
+        store: KVStore,
+        slots,
+        inputs: Callable[[slice], TokenInputs] | None,
+    ) -> tuple[TieredStore, torch.Tensor, int]:
+        """Convert a layer's compacted prefill store to tiers.
+
+        Returns the tiered store, for each new slot the old slot it holds (-1: none), and the
+        new width. ``slots`` is the layer's :class:`~alisa.slots.SlotMap`; ``inputs`` gives the
+        attention inputs of a span of its first slots (for the recompute region).
+        """
+        layout = self.decide(len(slots.kept), slots.seen)
+        context = RegionContext(
+            factory=self.region_factory,
+            model_device=self.device,
             host_device=self.host_device,
-            hidden=hidden,
-            rope=rope,
-            slot_positions=layer.positions[:, 0, : layer.width],
-            positions=layer.positions,
-            recompute=recompute,
+            recompute=partial(self.recomputer, layer_idx) if layout.recompute else None,
+            stats=TierStats(),
         )
-        return (store, *_mapping(store, layer.width, layout))
+        keys, values = store.read(slots.positions)
+        width = slots.width
+        tiered, counts = split_prefill(
+            keys[:, :, :width], values[:, :, :width], inputs, layout, context
+        )
+        self.stores[layer_idx] = tiered
+        return (tiered, *_mapping(tiered, counts))
+
+    # ---- step extension: prefetch a layer ahead ----------------------------------------
+
+    def after_step(self, layer, query: torch.Tensor, scaling: float) -> None:
+        """Start the next layer's host copy while this layer's step completes."""
+        if self.shape.num_layers <= 2:  # the next layer would be the one running next anyway
+            return
+        following = self.stores.get((layer.layer_idx + 1) % self.shape.num_layers)
+        if following is not None:
+            following.prefetch()
+
+    def on_evict(self, layer, rows, groups, slots) -> None:
+        """Evicted slots are simply reused; nothing to do."""
+
+    def select_batch(self, indices: torch.Tensor) -> None:
+        """Stores follow their layers."""
+
+    def reset(self) -> None:
+        """The layout is decided once per cache; stores are replaced at the next split."""
 
 
-def _mapping(store: TieredStore, width: int, layout: TierLayout) -> tuple[torch.Tensor, int]:
-    """For each new slot, the old slot it holds (-1 for none), and the new width."""
+def _mapping(store: TieredStore, counts: list[int]) -> tuple[torch.Tensor, int]:
+    """For each new slot, the old slot it holds (-1 for none), and the new width.
+
+    Region i took the next ``counts[i]`` old slots, at its own start.
+    """
     mapping = torch.full((store.capacity,), -1, dtype=torch.long)
     old, new_width, offset = 0, 0, 0
-    for tier, slots in store.regions:
-        if tier == "device":
-            count = min(width, layout.device_slots)
-        elif tier == "host":
-            count = min(width - old, slots)
-        else:
-            count = width - old
+    for (_, slots), count in zip(store.regions, counts, strict=True):
         if count > 0:
             mapping[offset : offset + count] = torch.arange(old, old + count)
             new_width = offset + count
-        old += max(count, 0)
+        old += count
         offset += slots
     return mapping.to(store.model_device), new_width

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import platform
 import statistics
-import time
 from collections.abc import Callable
 
 import psutil
 import torch
 
+from alisa.architecture import model_shape
+from alisa.cache import AlisaCache
+from alisa.config import AlisaConfig
+from alisa.engine import DecodeState, Engine, device_clock
+from alisa.planning import model_spec
+from alisa.storage.recompute import KVRecomputer
 from scheduler import HardwareProfile, activation_bytes, gathered_layers
 
 
@@ -17,13 +22,9 @@ def _median_seconds(work: Callable[[], object], device: torch.device, repeats: i
     work()  # warm-up: allocation, kernels, caches
     times = []
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        start = device_clock(device)
         work()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
+        times.append(device_clock(device) - start)
     return statistics.median(times)
 
 
@@ -65,33 +66,21 @@ def half_offload_budget(spec, batch: int, tokens: int) -> int:
 
 
 def _decode_step(
-    model, device: torch.device, batch: int, context: int, config=None
-) -> tuple[float, object]:
+    model, device: torch.device, batch: int, context: int, config: AlisaConfig | None = None
+) -> tuple[float, AlisaCache]:
     """(median seconds of one decode step of ``batch`` sequences at ``context`` tokens, cache)."""
-    from alisa import AlisaCache
-
     vocab = model.get_input_embeddings().num_embeddings
     ids = torch.randint(min(10, vocab - 1), min(1000, vocab), (batch, context), device=device)
     cache = AlisaCache(model, config, max_new_tokens=16)
-    # The same call as a generate() step (mask, positions, argmax): mask building and the
-    # token pick are part of what a real step costs.
-    state = {"mask": torch.ones_like(ids), "token": ids[:, -1:]}
+    # generate()'s own step (mask, positions, forward, pick): all of it is what a step costs.
+    engine = Engine(model)
+    state = DecodeState.start(ids, torch.ones_like(ids))
     with torch.inference_mode():
-        model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
 
-        def step():
-            mask = state["mask"]
-            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
-            positions = torch.full((batch, 1), mask.shape[1] - 1, device=device)
-            logits = model(
-                input_ids=state["token"],
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=cache,
-                logits_to_keep=1,
-            ).logits
-            state["mask"], state["token"] = mask, logits[:, -1].argmax(-1, keepdim=True)
+        def step() -> None:
+            state.advance(engine.step(state, cache))
 
+        step()  # the prefill
         return _median_seconds(step, device, repeats=7), cache
 
 
@@ -108,9 +97,6 @@ def calibrate_decode(
     from a small step (batch 1, 16 tokens) and a KV-heavy one (:data:`HEAVY_STEP`), which
     :func:`calibrate_tiers` reuses as its all-resident reference.
     """
-    from alisa.architecture import model_shape
-    from alisa.planning import model_spec
-
     spec = model_spec(model, model_shape(model))
     points, seconds = [], 0.0
     for batch, context in ((1, 16), HEAVY_STEP):
@@ -143,10 +129,6 @@ def calibrate_tiers(
     free). ``resident``: seconds of the all-resident step if already measured
     (:func:`calibrate_decode` returns it for :data:`HEAVY_STEP`).
     """
-    from alisa import AlisaConfig
-    from alisa.architecture import model_shape
-    from alisa.planning import model_spec
-
     spec = model_spec(model, model_shape(model))
     bits = torch.finfo(next(model.parameters()).dtype).bits
     budget = half_offload_budget(spec, batch, context + 16)
@@ -172,8 +154,6 @@ def calibrate_tiers(
 
 def recompute_flops(model, device: torch.device, tokens: int = 512) -> float:
     """Effective FLOP/s of rebuilding K/V for one layer from stored attention inputs."""
-    from alisa.recompute import KVRecomputer
-
     recomputer = KVRecomputer(model)
     hidden_size = model.config.hidden_size
     dtype = next(model.parameters()).dtype

@@ -4,6 +4,7 @@
 costs a fixed placement. See ``scheduler.cost`` for the model and ``scheduler.lp`` for the LP.
 """
 
+from scheduler.budget import KeepRule, layers_kept, mean_kept
 from scheduler.cost import CostModel, activation_bytes, gathered_layers, make_buckets
 from scheduler.hardware import PRESETS, HardwareProfile, load_profile, preset
 from scheduler.lp import Options, build_lp, evaluate, solve
@@ -19,14 +20,17 @@ __all__ = [
     "activation_bytes",
     "gathered_layers",
     "HardwareProfile",
+    "KeepRule",
     "ModelSpec",
     "Options",
     "Plan",
     "Workload",
     "build_lp",
     "evaluate",
+    "layers_kept",
     "load_profile",
     "make_buckets",
+    "mean_kept",
     "model_preset",
     "preset",
     "solve",

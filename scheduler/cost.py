@@ -54,7 +54,7 @@ def make_buckets(workload: Workload, count: int = 16) -> list[Bucket]:
     edges = [round(i * workload.gen_len / count) for i in range(count + 1)]
     result = []
     for start, stop in zip(edges[:-1], edges[1:], strict=True):
-        kept = [workload.kept_tokens(step) for step in range(start, stop)]
+        kept = workload.kept_per_step(start, stop).tolist()
         result.append(
             Bucket(start=start, stop=stop, mean_kept=sum(kept) / len(kept), max_kept=max(kept))
         )

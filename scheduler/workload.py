@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+import numpy as np
+
+from scheduler.budget import KeepRule, mean_kept
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -15,7 +18,11 @@ class Workload:
     batch, prompt_len, gen_len
         Sequences, prompt tokens per sequence, tokens to generate.
     caching_ratio
-        r: the KV policy keeps round((prompt_len + j) * r) tokens per sequence at step j.
+        r: with no ``keep`` rules, every layer keeps round((prompt_len + j) * r) tokens per
+        sequence at step j; with them, only reported.
+    keep
+        The budget rule of each layer (sinks, pyramid scales, dense layers: what the cache
+        runs); empty = one uniform rule of ``caching_ratio``.
     recent_fraction
         Share of the kept tokens that are the recent window (stays on the device).
     kv_bits, hidden_bits
@@ -29,6 +36,7 @@ class Workload:
     recent_fraction: float = 0.5
     kv_bits: int = 16
     hidden_bits: int = 16
+    keep: tuple[KeepRule, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("batch", "prompt_len", "gen_len"):
@@ -43,6 +51,15 @@ class Workload:
             if getattr(self, name) not in (4, 8, 16):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be 4, 8 or 16")
 
+        if not isinstance(self.keep, tuple) or not all(isinstance(r, KeepRule) for r in self.keep):
+            raise ValueError(f"keep={self.keep!r} must be a tuple of KeepRule")
+
     def kept_tokens(self, step: int) -> int:
-        """Tokens kept over the whole batch at decode step ``step`` (0-based)."""
-        return self.batch * max(1, math.floor((self.prompt_len + step) * self.caching_ratio + 0.5))
+        """Tokens kept over the whole batch at decode step ``step`` (0-based), layers averaged."""
+        return int(self.kept_per_step(step, step + 1)[0])
+
+    def kept_per_step(self, start: int, stop: int) -> np.ndarray:
+        """(stop - start,) :meth:`kept_tokens` of decode steps [start, stop), computed at once."""
+        rules = self.keep or (KeepRule(caching_ratio=self.caching_ratio),)
+        seen = self.prompt_len + np.arange(start, stop, dtype=np.int64)
+        return self.batch * mean_kept(rules, seen)

@@ -71,8 +71,8 @@ def test_dense_cache_reports_exact_bytes_and_positions():
     expected = sum(layer.store.keys.nbytes + layer.store.values.nbytes for layer in cache.layers)
     assert cache.kv_bytes() == expected
     positions = layer.slot_positions()[0, 0]
-    assert positions[: layer.width].tolist() == list(range(30 + NEW_TOKENS - 1))
-    assert (positions[layer.width :] < 0).all()
+    assert positions[: layer.slots.width].tolist() == list(range(30 + NEW_TOKENS - 1))
+    assert (positions[layer.slots.width :] < 0).all()
 
 
 @pytest.mark.parametrize("policy", sorted(set(POLICIES) - {"dense"}))
@@ -101,7 +101,7 @@ def test_budget_is_respected_per_sequence_every_step(policy, architecture):
 def check_budget(cache, seen_real):
     for layer in cache.layers:
         budget = np.maximum(np.rint(seen_real * 0.25).astype(int), 1)
-        assert (layer.kept == budget).all()
+        assert (layer.slots.kept == budget).all()
         stored = (layer.slot_positions() >= 0).sum(-1)  # (B, Hs)
         assert torch.equal(stored, torch.as_tensor(budget).view(-1, 1).expand_as(stored))
 
@@ -118,7 +118,7 @@ def test_eviction_frees_memory_for_real():
     # The sparse buffers shrank: kept tokens plus bounded headroom, not masked full-length buffers.
     assert sparse.kv_bytes() < 0.35 * dense.kv_bytes()
     layer = sparse.layers[-1]
-    assert layer.store.capacity <= int(layer.kept.max()) + 2 * 32
+    assert layer.store.capacity <= int(layer.slots.kept.max()) + 2 * 32
     assert sparse.evicted_tokens() > 0
 
 
@@ -168,8 +168,8 @@ def test_dense_layers_keep_everything():
     ids, mask = padded_batch(lengths=(100,))
     cache = AlisaCache(model, AlisaConfig(policy="swa", caching_ratio=0.2, dense_layers=1))
     hf_generate(model, ids, mask, cache)
-    assert cache.layers[0].kept[0] == 100 + NEW_TOKENS - 1
-    assert cache.layers[1].kept[0] == round((100 + NEW_TOKENS - 1) * 0.2)
+    assert cache.layers[0].slots.kept[0] == 100 + NEW_TOKENS - 1
+    assert cache.layers[1].slots.kept[0] == round((100 + NEW_TOKENS - 1) * 0.2)
 
 
 def test_unsupported_architecture_is_named():
@@ -223,5 +223,5 @@ def test_padding_slots_are_reclaimed_by_compaction():
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, past_key_values=cache)
     layer = cache.layers[0]
-    assert layer.store.capacity <= int(layer.kept.max()) + 32
-    assert (layer.dead == 0).all()
+    assert layer.store.capacity <= int(layer.slots.kept.max()) + 32
+    assert (layer.slots.dead == 0).all()

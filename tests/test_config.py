@@ -1,3 +1,5 @@
+from dataclasses import fields
+
 import pytest
 
 from alisa import AlisaConfig
@@ -61,3 +63,49 @@ def test_with_overrides_validates_and_rejects_unknown_fields():
         config.with_overrides(ratio=0.5)
     with pytest.raises(ValueError, match="caching_ratio"):
         config.with_overrides(caching_ratio=2.0)
+
+
+# One value of the wrong type per field: every field is covered (a test below checks).
+WRONG_TYPES = {
+    "policy": 1,
+    "caching_ratio": "0.5",
+    "budget_tokens": 8.0,
+    "recent_fraction": "half",
+    "sink_tokens": 4.0,
+    "score_window": 2.0,
+    "stride": True,
+    "dense_layers": 1.0,
+    "layer_schedule": 3,
+    "per_head": 1,
+    "kv_bits": 8.0,
+    "quant_group_size": 32.0,
+    "residual_tokens": 64.0,
+    "gpu_memory": 1.5e9,
+    "host_memory": [1],
+    "recompute": False,
+    "profile": 3,
+    "recall_every": 1.0,
+    "recall_tokens": 8.0,
+}
+
+
+def test_every_field_has_a_wrong_type_case():
+    assert set(WRONG_TYPES) == {f.name for f in fields(AlisaConfig)}
+
+
+@pytest.mark.parametrize(("field", "value"), WRONG_TYPES.items(), ids=list(WRONG_TYPES))
+def test_a_value_of_the_wrong_type_names_the_field_and_value(field, value):
+    with pytest.raises(ValueError) as error:
+        AlisaConfig(**{field: value})
+    assert f"{field}={value!r}" in str(error.value)
+
+
+def test_numbers_accept_ints_and_byte_sizes_accept_strings():
+    config = AlisaConfig(caching_ratio=1, recent_fraction=0, gpu_memory="2GiB", host_memory=2**30)
+    assert config.caching_ratio == 1 and config.gpu_memory == "2GiB"
+
+
+def test_pyramid_and_policies_that_never_evict():
+    assert AlisaConfig(policy="dense", caching_ratio=0.2).keeps_everything
+    assert not AlisaConfig(policy="swa", layer_schedule="pyramid").keeps_everything
+    assert not AlisaConfig(policy="swa", caching_ratio=0.5).keeps_everything

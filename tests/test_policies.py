@@ -1,11 +1,14 @@
 """Policy arithmetic and selection on hand-made scores (no model)."""
 
+from dataclasses import dataclass, fields
+
 import numpy as np
 import pytest
 import torch
 
 from alisa import AlisaConfig, get_policy
-from alisa.policies import POLICIES, layer_budget_scale, policy_for_layer
+from alisa.config import policy_for_layer
+from alisa.policies import POLICIES, layer_budget_scale
 
 
 def test_registry_error_lists_valid_names():
@@ -86,3 +89,32 @@ def test_sinks_survive_small_ratio_budgets(seen):
     protected = policy.protected(positions, torch.tensor([0]), seen=seen, recent=recent)
     assert int(protected.sum()) <= budget[0]
     assert protected[0, 0, : min(4, seen)].all()
+
+
+def test_own_options_are_declared_fields_of_the_policy_and_of_the_config():
+    settings = {f.name for f in fields(AlisaConfig)}
+    for cls in POLICIES.values():
+        assert set(cls.config_fields) <= settings
+        assert set(cls.config_fields.values()) <= {f.name for f in fields(cls)}
+
+
+def test_a_wrong_option_declaration_is_caught():
+    @dataclass(frozen=True, kw_only=True)
+    class Broken(POLICIES["swa"]):
+        config_fields = {"score_window": "windw"}
+
+    with pytest.raises(TypeError, match="windw"):
+        Broken.own_options({"score_window": 3})
+
+
+@pytest.mark.parametrize(("name", "option"), [("swa", "window"), ("strided", "stride")])
+@pytest.mark.parametrize("value", [0, 2.0, True])
+def test_policies_check_their_own_options(name, option, value):
+    with pytest.raises(ValueError, match=option):
+        get_policy(name, **{option: value})
+
+
+def test_dense_keeps_everything_whatever_its_budget_options():
+    policy = policy_for_layer(AlisaConfig(policy="dense", caching_ratio=0.2), 0, 2)
+    assert not policy.can_evict()
+    assert policy.budget(np.array([0, 7, 100])).tolist() == [1, 7, 100]

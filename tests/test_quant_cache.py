@@ -8,7 +8,7 @@ from conftest import padded_batch, tiny_gpt2, tiny_llama
 from transformers import DynamicCache
 
 from alisa import AlisaCache, AlisaConfig, generate
-from alisa.quant_store import QuantizedStore
+from alisa.storage.quantized import QuantizedStore
 
 NEW = 12
 PROSE = Path(__file__).parent / "fixtures" / "prose.txt"  # natural text, no ../shared
@@ -107,10 +107,10 @@ def test_residual_window_is_full_precision_and_survives_evictions():
     prefill_and_decode(model, cache, ids, mask, steps=20)
     prefill_and_decode(model, reference, ids, mask, steps=20)
     layer = cache.layers[0]
-    keys, _ = layer.store.read(layer.positions)
-    positions = layer.positions[0, 0]
+    keys, _ = layer.store.read(layer.slots.positions)
+    positions = layer.slots.positions[0, 0]
     full = reference.layers[0].keys[0]
-    seen = layer.seen
+    seen = layer.slots.seen
     scale_bound = layer.store.codes.scale.float().abs().max() / 2 + 1e-6
     for slot, position in enumerate(positions.tolist()):
         if position < 0:
@@ -133,7 +133,7 @@ def test_compaction_keeps_the_ring_pointing_at_its_tokens():
     store: QuantizedStore = layer.store
     assert store.capacity < 200  # compacted after the prefill eviction
     live = store.ring_slots[0, 0]
-    held = layer.positions[0, 0, live]
+    held = layer.slots.positions[0, 0, live]
     assert torch.equal(held, store.ring_positions)
 
 

@@ -27,15 +27,15 @@ def test_every_token_is_either_kept_or_in_the_pool_exactly_once():
     cache = AlisaCache(model, AlisaConfig(policy="swa", caching_ratio=0.2, recall_every=1))
     decode(model, cache)
     for layer in cache.layers:
-        pool = layer.recall.positions
+        pool = layer.extensions[0].pool.positions
         for row in range(3):
-            kept = layer.positions[row, 0][layer.positions[row, 0] >= 0].tolist()
+            kept = layer.slots.positions[row, 0][layer.slots.positions[row, 0] >= 0].tolist()
             pooled = pool[row][pool[row] >= 0].tolist()
             everything = sorted(kept + pooled)
-            first = int(layer.first[row])
-            assert everything == list(range(first, layer.seen))
-        budget = np.maximum(np.rint((layer.seen - layer.first) * 0.2), 1)
-        assert (layer.kept == budget).all()
+            first = int(layer.slots.first[row])
+            assert everything == list(range(first, layer.slots.seen))
+        budget = np.maximum(np.rint((layer.slots.seen - layer.slots.first) * 0.2), 1)
+        assert (layer.slots.kept == budget).all()
 
 
 def test_recall_swaps_tokens_back_in():
@@ -43,9 +43,9 @@ def test_recall_swaps_tokens_back_in():
     config = AlisaConfig(policy="swa", caching_ratio=0.2, recall_every=1, recall_tokens=16)
     cache = AlisaCache(model, config)
     decode(model, cache)
-    assert sum(layer.recalled for layer in cache.layers) > 0
+    assert sum(layer.extensions[0].recalled for layer in cache.layers) > 0
     for layer in cache.layers:
-        keys, _ = layer.store.read(layer.positions)
+        keys, _ = layer.store.read(layer.slots.positions)
         assert torch.isfinite(keys).all()
 
 

@@ -9,12 +9,13 @@ holds one layer twice).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from alisa.config import AlisaConfig
 from alisa.layer import headroom
-from scheduler import ModelSpec
+from scheduler import ModelSpec, layers_kept
 
 SAFETY = 1.10  # allocator slack on activations
 
@@ -32,13 +33,15 @@ class BatchMemory:
         return self.weights + self.kv + self.transient
 
 
-def kept_tokens(config: AlisaConfig | None, tokens: int) -> int:
-    """Tokens a sequence keeps after ``tokens`` seen (the policy's ratio or budget)."""
-    if config is None or config.keeps_everything:
-        return tokens
-    if config.budget_tokens is not None:
-        return min(tokens, config.budget_tokens)
-    return max(1, math.floor(tokens * config.caching_ratio + 0.5))
+def kept_tokens(config: AlisaConfig | None, num_layers: int, tokens: int) -> np.ndarray:
+    """(num_layers,) tokens a sequence keeps in each layer after ``tokens`` seen.
+
+    The cache's own budget rule (:meth:`AlisaConfig.keep_rules`): ratio or token budget, sinks,
+    pyramid scales and dense layers; ``config=None`` (HF's cache) keeps every token.
+    """
+    if config is None:
+        return np.full(num_layers, tokens, dtype=np.int64)
+    return layers_kept(config.keep_rules(num_layers), np.int64(tokens))
 
 
 def batch_memory(
@@ -54,11 +57,13 @@ def batch_memory(
     if config is None:
         kv = batch * total * full_token + batch * total * layer_full  # cat holds a layer twice
     else:
-        kept = kept_tokens(config, total)
-        slots = kept + headroom(kept)
-        kv = batch * slots * spec.kv_bytes_per_token(config.kv_bits)
+        # Each layer allocates its kept tokens plus headroom; layers keep different counts.
+        kept = kept_tokens(config, spec.num_layers, total).tolist()
+        slots = [count + headroom(count) for count in kept]
+        kv = batch * sum(slots) * spec.kv_bytes_per_token(config.kv_bits) / spec.num_layers
         if config.kv_bits < 16:
-            kv += batch * min(config.residual_tokens, slots) * full_token
+            residual = sum(min(config.residual_tokens, count) for count in slots)
+            kv += batch * residual * layer_full
     element = spec.bytes_per_element
     activations = batch * prompt_len * (4 * spec.hidden_size + 2 * spec.intermediate_size) * element
     mask = batch * prompt_len * prompt_len  # boolean padding mask of the prefill

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from alisa.architecture import model_shape
-from alisa.attention import attention_modules
+from alisa.architecture import ModelAdapter
 from alisa.config import AlisaConfig
-from alisa.generate import GenerationOutput, SamplingOptions, _Decoder, cache_kv_bytes
+from alisa.engine import DecodeState, Engine, GenerationOutput, device_clock
 from alisa.parallel.kvr import (
     AllGatherCache,
     RunaheadAlisaCache,
@@ -26,6 +25,7 @@ from alisa.parallel.kvr import (
 )
 from alisa.parallel.partition import PartitionTable, attention_cost_model, even_split, grid_search
 from alisa.parallel.sharded import SHARDED_ATTENTION, MasterShardCache, ShardContext, make_shards
+from alisa.sampling import SamplingOptions
 
 MODES = ("kvr", "tsp")
 PARTITIONS = ("even", "search", "table")
@@ -125,7 +125,8 @@ def prefill(
     rank, world = dist.get_rank(), dist.get_world_size()
     batch = input_ids.shape[0]
     dist.barrier()
-    wall, cpu = time.perf_counter(), time.process_time()
+    device = input_ids.device
+    wall, cpu = device_clock(device), time.process_time()
     if parallel.mode == "tsp":
         cache = AllGatherCache(bounds)
         logits = chunk_forward(model, input_ids, bounds, cache)
@@ -139,7 +140,7 @@ def prefill(
         chain.finish()
         cache.chain = None
         sent = chain.bytes_sent
-    ttft = time.perf_counter() - wall
+    ttft = device_clock(device) - wall
     return PrefillResult(logits, cache, bounds, ttft, sent, time.process_time() - cpu)
 
 
@@ -169,38 +170,26 @@ def parallel_generate(
     check_consistent(input_ids.shape[1])
     bounds = choose_bounds(model, input_ids, parallel, config)
     result = prefill(model, input_ids, bounds, parallel, config)
-    decoder = _Decoder(model, tokenizer, sampling, device, stop_at_eos=True)
+    engine = Engine(model, tokenizer, sampling)
     if parallel.decode == "sharded":
-        return _sharded_decode(model, decoder, input_ids, result, config, max_new_tokens)
+        return _sharded_decode(model, engine, input_ids, result, config, max_new_tokens)
     if dist.get_rank() != dist.get_world_size() - 1:
         return None
-    return _local_decode(model, decoder, input_ids, result, max_new_tokens)
+    return engine.run(
+        DecodeState.start(input_ids),
+        result.cache,
+        max_new_tokens,
+        prefill_logits=result.logits,
+        prefill_s=result.ttft_s,
+    )
 
 
-def _local_decode(model, decoder, input_ids, result: PrefillResult, max_new_tokens: int):
-    length = input_ids.shape[1]
-    cache, logits = result.cache, result.logits
-    tokens, times = [], []
-    for step in range(max_new_tokens):
-        start = time.perf_counter()
-        token = decoder._pick(input_ids, logits)
-        tokens.append(int(token[0]))
-        if step:
-            times.append(time.perf_counter() - start)
-        if int(token[0]) in decoder.eos.tolist() or step == max_new_tokens - 1:
-            break
-        start = time.perf_counter()
-        position = torch.tensor([[length + step]], device=input_ids.device)
-        logits = model(
-            input_ids=token[:, None], position_ids=position, past_key_values=cache, use_cache=True
-        ).logits[:, -1]
-        times.append(time.perf_counter() - start)
-    return _output(decoder, tokens, length, result, times, cache_kv_bytes(cache))
-
-
-def _sharded_decode(model, decoder, input_ids, result: PrefillResult, config, max_new_tokens: int):
-    shape = model_shape(model)
-    scalings = [getattr(m, "scaling", shape.head_dim**-0.5) for m in attention_modules(model)]
+def _sharded_decode(
+    model, engine: Engine, input_ids, result: PrefillResult, config, max_new_tokens
+):
+    """The master rank decodes; K/V stay on the ranks that prefilled them, which serve attention."""
+    adapter = ModelAdapter.of(model)
+    shape, scalings = adapter.shape, list(adapter.scalings)
     query_shape = (input_ids.shape[0], shape.num_heads, 1, shape.head_dim)
     shards = make_shards(result.cache, result.bounds, config, shape.num_layers)
     context = ShardContext(shards, query_shape, next(model.parameters()).dtype, scalings)
@@ -209,47 +198,19 @@ def _sharded_decode(model, decoder, input_ids, result: PrefillResult, config, ma
         return None
     previous = model.config._attn_implementation
     model.set_attn_implementation(SHARDED_ATTENTION)
-    length = input_ids.shape[1]
-    cache = MasterShardCache(context, length)
-    tokens, logits, times = [], result.logits, []
     try:
-        for step in range(max_new_tokens):
-            token = decoder._pick(input_ids, logits)
-            tokens.append(int(token[0]))
-            more = int(token[0]) not in decoder.eos.tolist() and step < max_new_tokens - 1
-            context.announce(more)
-            if not more:
-                break
-            start = time.perf_counter()
-            position = torch.tensor([[length + step]], device=input_ids.device)
-            logits = model(
-                input_ids=token[:, None],
-                position_ids=position,
-                past_key_values=cache,
-                use_cache=True,
-                shard_context=context,
-            ).logits[:, -1]
-            times.append(time.perf_counter() - start)
+        return engine.run(
+            DecodeState.start(input_ids),
+            MasterShardCache(context, input_ids.shape[1]),
+            max_new_tokens,
+            prefill_logits=result.logits,
+            prefill_s=result.ttft_s,
+            kv_bytes=lambda: sum(s.kv_bytes() for s in shards),
+            announce=context.announce,
+            shard_context=context,
+        )
     finally:
         model.set_attn_implementation(previous)
-    kv = sum(s.kv_bytes() for s in shards)
-    return _output(decoder, tokens, length, result, times, kv)
-
-
-def _output(decoder, tokens, length, result: PrefillResult, times, kv_bytes) -> GenerationOutput:
-    eos = set(decoder.eos.tolist())
-    stop = next((i for i, t in enumerate(tokens) if t in eos), None)
-    text_ids = tokens if stop is None else tokens[:stop]
-    return GenerationOutput(
-        texts=[decoder.tokenizer.decode(text_ids, skip_special_tokens=True)],
-        token_ids=[tokens if stop is None else tokens[: stop + 1]],
-        prompt_tokens=[length],
-        finish_reasons=["stop" if stop is not None else "length"],
-        ttft_s=result.ttft_s,
-        step_times_s=times,
-        kv_bytes=kv_bytes,
-        peak_kv_bytes=kv_bytes,
-    )
 
 
 __all__ = ["ParallelConfig", "attention_cost_model", "parallel_generate", "prefill"]

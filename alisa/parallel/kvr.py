@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from transformers import DynamicCache
 
+from alisa.architecture import model_shape
 from alisa.cache import AlisaCache
 
 
@@ -149,8 +150,6 @@ def chunk_forward(model, input_ids: torch.Tensor, bounds: list[int], cache) -> t
 
 
 def new_chain(model, bounds: list[int], batch: int) -> _Chain:
-    from alisa.architecture import model_shape
-
     shape = model_shape(model)
     parameter = next(model.parameters())
     return _Chain(

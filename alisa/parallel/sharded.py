@@ -18,9 +18,9 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from alisa.config import AlisaConfig
+from alisa.config import AlisaConfig, policy_for_layer
+from alisa.grouped import grouped_logits
 from alisa.layer import AlisaLayer
-from alisa.policies import policy_for_layer
 
 SHARDED_ATTENTION = "alisa_sharded"
 
@@ -33,31 +33,28 @@ def make_shards(
     start, stop = bounds[rank], bounds[rank + 1]
     shards = []
     for index in range(num_layers):
-        layer = AlisaLayer(policy_for_layer(config, index, num_layers))
+        layer = AlisaLayer(policy_for_layer(config, index, num_layers), layer_idx=index)
         keys = full_cache.layers[index].keys[:, :, start:stop].contiguous()
         values = full_cache.layers[index].values[:, :, start:stop].contiguous()
         layer.update(keys, values)
-        layer.prefilling = False
         shards.append(layer)
     return shards
 
 
 def partial_attention(layer: AlisaLayer, query: torch.Tensor, scaling: float):
-    """(B, H, 1, D) output and (B, H, 1) log-sum-exp of ``query`` over one shard; then evict."""
-    keys, values = layer.store.read(layer.positions)
+    """(B, H, 1, D) output and (B, H, 1) log-sum-exp of ``query`` over one shard; then the
+    shard's step hook (account attention, evict), as the ``alisa`` attention function does."""
+    positions = layer.slot_positions()
+    keys, values = layer.store.read(positions)
     batch, heads, length, head_dim = query.shape
-    kv_heads = keys.shape[1]
-    grouped = query.reshape(batch, kv_heads, -1, head_dim)
-    logits = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scaling  # (B, Hkv, G, S)
-    visible = (layer.positions >= 0).unsqueeze(2)  # (B, 1, 1, S)
+    logits = grouped_logits(query, keys, scaling)  # (B, Hkv, G, q, S)
+    visible = (positions >= 0)[:, :, None, None, :]  # (B, 1, 1, 1, S)
     logits = logits.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     probabilities = torch.exp(logits - lse)
-    output = torch.matmul(probabilities.to(values.dtype), values)
-    if layer.needs_attention:
-        rows = probabilities.sum(dim=2)  # heads summed within each KV group
-        layer.add_attention(rows.sum(dim=1, keepdim=True).unsqueeze(2))
-    layer.evict()
+    flat = probabilities.flatten(2, 3)  # (B, Hkv, G*q, S)
+    output = torch.matmul(flat.to(values.dtype), values)
+    layer.after_attention(query, probabilities, scaling)
     return output.reshape(batch, heads, length, head_dim), lse.reshape(batch, heads, length)
 
 

@@ -1,8 +1,10 @@
-"""Registry of KV policies: adding one is a short file, an entry here and a test-matrix entry."""
+"""Registry of KV policies: adding one is a short file, an entry here and a test-matrix entry.
+
+Policies import nothing from ``alisa.config``: the config builds each layer's policy
+(:func:`alisa.config.policy_for_layer`) from this registry.
+"""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from alisa.policies.base import KVPolicy
 from alisa.policies.dense import DensePolicy
@@ -12,9 +14,6 @@ from alisa.policies.streaming import StreamingPolicy
 from alisa.policies.strided import StridedPolicy
 from alisa.policies.swa import SWAPolicy
 from alisa.policies.tova import TOVAPolicy
-
-if TYPE_CHECKING:
-    from alisa.config import AlisaConfig
 
 POLICIES: dict[str, type[KVPolicy]] = {
     cls.name: cls
@@ -55,27 +54,4 @@ def layer_budget_scale(layer_idx: int, num_layers: int, schedule: str, dense_lay
     return high - step * (high - low) / (sparse_layers - 1)
 
 
-def policy_for_layer(config: AlisaConfig, layer_idx: int, num_layers: int) -> KVPolicy:
-    """The policy instance one layer runs, with the config's options and its budget scale."""
-    if layer_idx < config.dense_layers or config.policy == "dense":
-        return DensePolicy()
-    cls = POLICIES[config.policy]
-    options: dict = {
-        "caching_ratio": config.caching_ratio,
-        "budget_tokens": config.budget_tokens,
-        "recent_fraction": (
-            cls.default_recent_fraction
-            if config.recent_fraction is None
-            else config.recent_fraction
-        ),
-        "sink_tokens": cls.default_sink_tokens
-        if config.sink_tokens is None
-        else config.sink_tokens,
-        "budget_scale": layer_budget_scale(
-            layer_idx, num_layers, config.layer_schedule, config.dense_layers
-        ),
-    }
-    return cls(**options, **cls.config_options(config))
-
-
-__all__ = ["POLICIES", "KVPolicy", "get_policy", "layer_budget_scale", "policy_for_layer"]
+__all__ = ["POLICIES", "DensePolicy", "KVPolicy", "get_policy", "layer_budget_scale"]

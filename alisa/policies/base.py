@@ -7,14 +7,15 @@ lowest-scoring unprotected slots itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from functools import cached_property
+from typing import ClassVar
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from alisa.config import AlisaConfig
+from scheduler.budget import KeepRule
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,7 +23,12 @@ class KVPolicy:
     """Base class of every KV policy.
 
     Subclasses set the class attributes below and implement :meth:`score`. Budgets are counted in
-    tokens per sequence (per KV head when selecting per head).
+    tokens per sequence (per KV head when selecting per head) by the one rule of
+    :class:`scheduler.budget.KeepRule`, which batch sizing and the planner use too.
+
+    A policy with options of its own declares them as dataclass fields and maps the settings
+    that fill them in :attr:`config_fields` (setting name -> field name), e.g. SWA's
+    ``{"score_window": "window"}``; it checks their values itself (``__post_init__``).
 
     Parameters
     ----------
@@ -42,6 +48,8 @@ class KVPolicy:
     needs_attention: ClassVar[bool] = False  # True: score() reads accumulated attention
     default_recent_fraction: ClassVar[float] = 0.5
     default_sink_tokens: ClassVar[int] = 0
+    evicts: ClassVar[bool] = True  # False: keeps every token whatever its budget options
+    config_fields: ClassVar[Mapping[str, str]] = {}
 
     caching_ratio: float = 1.0
     budget_tokens: int | None = None
@@ -50,27 +58,39 @@ class KVPolicy:
     budget_scale: float = 1.0
 
     @classmethod
-    def config_options(cls, config: AlisaConfig) -> dict:
-        """Options of this policy's own, read from an ``AlisaConfig`` (none by default)."""
-        return {}
+    def own_options(cls, settings: Mapping[str, object]) -> dict[str, object]:
+        """This policy's own fields, filled from ``settings`` named as :attr:`config_fields` says.
+
+        Raises
+        ------
+        TypeError
+            :attr:`config_fields` names a field the policy does not have (a wrong declaration).
+        """
+        own = {item.name for item in fields(cls)}
+        wrong = sorted(set(cls.config_fields.values()) - own)
+        if wrong:
+            raise TypeError(f"{cls.__name__}.config_fields maps to unknown field(s) {wrong}")
+        return {field: settings[name] for name, field in cls.config_fields.items()}
+
+    @cached_property
+    def keep_rule(self) -> KeepRule:
+        """The budget rule of this policy (every token for one that never evicts)."""
+        if not self.evicts:
+            return KeepRule()
+        return KeepRule(
+            caching_ratio=self.caching_ratio,
+            budget_tokens=self.budget_tokens,
+            sink_tokens=self.sink_tokens,
+            scale=self.budget_scale,
+        )
 
     def can_evict(self) -> bool:
         """False when the budget always covers every token seen (r = 1 with no smaller scale)."""
-        return not (
-            self.budget_tokens is None and self.caching_ratio >= 1.0 and self.budget_scale >= 1.0
-        )
+        return not self.keep_rule.keeps_everything
 
     def budget(self, seen: np.ndarray) -> np.ndarray:
         """Tokens to keep per sequence, given the real tokens seen so far (int64 array [B])."""
-        if self.budget_tokens is not None:
-            wanted = np.full_like(seen, self.budget_tokens)
-        else:
-            wanted = np.rint(seen * self.caching_ratio).astype(np.int64)
-        wanted = np.rint(wanted * self.budget_scale).astype(np.int64)
-        # Sinks are never evicted (once gone they cannot return): the budget always covers them
-        # plus the newest token, even while a ratio budget is still smaller than that.
-        wanted = np.maximum(wanted, self.sink_tokens + 1)
-        return np.clip(wanted, 1, None).clip(max=np.maximum(seen, 1))
+        return self.keep_rule.kept(seen)
 
     def recent(self, budget: np.ndarray) -> np.ndarray:
         """How many of the budget go to the most recent tokens (never crowding out the sinks)."""

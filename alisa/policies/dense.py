@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from alisa.policies.base import KVPolicy, recency
@@ -15,12 +14,7 @@ class DensePolicy(KVPolicy):
     """No eviction; the ALISA cache then behaves exactly as HF's ``DynamicCache``."""
 
     name = "dense"
-
-    def can_evict(self) -> bool:
-        return False
-
-    def budget(self, seen: np.ndarray) -> np.ndarray:
-        return np.maximum(seen, 1)
+    evicts = False
 
     def score(self, positions, attention, first) -> torch.Tensor:
         return recency(positions)

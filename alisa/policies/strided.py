@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from alisa.checks import check_optional_int
 from alisa.policies.base import KVPolicy, recency
 
 
@@ -27,11 +28,11 @@ class StridedPolicy(KVPolicy):
     """
 
     name = "strided"
+    config_fields = {"stride": "stride"}
     stride: int | None = None
 
-    @classmethod
-    def config_options(cls, config) -> dict:
-        return {"stride": config.stride}
+    def __post_init__(self) -> None:
+        check_optional_int("stride", self.stride, minimum=1)
 
     def effective_stride(self) -> int:
         """The stride in tokens (>= 1)."""

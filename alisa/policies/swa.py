@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from alisa.checks import check_optional_int
 from alisa.policies.base import KVPolicy
 
 
@@ -28,11 +29,11 @@ class SWAPolicy(KVPolicy):
 
     name = "swa"
     needs_attention = True
+    config_fields = {"score_window": "window"}
     window: int | None = None
 
-    @classmethod
-    def config_options(cls, config) -> dict:
-        return {"window": config.score_window}
+    def __post_init__(self) -> None:
+        check_optional_int("window", self.window, minimum=1)
 
     def score_window(self, recent: np.ndarray) -> np.ndarray | None:
         if self.window is not None:

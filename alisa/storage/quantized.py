@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from alisa.store import slot_indices, with_capacity
+from alisa.storage.store import DeviceResident, TokenInputs, slot_indices, with_capacity
 from quant import QuantizedTensor, dequantize, quantize
 
 SCALE_DTYPE = torch.float16
@@ -45,6 +45,9 @@ class _QuantizedPair:
     def replace(self, tensors) -> None:
         self.data, self.scale, self.zero = tensors
 
+    def pin_memory(self) -> None:
+        self.replace(tuple(t.pin_memory() for t in self.tensors()))
+
     def write(self, index: tuple, pair: torch.Tensor) -> None:
         """Quantize ``pair`` (shaped like ``data[index]`` with D values last) into ``index``."""
         # K/V of a finite model are finite; a NaN here would already have poisoned the output.
@@ -72,8 +75,8 @@ class _QuantizedPair:
         return both[0], both[1]
 
 
-class QuantizedStore:
-    """Drop-in for :class:`~alisa.store.DenseStore` holding K/V as ``bits``-bit codes.
+class QuantizedStore(DeviceResident):
+    """Drop-in for :class:`~alisa.storage.store.DenseStore` holding K/V as ``bits``-bit codes.
 
     Parameters
     ----------
@@ -115,9 +118,15 @@ class QuantizedStore:
         )
         self.write_range(0, keys, values, position=0)
 
+    lossless = False  # reads are dequantized: a copy cannot be patched with raw K/V
+
     @property
     def capacity(self) -> int:
         return self.codes.data.shape[3]
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.data.device
 
     def nbytes(self) -> int:
         """Bytes held: codes, scales, zero points and the full-precision ring."""
@@ -140,7 +149,12 @@ class QuantizedStore:
         return keys, values
 
     def write_range(
-        self, start: int, keys: torch.Tensor, values: torch.Tensor, position: int
+        self,
+        start: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        position: int,
+        inputs: TokenInputs | None = None,
     ) -> None:
         """Store (B, H_kv, q, D) tokens at slots [start, start + q); positions from ``position``."""
         end = start + keys.shape[2]
@@ -152,7 +166,12 @@ class QuantizedStore:
             self._remember(slots, keys[:, :, offset], values[:, :, offset], position + offset)
 
     def write_slots(
-        self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: int
+        self,
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        position: int,
+        inputs: TokenInputs | None = None,
     ) -> None:
         """Store one token per (sequence, group) at ``slots`` (B, Hs, 1)."""
         rows, heads, slots_ = slot_indices(slots, keys.shape[1])
@@ -166,6 +185,7 @@ class QuantizedStore:
         keys: torch.Tensor,
         values: torch.Tensor,
         position: int,
+        inputs: TokenInputs | None = None,
     ) -> None:
         """Store one token for some sequences: rows, slots (E,), keys/values (E, H_kv, D)."""
         # rows/slots are advanced indices around a slice: numpy puts their dimension first.
@@ -203,6 +223,16 @@ class QuantizedStore:
         self.ring_keys = self.ring_keys.index_select(0, indices)
         self.ring_values = self.ring_values.index_select(0, indices)
         self.ring_slots = self.ring_slots.index_select(0, indices)
+
+    def pin_memory(self) -> None:
+        """Page-lock the codes and the ring (host regions, CUDA only)."""
+        self.codes.pin_memory()
+        self.ring_keys, self.ring_values = (
+            self.ring_keys.pin_memory(),
+            self.ring_values.pin_memory(),
+        )
+        self.ring_slots = self.ring_slots.pin_memory()
+        self.ring_positions = self.ring_positions.pin_memory()
 
     def _remember(self, slots: torch.Tensor, keys, values, position: int) -> None:
         """Put one token (B, H_kv, D) into the full-precision ring at entry position % R."""

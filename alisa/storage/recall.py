@@ -1,4 +1,4 @@
-"""Recall (beyond the paper): evicted tokens wait in an INT8 host pool and can come back.
+"""Recall pool (beyond the paper): evicted tokens wait in an INT8 host pool and can come back.
 
 SWA's eviction is final in the paper: a token that left the kept set gets no attention, so its
 score stays zero. Here evicted keys/values are quantized (``quant``, 8-bit) into a pool in host
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from alisa.grouped import grouped_logits
 from quant import QuantizedTensor, dequantize, quantize
 
 
@@ -118,55 +119,7 @@ def candidates(
     ``log_normaliser`` (B, H_kv, G, 1) is log-sum-exp of the current step's logits over the kept
     tokens, so pool scores are on the same scale as the kept tokens' probabilities.
     """
-    batch, heads, _, head_dim = query.shape
-    kv_heads = pool_keys.shape[1]
-    grouped = query.reshape(batch, kv_heads, heads // kv_heads, head_dim)
-    logits = torch.matmul(grouped, pool_keys.transpose(-1, -2)).float() * scaling  # (B,Hkv,G,P)
+    logits = grouped_logits(query, pool_keys, scaling)[:, :, :, 0]  # (B, Hkv, G, P)
     weights = torch.exp(logits - log_normaliser)
     score = weights.sum(dim=(1, 2))
     return score.masked_fill(pool_positions < 0, -1.0)
-
-
-def recall_step(layer, query: torch.Tensor, scaling: float) -> int:
-    """Swap pool tokens back in where the current query prefers them; returns tokens swapped."""
-    pool: RecallPool = layer.recall
-    if pool.keys is None or layer.recall_tokens < 1:
-        return 0
-    positions = layer.positions  # (B, 1, S)
-    keys, values = layer.store.read(positions)
-    batch, heads, _, head_dim = query.shape
-    kv_heads = keys.shape[1]
-    grouped = query.reshape(batch, kv_heads, heads // kv_heads, head_dim)
-    logits = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scaling  # (B, Hkv, G, S)
-    occupied = positions >= 0  # (B, 1, S)
-    logits = logits.masked_fill(~occupied.unsqueeze(2), float("-inf"))
-    normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)
-    kept_score = torch.exp(logits - normaliser).sum(dim=(1, 2))  # (B, S)
-    pool_keys, pool_values, pool_positions = pool.read(query.device)
-    score = candidates(query, pool_keys, pool_positions, normaliser, scaling)  # (B, P)
-    budget = layer.policy.budget(layer.seen - layer.first)
-    recent = torch.as_tensor(layer.policy.recent(budget), device=query.device)
-    first = torch.as_tensor(layer.first, device=query.device)
-    movable = occupied & ~layer.policy.protected(positions, first, layer.seen, recent)
-    weakest = kept_score.masked_fill(~movable[:, 0], float("inf"))
-    count = min(layer.recall_tokens, score.shape[1], weakest.shape[1])
-    best = torch.topk(score, count, dim=1)  # strongest pool tokens, descending
-    worst = torch.topk(weakest, count, dim=1, largest=False)  # weakest kept tokens, ascending
-    swap = best.values > worst.values  # pair the best candidate with the weakest kept token
-    rows, ranks = swap.nonzero(as_tuple=True)
-    if rows.numel() == 0:
-        return 0
-    slots, columns = worst.indices[rows, ranks], best.indices[rows, ranks]
-    out_keys, out_values = keys[rows, :, slots].clone(), values[rows, :, slots].clone()
-    out_positions = positions[rows, 0, slots].clone()
-    layer.store.write_entries(
-        rows, slots, pool_keys[rows, :, columns], pool_values[rows, :, columns], layer.seen
-    )
-    positions[rows, 0, slots] = pool_positions[rows, columns]
-    if layer.scores is not None:
-        zero = torch.zeros_like(rows)
-        layer.scores.clear_slots(rows, zero, slots)
-        layer.scores.total[rows, zero, slots] = best.values[rows, ranks]
-    pool.remove(rows, columns)
-    pool.add(rows, out_keys, out_values, out_positions)
-    return int(rows.numel())

@@ -1,32 +1,108 @@
-"""Slot storage of one layer's keys and values: preallocated, written in place, grown in chunks.
+"""Slot storage of one layer's keys and values: the store protocol and the dense store.
 
 The cache layer decides which slot holds which token; a store only holds the bytes. Every store
-keeps the layout (B, H_kv, S, D) of HF caches and answers ``read(width)`` with dense tensors
-over the first ``width`` slots, which is what attention consumes.
+keeps the layout (B, H_kv, S, D) of HF caches and answers ``parts(positions, query)`` with
+dense tensors over its slots in slot order, which is what attention consumes. A store is either
+one device region (:class:`DenseStore`, :class:`~alisa.storage.quantized.QuantizedStore`) or an
+ordered list of regions (:class:`~alisa.storage.tiers.TieredStore`).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 import torch
 
 
+@dataclass(frozen=True)
+class TokenInputs:
+    """Attention inputs of the tokens being written, for stores that rebuild K/V from them.
+
+    Attributes
+    ----------
+    hidden
+        (B, n, hidden) the attention modules' inputs (after the layer norm).
+    rope
+        (B, n) RoPE positions the tokens were encoded at.
+    """
+
+    hidden: torch.Tensor
+    rope: torch.Tensor
+
+    def span(self, part: slice) -> TokenInputs:
+        """The tokens ``part`` of the n written ones."""
+        return TokenInputs(self.hidden[:, part], self.rope[:, part])
+
+    def rows(self, rows: torch.Tensor) -> TokenInputs:
+        """Some sequences' rows (entries of ``write_entries``)."""
+        return TokenInputs(self.hidden[rows], self.rope[rows])
+
+
+class Part(NamedTuple):
+    """One region's keys and values on the model's device, and the position of each slot.
+
+    ``keys``/``values`` are (B, H_kv, n, D); ``positions`` (B, Hs, n) (negative: empty).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+
+
 class KVStore(Protocol):
-    """What a cache layer needs from its storage (dense or quantized)."""
+    """What a cache layer needs from its storage, whatever regions it has.
+
+    Capabilities are plain members: ``compactable`` (``reindex`` may move slots; tiered stores
+    keep their layout and reuse holes instead), ``needs_inputs`` (writes must carry
+    :class:`TokenInputs`, for regions that recompute K/V) and ``lossless`` (``read`` returns
+    exactly what was written and needs no slot map, so a copy of it can be patched in place).
+    """
+
+    compactable: bool
+    needs_inputs: bool
+    lossless: bool
 
     @property
     def capacity(self) -> int: ...
 
+    @property
+    def device(self) -> torch.device:
+        """Where the (first region's) buffers live."""
+        ...
+
+    @property
+    def regions(self) -> list[tuple[str, int]]:
+        """(tier, slots) per region, in slot order."""
+        ...
+
     def nbytes(self) -> int: ...
 
-    def read(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def tier_bytes(self) -> dict[str, int]: ...
 
-    def write_range(self, start: int, keys: torch.Tensor, values: torch.Tensor, position: int): ...
+    def read(self, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, H_kv, capacity, D) keys and values; ``positions`` is the layer's slot map."""
+        ...
+
+    def parts(self, positions: torch.Tensor, query: torch.Tensor | None = None) -> list[Part]: ...
+
+    def write_range(
+        self,
+        start: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        position: int,
+        inputs: TokenInputs | None = None,
+    ) -> None: ...
 
     def write_slots(
-        self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: int
-    ): ...
+        self,
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        position: int,
+        inputs: TokenInputs | None = None,
+    ) -> None: ...
 
     def write_entries(
         self,
@@ -35,13 +111,18 @@ class KVStore(Protocol):
         keys: torch.Tensor,
         values: torch.Tensor,
         position: int,
-    ): ...
+        inputs: TokenInputs | None = None,
+    ) -> None: ...
 
     def reindex(self, index: torch.Tensor, capacity: int) -> None: ...
 
     def grow(self, capacity: int) -> None: ...
 
     def select_batch(self, indices: torch.Tensor) -> None: ...
+
+    def prefetch(self) -> None: ...
+
+    def pin_memory(self) -> None: ...
 
 
 class StoreFactory(Protocol):
@@ -50,6 +131,38 @@ class StoreFactory(Protocol):
     def __call__(
         self, keys: torch.Tensor, values: torch.Tensor, capacity: int, *, groups: int
     ) -> KVStore: ...
+
+
+class DeviceResident:
+    """The parts of :class:`KVStore` shared by stores that are one device region."""
+
+    compactable = True
+    needs_inputs = False
+    lossless = True  # read returns exactly what was written (a copy of it can be patched)
+
+    @property
+    def capacity(self) -> int:
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+    def read(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    @property
+    def regions(self) -> list[tuple[str, int]]:
+        return [("device", self.capacity)]
+
+    def tier_bytes(self) -> dict[str, int]:
+        return {"device": self.nbytes()}
+
+    def parts(self, positions: torch.Tensor, query: torch.Tensor | None = None) -> list[Part]:
+        """The one region: ``read(positions)``."""
+        return [Part(*self.read(positions), positions)]
+
+    def prefetch(self) -> None:
+        """Nothing to fetch: the buffers are already where attention reads them."""
 
 
 def slot_indices(
@@ -66,7 +179,7 @@ def slot_indices(
     return rows, heads_index, index.expand(batch, heads, count)
 
 
-class DenseStore:
+class DenseStore(DeviceResident):
     """Keys and values in the model's dtype, in preallocated (B, H_kv, capacity, D) buffers."""
 
     def __init__(
@@ -83,6 +196,10 @@ class DenseStore:
     def capacity(self) -> int:
         return self.keys.shape[2]
 
+    @property
+    def device(self) -> torch.device:
+        return self.keys.device
+
     def nbytes(self) -> int:
         """Bytes held by the buffers, spare capacity included."""
         return self.keys.nbytes + self.values.nbytes
@@ -97,7 +214,12 @@ class DenseStore:
         return self.keys, self.values
 
     def write_range(
-        self, start: int, keys: torch.Tensor, values: torch.Tensor, position: int = 0
+        self,
+        start: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        position: int = 0,
+        inputs: TokenInputs | None = None,
     ) -> None:
         """Write (B, H_kv, q, D) tensors into slots [start, start + q)."""
         end = start + keys.shape[2]
@@ -105,7 +227,12 @@ class DenseStore:
         self.values[:, :, start:end] = values
 
     def write_slots(
-        self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: int = 0
+        self,
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        position: int = 0,
+        inputs: TokenInputs | None = None,
     ) -> None:
         """Write one token per (sequence, group): slots (B, Hs, 1), keys/values (B, H_kv, 1, D)."""
         index = slot_indices(slots, self.keys.shape[1])
@@ -119,6 +246,7 @@ class DenseStore:
         keys: torch.Tensor,
         values: torch.Tensor,
         position: int = 0,
+        inputs: TokenInputs | None = None,
     ) -> None:
         """Write one token for some sequences: rows, slots (E,), keys/values (E, H_kv, D)."""
         self.keys[rows, :, slots] = keys
@@ -139,6 +267,10 @@ class DenseStore:
         """Keep (and reorder) sequences: finished ones dropped, beams reordered."""
         self.keys = self.keys.index_select(0, indices)
         self.values = self.values.index_select(0, indices)
+
+    def pin_memory(self) -> None:
+        """Page-lock host buffers so host-to-device copies run asynchronously (CUDA only)."""
+        self.keys, self.values = self.keys.pin_memory(), self.values.pin_memory()
 
 
 def with_capacity(tensor: torch.Tensor, capacity: int) -> torch.Tensor:

@@ -1,0 +1,341 @@
+"""The one decode loop: prefill, step, pick, output.
+
+``generate``, both parallel decodes (local and sharded) and the profiler's step timing all run
+their forward passes through :class:`Engine`, so every path builds masks and positions, picks
+tokens, stops at EOS and times steps (device synchronised before the clock is read) alike.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from torch import nn
+
+from alisa.cache import AlisaCache
+from alisa.memory import tensor_bytes
+from alisa.sampling import SamplingOptions, TokenPicker
+
+
+@dataclass(kw_only=True)
+class GenerationOutput:
+    """What one ``generate`` call produced and what it cost.
+
+    Attributes
+    ----------
+    texts
+        Decoded completions (prompt excluded, stopped at EOS).
+    token_ids
+        Generated token ids per prompt, EOS included when emitted.
+    prompt_tokens
+        Prompt length in tokens per prompt (padding excluded).
+    finish_reasons
+        ``"stop"`` (EOS) or ``"length"`` (max_new_tokens reached) per prompt.
+    ttft_s
+        Time to first token: prefill plus picking the first token, seconds.
+    step_times_s
+        Wall time of each later decode step, seconds.
+    kv_bytes, peak_kv_bytes
+        KV bytes the cache held at the end, and at most after any step.
+    peak_memory_bytes
+        Peak resident memory of the process (CPU) or peak CUDA allocation (GPU) during the call.
+    """
+
+    texts: list[str]
+    token_ids: list[list[int]]
+    prompt_tokens: list[int]
+    finish_reasons: list[str]
+    ttft_s: float
+    step_times_s: list[float] = field(default_factory=list)
+    kv_bytes: int = 0
+    peak_kv_bytes: int = 0
+    peak_memory_bytes: int = 0
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens generated over all prompts."""
+        return sum(len(ids) for ids in self.token_ids)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens per second over the decode steps after the first token (all sequences)."""
+        decode_time = sum(self.step_times_s)
+        later_tokens = self.generated_tokens - len(self.token_ids)
+        return later_tokens / decode_time if decode_time > 0 else 0.0
+
+    @property
+    def total_s(self) -> float:
+        """Prefill plus decode time."""
+        return self.ttft_s + sum(self.step_times_s)
+
+
+def cache_kv_bytes(cache) -> int:
+    """KV bytes held by an ALISA cache or any HF cache (quantized layers' packed data included)."""
+    if isinstance(cache, AlisaCache):
+        return cache.kv_bytes()
+    # A foreign HF cache: its layer classes differ (dynamic, quanto, hqq, ...), so read what
+    # each one has.
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        total += tensor_bytes((layer.keys, layer.values))
+        for name in ("_quantized_keys", "_quantized_values"):
+            total += _nested_bytes(getattr(layer, name, None))
+    return total
+
+
+def _nested_bytes(value, depth: int = 3) -> int:
+    """Bytes of the tensors inside a backend's quantized object (quanto/hqq/fp8 layouts differ)."""
+    if type(value) in (torch.Tensor, torch.nn.Parameter):
+        return value.nbytes
+    # Tensor subclasses (quanto's QTensor) report their logical size: count what they wrap.
+    if depth == 0 or value is None:
+        return 0
+    if isinstance(value, tuple | list):
+        return sum(_nested_bytes(v, depth - 1) for v in value)
+    if isinstance(value, dict):
+        return sum(_nested_bytes(v, depth - 1) for v in value.values())
+    inner = getattr(value, "__dict__", None)
+    return sum(_nested_bytes(v, depth - 1) for v in inner.values()) if inner else 0
+
+
+def device_clock(device: torch.device) -> float:
+    """``time.perf_counter()`` once the device has finished its queued work (CUDA is async)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@dataclass(kw_only=True)
+class DecodeState:
+    """The rows being decoded and what the next forward pass feeds them.
+
+    Attributes
+    ----------
+    prompt_ids
+        (B, L) prompt token ids (sampling processors read them).
+    attention_mask
+        (B, L + tokens fed so far) padding mask, or ``None`` for unpadded rows.
+    feed
+        (B, q) token ids of the next forward pass: the prompt, then one token per step.
+    positions
+        (B, q) positions of ``feed`` (left padding excluded from the count).
+    active
+        (B,) original batch row of each row (rows leave when finished ones are pruned).
+    finished
+        (B,) bool: the row has emitted EOS.
+    """
+
+    prompt_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    feed: torch.Tensor
+    positions: torch.Tensor
+    active: torch.Tensor
+    finished: torch.Tensor
+
+    @classmethod
+    def start(
+        cls, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> DecodeState:
+        """The state before prefill of ``input_ids`` (B, L), left-padded where the mask is 0."""
+        batch, length = input_ids.shape
+        device = input_ids.device
+        if attention_mask is None:
+            positions = torch.arange(length, device=device).expand(batch, length)
+        else:
+            positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+        return cls(
+            prompt_ids=input_ids,
+            attention_mask=attention_mask,
+            feed=input_ids,
+            positions=positions,
+            active=torch.arange(batch, device=device),
+            finished=torch.zeros(batch, dtype=torch.bool, device=device),
+        )
+
+    def prompt_tokens(self) -> list[int]:
+        """Prompt length per row, padding excluded (call before the first :meth:`advance`)."""
+        if self.attention_mask is None:
+            return [self.prompt_ids.shape[1]] * self.prompt_ids.shape[0]
+        return [int(n) for n in self.attention_mask.sum(dim=1).tolist()]
+
+    def advance(self, tokens: torch.Tensor) -> None:
+        """Feed ``tokens`` (B,) next, one position after the last fed one."""
+        if self.attention_mask is not None:
+            ones = self.attention_mask.new_ones(self.attention_mask.shape[0], 1)
+            self.attention_mask = torch.cat([self.attention_mask, ones], dim=1)
+        self.feed, self.positions = tokens[:, None], self.positions[:, -1:] + 1
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (indices into the current rows)."""
+        self.prompt_ids, self.positions = self.prompt_ids[rows], self.positions[rows]
+        self.active, self.finished = self.active[rows], self.finished[rows]
+        if self.attention_mask is not None:
+            self.attention_mask = self.attention_mask[rows]
+
+
+class Engine:
+    """Runs decode steps of one model: forward, pick, stop at EOS, time, assemble the output.
+
+    Parameters
+    ----------
+    model
+        Any HF causal LM (its device and generation config are read once).
+    tokenizer
+        Decodes the output texts and supplies EOS/pad when the model's config lacks them;
+        ``None`` is enough for :meth:`step` (profiling).
+    sampling
+        Greedy by default; see :class:`~alisa.sampling.SamplingOptions`.
+    stop_at_eos
+        False never stops a row early (benchmarks of equal work).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer=None,
+        sampling: SamplingOptions | None = None,
+        *,
+        stop_at_eos: bool = True,
+    ) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.device = next(model.parameters()).device
+        self.pick = TokenPicker(model, sampling or SamplingOptions())
+        eos = model.generation_config.eos_token_id
+        if eos is None and tokenizer is not None:
+            eos = tokenizer.eos_token_id
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        eos_ids = eos_ids if stop_at_eos else []
+        self.eos = torch.tensor(eos_ids, device=self.device, dtype=torch.long)
+        self.eos_ids = frozenset(eos_ids)
+        pad = tokenizer.pad_token_id if tokenizer is not None else None
+        self.pad = pad if pad is not None else (eos_ids[0] if eos_ids else 0)
+
+    def clock(self) -> float:
+        """Seconds, read after the model's device has caught up."""
+        return device_clock(self.device)
+
+    def forward(self, state: DecodeState, cache, **options) -> torch.Tensor:
+        """(B, V) last-position logits of feeding ``state.feed``; ``options`` reach attention."""
+        return self.model(
+            input_ids=state.feed,
+            attention_mask=state.attention_mask,
+            position_ids=state.positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **options,
+        ).logits[:, -1, :]
+
+    def choose(self, state: DecodeState, logits: torch.Tensor) -> torch.Tensor:
+        """(B,) next tokens from ``logits`` (B, V); finished rows get pad, EOS finishes a row."""
+        tokens = self.pick(state.prompt_ids, logits)
+        tokens = torch.where(state.finished, self.pad, tokens)
+        state.finished |= torch.isin(tokens, self.eos)
+        return tokens
+
+    def step(self, state: DecodeState, cache, **options) -> torch.Tensor:
+        """One forward pass and pick: (B,) the tokens chosen (``state`` is not advanced)."""
+        return self.choose(state, self.forward(state, cache, **options))
+
+    def run(
+        self,
+        state: DecodeState,
+        cache,
+        max_new_tokens: int,
+        *,
+        prune: bool = False,
+        prefill_logits: torch.Tensor | None = None,
+        prefill_s: float = 0.0,
+        kv_bytes: Callable[[], int] | None = None,
+        announce: Callable[[bool], None] | None = None,
+        **options,
+    ) -> GenerationOutput:
+        """Prefill (unless ``prefill_logits`` (B, V) are given) and decode up to ``max_new_tokens``.
+
+        Parameters
+        ----------
+        state
+            From :meth:`DecodeState.start`; advanced in place.
+        cache
+            ``past_key_values`` of every forward pass.
+        prune
+            Drop finished rows from the batch (and the cache) before the next step.
+        prefill_logits, prefill_s
+            Logits and seconds of a prefill already run elsewhere (parallel prefill).
+        kv_bytes
+            Reads the KV bytes held (default: :func:`cache_kv_bytes` of ``cache``).
+        announce
+            Told before each later forward pass whether one follows (sharded decode workers).
+        options
+            Extra model keyword arguments of every forward pass (they reach attention).
+        """
+        kv_bytes = kv_bytes or partial(cache_kv_bytes, cache)
+        prompt_tokens = state.prompt_tokens()
+        generated = torch.full(
+            (state.feed.shape[0], max_new_tokens), self.pad, dtype=torch.long, device=self.device
+        )
+        times, peak_kv, steps = [], 0, 0
+        for step in range(max_new_tokens):
+            start = self.clock()
+            if step == 0 and prefill_logits is not None:
+                tokens = self.choose(state, prefill_logits)
+            else:
+                tokens = self.step(state, cache, **options)
+            generated[state.active, step] = tokens
+            times.append(self.clock() - start)
+            steps, peak_kv = step + 1, max(peak_kv, kv_bytes())
+            more = steps < max_new_tokens and not bool(state.finished.all())
+            if announce is not None:
+                announce(more)
+            if not more:
+                break
+            if prune and bool(state.finished.any()):
+                tokens = _drop_finished(state, cache, tokens)
+            state.advance(tokens)
+        ttft = prefill_s + (times[0] if times else 0.0)
+        return self.output(
+            generated[:, :steps], prompt_tokens, ttft, times[1:], kv_bytes(), peak_kv
+        )
+
+    def output(
+        self,
+        generated: torch.Tensor,
+        prompt_tokens: list[int],
+        ttft: float,
+        step_times: list[float],
+        kv_bytes: int,
+        peak_kv: int,
+    ) -> GenerationOutput:
+        """Texts, ids and finish reasons of ``generated`` (B, steps), cut after each row's EOS."""
+        token_ids, texts, reasons = [], [], []
+        for row in generated.tolist():
+            stop = next((i for i, token in enumerate(row) if token in self.eos_ids), None)
+            kept = row if stop is None else row[: stop + 1]
+            token_ids.append(kept)
+            text_ids = kept if stop is None else kept[:-1]
+            texts.append(self.tokenizer.decode(text_ids, skip_special_tokens=True))
+            reasons.append("stop" if stop is not None else "length")
+        return GenerationOutput(
+            texts=texts,
+            token_ids=token_ids,
+            prompt_tokens=prompt_tokens,
+            finish_reasons=reasons,
+            ttft_s=ttft,
+            step_times_s=step_times,
+            kv_bytes=kv_bytes,
+            peak_kv_bytes=peak_kv,
+        )
+
+
+def _drop_finished(state: DecodeState, cache, tokens: torch.Tensor) -> torch.Tensor:
+    """Keep only unfinished rows in ``state`` and ``cache``; their ``tokens`` (B',).
+
+    Later steps then compute only for the rows still generating.
+    """
+    rows = (~state.finished).nonzero(as_tuple=True)[0]
+    cache.batch_select_indices(rows)
+    state.keep(rows)
+    return tokens[rows]

@@ -1,0 +1,117 @@
+"""The eviction decision of one cache layer: a KV policy plus the attention it has received.
+
+Apart from the slot map (:mod:`alisa.slots`), which only records where tokens sit, this decides
+which tokens go: per sequence, the excess over the policy's budget, lowest score first, with
+sinks, the recent window and empty slots protected.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from alisa.accumulator import AttentionAccumulator
+from alisa.policies import KVPolicy
+from alisa.slots import SlotMap
+
+
+class Eviction:
+    """A layer's policy and its attention sums (when the policy scores by attention)."""
+
+    def __init__(self, policy: KVPolicy) -> None:
+        self.policy = policy
+        self.scores: AttentionAccumulator | None = None
+
+    @property
+    def needs_attention(self) -> bool:
+        """Whether attention probabilities must reach the policy (never when nothing is evicted)."""
+        return self.policy.needs_attention and self.policy.can_evict()
+
+    def start(self, slots: SlotMap) -> None:
+        """Fresh attention sums for a new slot map (prefill); none when not needed."""
+        self.scores = None
+        if self.needs_attention:
+            window = self.policy.score_window(np.ones(len(slots.kept), dtype=np.int64))
+            self.scores = AttentionAccumulator(
+                len(slots.kept),
+                slots.groups,
+                slots.capacity,
+                slots.device,
+                windowed=window is not None,
+            )
+
+    def budget(self, slots: SlotMap) -> np.ndarray:
+        """(B,) tokens each sequence may keep."""
+        return self.policy.budget(slots.lengths())
+
+    def rows_wanted(self, slots: SlotMap) -> int | None:
+        """Prompt query rows to seed attention scores with: None = all, 0 = none."""
+        if not self.needs_attention:
+            return 0
+        window = self.policy.score_window(self.policy.recent(self.budget(slots)))
+        return None if window is None else int(window.max())
+
+    def account(self, rows: torch.Tensor, slots: SlotMap) -> None:
+        """Add attention rows (B, Hs, R, S') of R consecutive queries over slots [0, S')."""
+        if self.scores is None:
+            return
+        window = self.policy.score_window(self.policy.recent(self.budget(slots)))
+        if rows.shape[2] == 1:
+            self.scores.add(rows[:, :, 0], window)
+        else:
+            self.scores.add_rows(rows, window)
+
+    def victims(self, slots: SlotMap):
+        """Slots to evict now, as flat (rows, groups, slots) and the (B,) excess; None if none."""
+        if not self.policy.can_evict():
+            return None
+        budget = self.budget(slots)
+        excess = np.maximum(slots.kept - budget, 0)
+        if excess.max(initial=0) <= 0:
+            return None
+        policy, device = self.policy, slots.device
+        positions = slots.positions
+        first = torch.as_tensor(slots.first, device=device)
+        recent = torch.as_tensor(policy.recent(budget), device=device)
+        attention = None
+        if self.scores is not None:
+            window = policy.score_window(policy.recent(budget))
+            attention = self.scores.window_sum(window, slots.capacity)
+        score = policy.score(positions, attention, first).to(torch.float32)
+        keep_first = policy.protected(positions, first, slots.seen, recent) | (positions < 0)
+        priority = torch.where(keep_first, torch.inf, score)
+        count = int(excess.max())
+        chosen = torch.topk(priority, count, dim=-1, largest=False, sorted=True).indices
+        wanted = torch.arange(count, device=device).view(1, 1, -1)
+        valid = wanted < torch.as_tensor(excess, device=device).view(-1, 1, 1)
+        rows, groups, ranks = valid.nonzero(as_tuple=True)
+        return rows, groups, chosen[rows, groups, ranks], excess
+
+    def forget(self, rows: torch.Tensor, groups: torch.Tensor, slots: torch.Tensor) -> None:
+        """Zero the sums of emptied slots so a reused slot starts afresh."""
+        if self.scores is not None:
+            self.scores.clear_slots(rows, groups, slots)
+
+    def replace(self, rows, groups, slots, attention: torch.Tensor) -> None:
+        """Slots now hold other tokens (recalled): their sums restart at ``attention``."""
+        if self.scores is not None:
+            self.scores.clear_slots(rows, groups, slots)
+            self.scores.total[rows, groups, slots] = attention
+
+    def reindex(self, index: torch.Tensor, capacity: int | None = None) -> None:
+        """Follow the slot map: new slot j takes old slot index[b, g, j]; then grow."""
+        if self.scores is not None:
+            self.scores.reindex(index)
+            if capacity is not None:
+                self.scores.grow(capacity)
+
+    def grow(self, capacity: int) -> None:
+        if self.scores is not None:
+            self.scores.grow(capacity)
+
+    def select_batch(self, indices: torch.Tensor) -> None:
+        if self.scores is not None:
+            self.scores.select_batch(indices)
+
+    def nbytes(self) -> int:
+        return self.scores.nbytes() if self.scores is not None else 0

@@ -1,0 +1,97 @@
+"""How the next token is picked: greedy, or HF-style sampling with temperature, top-k, top-p."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+# HF GenerationConfig defaults, used when the model's own generation config leaves them unset.
+HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingOptions:
+    """How the next token is picked; HF argument names and defaults.
+
+    Parameters
+    ----------
+    do_sample
+        False: greedy (argmax). True: multinomial sampling after temperature, top-k, top-p.
+    temperature, top_k, top_p
+        As in HF ``generate``; ``None`` takes the model's generation config (HF defaults:
+        1.0, 50, 1.0).
+    seed
+        Seeds a private generator for sampling (the global RNG is untouched); ``None`` uses the
+        global RNG, as HF does.
+    """
+
+    do_sample: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature is not None and not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature!r} must be > 0")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or self.top_k < 0):
+            raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+
+
+class TokenPicker:
+    """Picks one token per row from last-position logits, as HF ``generate`` would.
+
+    Parameters
+    ----------
+    model
+        Supplies the generation-config defaults and the device of the private generator.
+    sampling
+        Greedy or sampling options.
+    """
+
+    def __init__(self, model: nn.Module, sampling: SamplingOptions) -> None:
+        self.sampling = sampling
+        self.processors = _warpers(model, sampling)
+        self.generator = None
+        if sampling.do_sample and sampling.seed is not None:
+            device = next(model.parameters()).device
+            self.generator = torch.Generator(device=device).manual_seed(sampling.seed)
+
+    def __call__(self, sequences: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """(B,) next tokens from ``logits`` (B, V); ``sequences`` (B, L) feeds HF processors."""
+        if not self.sampling.do_sample:
+            return logits.argmax(dim=-1)
+        scores = self.processors(sequences, logits.float())
+        probabilities = scores.softmax(dim=-1)
+        return torch.multinomial(probabilities, 1, generator=self.generator).squeeze(1)
+
+
+def _warpers(model: nn.Module, sampling: SamplingOptions) -> LogitsProcessorList:
+    """Temperature, top-k, top-p in HF's order, with the model's defaults where unset."""
+    defaults = model.generation_config
+
+    def option(name: str):
+        value = getattr(sampling, name)
+        if value is None:
+            value = getattr(defaults, name, None)  # HF's GenerationConfig, not our object
+        return HF_SAMPLING_DEFAULTS[name] if value is None else value
+
+    temperature, top_k, top_p = option("temperature"), option("top_k"), option("top_p")
+    warpers = LogitsProcessorList()
+    if temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k=top_k))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=top_p))
+    return warpers

@@ -1,0 +1,163 @@
+"""Which token sits in which slot of one cache layer: positions, free slots, compaction.
+
+Slots are preallocated. A decode step writes its token into a slot freed by an earlier eviction
+(or appends at the frontier), so the per-step cost never copies the cache; the buffers are
+compacted only when much of them is empty (after prefill eviction, or a long shrink), an
+amortised copy.
+
+Coordinates: ``seen`` counts tokens of the padded batch (left padding included), so a token's
+position is its index in the padded sequence, the same for every sequence of the batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+FREE = -1  # slot holds nothing; may be reused
+PAD = -2  # slot holds a left-padding token; masked, reclaimed at the next compaction
+
+
+def headroom(slots: int) -> int:
+    """Spare slots allocated beyond what is stored: growth in chunks of 1/8, at least 32."""
+    return max(32, slots // 8)
+
+
+class SlotMap:
+    """Slot positions (B, Hs, capacity) and per-sequence counts of one layer.
+
+    Parameters
+    ----------
+    batch, groups
+        Sequences and selection groups (1, or H_kv when selecting per KV head).
+    length
+        Prefill tokens, in slots [0, length).
+    capacity
+        Slots allocated.
+    device
+        Where the position map lives (the model's device).
+    """
+
+    def __init__(
+        self, batch: int, groups: int, length: int, capacity: int, device: torch.device
+    ) -> None:
+        positions = torch.arange(capacity, device=device)
+        positions = torch.where(positions < length, positions, FREE)
+        self.positions = positions.expand(batch, groups, capacity).contiguous()
+        self.device = device
+        self.seen = length  # tokens seen (padded coordinates)
+        self.width = length  # slots [0, width) may be occupied; the rest are free
+        self.first = np.zeros(batch, dtype=np.int64)  # (B,) position of the first real token
+        self.kept = np.full(batch, length, dtype=np.int64)  # (B,) tokens stored (per group)
+        self.dead = np.zeros(batch, dtype=np.int64)  # (B,) padding slots still held
+
+    @property
+    def capacity(self) -> int:
+        return self.positions.shape[-1]
+
+    @property
+    def groups(self) -> int:
+        return self.positions.shape[1]
+
+    def lengths(self) -> np.ndarray:
+        """(B,) real tokens seen per sequence (what budgets are computed from)."""
+        return self.seen - self.first
+
+    def mark_padding(self, valid: torch.Tensor) -> None:
+        """Flag left-padding slots of the prefill; valid is (B, q) bool over the prefill tokens."""
+        if bool(valid.all()):
+            return
+        length = valid.shape[1]
+        pads = (~valid).to(self.device)
+        region = self.positions[..., self.width - length : self.width]
+        region.masked_fill_(pads.unsqueeze(1), PAD)
+        counts = pads.sum(dim=1).cpu().numpy().astype(np.int64)
+        self.dead += counts
+        self.kept -= counts
+        # Left padding: a sequence's first real token follows its pads.
+        self.first = self.first + counts
+
+    def appends(self) -> np.ndarray:
+        """(B,) whether each sequence's next token goes to the frontier (no hole below width)."""
+        return self.width - self.kept - self.dead <= 0
+
+    def place_one(self, append: np.ndarray) -> int | torch.Tensor:
+        """Claim one slot per sequence for the next token (capacity already ensured).
+
+        Returns the frontier slot when every sequence appends (plain slice writes), else the
+        (B, Hs, 1) slots: the first free one below width, or the frontier for appending rows.
+        """
+        if append.all():
+            placed: int | torch.Tensor = self.width
+            self.positions[..., self.width] = self.seen
+        else:
+            free = self.positions[..., : self.width] == FREE
+            first_free = free.to(torch.int8).argmax(dim=-1, keepdim=True)  # (B, Hs, 1)
+            appended = torch.as_tensor(append, device=self.device).view(-1, 1, 1)
+            placed = torch.where(appended, self.width, first_free)
+            self.positions.scatter_(-1, placed, self.seen)
+        if append.any():
+            self.width += 1
+        self.seen += 1
+        self.kept += 1
+        return placed
+
+    def place_range(self, length: int) -> int:
+        """Claim slots [width, width + length) for ``length`` new tokens; returns the start."""
+        start = self.width
+        new = torch.arange(self.seen, self.seen + length, device=self.device)
+        self.positions[..., start : start + length] = new
+        # Sequences whose slots below width are not all used get holes: accounted as free.
+        self.width += length
+        self.seen += length
+        self.kept += length
+        return start
+
+    def grow(self, capacity: int) -> None:
+        """Extend to ``capacity`` slots, the new ones free."""
+        extra = capacity - self.capacity
+        self.positions = torch.nn.functional.pad(self.positions, (0, extra), value=FREE)
+
+    def free(self, rows: torch.Tensor, groups: torch.Tensor, slots: torch.Tensor, excess) -> None:
+        """Empty evicted slots (flat index triples); ``excess`` (B,) tokens per sequence."""
+        self.positions[rows, groups, slots] = FREE
+        self.kept -= excess
+
+    def compaction(self) -> tuple[torch.Tensor, int] | None:
+        """Move live slots to the front once over a third of width is empty.
+
+        Returns (index, capacity): new slot j holds old slot index[b, g, j], for the store and
+        the attention sums to follow; None when not worth a copy.
+        """
+        live = int(self.kept.max(initial=0))  # compaction drops padding slots as well
+        if self.width - live <= max(32, self.width // 3):
+            return None
+        occupied = self.positions[..., : self.width] >= 0
+        order = torch.argsort((~occupied).to(torch.int8), dim=-1, stable=True)
+        index = order[..., :live]
+        capacity = live + headroom(live)
+        moved = self.positions.gather(-1, index)
+        moved = torch.where(occupied.gather(-1, index), moved, FREE)
+        self.positions = torch.nn.functional.pad(moved, (0, capacity - live), value=FREE)
+        self.width = live
+        self.dead[:] = 0
+        return index, capacity
+
+    def remap(self, mapping: torch.Tensor, width: int) -> torch.Tensor:
+        """Slots moved to another layout: new slot j holds old slot mapping[j] (-1: none).
+
+        Returns the (B, Hs, S') gather index used, for the attention sums to follow.
+        """
+        taken = mapping.clamp(min=0).view(1, 1, -1).expand(*self.positions.shape[:2], -1)
+        moved = self.positions.gather(-1, taken)
+        self.positions = torch.where(mapping >= 0, moved, FREE).contiguous()
+        self.width = width
+        return taken
+
+    def select_batch(self, indices: torch.Tensor, host: np.ndarray) -> None:
+        """Keep (and reorder) sequences; ``host`` is ``indices`` as a numpy array."""
+        self.positions = self.positions.index_select(0, indices)
+        self.first, self.kept, self.dead = self.first[host], self.kept[host], self.dead[host]
+
+    def nbytes(self) -> int:
+        return self.positions.nbytes

@@ -1,0 +1,107 @@
+"""Stores as regions: one routing loop, so a new tier is one class; grouped logits helper."""
+
+import torch
+from transformers.integrations.sdpa_attention import repeat_kv
+
+from alisa.grouped import grouped_logits
+from alisa.storage.quantized import QuantizedStore
+from alisa.storage.regions import DeviceRegion, TierStats
+from alisa.storage.store import DenseStore, KVStore, TokenInputs
+from alisa.storage.tiers import TieredStore
+
+
+class ScratchRegion:
+    """A tier made up for this test: KV kept in a plain tensor pair, on the same device."""
+
+    tier = "scratch"
+    needs_inputs = True  # also records the attention inputs it is handed
+
+    def __init__(self, batch, heads, slots, dim, hidden_size):
+        self.keys = torch.zeros(batch, heads, slots, dim)
+        self.values = torch.zeros(batch, heads, slots, dim)
+        self.hidden = torch.zeros(batch, slots, hidden_size)
+
+    @property
+    def slots(self):
+        return self.keys.shape[2]
+
+    def nbytes(self):
+        return self.keys.nbytes + self.values.nbytes
+
+    def read(self, positions):
+        return self.keys, self.values
+
+    def write_range(self, start, keys, values, position, inputs):
+        end = start + keys.shape[2]
+        self.keys[:, :, start:end], self.values[:, :, start:end] = keys, values
+        self.hidden[:, start:end] = inputs.hidden
+
+    def write_entries(self, rows, slots, keys, values, position, inputs):
+        self.keys[rows, :, slots], self.values[rows, :, slots] = keys, values
+        self.hidden[rows, slots] = inputs.hidden[:, 0]
+
+    def grow(self, slots):
+        extra = slots - self.slots
+        self.keys = torch.nn.functional.pad(self.keys, (0, 0, 0, extra))
+        self.values = torch.nn.functional.pad(self.values, (0, 0, 0, extra))
+        self.hidden = torch.nn.functional.pad(self.hidden, (0, 0, 0, extra))
+
+    def select_batch(self, indices):
+        self.keys, self.values = self.keys[indices], self.values[indices]
+        self.hidden = self.hidden[indices]
+
+    def prefetch(self):
+        pass
+
+
+def test_a_new_tier_is_one_class_and_routes_like_a_dense_store():
+    torch.manual_seed(0)
+    batch, heads, dim, hidden_size = 2, 2, 4, 3
+    empty = torch.zeros(batch, heads, 0, dim)
+    device = DeviceRegion(DenseStore(empty, empty, 5))
+    scratch = ScratchRegion(batch, heads, 3, dim, hidden_size)
+    tiered = TieredStore([device, scratch], torch.device("cpu"), TierStats())
+    dense = DenseStore(empty, empty, 8)
+    assert tiered.needs_inputs and not tiered.compactable
+    # A range crossing the boundary, then single tokens landing in either region.
+    keys, values = torch.randn(batch, heads, 6, dim), torch.randn(batch, heads, 6, dim)
+    inputs = TokenInputs(torch.randn(batch, 6, hidden_size), torch.arange(6).expand(batch, -1))
+    for store in (tiered, dense):
+        store.write_range(0, keys, values, 0, inputs)
+    one_key, one_value = torch.randn(batch, heads, 1, dim), torch.randn(batch, heads, 1, dim)
+    slots = torch.tensor([1, 6]).view(batch, 1, 1)
+    one = TokenInputs(torch.randn(batch, 1, hidden_size), torch.full((batch, 1), 6))
+    for store in (tiered, dense):
+        store.write_slots(slots, one_key, one_value, 6, one)
+    tiered_keys, tiered_values = tiered.read(torch.zeros(batch, 1, 8, dtype=torch.long))
+    assert torch.equal(tiered_keys, dense.keys) and torch.equal(tiered_values, dense.values)
+    assert torch.equal(scratch.hidden[:, :1], inputs.hidden[:, 5:6])
+    assert torch.equal(scratch.hidden[1, 1], one.hidden[1, 0])
+    assert tiered.regions == [("device", 5), ("scratch", 3)]
+    assert tiered.tier_bytes() == {"device": device.nbytes(), "scratch": scratch.nbytes()}
+    tiered.grow(10)  # the last region takes the growth
+    assert tiered.regions == [("device", 5), ("scratch", 5)]
+
+
+def test_every_store_answers_the_whole_protocol():
+    members = [name for name in vars(KVStore) if not name.startswith("_")]
+    members += list(KVStore.__annotations__)
+    keys = torch.randn(1, 2, 3, 16)
+    stores = [
+        DenseStore(keys, keys, 8),
+        QuantizedStore(keys, keys, 8, bits=8, group_size=None, residual_tokens=2, groups=1),
+        TieredStore([DeviceRegion(DenseStore(keys, keys, 4))], torch.device("cpu"), TierStats()),
+    ]
+    for store in stores:
+        for name in members:
+            assert hasattr(store, name), (type(store).__name__, name)
+        assert sum(store.tier_bytes().values()) == store.nbytes()
+        assert sum(slots for _, slots in store.regions) == store.capacity
+
+
+def test_grouped_logits_match_repeated_keys():
+    torch.manual_seed(1)
+    query, key = torch.randn(2, 6, 3, 8), torch.randn(2, 2, 5, 8)
+    expected = query @ repeat_kv(key, 3).transpose(-1, -2) * 0.5  # (B, H, q, S)
+    logits = grouped_logits(query, key, 0.5)  # (B, H_kv, G, q, S)
+    assert torch.allclose(logits.reshape(2, 6, 3, 5), expected, atol=1e-6)
