@@ -34,7 +34,7 @@ from alisa.jobs.distributed import (
     process_group,
 )
 from alisa.jobs.io import OutputLog
-from alisa.jobs.parts import merge_parts, owner, part_path, parts_dir
+from alisa.jobs.parts import merge_parts, part_path, parts_dir, share
 from experiments.data import REPO_ROOT, data_dir
 from experiments.runconfig import RunConfig, alisa_config, load_config, point_key
 
@@ -166,7 +166,7 @@ def _run_ranks(config: RunConfig, progress: bool, root: Path, ranks: Ranks) -> P
     results = folder / "results.jsonl"
     token = new_parts(ranks, results)
     pending = [p for p in config.points() if point_key(p) not in set(done)]
-    mine = [p for p in pending if owner(point_key(p), ranks.world) == ranks.rank]
+    mine = share(pending, ranks.world, ranks.rank, key=point_key)
     bar = RankProgress(ranks, token, len(pending), progress, config.name)
     log = OutputLog(part_path(results, ranks.rank), keys=RESULT_KEYS)
     try:

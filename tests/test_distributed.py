@@ -17,7 +17,7 @@ import pytest
 from conftest import byte_tokenizer, tiny_llama
 
 from alisa.cli import main
-from alisa.jobs.parts import owner, parts_dir
+from alisa.jobs.parts import parts_dir, share
 
 TESTS = Path(__file__).parent
 REPO = TESTS.parent
@@ -102,7 +102,7 @@ def test_kill_9_of_one_rank_ends_the_job_and_a_rerun_finishes_each_id_once(tmp_p
 def test_two_ranks_write_the_texts_of_one_process(tmp_path, model_dir):
     source = tmp_path / "in.jsonl"
     ids = write_prompts(source, 16)
-    assert {owner(i, 2) for i in ids} == {0, 1}  # both ranks get work
+    assert all(share(ids, 2, rank, key=str) for rank in (0, 1))  # both ranks get work
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT.format(tests=str(TESTS), delay=0, pids=str(tmp_path)))
     # One prompt per batch in both runs: the same shapes, so fp32 greedy tokens are identical.
@@ -159,3 +159,20 @@ def test_a_rank_waiting_for_a_dead_or_silent_peer_fails_with_a_clear_error(how, 
     message, seconds = queue.get(timeout=5)
     assert needle in message and "re-run the same command" in message
     assert seconds < within  # a dead peer at once; a silent one after --rank-timeout
+
+
+def test_share_deals_every_item_once_balanced_and_the_same_everywhere():
+    items = [{"id": i, "prompt": "x" * (i * 37 % 101)} for i in range(23)]
+    for world in (1, 2, 3, 5):
+        shares = [
+            share(items, world, rank, key=lambda r: r["id"], cost=lambda r: len(r["prompt"]))
+            for rank in range(world)
+        ]
+        ids = sorted(r["id"] for part in shares for r in part)
+        assert ids == list(range(23))  # every item exactly once
+        counts = [len(part) for part in shares]
+        assert max(counts) - min(counts) <= 1
+        costs = [sum(len(r["prompt"]) for r in part) for part in shares]
+        assert max(costs) - min(costs) <= 101  # within the largest single item
+        again = share(list(reversed(items)), world, 0, key=lambda r: r["id"])
+        assert again == share(items, world, 0, key=lambda r: r["id"])  # input order is irrelevant

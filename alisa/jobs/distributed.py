@@ -1,12 +1,12 @@
 """One job over torchrun's ranks: torch.distributed collectives only (gloo on CPUs, NCCL on GPUs).
 
 Rank 0 checks the files, merges parts a killed run left and tells every rank which ids are done;
-each rank runs the ids it owns (:func:`alisa.jobs.parts.owner`) into its own part; rank 0 merges
-the parts into the one output at the end. A rank that dies closes its sockets, so the others fail
-at their next collective at once, and torchrun stops the rest of its ranks with SIGTERM, which
-ends them with a :class:`RankError`. Ranks that finish early wait for the others on a group
-without a deadline, watching each unfinished rank's heartbeat (a counter in torchrun's c10d
-store, bumped per batch): a rank silent for ``timeout_s`` fails them, a slow one never does.
+each rank runs its share of the ids (:func:`alisa.jobs.parts.share`) into its own part; rank 0
+merges the parts into the one output at the end. A rank that dies closes its sockets, so the others
+fail at their next collective at once, and torchrun stops the rest of its ranks with SIGTERM, which
+ends them with a :class:`RankError`. Ranks that finish early wait for the others on a group without
+a deadline, watching each unfinished rank's heartbeat (a counter in torchrun's c10d store, bumped
+per batch): a rank silent for ``timeout_s`` fails them, a slow one never does.
 """
 
 from __future__ import annotations

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from alisa.jobs.io import OutputLog
 
+T = TypeVar("T")
 MARKER = "run"  # names the run that owns the parts folder (the shared-filesystem check)
 
 
@@ -27,14 +30,35 @@ def part_path(output: str | Path, rank: int) -> Path:
     return parts_dir(output) / f"rank-{rank}.jsonl"
 
 
-def owner(identifier: str | int, world: int) -> int:
-    """The rank (0 .. world-1) that runs ``identifier``: a stable hash, the same in every process.
+def _digest(identifier: str | int) -> bytes:
+    # Python's ``hash`` is salted per process; BLAKE2 of the JSON form is not (and keeps the
+    # integer id 1 apart from the string id "1").
+    return hashlib.blake2b(json.dumps(identifier).encode("utf-8"), digest_size=8).digest()
 
-    Python's ``hash`` is salted per process; BLAKE2 of the JSON form is not (and keeps the
-    integer id 1 apart from the string id "1").
+
+def share(
+    items: Sequence[T],
+    world: int,
+    rank: int,
+    *,
+    key: Callable[[T], str | int],
+    cost: Callable[[T], float] = lambda item: 0.0,
+) -> list[T]:
+    """Rank ``rank``'s share of ``items``: the same split in every process, balanced.
+
+    Items are sorted by ``cost`` (largest first; ties by a stable hash of ``key``) and dealt to
+    the ranks in snake order (0, 1, .., w-1, w-1, .., 0, ...), so every rank gets the same count
+    within one and about the same total cost: a job's slowest rank sets its time. Every rank
+    computes the split from the same pending items, so a re-run with another world size splits
+    what is left.
     """
-    digest = hashlib.blake2b(json.dumps(identifier).encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "big") % world
+    order = sorted(items, key=lambda item: (-cost(item), _digest(key(item))))
+    mine = []
+    for index, item in enumerate(order):
+        turn, place = divmod(index, world)
+        if (place if turn % 2 == 0 else world - 1 - place) == rank:
+            mine.append(item)
+    return mine
 
 
 def merge_parts(log: OutputLog) -> int:

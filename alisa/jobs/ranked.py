@@ -22,7 +22,7 @@ from alisa.jobs.distributed import (
     on_every_rank,
 )
 from alisa.jobs.io import OutputLog, Request, read_requests
-from alisa.jobs.parts import merge_parts, owner, part_path
+from alisa.jobs.parts import merge_parts, part_path, share
 from alisa.jobs.runner import RESULT_KEYS, BatchJob, JobSummary, open_job, run_requests
 
 
@@ -37,7 +37,7 @@ class RankPlan:
 
 
 def plan_ranks(job: BatchJob, ranks: Ranks) -> RankPlan:
-    """Every file check of :func:`open_job` (rank 0), leftover parts merged, ids split by owner.
+    """Every file check of :func:`open_job` (rank 0), leftover parts merged, ids shared out.
 
     Raises
     ------
@@ -54,7 +54,8 @@ def plan_ranks(job: BatchJob, ranks: Ranks) -> RankPlan:
     token = new_parts(ranks, Path(job.output))
     requests = on_every_rank(ranks, lambda: read_requests(job.input))
     pending = [r for r in requests if r.id not in done]
-    mine = [r for r in pending if owner(r.id, ranks.world) == ranks.rank]
+    # Prompt length as the cost: equal row counts and similar prefill work on every rank.
+    mine = share(pending, ranks.world, ranks.rank, key=lambda r: r.id, cost=lambda r: len(r.prompt))
     return RankPlan(
         pending=mine,
         token=token,
