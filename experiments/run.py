@@ -36,21 +36,18 @@ from alisa.jobs.distributed import (
 from alisa.jobs.io import OutputLog
 from alisa.jobs.parts import merge_parts, part_path, parts_dir, share
 from experiments.data import REPO_ROOT, data_dir
-from experiments.runconfig import RunConfig, alisa_config, load_config, point_key
+from experiments.runconfig import (
+    RunConfig,
+    add_run_options,
+    alisa_config,
+    load_config,
+    point_key,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="experiments.run", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="TOML config (experiments/configs/*.toml)")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override, e.g. sweep.policy=swa,h2o or runtime.threads=1",
-    )
-    parser.add_argument("--data-dir", help="evaluation data (same as --set runtime.data_dir=PATH)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_run_options(parser)
     return parser.parse_args(argv)
 
 
@@ -225,7 +222,11 @@ def _remove_if_empty(folder: Path, created: bool) -> None:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    return run_from_args(parse_args(argv))
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the sweep the flags of :func:`add_run_options` describe; the exit code."""
     overrides = list(args.set)
     if args.data_dir is not None:
         overrides.append(f"runtime.data_dir={json.dumps(args.data_dir)}")

@@ -7,6 +7,7 @@ A config has ``name``, ``[sweep]`` (lists to take the cartesian product of: ``ta
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 from dataclasses import dataclass, fields
@@ -174,3 +175,17 @@ def _check_runtime(runtime: dict, file: Path) -> None:
             raise ValueError(f"config {file}: runtime.{key}={value!r} must be a path string")
     if runtime["results_dir"] is None:
         raise ValueError(f"config {file}: runtime.results_dir must be a path string")
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The runner's flags, shared by ``python -m experiments.run`` and ``alisa experiment``."""
+    parser.add_argument("--config", required=True, help="TOML config (experiments/configs/*.toml)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override, e.g. sweep.policy=swa,h2o or runtime.threads=1",
+    )
+    parser.add_argument("--data-dir", help="evaluation data (same as --set runtime.data_dir=PATH)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
