@@ -107,6 +107,19 @@ def padded_batch(seed: int = 1, lengths=(40, 33, 20)) -> tuple[torch.Tensor, tor
     return ids.masked_fill(mask == 0, PAD), mask
 
 
+def hf_generate(model, ids, mask, cache=None, *, max_new_tokens: int, **options):
+    """HF ``generate`` for exactly ``max_new_tokens`` (EOS off, so every step is compared)."""
+    model.generation_config.eos_token_id = None
+    return model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=PAD,
+        past_key_values=cache,
+        **options,
+    )
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct (float32), loaded once per session."""

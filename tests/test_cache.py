@@ -1,27 +1,19 @@
 """The ALISA cache inside HF generate: exactness (the brand), real eviction, batches."""
 
+from functools import partial
+
+import conftest
 import numpy as np
 import pytest
 import torch
-from conftest import PAD, padded_batch, tiny_gpt2, tiny_llama
+from conftest import padded_batch, tiny_gpt2, tiny_llama
 from transformers import DynamicCache
 
 from alisa import AlisaCache, AlisaConfig
 from alisa.policies import POLICIES
 
 NEW_TOKENS = 24
-
-
-def hf_generate(model, ids, mask, cache=None, **options):
-    model.generation_config.eos_token_id = None  # compare every step
-    return model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=NEW_TOKENS,
-        pad_token_id=PAD,
-        past_key_values=cache,
-        **options,
-    )
+hf_generate = partial(conftest.hf_generate, max_new_tokens=NEW_TOKENS)
 
 
 def _exact_configs():

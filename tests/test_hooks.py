@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import PAD, padded_batch, tiny_gpt2, tiny_llama
+from conftest import hf_generate, padded_batch, tiny_gpt2, tiny_llama
 
 from alisa import AlisaCache, AlisaConfig, attached, generate
 from alisa.hooks import detach
@@ -11,16 +11,7 @@ NEW = 12
 
 
 def plain_generate(model, cache=None):
-    ids, mask = padded_batch()
-    model.generation_config.eos_token_id = None
-    return model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=NEW,
-        do_sample=False,
-        pad_token_id=PAD,
-        past_key_values=cache,
-    )
+    return hf_generate(model, *padded_batch(), cache, max_new_tokens=NEW, do_sample=False)
 
 
 def no_hooks(model) -> bool:

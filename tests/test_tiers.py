@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import PAD, padded_batch, tiny_gpt2, tiny_llama
+from conftest import hf_generate, padded_batch, tiny_gpt2, tiny_llama
 
 from alisa import AlisaCache, AlisaConfig, generate
 from alisa.memory import parse_bytes
@@ -16,16 +16,8 @@ def weights(model) -> int:
 
 def run(model, config=None, cache=None):
     ids, mask = padded_batch(lengths=(120, 100, 60))
-    model.generation_config.eos_token_id = None
     cache = cache if cache is not None else AlisaCache(model, config, max_new_tokens=NEW)
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=NEW,
-        do_sample=False,
-        pad_token_id=PAD,
-        past_key_values=cache,
-    )
+    out = hf_generate(model, ids, mask, cache, max_new_tokens=NEW, do_sample=False)
     return out, cache
 
 
