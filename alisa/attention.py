@@ -98,7 +98,11 @@ def grouped_probabilities(
         (B, H_kv, G, q, S) float32 probabilities, G = H / H_kv (query head h uses KV head h // G,
         as ``repeat_kv``).
     """
-    logits = grouped_logits(query, key, scaling)
+    return _masked_softmax(grouped_logits(query, key, scaling), visible)
+
+
+def _masked_softmax(logits: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Softmax of (B, H_kv, G, q, S) logits over the slots ``visible`` (B, 1 or H_kv, q, S)."""
     logits = logits.masked_fill(~visible.unsqueeze(2), float("-inf"))
     return logits.softmax(dim=-1, dtype=torch.float32)
 
@@ -115,12 +119,9 @@ def grouped_attention_parts(
     outputs of the parts summed. Returns ((B, q, H, D) output, (B, H_kv, G, q, S) probabilities).
     """
     batch, heads, length, head_dim = query.shape
-    if len(parts) == 1:
-        probabilities = grouped_probabilities(query, parts[0].keys, visible, scaling)
-    else:
-        logits = torch.cat([grouped_logits(query, part.keys, scaling) for part in parts], -1)
-        logits = logits.masked_fill(~visible.unsqueeze(2), float("-inf"))
-        probabilities = logits.softmax(dim=-1, dtype=torch.float32)
+    logits = [grouped_logits(query, part.keys, scaling) for part in parts]
+    logits = logits[0] if len(logits) == 1 else torch.cat(logits, dim=-1)  # one slot order
+    probabilities = _masked_softmax(logits, visible)
     kv_heads = probabilities.shape[1]
     flat = probabilities.view(batch, kv_heads, -1, probabilities.shape[-1])
     output, offset = None, 0
