@@ -10,10 +10,10 @@ from alisa.commands.options import (
     CommandError,
     add_cache_options,
     add_model_options,
+    build_from_flags,
     cache_config_from_args,
     check_minimum,
     load_for_cli,
-    with_flag,
 )
 from alisa.parallel.generate import DECODES, MODES, PARTITIONS
 
@@ -100,16 +100,15 @@ def parallel_config(args: argparse.Namespace):
     if args.parallel not in MODES:
         valid = ", ".join(("none", *MODES))
         raise CommandError(f"--parallel={args.parallel!r} is unknown; valid: {valid}")
-    try:
-        return ParallelConfig(
-            mode=args.parallel,
-            partition=args.partition,
-            decode=args.parallel_decode,
-            table_path=args.partition_table,
-            table_key=args.partition_key,
-        )
-    except ValueError as error:
-        raise CommandError(with_flag(str(error), PARALLEL_FLAGS)) from None
+    return build_from_flags(
+        ParallelConfig,
+        PARALLEL_FLAGS,
+        mode=args.parallel,
+        partition=args.partition,
+        decode=args.parallel_decode,
+        table_path=args.partition_table,
+        table_key=args.partition_key,
+    )
 
 
 def fit_prompt(model, tokenizer, prompt: str, args: argparse.Namespace) -> str:
@@ -133,17 +132,15 @@ def run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args)
     config = cache_config_from_args(args)
     parallel = parallel_config(args)
-    try:
-        sampling = SamplingOptions(
-            do_sample=args.do_sample,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
-        )
-    except ValueError as error:
-        flags = dict.fromkeys(("temperature", "top_k", "top_p", "seed"))
-        raise CommandError(with_flag(str(error), flags)) from None
+    sampling = build_from_flags(
+        SamplingOptions,
+        dict.fromkeys(("temperature", "top_k", "top_p", "seed")),
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
     model, tokenizer = load_for_cli(args.model, args.dtype)
     if args.chat:
         prompt = tokenizer.apply_chat_template(

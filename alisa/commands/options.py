@@ -11,12 +11,14 @@ import argparse
 import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import MISSING, Field, fields
 from pathlib import Path
 
 from alisa.config import AlisaConfig
 from alisa.models import DEFAULT_MODEL, DTYPES
 
+T = typing.TypeVar("T")
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_ROWS_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
@@ -122,10 +124,9 @@ def cache_config_from_args(
         file that cannot be read.
     """
     names = [item.name for item in _settable_fields(only)]
-    try:
-        config = AlisaConfig(**{name: getattr(args, name) for name in names})
-    except ValueError as error:
-        raise CommandError(with_flag(str(error), dict.fromkeys(names))) from None
+    config = build_from_flags(
+        AlisaConfig, dict.fromkeys(names), **{name: getattr(args, name) for name in names}
+    )
     if config.profile is not None:
         from scheduler import load_profile
 
@@ -134,6 +135,17 @@ def cache_config_from_args(
         except ValueError as error:
             raise CommandError(f"--profile: {error}") from None
     return config
+
+
+def build_from_flags(factory: Callable[..., T], flags: dict[str, str | None], **values) -> T:
+    """``factory(**values)``; its ``ValueError`` becomes a :class:`CommandError` naming the flag.
+
+    ``flags`` maps field names to flags, as :func:`with_flag`.
+    """
+    try:
+        return factory(**values)
+    except ValueError as error:
+        raise CommandError(with_flag(str(error), flags)) from None
 
 
 def with_flag(message: str, flags: dict[str, str | None]) -> str:
