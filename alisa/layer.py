@@ -311,10 +311,7 @@ class AlisaLayer(CacheLayerMixin):
         if not self.store.needs_inputs:
             return None
         hidden, rope = self.inputs
-        if rope is None:  # HF's default positions: arange from the tokens seen
-            seen = self.slots.seen
-            rope = torch.arange(seen, seen + length, device=hidden.device)
-        return TokenInputs(hidden, rope.expand(hidden.shape[0], -1))
+        return TokenInputs(hidden, _rope_positions(hidden, rope, self.slots.seen, length))
 
     def _finish_prefill(self) -> None:
         """After prefill eviction: split the kept tokens over the tiers, if the cache has tiers."""
@@ -339,9 +336,7 @@ class AlisaLayer(CacheLayerMixin):
         if self.inputs is None:
             return None
         hidden, rope = self.inputs
-        if rope is None:  # HF's default positions: 0..L-1
-            rope = torch.arange(self.slots.seen, device=hidden.device)
-        rope = rope.expand(hidden.shape[0], -1)
+        rope = _rope_positions(hidden, rope, 0, self.slots.seen)
         slot_positions = self.slots.positions[:, 0]
         rows = torch.arange(hidden.shape[0], device=hidden.device).view(-1, 1)
 
@@ -361,3 +356,13 @@ class AlisaLayer(CacheLayerMixin):
         index, capacity = moved
         self.store.reindex(index, capacity)
         self.eviction.reindex(index, capacity)
+
+
+def _rope_positions(
+    hidden: torch.Tensor, rope: torch.Tensor | None, start: int, length: int
+) -> torch.Tensor:
+    """(B, length) RoPE positions of a call: the model's ``position_ids``, or HF's default
+    ``arange`` from ``start`` when it passed none."""
+    if rope is None:
+        rope = torch.arange(start, start + length, device=hidden.device)
+    return rope.expand(hidden.shape[0], -1)
