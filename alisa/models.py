@@ -256,13 +256,21 @@ def check_prompt_length(model, tokenizer, prompt_tokens: int, hint: str = "") ->
     ValueError
         Naming the prompt length, the limit and where the limit comes from (``hint`` appended).
     """
-    known = context_length(model, tokenizer)
-    if known is not None and prompt_tokens > known[0]:
-        limit, source = known
-        raise ValueError(
-            f"the prompt has {prompt_tokens} tokens, more than the model's context of {limit} "
-            f"tokens ({source}){hint}"
-        )
+    error = prompt_length_error(prompt_tokens, context_length(model, tokenizer))
+    if error is not None:
+        raise ValueError(error + hint)
+
+
+def prompt_length_error(prompt_tokens: int, context: tuple[int, str] | None) -> str | None:
+    """Why a prompt of ``prompt_tokens`` does not fit ``context`` (from :func:`context_length`),
+    or None when it fits (or the limit is unknown)."""
+    if context is None or prompt_tokens <= context[0]:
+        return None
+    limit, source = context
+    return (
+        f"the prompt has {prompt_tokens} tokens, more than the model's context of {limit} "
+        f"tokens ({source})"
+    )
 
 
 def keep_last_tokens(tokenizer, prompt: str, tokens: int) -> str:

@@ -159,11 +159,8 @@ def recompute_flops(model, device: torch.device, tokens: int = 512) -> float:
     dtype = next(model.parameters()).dtype
     hidden = torch.randn(1, tokens, hidden_size, device=device).to(dtype)
     positions = torch.arange(tokens, device=device).view(1, -1)
-    module = recomputer.modules[0]
-    kv = 2 * (
-        getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
-    )
-    flops = 2.0 * tokens * hidden_size * kv * module.head_dim
+    shape = recomputer.adapter.shape
+    flops = 2.0 * tokens * hidden_size * 2 * shape.num_kv_heads * shape.head_dim  # K and V
     with torch.inference_mode():
         return flops / _median_seconds(lambda: recomputer(0, hidden, positions), device)
 

@@ -16,7 +16,7 @@ from alisa.jobs.io import OutputLog, Request, read_requests, same_file
 from alisa.jobs.parts import merge_parts
 from alisa.jobs.sizing import BatchMemory, batch_memory, largest_batch
 from alisa.memory import PeakMemory, format_bytes, parse_bytes
-from alisa.models import context_length
+from alisa.models import context_length, prompt_length_error
 from alisa.planning import model_spec
 
 
@@ -257,18 +257,12 @@ def _generate(model, tokenizer, job: BatchJob, batch: list[Request], new_tokens:
 
 def _drop_too_long(pending, lengths, context, summary: JobSummary) -> list:
     """Record prompts longer than the model's context as failed; return the others."""
-    if context is None:
-        return pending
-    limit, source = context
     kept = []
     for request in pending:
-        if lengths[request.id] <= limit:
+        error = prompt_length_error(lengths[request.id], context)
+        if error is None:
             kept.append(request)
             continue
-        error = (
-            f"the prompt has {lengths[request.id]} tokens, more than the model's context of "
-            f"{limit} tokens ({source})"
-        )
         summary.errors[request.id] = _failed_row(request, "prompt_too_long", error)
         summary.too_long.append(request.id)
     return kept
