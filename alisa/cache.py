@@ -4,17 +4,16 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
 from alisa.architecture import ModelAdapter, ModelShape
 from alisa.attention import ATTENTION_NAME
 from alisa.config import AlisaConfig, policy_for_layer
-from alisa.extensions import Recall
 from alisa.hooks import attach
 from alisa.layer import AlisaLayer, StepExtension
 from alisa.planning import TierPlanner
+from alisa.retention import HostRetention
 from alisa.storage.quantized import QuantizedStore
 from alisa.storage.recompute import KVRecomputer
 from alisa.storage.store import DenseStore, StoreFactory
@@ -63,10 +62,9 @@ class AlisaCache(Cache):
         config = self.config
         policy = policy_for_layer(config, index, self.shape.num_layers)
         extensions: list[StepExtension] = []
-        if config.recall_every and policy.can_evict():
-            extensions.append(
-                Recall(config.recall_every, config.recall_tokens, torch.device("cpu"))
-            )
+        retention = None
+        if config.retention == "host" and policy.can_evict():
+            retention = HostRetention(config.host_bits, policy.sink_tokens)
         if self.planner is not None:
             extensions.append(self.planner)  # prefetches the next layer's host tier
         return AlisaLayer(
@@ -76,6 +74,7 @@ class AlisaCache(Cache):
             store_factory=factory,
             tiering=self.planner,
             extensions=extensions,
+            retention=retention,
         )
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -87,9 +86,17 @@ class AlisaCache(Cache):
             )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def kv_bytes(self) -> int:
-        """Bytes of key/value buffers held by all layers (spare capacity included)."""
-        return sum(layer.kv_bytes() for layer in self.layers)
+    def kv_bytes(self, tier: str | None = None) -> int:
+        """Bytes of key/value buffers held by all layers (spare capacity included).
+
+        ``tier`` = ``"device"``, ``"host"`` or ``"recompute"`` gives one tier (with
+        ``retention="host"`` the key sketch counts on the device); ``None`` the total.
+        """
+        if tier is None:
+            return sum(layer.kv_bytes() for layer in self.layers)
+        if tier not in TIERS:
+            raise ValueError(f"tier={tier!r} is unknown; valid: {', '.join(TIERS)}")
+        return self.tier_bytes()[tier]
 
     def state_bytes(self) -> int:
         """Bytes of bookkeeping held besides K/V: slot positions and attention sums."""
@@ -103,7 +110,7 @@ class AlisaCache(Cache):
         """KV bytes per tier: device, host, recompute (hidden states); all on device if untiered."""
         totals = dict.fromkeys(TIERS, 0)
         for layer in self._started():
-            for tier, count in layer.store.tier_bytes().items():
+            for tier, count in layer.tier_bytes().items():
                 totals[tier] = totals.get(tier, 0) + count
         return totals
 

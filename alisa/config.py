@@ -12,6 +12,11 @@ from scheduler.budget import KeepRule
 LAYER_SCHEDULES = ("uniform", "pyramid")
 KV_BITS = (16, 8, 4)
 RECOMPUTE_MODES = ("auto", "never", "always")
+RETENTIONS = ("drop", "host")
+# retention="host" defaults, from docs/retention-selection-study.md: a floor of 64 tokens keeps
+# small budgets early in a sequence from losing what later steps need; 4 attention sinks.
+HOST_MIN_BUDGET_TOKENS = 64
+HOST_SINK_TOKENS = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,11 +71,17 @@ class AlisaConfig:
     profile
         Hardware profile JSON from ``alisa profile`` for planning; ``None``: this machine's saved
         profile, else rough defaults.
-    recall_every
-        Beyond the paper: keep evicted tokens in an INT8 host pool and, every this-many decode
-        steps, let the ones the current query attends to swap back in; 0 disables.
-    recall_tokens
-        Most tokens recalled per sequence and layer each time.
+    retention
+        What happens to tokens outside the budget. ``drop`` (the paper's SWA): they are
+        evicted for good. ``host``: every token stays in a host region and each decode step
+        attends, per KV head, to the budget's best tokens (sinks, the recent window and the
+        highest estimated attention), fetching from the host what the device lacks (ALISA's
+        phase II; Quest/InfiniGen/ShadowKV select per step the same way).
+    host_bits
+        ``retention="host"``: precision of the host region, 16 (model dtype), 8 or 4.
+    min_budget_tokens
+        Least tokens kept (attended) per sequence, whatever r; ``None``: 64 with
+        ``retention="host"``, 0 (the paper) with ``drop``.
     residual_tokens
         With kv_bits < 16, the most recent tokens also kept in full precision (KIVI and HF's
         quantized cache do the same, HF with 128); 0 stores every token quantized, as the paper.
@@ -93,8 +104,9 @@ class AlisaConfig:
     host_memory: int | str | None = None
     recompute: str = "auto"
     profile: str | None = None
-    recall_every: int = 0
-    recall_tokens: int = 8
+    retention: str = "drop"
+    host_bits: int = 8
+    min_budget_tokens: int | None = None
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -130,11 +142,17 @@ class AlisaConfig:
             raise ValueError(
                 f"recompute={self.recompute!r} is unknown; valid: {', '.join(RECOMPUTE_MODES)}"
             )
-        check_optional_int("recall_every", self.recall_every, minimum=0)
-        check_optional_int("recall_tokens", self.recall_tokens, minimum=1)
-        if self.recall_every and (self.per_head or self.gpu_memory is not None):
+        if self.retention not in RETENTIONS:
             raise ValueError(
-                f"recall_every={self.recall_every} needs one index set per layer and no gpu_memory"
+                f"retention={self.retention!r} is unknown; valid: {', '.join(RETENTIONS)}"
+            )
+        if self.host_bits not in KV_BITS:
+            raise ValueError(f"host_bits={self.host_bits!r} must be one of {KV_BITS}")
+        check_optional_int("min_budget_tokens", self.min_budget_tokens, minimum=0)
+        if self.retention == "host" and self.gpu_memory is not None:
+            raise ValueError(
+                "retention='host' cannot be combined with gpu_memory (its device region is "
+                "already the budget; the tier planner places dropped-mode KV only)"
             )
         if self.per_head and self.gpu_memory is not None:
             raise ValueError(
@@ -172,12 +190,19 @@ def policy_for_layer(config: AlisaConfig, layer_idx: int, num_layers: int) -> KV
         return DensePolicy()
     cls = POLICIES[config.policy]
     recent = config.recent_fraction
+    host = config.retention == "host"
     sinks = config.sink_tokens
+    if sinks is None:
+        sinks = max(cls.default_sink_tokens, HOST_SINK_TOKENS) if host else cls.default_sink_tokens
+    floor = config.min_budget_tokens
+    if floor is None:
+        floor = HOST_MIN_BUDGET_TOKENS if host else 0
     return cls(
         caching_ratio=config.caching_ratio,
         budget_tokens=config.budget_tokens,
         recent_fraction=cls.default_recent_fraction if recent is None else recent,
-        sink_tokens=cls.default_sink_tokens if sinks is None else sinks,
+        sink_tokens=sinks,
+        min_budget_tokens=floor,
         budget_scale=layer_budget_scale(
             layer_idx, num_layers, config.layer_schedule, config.dense_layers
         ),

@@ -40,6 +40,10 @@ class GenerationOutput:
         Wall time of each later decode step, seconds.
     kv_bytes, peak_kv_bytes
         KV bytes the cache held at the end, and at most after any step.
+    kv_tier_bytes
+        KV bytes at the end per tier: ``device`` (what the model's device holds, the key
+        sketch of ``retention="host"`` included) and ``host`` (host region or host tier);
+        ``recompute`` when tiers recompute. Foreign caches count all on the device.
     peak_memory_bytes
         Peak resident memory of the process (CPU) or peak CUDA allocation (GPU) during the call.
     """
@@ -52,6 +56,7 @@ class GenerationOutput:
     step_times_s: list[float] = field(default_factory=list)
     kv_bytes: int = 0
     peak_kv_bytes: int = 0
+    kv_tier_bytes: dict[str, int] = field(default_factory=dict)
     peak_memory_bytes: int = 0
 
     @property
@@ -296,9 +301,15 @@ class Engine:
                 tokens = _drop_finished(state, cache, tokens)
             state.advance(tokens)
         ttft = prefill_s + (times[0] if times else 0.0)
-        return self.output(
+        result = self.output(
             generated[:, :steps], prompt_tokens, ttft, times[1:], kv_bytes(), peak_kv
         )
+        result.kv_tier_bytes = (
+            cache.tier_bytes()
+            if isinstance(cache, AlisaCache)
+            else {"device": result.kv_bytes, "host": 0}  # foreign or sharded caches
+        )
+        return result
 
     def output(
         self,

@@ -16,16 +16,21 @@ from alisa.slots import SlotMap
 
 
 class Eviction:
-    """A layer's policy and its attention sums (when the policy scores by attention)."""
+    """A layer's policy and its attention sums (when the policy scores by attention).
 
-    def __init__(self, policy: KVPolicy) -> None:
+    ``scored=False``: the layer selects tokens another way (``retention="host"``) and only uses
+    the policy's budget and protections, so no attention is summed.
+    """
+
+    def __init__(self, policy: KVPolicy, *, scored: bool = True) -> None:
         self.policy = policy
+        self.scored = scored
         self.scores: AttentionAccumulator | None = None
 
     @property
     def needs_attention(self) -> bool:
         """Whether attention probabilities must reach the policy (never when nothing is evicted)."""
-        return self.policy.needs_attention and self.policy.can_evict()
+        return self.scored and self.policy.needs_attention and self.policy.can_evict()
 
     def start(self, slots: SlotMap) -> None:
         """Fresh attention sums for a new slot map (prefill); none when not needed."""

@@ -14,11 +14,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from alisa.eviction import Eviction
 from alisa.policies import KVPolicy
+from alisa.retention import HostRetention
 from alisa.slots import SlotMap, headroom
 from alisa.storage.store import DenseStore, KVStore, Part, StoreFactory, TokenInputs
 
@@ -68,6 +70,9 @@ class AlisaLayer(CacheLayerMixin):
         Splits the kept prefill over device/host/recompute tiers (None: all on the device).
     extensions
         Run after each decode step's eviction, in order.
+    retention
+        ``retention="host"``: every token kept in a host region, each decode step attends to
+        the tokens chosen per KV head (selection replaces eviction; implies per-head slots).
     """
 
     is_sliding = False
@@ -83,14 +88,16 @@ class AlisaLayer(CacheLayerMixin):
         store_factory: StoreFactory = DenseStore,
         tiering: Tiering | None = None,
         extensions: Sequence[StepExtension] = (),
+        retention: HostRetention | None = None,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.per_head = per_head
+        self.retention = retention
+        self.per_head = per_head or retention is not None
         self.store_factory = store_factory
         self.tiering = tiering
         self.extensions = tuple(extensions)
-        self.eviction = Eviction(policy)
+        self.eviction = Eviction(policy, scored=retention is None)
         self._clear()
 
     def _clear(self) -> None:
@@ -100,6 +107,8 @@ class AlisaLayer(CacheLayerMixin):
         self.prefilling = False  # the last update started the cache (dense prefill attention)
         # Attention input and RoPE positions of the current call (tiers that recompute keep them).
         self.inputs: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        # retention="host": the prompt, written to the host region once its padding is known.
+        self.prompt: tuple[torch.Tensor, torch.Tensor] | None = None
         self.is_initialized = False
 
     @property
@@ -150,6 +159,8 @@ class AlisaLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self._clear()
+        if self.retention is not None:
+            self.retention.reset()
         for extension in self.extensions:
             extension.reset()
 
@@ -164,6 +175,8 @@ class AlisaLayer(CacheLayerMixin):
         self.store.select_batch(indices)
         self.slots.select_batch(indices, indices.cpu().numpy())
         self.eviction.select_batch(indices)
+        if self.retention is not None:
+            self.retention.select_batch(indices)
         for extension in self.extensions:
             extension.select_batch(indices)
 
@@ -181,7 +194,15 @@ class AlisaLayer(CacheLayerMixin):
         return self.eviction.needs_attention
 
     def parts(self, query: torch.Tensor | None = None) -> list[Part]:
-        """(K, V, positions) per storage region, on the model's device, in slot order."""
+        """(K, V, positions) per storage region, on the model's device, in slot order.
+
+        With ``retention="host"`` and a decode ``query`` (B, H, 1, D), the slots are first made
+        this step's chosen tokens (fetching from the host region what the device lacks).
+        """
+        if self.retention is not None and query is not None and not self.prefilling:
+            budget = int(self.policy.budget(self.slots.lengths()).max())
+            self._ensure_capacity(budget + int(self.slots.dead.max(initial=0)) + 1)
+            self.retention.select(self.slots, self.store, self.policy, query)
         return self.store.parts(self.slots.positions, query)
 
     def slot_positions(self) -> torch.Tensor:
@@ -193,8 +214,19 @@ class AlisaLayer(CacheLayerMixin):
         return int(self.slots.kept.sum()) * self.groups if self.store is not None else 0
 
     def kv_bytes(self) -> int:
-        """Bytes of key/value buffers held, spare capacity included."""
-        return self.store.nbytes() if self.store is not None else 0
+        """Bytes of key/value buffers held, spare capacity included (every tier)."""
+        return sum(self.tier_bytes().values())
+
+    def tier_bytes(self) -> dict[str, int]:
+        """KV bytes per tier (device, host, recompute): the store's regions, plus the host
+        region and the device key sketch of ``retention="host"``."""
+        if self.store is None:
+            return {}
+        totals = dict(self.store.tier_bytes())
+        if self.retention is not None:
+            for tier, count in self.retention.tier_bytes().items():
+                totals[tier] = totals.get(tier, 0) + count
+        return totals
 
     def state_bytes(self) -> int:
         """Bytes of bookkeeping: slot positions and attention sums."""
@@ -244,9 +276,17 @@ class AlisaLayer(CacheLayerMixin):
         scaling
             Softmax scale.
         """
-        if probabilities is not None:
-            self.account(probabilities)
-        self.evict()
+        if self.retention is not None:
+            if self.prefilling:
+                # The prompt goes to the host region; the device keeps only what the last
+                # prompt query chooses, so no layer holds the whole prompt past its prefill.
+                self._keep_prompt()
+                self.retention.select(self.slots, self.store, self.policy, query[:, :, -1:])
+            self._maybe_compact()  # the selection freed slots; return their memory
+        else:
+            if probabilities is not None:
+                self.account(probabilities)
+            self.evict()
         if self.prefilling:
             self._finish_prefill()
             return
@@ -277,9 +317,23 @@ class AlisaLayer(CacheLayerMixin):
         self.store = self.store_factory(keys, values, capacity, groups=groups)
         self.slots = SlotMap(batch, groups, length, capacity, self.device)
         self.eviction.start(self.slots)
+        if self.retention is not None:
+            self.prompt = (keys, values)
+
+    def _keep_prompt(self) -> None:
+        """After the prefill attention marked padding: the prompt goes to the host region."""
+        if self.prompt is not None:
+            self.retention.write(0, *self.prompt, self.slots)
+            self.prompt = None
 
     def _write_one(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        append = self.slots.appends()
+        if self.retention is not None:
+            # Every new token is kept on the host as well; on the device it goes to the
+            # frontier (the selection reuses freed slots, compaction returns the rest).
+            self.retention.write(self.slots.seen, keys, values, self.slots)
+            append = np.ones(len(self.slots.kept), dtype=bool)
+        else:
+            append = self.slots.appends()
         if append.any():
             self._ensure_capacity(self.slots.width + 1)
         position = self.slots.seen
@@ -294,6 +348,8 @@ class AlisaLayer(CacheLayerMixin):
         length = keys.shape[2]
         self._ensure_capacity(self.slots.width + length)
         position = self.slots.seen
+        if self.retention is not None:
+            self.retention.write(position, keys, values, self.slots)
         inputs = self._inputs(length)
         start = self.slots.place_range(length)
         self.store.write_range(start, keys, values, position, inputs)

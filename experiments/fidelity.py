@@ -39,6 +39,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--sink-tokens", type=int, default=None, help="override the policies' attention sinks"
     )
+    parser.add_argument(
+        "--retention",
+        default="drop",
+        choices=("drop", "host"),
+        help="drop: evicted tokens are gone (the paper); host: every token kept on the host, "
+        "each step attends to the best r*n per KV head",
+    )
+    parser.add_argument(
+        "--host-bits", type=int, default=8, help="precision of the host region (retention host)"
+    )
     return parser.parse_args(argv)
 
 
@@ -54,9 +64,7 @@ def main(argv=None) -> int:
     perplexity = {}
     for policy in policies:
         for ratio in [1.0] if policy == "dense" else ratios:
-            config = AlisaConfig(
-                policy=policy, caching_ratio=ratio, sink_tokens=sinks(args, policy)
-            )
+            config = make_config(args, policy, ratio)
             result = decode_perplexity(model, segments, config)
             perplexity[f"{policy}@{ratio:g}"] = result.perplexity
             print(f"ppl {policy:9s} r={ratio:<4g} {result.perplexity:8.3f}", file=sys.stderr)
@@ -64,7 +72,7 @@ def main(argv=None) -> int:
     rows = load_passkey(root)
     for policy in policies:
         ratio = 1.0 if policy == "dense" else args.passkey_ratio
-        config = AlisaConfig(policy=policy, caching_ratio=ratio, sink_tokens=sinks(args, policy))
+        config = make_config(args, policy, ratio)
         result = passkey_accuracy(
             model, tokenizer, rows, config, max_prompt_tokens=args.passkey_max_tokens
         )
@@ -83,6 +91,8 @@ def main(argv=None) -> int:
         "passkey": passkey,
         "passkey_max_tokens": args.passkey_max_tokens,
         "sink_tokens": args.sink_tokens,
+        "retention": args.retention,
+        "host_bits": args.host_bits if args.retention == "host" else None,
         "targets": targets(perplexity, ratios),
         "seconds": round(time.perf_counter() - started, 1),
         "torch": torch.__version__,
@@ -94,9 +104,16 @@ def main(argv=None) -> int:
     return 0
 
 
-def sinks(args, policy: str) -> int | None:
-    """The --sink-tokens override for sparse policies (dense keeps everything anyway)."""
-    return None if policy == "dense" else args.sink_tokens
+def make_config(args, policy: str, ratio: float) -> AlisaConfig:
+    """The configuration of one row: policy, r, and the run's sinks and retention."""
+    return AlisaConfig(
+        policy=policy,
+        caching_ratio=ratio,
+        # The --sink-tokens override is for sparse policies (dense keeps everything anyway).
+        sink_tokens=None if policy == "dense" else args.sink_tokens,
+        retention=args.retention,
+        host_bits=args.host_bits,
+    )
 
 
 def targets(perplexity: dict, ratios: list[float]) -> dict:

@@ -82,6 +82,11 @@ class ModelSpec:
         groups = 2 * self.num_layers * self.num_kv_heads  # one group per token per KV head
         return values * kv_bits / 8 + groups * 2 * SCALE_BYTES
 
+    def sketch_bytes_per_token(self) -> float:
+        """Device bytes of one token's key sketch over all layers (``retention="host"``: one
+        4-bit code per key channel, stored one per byte)."""
+        return self.num_layers * self.num_kv_heads * self.head_dim
+
     def hidden_bytes_per_token(self, hidden_bits: int = 16) -> float:
         """Bytes of one token's attention inputs over all layers (what recomputation stores)."""
         values = self.num_layers * self.hidden_size

@@ -80,9 +80,10 @@ CASES = {
     "sink-tokens-negative": Case("generate hi --sink-tokens -1", ERR, ("--sink-tokens", "-1")),
     "kv-bits-3": Case("generate hi --kv-bits 3", ERR, ("--kv-bits", "3")),
     "gpu-memory-text": Case("generate hi --gpu-memory lots", ERR, ("--gpu-memory", "'lots'")),
-    "recall-with-per-head": Case(
-        "generate hi --recall-every 2 --per-head", ERR, ("--recall-every", "recall_every=2")
+    "retention-unknown": Case(
+        "generate hi --retention disk", ERR, ("--retention", "retention='disk'", "drop, host")
     ),
+    "host-bits-3": Case("generate hi --retention host --host-bits 3", ERR, ("--host-bits", "3")),
     "profile-missing": Case(
         "generate hi --profile {tmp}/missing.json", ERR, ("--profile", "missing.json")
     ),

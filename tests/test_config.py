@@ -84,8 +84,9 @@ WRONG_TYPES = {
     "host_memory": [1],
     "recompute": False,
     "profile": 3,
-    "recall_every": 1.0,
-    "recall_tokens": 8.0,
+    "retention": 1,
+    "host_bits": 8.0,
+    "min_budget_tokens": 64.0,
 }
 
 

@@ -167,10 +167,19 @@ def stats_line(result, config) -> str:
     return (
         f"[alisa] prompt {result.prompt_tokens[0]} tok | generated {result.generated_tokens} tok | "
         f"ttft {result.ttft_s:.2f} s | decode {result.decode_tokens_per_s:.1f} tok/s | "
-        f"kv held {format_bytes(result.kv_bytes)} (peak {format_bytes(result.peak_kv_bytes)}) | "
+        f"kv held {format_bytes(result.kv_bytes)} (peak {format_bytes(result.peak_kv_bytes)}; "
+        f"{tiers_text(result.kv_tier_bytes)}) | "
         f"peak memory {format_bytes(result.peak_memory_bytes)} | policy {config.policy} "
         f"r={config.caching_ratio:g}"
     )
+
+
+def tiers_text(tiers: dict[str, int]) -> str:
+    """``device 1.2 MiB, host 3.4 MiB`` (tiers that hold nothing left out, device always)."""
+    from alisa.memory import format_bytes
+
+    shown = [(name, count) for name, count in tiers.items() if count or name == "device"]
+    return ", ".join(f"{name} {format_bytes(count)}" for name, count in shown)
 
 
 def _parallel(args, model, tokenizer, prompt, config, parallel, sampling):

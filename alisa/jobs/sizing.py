@@ -64,6 +64,8 @@ def batch_memory(
         if config.kv_bits < 16:
             residual = sum(min(config.residual_tokens, count) for count in slots)
             kv += batch * residual * layer_full
+        if config.retention == "host":  # every token's key sketch stays on the device
+            kv += batch * total * spec.sketch_bytes_per_token()
     element = spec.bytes_per_element
     activations = batch * prompt_len * (4 * spec.hidden_size + 2 * spec.intermediate_size) * element
     mask = batch * prompt_len * prompt_len  # boolean padding mask of the prefill

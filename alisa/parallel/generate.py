@@ -161,9 +161,12 @@ def parallel_generate(
     ------
     ValueError
         Ranks with different prompt lengths, a prompt shorter than the world, a partition table
-        for another world size.
+        for another world size, ``retention="host"`` with sharded decode.
     """
     config, parallel = config or AlisaConfig(), parallel or ParallelConfig()
+    if parallel.decode == "sharded" and config.retention == "host":
+        # Shards evict within their own chunk; a host region per shard is not built.
+        raise ValueError("retention='host' cannot be combined with parallel decode='sharded'")
     sampling = sampling or SamplingOptions()
     device = next(model.parameters()).device
     input_ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)

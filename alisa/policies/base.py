@@ -42,6 +42,8 @@ class KVPolicy:
         First tokens of every sequence that are always kept.
     budget_scale
         Per-layer multiplier on the budget (pyramid schedules); 1.0 = uniform.
+    min_budget_tokens
+        Least tokens kept per sequence (the budget's floor).
     """
 
     name: ClassVar[str] = "base"
@@ -56,6 +58,7 @@ class KVPolicy:
     recent_fraction: float = 0.5
     sink_tokens: int = 0
     budget_scale: float = 1.0
+    min_budget_tokens: int = 0
 
     @classmethod
     def own_options(cls, settings: Mapping[str, object]) -> dict[str, object]:
@@ -82,6 +85,7 @@ class KVPolicy:
             budget_tokens=self.budget_tokens,
             sink_tokens=self.sink_tokens,
             scale=self.budget_scale,
+            floor=self.min_budget_tokens,
         )
 
     def can_evict(self) -> bool:

@@ -16,7 +16,7 @@ from quant import QuantizedTensor, dequantize, quantize
 SCALE_DTYPE = torch.float16
 
 
-class _QuantizedPair:
+class QuantizedPair:
     """Keys (index 0) and values (1) as one uint8 code tensor (2, B, H, capacity, D * bits / 8)
     with per-group scales and zero points (2, B, H, capacity, groups).
 
@@ -106,7 +106,7 @@ class QuantizedStore(DeviceResident):
         batch, heads, length, head_dim = keys.shape
         group = group_size or head_dim
         shape = (batch, heads, capacity, head_dim)
-        self.codes = _QuantizedPair(shape, bits, group, keys.dtype, keys.device)
+        self.codes = QuantizedPair(shape, bits, group, keys.dtype, keys.device)
         self.residual = residual_tokens
         self.ring_keys = keys.new_zeros(batch, heads, residual_tokens, head_dim)
         self.ring_values = values.new_zeros(batch, heads, residual_tokens, head_dim)
@@ -198,6 +198,14 @@ class QuantizedStore(DeviceResident):
             self.ring_values[rows, :, entry] = values
             self.ring_slots[rows, :, entry] = slots.view(-1, 1)
             self.ring_positions[entry] = position
+
+    def write_heads(self, rows, heads, slots, keys, values) -> None:
+        """Write (sequence, KV head) entries: index triples (E,), keys/values (E, D).
+
+        The full-precision ring is left alone: its entries are used only while their slot still
+        holds the token they were written for.
+        """
+        self.codes.write((slice(None), rows, heads, slots), torch.stack([keys, values]))
 
     def reindex(self, index: torch.Tensor, capacity: int) -> None:
         """New slot j holds old slot index[b, g, j]; grow to ``capacity``; remap the ring."""

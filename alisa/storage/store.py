@@ -114,6 +114,18 @@ class KVStore(Protocol):
         inputs: TokenInputs | None = None,
     ) -> None: ...
 
+    def write_heads(
+        self,
+        rows: torch.Tensor,
+        heads: torch.Tensor,
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> None:
+        """Write single (sequence, KV head) entries: index triples (E,), keys/values (E, D)
+        (tokens brought back from the host region by ``retention="host"``)."""
+        ...
+
     def reindex(self, index: torch.Tensor, capacity: int) -> None: ...
 
     def grow(self, capacity: int) -> None: ...
@@ -251,6 +263,11 @@ class DenseStore(DeviceResident):
         """Write one token for some sequences: rows, slots (E,), keys/values (E, H_kv, D)."""
         self.keys[rows, :, slots] = keys
         self.values[rows, :, slots] = values
+
+    def write_heads(self, rows, heads, slots, keys, values) -> None:
+        """Write (sequence, KV head) entries: index triples (E,), keys/values (E, D)."""
+        self.keys[rows, heads, slots] = keys
+        self.values[rows, heads, slots] = values
 
     def reindex(self, index: torch.Tensor, capacity: int) -> None:
         """New slot j holds old slot index[b, g, j]; then grow to ``capacity`` slots."""

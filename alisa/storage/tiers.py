@@ -160,6 +160,11 @@ class TieredStore:
                     inputs.rows(inside) if region.needs_inputs else None,
                 )
 
+    def write_heads(self, rows, heads, slots, keys, values) -> None:
+        """Tiers hold one index set per layer; per-head writes come only from
+        ``retention="host"``, which the configuration keeps apart from tiers."""
+        raise ValueError("retention='host' cannot be combined with gpu_memory tiers")
+
     def grow(self, capacity: int) -> None:
         """Extend the last region (appends land there)."""
         last = self._regions[-1]

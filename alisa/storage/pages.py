@@ -1,0 +1,135 @@
+"""The host region of ``retention="host"``: every token's K/V, page-organised, 16/8/4 bits.
+
+Nothing is deleted here. Tokens are written once, at their position, into pages of
+``PAGE_TOKENS`` (the buffers grow by whole pages), quantized per token and KV head (ALISA's
+asymmetric min/max, :mod:`quant`) unless ``bits`` is 16. A decode step copies back only the
+tokens its selection wants that the device does not already hold (:meth:`HostPages.fetch`):
+an index gather of those rows, then dequantization of just them. On CUDA the buffers are pinned
+so the copy is asynchronous; on a CPU both regions are ordinary memory and the saving is the bytes
+read per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from alisa.storage.quantized import QuantizedPair
+from alisa.storage.store import with_capacity
+from quant import QuantizedTensor, dequantize
+
+PAGE_TOKENS = 16
+HOST_BITS = (16, 8, 4)
+
+
+def host_device(device: torch.device) -> torch.device:
+    """Where the host region lives for a model on ``device``: CPU memory."""
+    return torch.device("cpu") if device.type != "cpu" else device
+
+
+class HostPages:
+    """Keys and values of every position of one layer, (2, B, H_kv, capacity, ·) on the host.
+
+    Parameters
+    ----------
+    batch, heads, head_dim
+        Sequences, KV heads, channels.
+    bits
+        16 (the model dtype), 8 or 4.
+    dtype, device
+        The model's dtype and device (fetches are returned there).
+    """
+
+    def __init__(
+        self, batch: int, heads: int, head_dim: int, *, bits: int, dtype, device: torch.device
+    ) -> None:
+        if bits not in HOST_BITS:
+            raise ValueError(f"host_bits={bits!r} must be one of {HOST_BITS}")
+        self.bits, self.dtype, self.device = bits, dtype, device
+        self.host = host_device(device)
+        self.pin = device.type == "cuda"
+        shape = (batch, heads, 0, head_dim)
+        self.pair: QuantizedPair | None = None
+        self.plain: torch.Tensor | None = None
+        if bits == 16:
+            self.plain = torch.zeros(2, *shape, dtype=dtype, device=self.host)
+        else:
+            self.pair = QuantizedPair(shape, bits, head_dim, dtype, self.host)
+        self.head_dim = head_dim
+        self.length = 0  # positions written
+
+    @property
+    def capacity(self) -> int:
+        return self._tensors()[0].shape[3]
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self._tensors())
+
+    def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store (B, H_kv, m, D) keys and values at positions [start, start + m)."""
+        end = start + keys.shape[2]
+        self._reserve(end)
+        pair = torch.stack([keys, values]).to(self.host)
+        index = (slice(None), slice(None), slice(None), slice(start, end))
+        if self.plain is not None:
+            self.plain[index] = pair
+        else:
+            self.pair.write(index, pair)
+        self.length = max(self.length, end)
+
+    def fetch(
+        self, rows: torch.Tensor, heads: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(E, D) keys and values of E tokens (flat index triples), on the model's device.
+
+        Only these rows are read and dequantized; nothing else of the history is touched.
+        """
+        _, batch, heads_, capacity = self._tensors()[0].shape[:4]
+        # One flat row index into (2, B * H_kv * capacity, ·) views: index_select copies just
+        # those rows (advanced indexing over three dimensions is several times slower on CPU).
+        flat = ((rows * heads_ + heads) * capacity + positions).to(self.host)
+        picked = [
+            t.view(2, batch * heads_ * capacity, -1).index_select(1, flat) for t in self._tensors()
+        ]
+        if self.pin:
+            picked = [t.pin_memory() for t in picked]
+        picked = [t.to(self.device, non_blocking=True) for t in picked]
+        if self.plain is not None:
+            return picked[0][0], picked[0][1]
+        data, scale, zero = picked
+        both = dequantize(
+            QuantizedTensor(
+                data=data,
+                scale=scale,
+                zero_point=zero,
+                shape=(2, rows.numel(), self.head_dim),
+                dtype=self.dtype,
+                bits=self.bits,
+                group_size=self.head_dim,
+            )
+        )
+        return both[0], both[1]
+
+    def select_batch(self, indices: torch.Tensor) -> None:
+        host = indices.to(self.host)
+        self._replace(tuple(t.index_select(1, host) for t in self._tensors()))
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.plain,) if self.plain is not None else self.pair.tensors()
+
+    def _replace(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        if self.pin:
+            tensors = tuple(t.pin_memory() for t in tensors)
+        if self.plain is not None:
+            (self.plain,) = tensors
+        else:
+            self.pair.replace(tensors)
+
+    def _reserve(self, length: int) -> None:
+        """Grow by whole pages (an eighth of the length at least) so growth copies amortise."""
+        if length <= self.capacity:
+            return
+        wanted = length + max(PAGE_TOKENS, length // 8)
+        pages = -(-wanted // PAGE_TOKENS)
+        self._replace(tuple(with_capacity(t, pages * PAGE_TOKENS) for t in self._tensors()))

@@ -1,0 +1,204 @@
+"""retention="host": nothing is lost; each decode step attends to the best tokens per KV head."""
+
+import pytest
+import torch
+from conftest import hf_generate, padded_batch, tiny_gpt2, tiny_llama
+
+from alisa import AlisaCache, AlisaConfig, generate
+from alisa.architecture import model_shape
+from alisa.jobs.sizing import batch_memory
+from alisa.layer import AlisaLayer
+from alisa.planning import model_spec
+from alisa.policies import POLICIES
+from alisa.retention import HostRetention
+
+HOST = {"retention": "host"}
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2], ids=["llama-gqa", "gpt2-mha"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param(AlisaConfig(policy="swa", caching_ratio=1.0, **HOST), id="r1"),
+        pytest.param(AlisaConfig(policy="swa", budget_tokens=10_000, **HOST), id="unreached"),
+        pytest.param(
+            AlisaConfig(policy="h2o", budget_tokens=10_000, host_bits=4, **HOST), id="int4-host"
+        ),
+        pytest.param(
+            AlisaConfig(policy="swa", budget_tokens=10_000, kv_bits=8, residual_tokens=0, **HOST),
+            id="int8-device",
+        ),
+    ],
+)
+def test_unreached_budgets_match_dense_generate(make, config):
+    model = make()
+    ids, mask = padded_batch(lengths=(50, 41, 23))
+    expected = hf_generate(model, ids, mask, max_new_tokens=12)
+    cache = AlisaCache(model, config)
+    got = hf_generate(model, ids, mask, cache, max_new_tokens=12)
+    if config.kv_bits != 16:  # INT8 on the device: the same as dropping mode with INT8
+        drop = AlisaCache(model, config.with_overrides(retention="drop"))
+        expected = hf_generate(model, ids, mask, drop, max_new_tokens=12)
+    assert torch.equal(got, expected)
+
+
+def test_unreached_budget_matches_dense_sampling():
+    model = tiny_llama()
+    ids, mask = padded_batch(lengths=(50, 41, 23))
+    options = {"do_sample": True, "top_k": 20, "temperature": 0.8}
+    torch.manual_seed(3)
+    expected = hf_generate(model, ids, mask, max_new_tokens=12, **options)
+    cache = AlisaCache(model, AlisaConfig(policy="swa", budget_tokens=10_000, **HOST))
+    torch.manual_seed(3)
+    got = hf_generate(model, ids, mask, cache, max_new_tokens=12, **options)
+    assert torch.equal(got, expected)
+
+
+def decoded_cache(config, lengths=(120, 100, 60), steps=20, model=None):
+    model = model or tiny_llama()
+    ids, mask = padded_batch(lengths=lengths)
+    cache = AlisaCache(model, config)
+    hf_generate(model, ids, mask, cache, max_new_tokens=steps)
+    return cache, mask
+
+
+def test_every_token_stays_on_the_host_and_the_device_holds_the_budget_per_head():
+    config = AlisaConfig(policy="swa", caching_ratio=0.2, min_budget_tokens=16, **HOST)
+    cache, mask = decoded_cache(config)
+    lengths = mask.sum(1).numpy() + 20 - 1  # the last token is not yet written
+    for layer in cache.layers:
+        slots, retention = layer.slots, layer.retention
+        assert retention.pages.length == slots.seen  # every position, padding included
+        budget = layer.policy.budget(lengths)
+        for row in range(3):
+            first = int(slots.first[row])
+            for head in range(slots.groups):
+                held = slots.positions[row, head]
+                held = sorted(held[held >= 0].tolist())
+                assert len(held) == budget[row]
+                assert held[0] >= first  # no padding on the device
+                # sinks and the newest token are always attended
+                assert set(range(first, first + 4)) <= set(held)
+                assert slots.seen - 1 in held
+        assert retention.steps > 0 and retention.fetched > 0
+
+
+def test_selection_differs_between_kv_heads():
+    config = AlisaConfig(policy="swa", caching_ratio=0.2, min_budget_tokens=16, **HOST)
+    cache, _ = decoded_cache(config)
+    differs = False
+    for layer in cache.layers:
+        positions = layer.slots.positions
+        sets = [
+            set(positions[0, h][positions[0, h] >= 0].tolist()) for h in range(positions.shape[1])
+        ]
+        differs |= any(a != sets[0] for a in sets[1:])
+    assert differs
+
+
+def test_tier_bytes_split_the_total_and_the_host_region_is_int8():
+    config = AlisaConfig(policy="swa", caching_ratio=0.2, min_budget_tokens=16, **HOST)
+    cache, _ = decoded_cache(config)
+    tiers = cache.tier_bytes()
+    assert cache.kv_bytes() == tiers["device"] + tiers["host"] + tiers["recompute"]
+    assert cache.kv_bytes(tier="device") == tiers["device"]
+    assert cache.kv_bytes(tier="host") == tiers["host"] > 0
+    layer = cache.layers[0]
+    batch, heads, capacity = layer.retention.pages.pair.data.shape[1:4]
+    head_dim = cache.shape.head_dim
+    dense_fp32 = 2 * batch * heads * capacity * head_dim * 4
+    # INT8 codes plus an fp16 scale and zero point per token, K and V (0.27 at head_dim 64)
+    expected = (head_dim + 4) / (4 * head_dim)
+    assert layer.retention.pages.nbytes() / dense_fp32 == pytest.approx(expected)
+    with pytest.raises(ValueError, match="tier='disk'"):
+        cache.kv_bytes(tier="disk")
+
+
+def synthetic_layer(retention: bool, budget: int = 24) -> AlisaLayer:
+    policy = POLICIES["swa"](
+        caching_ratio=1.0, budget_tokens=budget, recent_fraction=0.25, sink_tokens=4
+    )
+    host = HostRetention(16, 4) if retention else None
+    return AlisaLayer(policy, retention=host)
+
+
+def test_a_token_an_evicting_policy_lost_comes_back():
+    """A passkey in miniature: token 40's key is unlike the others; later queries ignore it
+    (so drop-mode SWA evicts it), then one query asks for it."""
+    torch.manual_seed(0)
+    dim, length = 16, 100
+    keys = torch.randn(1, 1, length, dim) * 0.1
+    values = torch.randn(1, 1, length, dim)
+    needle = torch.zeros(dim)
+    needle[0] = 4.0
+    keys[0, 0, 40] = needle
+    layers = {"drop": synthetic_layer(False), "host": synthetic_layer(True)}
+    query_away = torch.zeros(1, 1, 1, dim)
+    query_away[..., 1] = 4.0  # attends to nothing in particular
+    query_needle = needle.view(1, 1, 1, dim)
+    for name, layer in layers.items():
+        layer.update(keys, values)
+        layer.after_attention(query_away.expand(1, 1, length, dim), None, dim**-0.5)
+        for step in range(10):
+            new_key = torch.randn(1, 1, 1, dim) * 0.1
+            layer.update(new_key, torch.randn(1, 1, 1, dim))
+            query = query_needle if step == 9 else query_away
+            parts = layer.parts(query)
+            probabilities = _probabilities(query, parts, dim)
+            layer.after_attention(query, probabilities, dim**-0.5)
+        held = set(parts[0].positions[0].flatten().tolist())
+        if name == "drop":
+            assert 40 not in held  # evicted for good
+        else:
+            assert 40 in held  # fetched back from the host region
+            slot = (parts[0].positions[0, 0] == 40).nonzero()[0, 0]
+            assert torch.equal(parts[0].keys[0, 0, slot], needle)  # 16-bit host: exact
+            assert layer.retention.fetched > 0
+
+
+def _probabilities(query, parts, dim):
+    positions = parts[0].positions
+    logits = torch.matmul(query, parts[0].keys.transpose(-1, -2)) * dim**-0.5
+    logits = logits.masked_fill(positions.unsqueeze(2) < 0, float("-inf"))
+    return logits.softmax(-1).unsqueeze(2)  # (B, H_kv, G=1, q, S)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"retention": "disk"}, "retention='disk'"),
+        ({"retention": "host", "host_bits": 3}, "host_bits=3"),
+        ({"retention": "host", "gpu_memory": "1GiB"}, "gpu_memory"),
+        ({"min_budget_tokens": -1}, "min_budget_tokens=-1"),
+    ],
+)
+def test_bad_retention_settings_name_the_field(options, message):
+    with pytest.raises(ValueError, match=message):
+        AlisaConfig(**options)
+
+
+def test_the_floor_keeps_small_budgets_useful():
+    config = AlisaConfig(policy="swa", caching_ratio=0.1, **HOST)
+    rule = config.keep_rules(4)[0]
+    assert rule.kept(10) == 10 and rule.kept(100) == 64 and rule.kept(1000) == 100
+    assert AlisaConfig(policy="swa", caching_ratio=0.1).keep_rules(4)[0].kept(100) == 10
+
+
+def test_generate_reports_device_and_host_bytes(tokenizer):
+    model = tiny_llama()
+    config = AlisaConfig(policy="swa", caching_ratio=0.2, min_budget_tokens=16, **HOST)
+    result = generate(model, tokenizer, ["a long prompt " * 12], config, max_new_tokens=6)
+    tiers = result.kv_tier_bytes
+    assert tiers["host"] > 0 and tiers["device"] > 0
+    assert result.kv_bytes == sum(tiers.values())
+    dense = generate(model, tokenizer, ["a long prompt " * 12], max_new_tokens=6)
+    assert dense.kv_tier_bytes["host"] == 0
+
+
+def test_batch_sizing_counts_the_budget_and_every_token_sketch_on_the_device():
+    model = tiny_llama()
+    spec = model_spec(model, model_shape(model))
+    drop = AlisaConfig(policy="swa", caching_ratio=0.2, min_budget_tokens=64)
+    host = drop.with_overrides(retention="host")
+    extra = batch_memory(spec, host, 4, 512, 64).kv - batch_memory(spec, drop, 4, 512, 64).kv
+    assert extra == 4 * (512 + 64) * spec.sketch_bytes_per_token()
