@@ -68,8 +68,11 @@ class HostRetention:
             )
             self.sketch = KeySketch(batch, heads, head_dim, start + length, keys.device)
         self.pages.write(start, keys, values)
-        positions = torch.arange(start, start + length, device=keys.device)
-        self.sketch.write(start, keys, self._counted(positions, slots))
+        counted = None
+        if self.sketch.widens(start):
+            positions = torch.arange(start, start + length, device=keys.device)
+            counted = self._counted(positions, slots)
+        self.sketch.write(start, keys, counted)
 
     def _counted(self, positions: torch.Tensor, slots: SlotMap) -> torch.Tensor:
         """(B, m) whether each position is a real, non-sink token (it may shape the sketch)."""

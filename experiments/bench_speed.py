@@ -56,12 +56,17 @@ def compare(rows: list[dict], baseline: str) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| system | decode tok/s | median step ms | TTFT s | KV MiB | peak RSS MiB | speed-up |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| system | decode tok/s | median step ms | TTFT s | KV MiB | device / host KV vs fp32 "
+        "| peak RSS MiB | speed-up |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
+        tiers, dense = row["kv_tier_bytes"], row["dense_fp32_kv_bytes"]
+        shares = f"{tiers['device'] / dense:.3f} / {tiers.get('host', 0) / dense:.3f}"
         print(
             f"| {row['system']} | {row['decode_tokens_per_s']:.1f} | {row['median_step_ms']:.0f} | "
-            f"{row['ttft_s']:.1f} | {row['kv_bytes'] / 2**20:.1f} | "
+            f"{row['ttft_s']:.1f} | {row['kv_bytes'] / 2**20:.1f} | {shares} | "
             f"{row['peak_rss_bytes'] / 2**20:.0f} | {row.get('speedup_vs_baseline', 0):.2f}x |"
         )
 

@@ -17,11 +17,13 @@ import time
 import torch
 
 from alisa import AlisaConfig, load_model
-from experiments.data import data_dir, load_passkey, load_wikitext2
+from experiments.data import data_dir, load_niah, load_passkey, load_wikitext2
 from experiments.tasks.passkey import passkey_accuracy
 from experiments.tasks.perplexity import decode_perplexity, text_segments
+from experiments.tasks.retrieval import retrieval_accuracy
 
 POLICIES = ("dense", "swa", "h2o", "tova", "streaming", "local", "strided")
+TASKS = ("perplexity", "passkey", "niah")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -49,7 +51,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--host-bits", type=int, default=8, help="precision of the host region (retention host)"
     )
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--tasks",
+        default="perplexity,passkey",
+        help="comma list of perplexity, passkey, niah (RULER single needle, same ratio and "
+        "length limit as passkey)",
+    )
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.tasks.split(",")) - set(TASKS))
+    if unknown:
+        parser.error(f"--tasks: unknown {unknown}; valid: {', '.join(TASKS)}")
+    return args
 
 
 def main(argv=None) -> int:
@@ -59,10 +71,11 @@ def main(argv=None) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     ratios = [float(r) for r in args.ratios.split(",")]
     model, tokenizer = load_model(args.model, dtype=args.dtype)
+    tasks = args.tasks.split(",")
     segments = text_segments(tokenizer, load_wikitext2(root), args.segment_tokens, args.segments)
     started = time.perf_counter()
-    perplexity = {}
-    for policy in policies:
+    perplexity, niah = {}, {}
+    for policy in policies if "perplexity" in tasks else ():
         for ratio in [1.0] if policy == "dense" else ratios:
             config = make_config(args, policy, ratio)
             result = decode_perplexity(model, segments, config)
@@ -70,7 +83,7 @@ def main(argv=None) -> int:
             print(f"ppl {policy:9s} r={ratio:<4g} {result.perplexity:8.3f}", file=sys.stderr)
     passkey = {}
     rows = load_passkey(root)
-    for policy in policies:
+    for policy in policies if "passkey" in tasks else ():
         ratio = 1.0 if policy == "dense" else args.passkey_ratio
         config = make_config(args, policy, ratio)
         result = passkey_accuracy(
@@ -81,6 +94,18 @@ def main(argv=None) -> int:
             f"passkey {policy:9s} r={ratio:<4g} {result.accuracy:.3f} ({result.total})",
             file=sys.stderr,
         )
+    for policy in policies if "niah" in tasks else ():
+        ratio = 1.0 if policy == "dense" else args.passkey_ratio
+        result = retrieval_accuracy(
+            model,
+            tokenizer,
+            load_niah(root),
+            make_config(args, policy, ratio),
+            kind="niah",
+            max_prompt_tokens=args.passkey_max_tokens,
+        )
+        niah[f"{policy}@{ratio:g}"] = {"accuracy": result["accuracy"], "n": result["n"]}
+        print(f"niah {policy:9s} r={ratio:<4g} {result['accuracy']:.3f}", file=sys.stderr)
     report = {
         "benchmark": "fidelity",
         "model": args.model,
@@ -89,6 +114,7 @@ def main(argv=None) -> int:
         "segment_tokens": args.segment_tokens,
         "perplexity": perplexity,
         "passkey": passkey,
+        "niah": niah,
         "passkey_max_tokens": args.passkey_max_tokens,
         "sink_tokens": args.sink_tokens,
         "retention": args.retention,

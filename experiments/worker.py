@@ -63,10 +63,22 @@ def measure(args: argparse.Namespace) -> dict:
         "ttft_s": result.ttft_s,
         "kv_bytes": result.kv_bytes,
         "peak_kv_bytes": result.peak_kv_bytes,
+        "kv_tier_bytes": result.kv_tier_bytes,
+        # what every token's K/V would take at float32 (the issue's memory ratios divide by it)
+        "dense_fp32_kv_bytes": dense_fp32_bytes(model, result),
         "peak_rss_bytes": result.peak_memory_bytes,
         "generated_tokens": result.generated_tokens,
         "token_ids": result.token_ids,
     }
+
+
+def dense_fp32_bytes(model, result) -> int:
+    """Bytes of float32 K and V for every token of the run, all layers and KV heads."""
+    from alisa.architecture import model_shape
+
+    shape = model_shape(model)
+    tokens = sum(result.prompt_tokens) + result.generated_tokens - len(result.token_ids)
+    return 2 * 4 * tokens * shape.num_layers * shape.num_kv_heads * shape.head_dim
 
 
 def run_in_subprocess(system: str, options: dict) -> dict:

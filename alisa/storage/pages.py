@@ -127,9 +127,10 @@ class HostPages:
             self.pair.replace(tensors)
 
     def _reserve(self, length: int) -> None:
-        """Grow by whole pages (an eighth of the length at least) so growth copies amortise."""
+        """Grow by whole pages, 1/64 of the length at least: the host region is the largest
+        buffer, so spare room stays under 2 % while growth copies still amortise."""
         if length <= self.capacity:
             return
-        wanted = length + max(PAGE_TOKENS, length // 8)
+        wanted = length + max(PAGE_TOKENS, length // 64)
         pages = -(-wanted // PAGE_TOKENS)
         self._replace(tuple(with_capacity(t, pages * PAGE_TOKENS) for t in self._tensors()))

@@ -72,14 +72,18 @@ class KeySketch:
         extra = capacity - self.capacity
         self.codes = torch.nn.functional.pad(self.codes, (0, 0, 0, extra))
 
-    def write(self, start: int, keys: torch.Tensor, counted: torch.Tensor) -> None:
+    def widens(self, start: int) -> bool:
+        """Whether keys written at ``start`` may still widen the range."""
+        return self.low is None or start < RECODE_TOKENS
+
+    def write(self, start: int, keys: torch.Tensor, counted: torch.Tensor | None) -> None:
         """Code keys (B, H, m, D) of positions [start, start + m).
 
         ``counted`` (B, m) bool says which of them may widen the range (not sinks or padding);
-        the others are coded too, clamped to the range.
+        the others are coded too, clamped to the range. ``None`` when :meth:`widens` is False.
         """
         keys = keys.float()
-        if self.low is None or start < RECODE_TOKENS:
+        if counted is not None and self.widens(start):
             self._widen(keys, counted)
         if self.low is None:  # nothing counted yet: codes are rewritten once a range exists
             return
