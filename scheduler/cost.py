@@ -36,12 +36,15 @@ class Linear:
 
 @dataclass(frozen=True, kw_only=True)
 class Bucket:
-    """Decode steps [start, stop): their count, mean and largest kept tokens (whole batch)."""
+    """Decode steps [start, stop): their count, mean and largest kept and seen tokens (whole
+    batch; seen tokens matter with retention="host", which keeps all of them somewhere)."""
 
     start: int
     stop: int
     mean_kept: float
     max_kept: int
+    mean_seen: float = 0.0
+    max_seen: int = 0
 
     @property
     def steps(self) -> int:
@@ -55,8 +58,16 @@ def make_buckets(workload: Workload, count: int = 16) -> list[Bucket]:
     result = []
     for start, stop in zip(edges[:-1], edges[1:], strict=True):
         kept = workload.kept_per_step(start, stop).tolist()
+        seen = workload.seen_per_step(start, stop).tolist()
         result.append(
-            Bucket(start=start, stop=stop, mean_kept=sum(kept) / len(kept), max_kept=max(kept))
+            Bucket(
+                start=start,
+                stop=stop,
+                mean_kept=sum(kept) / len(kept),
+                max_kept=max(kept),
+                mean_seen=sum(seen) / len(seen),
+                max_seen=max(seen),
+            )
         )
     return result
 
@@ -93,6 +104,27 @@ class CostModel:
     def activation_bytes(self) -> float:
         return activation_bytes(self.model, self.workload.batch)
 
+    @property
+    def host_retention(self) -> bool:
+        return self.workload.retention == "host"
+
+    def retention_terms(self, bucket: Bucket) -> dict[str, float]:
+        """retention="host": per step, reading every token's key sketch (seconds) and fetching
+        ``fetch_share`` of the budget from the host (bytes, theta^g); held, the sketch (device
+        bytes) and the host region of every token (host bytes). Zeros with retention="drop"."""
+        if not self.host_retention:
+            return dict.fromkeys(("scoring_s", "fetch_bytes", "sketch_bytes", "region_bytes"), 0.0)
+        wl, model, hw = self.workload, self.model, self.hardware
+        sketch = model.sketch_bytes_per_token()
+        return {
+            "scoring_s": bucket.mean_seen * sketch / (hw.kv_bytes_per_s or hw.device_bytes_per_s),
+            "fetch_bytes": wl.fetch_share
+            * bucket.mean_kept
+            * model.kv_bytes_per_token(wl.host_bits),
+            "sketch_bytes": bucket.max_seen * sketch,
+            "region_bytes": bucket.max_seen * model.kv_bytes_per_token(wl.host_bits),
+        }
+
     def compute(self, bucket: Bucket) -> Linear:
         hw, model = self.hardware, self.model
         weights = max(
@@ -100,7 +132,8 @@ class CostModel:
             self.workload.batch * model.decode_flops_per_token() / hw.device_flops,
         )
         attention = bucket.mean_kept * self.kv_token / (hw.kv_bytes_per_s or hw.device_bytes_per_s)
-        return Linear(hw.step_overhead_s + weights + attention, {})
+        scoring = self.retention_terms(bucket)["scoring_s"]
+        return Linear(hw.step_overhead_s + weights + attention + scoring, {})
 
     def recompute(self, bucket: Bucket) -> Linear:
         rate = self.hardware.recompute_flops or self.hardware.device_flops
@@ -109,8 +142,9 @@ class CostModel:
 
     def transfer(self, bucket: Bucket) -> Linear:
         hw = self.hardware
+        fetched = self.retention_terms(bucket)["fetch_bytes"]
         return Linear(
-            0.0,
+            fetched / hw.h2d_bytes_per_s,
             {
                 "c": bucket.mean_kept * self.kv_token / hw.h2d_bytes_per_s,
                 "x": bucket.mean_kept * self.hidden_token / hw.h2d_bytes_per_s,
@@ -126,8 +160,9 @@ class CostModel:
         prefetched next one, for host KV), and activations."""
         layer_share = bucket.max_kept * self.kv_token / self.model.num_layers
         weights = self.model.total_weight_bytes
+        sketch = self.retention_terms(bucket)["sketch_bytes"]
         return Linear(
-            weights + self.activation_bytes,
+            weights + self.activation_bytes + sketch,
             {
                 "g": bucket.max_kept * self.kv_token,
                 "c": gathered_layers(self.model.num_layers) * layer_share,
@@ -139,7 +174,7 @@ class CostModel:
 
     def host_bytes(self, bucket: Bucket) -> Linear:
         return Linear(
-            0.0,
+            self.retention_terms(bucket)["region_bytes"],
             {
                 "c": bucket.max_kept * self.kv_token,
                 "x": bucket.max_kept * self.hidden_token,

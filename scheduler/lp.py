@@ -203,6 +203,7 @@ def _plan(cost: CostModel, buckets: list[Bucket], values: list[dict], weight_hos
         prefill_s=cost.prefill_time(),
         decode_s=decode,
         simulated=cost.hardware.simulated,
+        fetch_bytes_per_step=max(cost.retention_terms(b)["fetch_bytes"] for b in buckets),
     )
 
 

@@ -38,6 +38,8 @@ class Plan:
         Predicted times and generated tokens per second (prefill included).
     simulated
         True when the hardware figures are published ones, not measured here.
+    fetch_bytes_per_step
+        retention="host": most bytes fetched from the host region in one decode step.
     """
 
     hardware: str
@@ -50,6 +52,7 @@ class Plan:
     prefill_s: float
     decode_s: float
     simulated: bool
+    fetch_bytes_per_step: float = 0.0
 
     @property
     def p1(self) -> int | None:
@@ -79,6 +82,16 @@ class Plan:
         )
         return data
 
+    def _retention_lines(self) -> list[str]:
+        if self.workload.retention != "host":
+            return []
+        return [
+            f"  retention host: every token kept on the host at {self.workload.host_bits} bits; "
+            f"fetched per step {self.fetch_bytes_per_step / 2**20:.2f} MiB "
+            f"({self.workload.fetch_share:g} of the budget); the device holds the budget and "
+            "a 4-bit sketch of every key"
+        ]
+
     def describe(self) -> str:
         """A few lines for people: phases, ratios, memory, speed."""
         label = " (SIMULATION: published hardware figures)" if self.simulated else ""
@@ -93,6 +106,7 @@ class Plan:
             f"p2 = {self.p2 if self.p2 is not None else 'never'}",
             f"  peak memory: device {self.peak_device_bytes / 2**30:.2f} GiB, "
             f"host {self.peak_host_bytes / 2**30:.2f} GiB",
+            *self._retention_lines(),
             f"  predicted: prefill {self.prefill_s:.2f} s, decode {self.decode_s:.2f} s, "
             f"{self.tokens_per_s:.1f} tokens/s",
             "  steps        kept  device  host(alpha)  recompute(beta)  step ms",

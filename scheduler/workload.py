@@ -8,6 +8,12 @@ import numpy as np
 
 from scheduler.budget import KeepRule, mean_kept
 
+# Share of the budget fetched from the host per step and KV head with retention="host": tokens
+# chosen this step that were not chosen the step before, measured 0.27 on SmolLM2 / WikiText-2
+# at r = 0.1-0.2 (docs/retention-selection-study.md). The paper bounds it by the whole budget.
+FETCH_SHARE = 0.27
+RETENTIONS = ("drop", "host")
+
 
 @dataclass(frozen=True, kw_only=True)
 class Workload:
@@ -27,6 +33,13 @@ class Workload:
         Share of the kept tokens that are the recent window (stays on the device).
     kv_bits, hidden_bits
         Storage precision of KV and of hidden states kept for recomputation.
+    retention
+        ``drop``: tokens outside the budget are deleted. ``host``: every token stays in a host
+        region (``host_bits``), the device holds the chosen budget plus a key sketch of every
+        token, and each step fetches ``fetch_share`` of the budget from the host (ALISA's
+        theta^g term).
+    host_bits, fetch_share
+        Host-region precision and the share of the budget fetched per step (retention host).
     """
 
     batch: int
@@ -37,6 +50,9 @@ class Workload:
     kv_bits: int = 16
     hidden_bits: int = 16
     keep: tuple[KeepRule, ...] = ()
+    retention: str = "drop"
+    host_bits: int = 8
+    fetch_share: float = FETCH_SHARE
 
     def __post_init__(self) -> None:
         for name in ("batch", "prompt_len", "gen_len"):
@@ -51,12 +67,22 @@ class Workload:
             if getattr(self, name) not in (4, 8, 16):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be 4, 8 or 16")
 
+        if self.retention not in RETENTIONS:
+            raise ValueError(f"retention={self.retention!r} must be one of {RETENTIONS}")
+        if self.host_bits not in (4, 8, 16):
+            raise ValueError(f"host_bits={self.host_bits!r} must be 4, 8 or 16")
+        if not 0 <= self.fetch_share <= 1:
+            raise ValueError(f"fetch_share={self.fetch_share!r} must be in [0, 1]")
         if not isinstance(self.keep, tuple) or not all(isinstance(r, KeepRule) for r in self.keep):
             raise ValueError(f"keep={self.keep!r} must be a tuple of KeepRule")
 
     def kept_tokens(self, step: int) -> int:
         """Tokens kept over the whole batch at decode step ``step`` (0-based), layers averaged."""
         return int(self.kept_per_step(step, step + 1)[0])
+
+    def seen_per_step(self, start: int, stop: int) -> np.ndarray:
+        """(stop - start,) tokens seen over the whole batch at decode steps [start, stop)."""
+        return self.batch * (self.prompt_len + np.arange(start, stop, dtype=np.int64))
 
     def kept_per_step(self, start: int, stop: int) -> np.ndarray:
         """(stop - start,) :meth:`kept_tokens` of decode steps [start, stop), computed at once."""

@@ -205,3 +205,22 @@ def test_bad_hardware_names_the_field():
             device_flops=1,
             device_bytes_per_s=1,
         )
+
+
+def test_host_retention_counts_fetches_the_sketch_and_the_host_region():
+    """retention="host": the plan holds every token on the host, a key sketch of every token on
+    the device, and pays for fetching fetch_share of the budget each step."""
+    options = {"batch": 4, "prompt_len": 1000, "gen_len": 8, "caching_ratio": 0.2}
+    drop = solve(machine(16 * GIB), TINY_MHA, Workload(**options))
+    host_workload = Workload(**options, retention="host", host_bits=8, fetch_share=0.25)
+    host = solve(machine(16 * GIB), TINY_MHA, host_workload)
+    seen = 4 * (1000 + 7)  # the last bucket's largest step
+    assert host.peak_host_bytes == pytest.approx(seen * TINY_MHA.kv_bytes_per_token(8))
+    sketch = seen * TINY_MHA.sketch_bytes_per_token()
+    assert host.peak_device_bytes == pytest.approx(drop.peak_device_bytes + sketch)
+    kept = 4 * round(1007 * 0.2)
+    assert host.fetch_bytes_per_step == pytest.approx(0.25 * kept * TINY_MHA.kv_bytes_per_token(8))
+    assert host.decode_s > drop.decode_s  # fetches and scoring are not free
+    assert drop.fetch_bytes_per_step == 0
+    with pytest.raises(ValueError, match="retention='disk'"):
+        Workload(**options, retention="disk")

@@ -24,6 +24,9 @@ PLAN_FIELDS = (
     "host_memory",
     "recompute",
     "profile",
+    "retention",
+    "host_bits",
+    "min_budget_tokens",
 )
 
 
@@ -74,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
         caching_ratio=1.0 if config.policy == "dense" else config.caching_ratio,
         kv_bits=config.kv_bits,
         recent_fraction=0.0,  # as the runtime: no window is pinned to the device
+        keep=config.keep_rules(spec.num_layers) if config.retention == "host" else (),
+        retention=config.retention,
+        host_bits=config.host_bits,
     )
     options = Options(allow_recompute=recomputable and config.recompute != "never")
     plan = solve(profile, spec, workload, options)

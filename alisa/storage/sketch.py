@@ -67,9 +67,10 @@ class KeySketch:
         return self.codes.nbytes + ranges
 
     def grow(self, capacity: int) -> None:
+        """Room for ``capacity`` positions, plus an eighth so growth copies amortise."""
         if capacity <= self.capacity:
             return
-        extra = capacity - self.capacity
+        extra = capacity + max(16, capacity // 8) - self.capacity
         self.codes = torch.nn.functional.pad(self.codes, (0, 0, 0, extra))
 
     def widens(self, start: int) -> bool:

@@ -266,8 +266,10 @@ class DenseStore(DeviceResident):
 
     def write_heads(self, rows, heads, slots, keys, values) -> None:
         """Write (sequence, KV head) entries: index triples (E,), keys/values (E, D)."""
-        self.keys[rows, heads, slots] = keys
-        self.values[rows, heads, slots] = values
+        batch, kv_heads, capacity, dim = self.keys.shape
+        flat = (rows * kv_heads + heads) * capacity + slots  # one row index: index_copy_ is
+        self.keys.view(-1, dim).index_copy_(0, flat, keys.to(self.keys.dtype))  # much faster
+        self.values.view(-1, dim).index_copy_(0, flat, values.to(self.values.dtype))
 
     def reindex(self, index: torch.Tensor, capacity: int) -> None:
         """New slot j holds old slot index[b, g, j]; then grow to ``capacity`` slots."""
