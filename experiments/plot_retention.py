@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -58,6 +59,11 @@ def main(argv=None) -> int:
     axis.set_ylabel("WikiText-2 perplexity (SmolLM2-135M)")
     axis.set_xscale("log")
     axis.set_yscale("log")
+    ratios = sorted({r for points in lines.values() for r, _ in points})
+    axis.set_xticks(ratios, [f"{r:g}" for r in ratios])
+    axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    axis.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    axis.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
     axis.legend(fontsize=8)
     axis.grid(True, which="both", alpha=0.3)
     figure.tight_layout()
