@@ -104,6 +104,7 @@ def fit_decode_terms(
             weight_seconds=weight_seconds,
             pick=pick,
             fallback=fallback,
+            device_type=next(model.parameters()).device.type,
         )
         for pick in PICKS
     ]

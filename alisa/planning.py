@@ -119,6 +119,8 @@ def machine_profile(device: torch.device, path: str | None = None) -> HardwarePr
         device_flops=5e10,
         device_bytes_per_s=1e10,
         overlap=device.type == "cuda",
+        device_type=device.type,
+        cpu_model=cpu_model(),
     )
 
 

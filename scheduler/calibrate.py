@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from scheduler.hardware import CEILINGS
+
 # A fitted step that misses a calibration step by more than this is not trusted.
 FIT_TOLERANCE = 0.25
 
@@ -73,6 +75,7 @@ def fit_decode(
     weight_seconds: float = 0.0,
     pick: str = "median",
     fallback: tuple[float, float] | None = None,
+    device_type: str = "",
 ) -> DecodeFit:
     """Least-squares fit of overhead, FLOP rate and KV read rate to decode step timings.
 
@@ -90,12 +93,16 @@ def fit_decode(
     fallback
         (FLOP/s, KV bytes/s) from micro-benchmarks, fixed in place of a rate the steps do not
         identify (tiny steps bound by weight reads or Python); the rest is refitted.
+    device_type
+        ``"cpu"``, ``"cuda"``, ...: a fitted rate above the device's physical bound
+        (``scheduler.hardware.CEILINGS``) counts as not identified.
 
     Raises
     ------
     ValueError
         The samples do not span the sizes, or (without ``fallback``) a fitted rate is zero,
-        negative or infinite: the step did not grow with batch or context.
+        negative, infinite or beyond physical bounds: the step did not grow with batch or
+        context.
     """
     if len({s.batch for s in samples}) < 2 or len({s.context for s in samples}) < 2:
         raise ValueError("decode samples must span two batch sizes and two context lengths")
@@ -107,7 +114,8 @@ def fit_decode(
         ]
     )
     times = np.array([choose(s.seconds) for s in samples])
-    seconds_per, fitted = _slopes(design, times, fallback)
+    bytes_ceiling, flops_ceiling = CEILINGS.get(device_type, CEILINGS[""])
+    seconds_per, fitted = _slopes(design, times, fallback, (flops_ceiling, bytes_ceiling))
     variable = np.maximum(weight_seconds, design[:, 1] * seconds_per[1])
     variable = variable + design[:, 2] * seconds_per[2]
     overhead = max(0.0, float(np.mean(times - variable)))
@@ -121,7 +129,10 @@ def fit_decode(
 
 
 def _slopes(
-    design: np.ndarray, times: np.ndarray, fallback: tuple[float, float] | None
+    design: np.ndarray,
+    times: np.ndarray,
+    fallback: tuple[float, float] | None,
+    ceilings: tuple[float, float],
 ) -> tuple[dict[int, float], tuple[str, ...]]:
     """(seconds per unit of each rate column, the fields fitted); a column the steps do not
     identify is fixed at its fallback rate and the others refitted."""
@@ -133,14 +144,15 @@ def _slopes(
         scale = np.abs(columns).max(axis=0)  # columns of very different size: unit scale
         solution = np.linalg.lstsq(columns / scale, rest, rcond=None)[0] / scale
         found = dict(zip(free, (float(v) for v in solution[1:]), strict=True))
-        bad = {c: v for c, v in found.items() if not v > 0 or not math.isfinite(1.0 / v)}
+        bad = {c: v for c, v in found.items() if not v > 0 or 1.0 / v > ceilings[c - 1]}
         if not bad:
             return {**found, **fixed}, tuple(RATE_COLUMNS[c] for c in free)
         if fallback is None:
             column, value = next(iter(bad.items()))
             raise ValueError(
-                f"decode fit gave seconds per unit of {RATE_COLUMNS[column]}={value!r}: "
-                "the step did not grow with batch/context"
+                f"decode fit gave {RATE_COLUMNS[column]}={1 / value if value > 0 else math.inf:.3g}"
+                " (not positive or beyond physical bounds): the step did not grow with "
+                "batch/context"
             )
         fixed.update({c: 1.0 / fallback[c - 1] for c in bad})
 

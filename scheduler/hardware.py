@@ -105,11 +105,12 @@ class HardwareProfile:
 def mismatches(profile: HardwareProfile, cpu_model: str, dtype: str) -> list[str]:
     """Why a measured profile may not describe this run: another CPU or dtype, or no record.
 
-    Presets (``simulated``) describe another machine by design and give none.
+    Presets (``simulated``) describe another machine by design and give none; an empty
+    ``dtype`` (uncalibrated defaults) matches any.
     """
     if profile.simulated:
         return []
-    if not (profile.cpu_model and profile.dtype):
+    if not profile.cpu_model:
         return [
             f"profile {profile.name!r} does not record its CPU and dtype (saved by an older "
             "alisa); re-run `alisa profile` for a calibrated cost model"
@@ -117,7 +118,7 @@ def mismatches(profile: HardwareProfile, cpu_model: str, dtype: str) -> list[str
     notes = []
     if profile.cpu_model != cpu_model:
         notes.append(f"profile was measured on CPU {profile.cpu_model!r}, this is {cpu_model!r}")
-    if profile.dtype != dtype:
+    if profile.dtype and profile.dtype != dtype:
         notes.append(f"profile was calibrated in {profile.dtype}, the plan uses {dtype}")
     return notes
 
