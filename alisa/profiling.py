@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import platform
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
@@ -26,6 +27,7 @@ from alisa.calibration import (
     timings,
 )
 from alisa.planning import cpu_model, model_spec
+from alisa.storage.recompute import KVRecomputer
 from scheduler import HardwareProfile
 from scheduler.calibrate import FIT_TOLERANCE, Spread
 
@@ -140,7 +142,13 @@ def _calibrated_terms(
     return {**terms, "h2d_bytes_per_s": reads, "recompute_flops": rebuilds}
 
 
-def _fit_decode_twice(model, device, micro, sizes, tick) -> tuple[dict[str, Spread], list[float]]:
+def _fit_decode_twice(
+    model,
+    device: torch.device,
+    micro: dict[str, Spread],
+    sizes: tuple[int, int],
+    tick: Callable[[], object],
+) -> tuple[dict[str, Spread], list[float]]:
     """(fitted decode terms, timings of the step at ``sizes``); a fit that misses its own
     steps (noise, a stall) is measured once more and the better fit kept."""
     spec = model_spec(model, model_shape(model))
@@ -161,8 +169,6 @@ def _fit_decode_twice(model, device, micro, sizes, tick) -> tuple[dict[str, Spre
 def micro_recompute(model, device: torch.device, tokens: int = 512) -> float:
     """FLOP/s of rebuilding one layer's K/V from stored attention inputs (the ceiling of the
     tiered recompute rate)."""
-    from alisa.storage.recompute import KVRecomputer
-
     recomputer = KVRecomputer(model)
     hidden_size = model.config.hidden_size
     dtype = next(model.parameters()).dtype
@@ -174,7 +180,8 @@ def micro_recompute(model, device: torch.device, tokens: int = 512) -> float:
         return statistics.median(_rates(flops, lambda: recomputer(0, hidden, positions), device))
 
 
-def _profile(device: torch.device, dtype: torch.dtype, terms: dict[str, Spread]):
+def _profile(device: torch.device, dtype: torch.dtype, terms: dict[str, Spread]) -> HardwareProfile:
+    """The profile of the measured medians, tagged with this machine, torch and dtype."""
     if device.type == "cuda":
         device_bytes = torch.cuda.get_device_properties(device).total_memory
     else:
