@@ -90,6 +90,16 @@ def default_profile_path(device: torch.device) -> Path:
     return cache_root() / f"profile-{platform.node() or 'host'}-{device.type}.json"
 
 
+def cpu_model() -> str:
+    """This machine's CPU model name (recorded in a measured profile, checked by the plan)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():  # Linux: platform.processor() is often empty or just "x86_64"
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or "unknown"
+
+
 def machine_profile(device: torch.device, path: str | None = None) -> HardwareProfile:
     """The measured profile if there is one (``alisa profile``), else rough defaults.
 
@@ -109,6 +119,8 @@ def machine_profile(device: torch.device, path: str | None = None) -> HardwarePr
         device_flops=5e10,
         device_bytes_per_s=1e10,
         overlap=device.type == "cuda",
+        device_type=device.type,
+        cpu_model=cpu_model(),
     )
 
 

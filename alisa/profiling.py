@@ -1,159 +1,174 @@
-"""Measure this machine for the scheduler: copy, matmul, memory, recompute rates, step overhead."""
+"""Measure this machine for the scheduler: every cost-model term, with its spread and source.
+
+With a model, the terms the LP uses come from the model's own work at the plan's sizes
+(:mod:`alisa.calibration`): decode steps at two batch sizes and two context lengths fit the step
+overhead, FLOP rate and KV read rate; tiered steps give the host-read and recompute rates.
+Micro-benchmarks (a square matmul, a memory sweep, a pool-to-pool copy) fill the terms that no
+step identifies, and stand in, labelled as fallbacks, when a fit fails twice.
+"""
 
 from __future__ import annotations
 
 import platform
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import psutil
 import torch
+from tqdm.auto import tqdm
 
 from alisa.architecture import model_shape
-from alisa.cache import AlisaCache
-from alisa.config import AlisaConfig
-from alisa.engine import DecodeState, Engine, device_clock
-from alisa.planning import model_spec
+from alisa.calibration import (
+    calibrate_tiers,
+    decode_points,
+    decode_samples,
+    fit_decode_terms,
+    timings,
+)
+from alisa.planning import cpu_model, model_spec
 from alisa.storage.recompute import KVRecomputer
-from scheduler import HardwareProfile, activation_bytes, gathered_layers
+from scheduler import HardwareProfile
+from scheduler.calibrate import FIT_TOLERANCE, Spread
+
+MICRO = "micro-benchmark"
+# The plan's default sizes (batch, context tokens) for the largest calibration step.
+PLAN_SIZES = (8, 1024)
 
 
-def _median_seconds(work: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
-    work()  # warm-up: allocation, kernels, caches
-    times = []
-    for _ in range(repeats):
-        start = device_clock(device)
-        work()
-        times.append(device_clock(device) - start)
-    return statistics.median(times)
+@dataclass(frozen=True)
+class ProfileReport:
+    """A measured profile and, per measured term, its spread and how it was measured."""
+
+    profile: HardwareProfile
+    terms: tuple[Spread, ...]
 
 
-def copy_bandwidth(device: torch.device, megabytes: int = 256) -> tuple[float, float]:
-    """(host->device, device->host) bytes/s: pinned copies on CUDA, pool-to-pool copies on CPU."""
+def _rates(amount: float, work, device: torch.device) -> list[float]:
+    """``amount`` per second of each repeat of ``work``."""
+    return [amount / max(t, 1e-12) for t in timings(work, device)]
+
+
+def copy_bandwidth(device: torch.device, megabytes: int = 256) -> tuple[list[float], list[float]]:
+    """(host->device, device->host) bytes/s per repeat: pinned copies on CUDA, pool-to-pool on
+    CPU."""
     count = megabytes * 2**20 // 2
     host = torch.empty(count, dtype=torch.float16)
     if device.type == "cuda":
         host = host.pin_memory()
     target = torch.empty(count, dtype=torch.float16, device=device)
-    h2d = host.nbytes / _median_seconds(lambda: target.copy_(host, non_blocking=True), device)
-    d2h = host.nbytes / _median_seconds(lambda: host.copy_(target, non_blocking=True), device)
+    h2d = _rates(host.nbytes, lambda: target.copy_(host, non_blocking=True), device)
+    d2h = _rates(host.nbytes, lambda: host.copy_(target, non_blocking=True), device)
     return h2d, d2h
 
 
-def matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 1024) -> float:
-    """Dense matmul throughput, FLOP/s, in the model's dtype."""
+def matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 1024) -> list[float]:
+    """Dense square matmul throughput per repeat, FLOP/s, in the model's dtype."""
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
-    return 2 * size**3 / _median_seconds(lambda: a @ b, device)
+    return _rates(2 * size**3, lambda: a @ b, device)
 
 
-def memory_bandwidth(device: torch.device, megabytes: int = 256) -> float:
-    """Bytes/s of reading a large tensor (a reduction streams it once)."""
+def memory_bandwidth(device: torch.device, megabytes: int = 256) -> list[float]:
+    """Bytes/s per repeat of reading a large tensor (a reduction streams it once)."""
     x = torch.ones(megabytes * 2**20 // 4, device=device)
-    return x.nbytes / _median_seconds(lambda: x.sum(), device)
+    return _rates(x.nbytes, lambda: x.sum(), device)
 
 
-def half_offload_budget(spec, batch: int, tokens: int) -> int:
-    """A device budget (bytes) that leaves about half of ``batch`` x ``tokens`` KV off-device.
+def measure(
+    model=None, device: torch.device | None = None, dtype: torch.dtype = torch.bfloat16, **kwargs
+) -> HardwareProfile:
+    """A :class:`HardwareProfile` of this machine (calibrated on ``model`` if given).
 
-    ``spec`` is a :class:`scheduler.ModelSpec`. The terms are the planner's: weights, one
-    step's activations, half the KV, and the gathered off-device share of the attending (and
-    prefetched) layer.
+    Keyword arguments go to :func:`measure_report`.
     """
-    kv = spec.kv_bytes_per_token() * batch * tokens
-    gathered = gathered_layers(spec.num_layers) * 0.5 * kv / spec.num_layers
-    return int(spec.total_weight_bytes + activation_bytes(spec, batch) + 0.5 * kv + gathered)
+    return measure_report(model, device, dtype, **kwargs).profile
 
 
-def _decode_step(
-    model, device: torch.device, batch: int, context: int, config: AlisaConfig | None = None
-) -> tuple[float, AlisaCache]:
-    """(median seconds of one decode step of ``batch`` sequences at ``context`` tokens, cache)."""
-    vocab = model.get_input_embeddings().num_embeddings
-    ids = torch.randint(min(10, vocab - 1), min(1000, vocab), (batch, context), device=device)
-    cache = AlisaCache(model, config, max_new_tokens=16)
-    # generate()'s own step (mask, positions, forward, pick): all of it is what a step costs.
-    engine = Engine(model)
-    state = DecodeState.start(ids, torch.ones_like(ids))
-    with torch.inference_mode():
+def measure_report(
+    model=None,
+    device: torch.device | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    sizes: tuple[int, int] = PLAN_SIZES,
+    progress: bool = False,
+) -> ProfileReport:
+    """Measure every term; with ``model``, calibrate on its real steps at ``sizes``.
 
-        def step() -> None:
-            state.advance(engine.step(state, cache))
-
-        step()  # the prefill
-        return _median_seconds(step, device, repeats=7), cache
-
-
-# The KV-heavy decode step both calibrations use: (batch, context tokens).
-HEAVY_STEP = (4, 1024)
-
-
-def calibrate_decode(
-    model, device: torch.device, bandwidth: float, flops: float
-) -> tuple[float, float, float]:
-    """(fixed seconds per step, KV bytes read per second, seconds of the heavy step).
-
-    Step time = overhead + max(weights / bandwidth, FLOPs / flops) + KV bytes / kv_rate, solved
-    from a small step (batch 1, 16 tokens) and a KV-heavy one (:data:`HEAVY_STEP`), which
-    :func:`calibrate_tiers` reuses as its all-resident reference.
+    Parameters
+    ----------
+    model
+        A loaded model, or None for micro-benchmarks only.
+    device, dtype
+        Where and in which dtype to measure without a model (else the model's).
+    sizes
+        (batch, context tokens) of the largest calibration step: the plan's sizes.
+    progress
+        Show a progress bar (calibration takes a minute or so on a small CPU).
     """
-    spec = model_spec(model, model_shape(model))
-    points, seconds = [], 0.0
-    for batch, context in ((1, 16), HEAVY_STEP):
-        seconds, _ = _decode_step(model, device, batch, context)
-        fixed = max(
-            spec.total_weight_bytes / bandwidth, batch * spec.decode_flops_per_token() / flops
-        )
-        points.append((seconds - fixed, batch * context * spec.kv_bytes_per_token(16)))
-    (small_time, small_kv), (large_time, large_kv) = points
-    per_byte = max(1e-15, (large_time - small_time) / (large_kv - small_kv))
-    overhead = max(0.0, small_time - small_kv * per_byte)
-    return overhead, 1.0 / per_byte, seconds  # the loop ends on the heavy step
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if model is not None:
+        dtype = next(model.parameters()).dtype
+    h2d, d2h = copy_bandwidth(device)
+    terms = {
+        "h2d_bytes_per_s": Spread.of("h2d_bytes_per_s", h2d, MICRO),
+        "d2h_bytes_per_s": Spread.of("d2h_bytes_per_s", d2h, MICRO),
+        "device_bytes_per_s": Spread.of("device_bytes_per_s", memory_bandwidth(device), MICRO),
+        "device_flops": Spread.of("device_flops", matmul_flops(device, dtype), MICRO),
+    }
+    if model is not None:
+        terms.update(_calibrated_terms(model, device, terms, sizes, progress))
+    return ProfileReport(_profile(device, dtype, terms), tuple(terms.values()))
 
 
-def calibrate_tiers(
+def _calibrated_terms(
+    model, device: torch.device, micro: dict[str, Spread], sizes: tuple[int, int], progress: bool
+) -> dict[str, Spread]:
+    """The terms real steps give: the fitted decode terms, then the tiered rates."""
+    bar = tqdm(total=2 * len(decode_points(*sizes)) + 2, unit="step", disable=not progress)
+    bar.set_description("alisa profile: decode steps")
+    terms, resident = _fit_decode_twice(model, device, micro, sizes, bar.update)
+    bar.total = bar.n + 2  # a first fit that held skips the second round
+    bar.set_description("alisa profile: tiered steps")
+    reads, rebuilds = calibrate_tiers(
+        model,
+        device,
+        micro["h2d_bytes_per_s"].median,
+        micro_recompute(model, device),
+        *sizes,
+        resident=resident,
+        tick=bar.update,
+    )
+    bar.close()
+    return {**terms, "h2d_bytes_per_s": reads, "recompute_flops": rebuilds}
+
+
+def _fit_decode_twice(
     model,
     device: torch.device,
-    h2d: float,
-    rebuild: float,
-    batch: int = HEAVY_STEP[0],
-    context: int = HEAVY_STEP[1],
-    resident: float | None = None,
-) -> tuple[float, float]:
-    """(host-read bytes/s, recompute FLOP/s) as the tiered cache really achieves them.
-
-    Copy and matmul micro-benchmarks miss the per-layer gathers, small copies and the extra
-    attention parts of a tiered step. Three real decode steps (all resident, about half on the
-    host, about half recomputed) give the effective rates; they only ever lower the
-    micro-benchmark figures (copies hidden behind compute on CUDA would otherwise read as
-    free). ``resident``: seconds of the all-resident step if already measured
-    (:func:`calibrate_decode` returns it for :data:`HEAVY_STEP`).
-    """
+    micro: dict[str, Spread],
+    sizes: tuple[int, int],
+    tick: Callable[[], object],
+) -> tuple[dict[str, Spread], list[float]]:
+    """(fitted decode terms, timings of the step at ``sizes``); a fit that misses its own
+    steps (noise, a stall) is measured once more and the better fit kept."""
     spec = model_spec(model, model_shape(model))
-    bits = torch.finfo(next(model.parameters()).dtype).bits
-    budget = half_offload_budget(spec, batch, context + 16)
-    if resident is None:  # seconds of the same step with everything on the device
-        resident, _ = _decode_step(model, device, batch, context)
-    hosted, cache = _decode_step(
-        model, device, batch, context, AlisaConfig(gpu_memory=budget, recompute="never")
-    )
-    host_bytes = cache.tier_tokens()["host"] * spec.kv_bytes_per_token() / spec.num_layers
-    if host_bytes > 0:
-        h2d = min(h2d, host_bytes / max(hosted - resident, 1e-9))
-    rebuilt, cache = _decode_step(
-        model, device, batch, context, AlisaConfig(gpu_memory=budget, recompute="always")
-    )
-    tokens = cache.tier_tokens()["recompute"] / spec.num_layers  # per layer, as the cost model
-    if tokens > 0:
-        # The hidden states are read like host KV, then projected: the rest is recompute.
-        read = tokens * spec.hidden_bytes_per_token(bits) / h2d
-        busy = max(rebuilt - resident - read, 1e-9)
-        rebuild = min(rebuild, tokens * spec.recompute_flops_per_token() / busy)
-    return h2d, rebuild
+    weight_seconds = spec.total_weight_bytes / micro["device_bytes_per_s"].median
+    fallback = (micro["device_flops"].median, micro["device_bytes_per_s"].median)
+    best: tuple[float, dict[str, Spread], list[float]] | None = None
+    for _ in range(2):
+        samples = decode_samples(model, device, *sizes, tick=tick)
+        resident = next(list(s.seconds) for s in samples if (s.batch, s.context) == sizes)
+        fitted, miss = fit_decode_terms(model, samples, weight_seconds, fallback)
+        if best is None or miss < best[0]:
+            best = (miss, {t.field: t for t in fitted}, resident)
+        if miss <= FIT_TOLERANCE:
+            break
+    return best[1], best[2]
 
 
-def recompute_flops(model, device: torch.device, tokens: int = 512) -> float:
-    """Effective FLOP/s of rebuilding K/V for one layer from stored attention inputs."""
+def micro_recompute(model, device: torch.device, tokens: int = 512) -> float:
+    """FLOP/s of rebuilding one layer's K/V from stored attention inputs (the ceiling of the
+    tiered recompute rate)."""
     recomputer = KVRecomputer(model)
     hidden_size = model.config.hidden_size
     dtype = next(model.parameters()).dtype
@@ -162,40 +177,24 @@ def recompute_flops(model, device: torch.device, tokens: int = 512) -> float:
     shape = recomputer.adapter.shape
     flops = 2.0 * tokens * hidden_size * 2 * shape.num_kv_heads * shape.head_dim  # K and V
     with torch.inference_mode():
-        return flops / _median_seconds(lambda: recomputer(0, hidden, positions), device)
+        return statistics.median(_rates(flops, lambda: recomputer(0, hidden, positions), device))
 
 
-def measure(
-    model=None, device: torch.device | None = None, dtype: torch.dtype = torch.bfloat16
-) -> HardwareProfile:
-    """A :class:`HardwareProfile` of this machine (optionally calibrated on a loaded model)."""
-    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    h2d, d2h = copy_bandwidth(device)
-    bandwidth = memory_bandwidth(device)
-    flops = matmul_flops(device, dtype if model is None else next(model.parameters()).dtype)
+def _profile(device: torch.device, dtype: torch.dtype, terms: dict[str, Spread]) -> HardwareProfile:
+    """The profile of the measured medians, tagged with this machine, torch and dtype."""
     if device.type == "cuda":
-        device_bytes, host_bytes = (
-            torch.cuda.get_device_properties(device).total_memory,
-            psutil.virtual_memory().total,
-        )
+        device_bytes = torch.cuda.get_device_properties(device).total_memory
     else:
-        device_bytes = host_bytes = psutil.virtual_memory().total
-    overhead, rebuild, kv_rate = 0.0, 0.0, 0.0
-    if model is not None:
-        overhead, kv_rate, resident = calibrate_decode(model, device, bandwidth, flops)
-        rebuild = recompute_flops(model, device)
-        h2d, rebuild = calibrate_tiers(model, device, h2d, rebuild, resident=resident)
+        device_bytes = psutil.virtual_memory().total
     return HardwareProfile(
         name=f"{platform.node() or 'host'} {device.type} "
         f"({torch.get_num_threads()} threads, measured)",
         device_bytes=device_bytes,
-        host_bytes=host_bytes,
-        h2d_bytes_per_s=h2d,
-        d2h_bytes_per_s=d2h,
-        device_flops=flops,
-        device_bytes_per_s=bandwidth,
+        host_bytes=psutil.virtual_memory().total,
         overlap=device.type == "cuda",
-        step_overhead_s=overhead,
-        recompute_flops=rebuild,
-        kv_bytes_per_s=kv_rate,
+        device_type=device.type,
+        cpu_model=cpu_model(),
+        torch_version=torch.__version__,
+        dtype=str(dtype).removeprefix("torch."),
+        **{name: term.median for name, term in terms.items()},
     )

@@ -1,11 +1,14 @@
 """Fidelity of the scheduler's cost model on this machine: predicted vs measured decode steps.
 
-    python -m experiments.bench_cost_model            # SmolLM2 bf16, batch 8, 1024-token prompts
+    python -m experiments.bench_cost_model     # SmolLM2 bf16 and float32, batch 8, 1024 tokens
+    python -m experiments.bench_cost_model --dtype float32
 
-Measures a hardware profile (as ``alisa profile``), then runs the tiered cache with all KV
-resident, about half offloaded to the host pool, and about half recomputed; for each, the
-placement actually used is costed with ``scheduler.evaluate`` and compared with the median
-measured step. Target: within 20 %. Prints a table, then one JSON line.
+Per dtype: measures a hardware profile (as ``alisa profile``, calibrated at the benchmark's batch
+and prompt length), then runs the tiered cache with all KV resident, about half offloaded to the
+host pool, and about half recomputed; for each, the placement actually used is costed with
+``scheduler.evaluate`` and compared with the median measured step. Target: within 20 %. A last
+row per dtype solves the LP at the half budget and checks that it picks the faster of host
+offload and recomputation as measured. Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -14,22 +17,26 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import replace
 
 import torch
 
 from alisa import AlisaCache, AlisaConfig, generate, load_model
 from alisa.architecture import model_shape
+from alisa.calibration import half_offload_budget
 from alisa.planning import model_spec
-from alisa.profiling import half_offload_budget, measure
+from alisa.profiling import measure_report
 from experiments.data import data_dir, load_wikitext2
 from experiments.worker import prompts_of_length
-from scheduler import Workload, evaluate
+from scheduler import Options, Workload, evaluate, solve
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--dtype", default="bfloat16,float32", help="comma-separated dtypes, each benchmarked"
+    )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=24)
@@ -50,11 +57,11 @@ def placement(cache: AlisaCache) -> dict[str, float]:
     }
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, dtype=args.dtype)
-    profile = measure(model)
+def bench_dtype(args: argparse.Namespace, dtype: str) -> dict:
+    """Profile, run the three placements and the LP choice in one dtype."""
+    model, tokenizer = load_model(args.model, dtype=dtype)
+    report = measure_report(model, sizes=(args.batch, args.prompt_tokens))
+    profile = report.profile
     spec = model_spec(model, model_shape(model), name=args.model)
     prompts = prompts_of_length(
         tokenizer, load_wikitext2(data_dir(args.data_dir)), args.prompt_tokens, args.batch
@@ -66,6 +73,7 @@ def main(argv=None) -> int:
         "half recomputed": AlisaConfig(gpu_memory=half, recompute="always"),
     }
     generate(model, tokenizer, [p[:200] for p in prompts], max_new_tokens=4)  # warm-up
+    workload = Workload(batch=args.batch, prompt_len=args.prompt_tokens, gen_len=args.new_tokens)
     rows = []
     for name, config in configs.items():
         cache = AlisaCache(model, config, max_new_tokens=args.new_tokens)
@@ -74,11 +82,7 @@ def main(argv=None) -> int:
         )
         measured = statistics.median(result.step_times_s)
         used = placement(cache)
-        workload = Workload(
-            batch=args.batch, prompt_len=args.prompt_tokens, gen_len=args.new_tokens
-        )
-        plan = evaluate(profile, spec, workload, used, buckets=1)
-        predicted = plan.decode_s / args.new_tokens
+        predicted = evaluate(profile, spec, workload, used, buckets=1).decode_s / args.new_tokens
         rows.append(
             {
                 "config": name,
@@ -89,27 +93,69 @@ def main(argv=None) -> int:
             }
         )
         print(
-            f"{name}: measured {1000 * measured:.1f} ms, predicted {1000 * predicted:.1f} ms",
+            f"{dtype} {name}: measured {1000 * measured:.1f} ms, predicted "
+            f"{1000 * predicted:.1f} ms",
             file=sys.stderr,
         )
-    print("| configuration | device / host / recompute | measured ms | predicted ms | error |")
-    print("|---|---|---|---|---|")
-    for row in rows:
-        p = row["placement"]
+    return {
+        "dtype": dtype,
+        "profile": profile.__dict__,
+        "terms": [term.__dict__ for term in report.terms],
+        "rows": rows,
+        "lp_choice": lp_choice(profile, spec, workload, half, rows),
+    }
+
+
+def lp_choice(profile, spec, workload: Workload, budget: int, rows: list[dict]) -> dict:
+    """What the LP picks at the half budget (host offload or recomputation) vs the faster run."""
+    plan = solve(
+        replace(profile, device_bytes=budget),
+        spec,
+        workload,
+        Options(static=True, allow_weight_offload=False),
+    )
+    host = sum(b.host_fraction * (b.stop - b.start) for b in plan.buckets)
+    rebuilt = sum(b.recompute_fraction * (b.stop - b.start) for b in plan.buckets)
+    measured = {r["config"]: r["measured_step_ms"] for r in rows}
+    faster = "host" if measured["half on host"] <= measured["half recomputed"] else "recompute"
+    picked = "host" if host >= rebuilt else "recompute"
+    return {"picked": picked, "faster": faster, "match": picked == faster}
+
+
+def print_table(results: list[dict]) -> None:
+    print(
+        "| dtype | configuration | device / host / recompute | measured ms | predicted ms | error |"
+    )
+    print("|---|---|---|---|---|---|")
+    for result in results:
+        for row in result["rows"]:
+            p = row["placement"]
+            print(
+                f"| {result['dtype']} | {row['config']} | {p['g']:.2f} / {p['c']:.2f} / "
+                f"{p['x']:.2f} | {row['measured_step_ms']:.1f} | {row['predicted_step_ms']:.1f} "
+                f"| {100 * row['error']:+.1f} % |"
+            )
+        choice = result["lp_choice"]
         print(
-            f"| {row['config']} | {p['g']:.2f} / {p['c']:.2f} / {p['x']:.2f} | "
-            f"{row['measured_step_ms']:.1f} | {row['predicted_step_ms']:.1f} | "
-            f"{100 * row['error']:+.1f} % |"
+            f"| {result['dtype']} | LP choice at half budget | picked {choice['picked']}, "
+            f"faster measured {choice['faster']} | | | {'match' if choice['match'] else 'MISS'} |"
         )
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    results = [bench_dtype(args, dtype.strip()) for dtype in args.dtype.split(",")]
+    print_table(results)
+    errors = [row["error"] for result in results for row in result["rows"]]
     report = {
         "benchmark": "cost_model_fidelity",
         "model": args.model,
-        "dtype": args.dtype,
         "batch": args.batch,
         "prompt_tokens": args.prompt_tokens,
-        "profile": profile.__dict__,
-        "rows": rows,
-        "target_within_20pct": all(abs(r["error"]) <= 0.2 for r in rows),
+        "results": results,
+        "target_within_20pct": all(abs(e) <= 0.2 for e in errors),
+        "lp_picks_faster": all(result["lp_choice"]["match"] for result in results),
     }
     print(json.dumps(report))
     return 0

@@ -9,6 +9,13 @@ from pathlib import Path
 
 GIB = 1024**3
 OPTIONAL_RATES = ("step_overhead_s", "recompute_flops", "kv_bytes_per_s")  # 0: not measured
+TEXT_FIELDS = ("name", "overlap", "simulated", "device_type", "cpu_model", "torch_version", "dtype")
+# Physical ceilings (bytes/s, FLOP/s): a measured rate above them is a broken measurement (a
+# division by a time of about zero), never "infinitely fast". Any device: beyond HBM3e and
+# tensor-core peaks with room to spare; a CPU: a few hundred GB/s of DRAM, tens of TFLOP/s.
+BYTE_RATES = ("h2d_bytes_per_s", "d2h_bytes_per_s", "device_bytes_per_s", "kv_bytes_per_s")
+FLOP_RATES = ("device_flops", "recompute_flops")
+CEILINGS = {"": (1e14, 1e17), "cpu": (1e12, 1e15)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +48,10 @@ class HardwareProfile:
         fitted by ``alisa profile``; 0 for published presets.
     simulated
         True for presets built from published figures rather than measured here.
+    device_type, cpu_model, torch_version, dtype
+        Where a measured profile was taken (``"cpu"``/``"cuda"``, the CPU's model name, torch's
+        version, the model dtype it was calibrated in); empty for presets and old profiles.
+        ``device_type="cpu"`` tightens the physical bounds on the rates.
     """
 
     name: str
@@ -55,11 +66,20 @@ class HardwareProfile:
     recompute_flops: float = 0.0
     kv_bytes_per_s: float = 0.0
     simulated: bool = False
+    device_type: str = ""
+    cpu_model: str = ""
+    torch_version: str = ""
+    dtype: str = ""
 
     def __post_init__(self) -> None:
+        bytes_ceiling, flops_ceiling = CEILINGS.get(self.device_type, CEILINGS[""])
+        ceilings = {
+            **dict.fromkeys(BYTE_RATES, bytes_ceiling),
+            **dict.fromkeys(FLOP_RATES, flops_ceiling),
+        }
         for item in fields(self):
             value = getattr(self, item.name)
-            if item.name in ("name", "overlap", "simulated"):
+            if item.name in TEXT_FIELDS:
                 continue
             if (
                 isinstance(value, bool)
@@ -69,10 +89,38 @@ class HardwareProfile:
                 raise ValueError(f"{item.name}={value!r} must be a finite number")
             if value < 0 or (value == 0 and item.name not in OPTIONAL_RATES):
                 raise ValueError(f"{item.name}={value!r} must be positive")
+            ceiling = ceilings.get(item.name)
+            if ceiling is not None and value > ceiling:
+                where = f"on {self.device_type}" if self.device_type else "on any device"
+                raise ValueError(
+                    f"{item.name}={value:.3g} is above the physical bound {ceiling:.0e} {where}: "
+                    "a broken measurement (re-run `alisa profile`)"
+                )
 
     def save(self, path: str | Path) -> None:
         """Write the profile as JSON."""
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+
+def mismatches(profile: HardwareProfile, cpu_model: str, dtype: str) -> list[str]:
+    """Why a measured profile may not describe this run: another CPU or dtype, or no record.
+
+    Presets (``simulated``) describe another machine by design and give none; an empty
+    ``dtype`` (uncalibrated defaults) matches any.
+    """
+    if profile.simulated:
+        return []
+    if not profile.cpu_model:
+        return [
+            f"profile {profile.name!r} does not record its CPU and dtype (saved by an older "
+            "alisa); re-run `alisa profile` for a calibrated cost model"
+        ]
+    notes = []
+    if profile.cpu_model != cpu_model:
+        notes.append(f"profile was measured on CPU {profile.cpu_model!r}, this is {cpu_model!r}")
+    if profile.dtype and profile.dtype != dtype:
+        notes.append(f"profile was calibrated in {profile.dtype}, the plan uses {dtype}")
+    return notes
 
 
 def load_profile(path: str | Path) -> HardwareProfile:

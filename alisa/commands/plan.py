@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from alisa.commands.options import (
     CommandError,
@@ -56,14 +57,17 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from alisa.planning import empty_model_spec
+    from alisa.planning import cpu_model, empty_model_spec
     from scheduler import MODEL_PRESETS, Options, Workload, solve
+    from scheduler.hardware import mismatches
 
     for flag in ("--batch", "--prompt-len", "--gen-len"):
         check_minimum(flag, getattr(args, flag[2:].replace("-", "_")), 1)
     torch_dtype = dtype_from_flag(args.dtype) or torch.bfloat16
     config = cache_config_from_args(args, only=PLAN_FIELDS)
     profile = _hardware(args, config)
+    for note in mismatches(profile, cpu_model(), str(torch_dtype).removeprefix("torch.")):
+        print(f"[alisa] warning: {note}; its rates may not hold here", file=sys.stderr)
     try:
         spec, recomputable = empty_model_spec(args.model, args.dtype)
     except ValueError as error:

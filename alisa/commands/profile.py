@@ -7,7 +7,7 @@ from pathlib import Path
 
 from alisa.commands.options import add_model_options, check_minimum, check_new_file, load_for_cli
 
-HELP = "measure copy/matmul/memory rates (calibrated on a model) and save a hardware profile"
+HELP = "measure the cost-model rates (fitted on a model's real decode steps) and save a profile"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -16,15 +16,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, help="torch threads while measuring (default: torch's choice)"
     )
+    parser.add_argument(
+        "--batch", type=int, help="largest calibration batch: the plan's (default 8)"
+    )
+    parser.add_argument(
+        "--context", type=int, help="largest calibration context in tokens (default 1024)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from alisa.planning import default_profile_path
-    from alisa.profiling import measure
+    from alisa.profiling import PLAN_SIZES, measure_report
 
     check_minimum("--threads", args.threads, 1)
+    for flag in ("--batch", "--context"):
+        check_minimum(flag, getattr(args, flag[2:]), 1)
     if args.output is not None:
         check_new_file("--output", args.output)  # before measuring, not after
     if args.threads is not None:
@@ -33,18 +41,38 @@ def run(args: argparse.Namespace) -> int:
     if args.model.lower() != "none":
         model, _ = load_for_cli(args.model, args.dtype)
     device = next(model.parameters()).device if model is not None else None
-    profile = measure(model, device)
+    sizes = (args.batch or PLAN_SIZES[0], args.context or PLAN_SIZES[1])
+    report = measure_report(model, device, sizes=sizes, progress=True)
     path = args.output or default_profile_path(device or torch.device("cpu"))
     path.parent.mkdir(parents=True, exist_ok=True)
-    profile.save(path)
-    print(
-        f"{profile.name}\n"
-        f"  host->device {profile.h2d_bytes_per_s / 1e9:.2f} GB/s, "
-        f"device->host {profile.d2h_bytes_per_s / 1e9:.2f} GB/s\n"
-        f"  matmul {profile.device_flops / 1e12:.3f} TFLOP/s, "
-        f"memory {profile.device_bytes_per_s / 1e9:.1f} GB/s, "
-        f"recompute {profile.recompute_flops / 1e12:.3f} TFLOP/s\n"
-        f"  decode step overhead {1000 * profile.step_overhead_s:.1f} ms\n"
-        f"saved to {path}"
-    )
+    report.profile.save(path)
+    print(describe(report))
+    print(f"saved to {path}")
     return 0
+
+
+# How each term is printed: label, unit divisor, unit.
+UNITS = {
+    "h2d_bytes_per_s": ("host->device read", 1e9, "GB/s"),
+    "d2h_bytes_per_s": ("device->host copy", 1e9, "GB/s"),
+    "device_bytes_per_s": ("memory bandwidth", 1e9, "GB/s"),
+    "device_flops": ("decode FLOP rate", 1e9, "GFLOP/s"),
+    "kv_bytes_per_s": ("KV read rate", 1e9, "GB/s"),
+    "recompute_flops": ("recompute FLOP rate", 1e9, "GFLOP/s"),
+    "step_overhead_s": ("decode step overhead", 1e-3, "ms"),
+}
+
+
+def describe(report) -> str:
+    """The profile's header and one line per measured term: min / median / max and source."""
+    profile = report.profile
+    lines = [
+        f"{profile.name}",
+        f"  {profile.cpu_model}, torch {profile.torch_version}, {profile.dtype}",
+        f"  {'term':<22} {'min':>9} {'median':>9} {'max':>9}  unit      measured by",
+    ]
+    for term in report.terms:
+        label, divisor, unit = UNITS[term.field]
+        values = " ".join(f"{v / divisor:9.3f}" for v in (term.low, term.median, term.high))
+        lines.append(f"  {label:<22} {values}  {unit:<8}  {term.source}")
+    return "\n".join(lines)

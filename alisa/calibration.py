@@ -1,0 +1,190 @@
+"""Calibrate the cost model's terms on the model's own decode steps (resident and tiered)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+from alisa.architecture import model_shape
+from alisa.cache import AlisaCache
+from alisa.config import AlisaConfig
+from alisa.engine import DecodeState, Engine, device_clock
+from alisa.planning import model_spec
+from scheduler import activation_bytes, gathered_layers
+from scheduler.calibrate import FIT_TOLERANCE, Spread, StepSample, fit_decode
+
+PICKS = ("min", "median", "max")  # fastest, median, slowest repeats: the spread of a term
+FITTED = "fitted from real decode steps"
+TIERED = "real tiered decode step"
+
+
+def timings(work: Callable[[], object], device: torch.device, repeats: int = 5) -> list[float]:
+    """Seconds of each of ``repeats`` runs of ``work``, after one warm-up run."""
+    work()  # warm-up: allocation, kernels, caches
+    times = []
+    for _ in range(repeats):
+        start = device_clock(device)
+        work()
+        times.append(device_clock(device) - start)
+    return times
+
+
+def half_offload_budget(spec, batch: int, tokens: int) -> int:
+    """A device budget (bytes) that leaves about half of ``batch`` x ``tokens`` KV off-device.
+
+    ``spec`` is a :class:`scheduler.ModelSpec`. The terms are the planner's: weights, one
+    step's activations, half the KV, and the gathered off-device share of the attending (and
+    prefetched) layer.
+    """
+    kv = spec.kv_bytes_per_token() * batch * tokens
+    gathered = gathered_layers(spec.num_layers) * 0.5 * kv / spec.num_layers
+    return int(spec.total_weight_bytes + activation_bytes(spec, batch) + 0.5 * kv + gathered)
+
+
+def decode_step(
+    model,
+    device: torch.device,
+    batch: int,
+    context: int,
+    config: AlisaConfig | None = None,
+    repeats: int = 7,
+) -> tuple[list[float], AlisaCache]:
+    """(seconds of each repeat of one decode step of ``batch`` x ``context`` tokens, cache)."""
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.randint(min(10, vocab - 1), min(1000, vocab), (batch, context), device=device)
+    cache = AlisaCache(model, config, max_new_tokens=repeats + 8)
+    # generate()'s own step (mask, positions, forward, pick): all of it is what a step costs.
+    engine = Engine(model)
+    state = DecodeState.start(ids, torch.ones_like(ids))
+    with torch.inference_mode():
+
+        def step() -> None:
+            state.advance(engine.step(state, cache))
+
+        step()  # the prefill
+        return timings(step, device, repeats), cache
+
+
+def decode_points(batch: int, context: int) -> list[tuple[int, int]]:
+    """Two batch sizes x two context lengths, the largest being the plan's (batch, context)."""
+    small_batch = 1 if batch > 1 else 2
+    small_context = max(16, context // 8)
+    return [(b, n) for b in sorted({small_batch, batch}) for n in (small_context, context)]
+
+
+def decode_samples(
+    model, device: torch.device, batch: int, context: int, tick: Callable[[], object] = lambda: None
+) -> list[StepSample]:
+    """Timed resident decode steps at :func:`decode_points`; ``tick`` after each one."""
+    samples = []
+    for size, tokens in decode_points(batch, context):
+        seconds, _ = decode_step(model, device, size, tokens)
+        samples.append(StepSample(batch=size, context=tokens, seconds=tuple(seconds)))
+        tick()
+    return samples
+
+
+def fit_decode_terms(
+    model, samples: list[StepSample], weight_seconds: float, fallback: tuple[float, float]
+) -> tuple[list[Spread], float]:
+    """(overhead, FLOP rate and KV read rate fitted to real decode steps with their spreads,
+    the median fit's largest relative miss on a step).
+
+    ``fallback``: micro-benchmark (FLOP/s, bytes/s) for a rate the steps do not identify,
+    labelled as such in the spread's source.
+    """
+    spec = model_spec(model, model_shape(model))
+    fits = [
+        fit_decode(
+            samples,
+            spec.decode_flops_per_token(),
+            spec.kv_bytes_per_token(),
+            weight_seconds=weight_seconds,
+            pick=pick,
+            fallback=fallback,
+            device_type=next(model.parameters()).device.type,
+        )
+        for pick in PICKS
+    ]
+    miss = fits[1].worst_miss
+    fitted = FITTED if miss <= FIT_TOLERANCE else f"{FITTED} (misses a step by {miss:.0%})"
+    unfitted = "micro-benchmark (fallback: the steps do not identify it)"
+
+    def source(field: str) -> str:
+        return fitted if all(field in f.fitted for f in fits) else unfitted
+
+    spreads = [
+        Spread.of("step_overhead_s", [f.step_overhead_s for f in fits], fitted),
+        Spread.of("device_flops", [f.flops for f in fits], source("device_flops")),
+        Spread.of("kv_bytes_per_s", [f.kv_bytes_per_s for f in fits], source("kv_bytes_per_s")),
+    ]
+    return spreads, miss
+
+
+def calibrate_tiers(
+    model,
+    device: torch.device,
+    h2d: float,
+    rebuild: float,
+    batch: int = 4,
+    context: int = 1024,
+    resident: list[float] | None = None,
+    tick: Callable[[], object] = lambda: None,
+) -> tuple[Spread, Spread]:
+    """Host-read bytes/s and recompute FLOP/s as the tiered cache really achieves them.
+
+    Copy and matmul micro-benchmarks miss the per-layer gathers, small copies and the extra
+    attention parts of a tiered step. Real decode steps (all resident, about half on the host,
+    about half recomputed) give the effective rates; they only ever lower the micro-benchmark
+    figures ``h2d`` and ``rebuild`` (copies hidden behind compute on CUDA would otherwise read
+    as free; a tiered step no slower than the resident one, noise, keeps the micro-benchmark).
+    ``resident``: timings of the all-resident step if already measured. ``tick`` is called
+    after each tiered step (a progress bar).
+    """
+    spec = model_spec(model, model_shape(model))
+    bits = torch.finfo(next(model.parameters()).dtype).bits
+    budget = half_offload_budget(spec, batch, context + 16)
+    if resident is None:  # the same step with everything on the device
+        resident, _ = decode_step(model, device, batch, context)
+    base = _picks(resident)
+    hosted, cache = decode_step(
+        model, device, batch, context, AlisaConfig(gpu_memory=budget, recompute="never")
+    )
+    host_bytes = cache.tier_tokens()["host"] * spec.kv_bytes_per_token() / spec.num_layers
+    reads = [_rate(host_bytes, t - r, h2d) for t, r in zip(_picks(hosted), base, strict=True)]
+    tick()
+    rebuilt, cache = decode_step(
+        model, device, batch, context, AlisaConfig(gpu_memory=budget, recompute="always")
+    )
+    tokens = cache.tier_tokens()["recompute"] / spec.num_layers  # per layer, as the cost model
+    # The hidden states are read like host KV (at the median read rate), then projected.
+    read = tokens * spec.hidden_bytes_per_token(bits) / statistics.median(reads)
+    flops = tokens * spec.recompute_flops_per_token()
+    rebuilds = [
+        _rate(flops, t - r - read, rebuild) for t, r in zip(_picks(rebuilt), base, strict=True)
+    ]
+    tick()
+    return (
+        Spread.of("h2d_bytes_per_s", reads, _source(reads, h2d)),
+        Spread.of("recompute_flops", rebuilds, _source(rebuilds, rebuild)),
+    )
+
+
+def _picks(times: list[float]) -> list[float]:
+    """Fastest, median and slowest of a step's repeats."""
+    return [min(times), statistics.median(times), max(times)]
+
+
+def _rate(amount: float, seconds: float, ceiling: float) -> float:
+    """``amount / seconds``, never above the micro-benchmark ``ceiling`` (or when no time)."""
+    if amount <= 0 or seconds <= 0:
+        return ceiling
+    return min(ceiling, amount / seconds)
+
+
+def _source(estimates: list[float], ceiling: float) -> str:
+    if statistics.median(estimates) < ceiling:
+        return TIERED
+    return "micro-benchmark (fallback: the tiered step was not measurably slower)"

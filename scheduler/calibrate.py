@@ -1,0 +1,189 @@
+"""Fit the cost model's decode terms from timed real decode steps (least squares, no torch).
+
+A decode step of ``batch`` sequences holding ``context`` tokens each costs, in the model of
+``scheduler.cost``::
+
+    seconds = overhead + batch * flops_per_token / flops + batch * context * kv_bytes / kv_rate
+
+Timing the model's own steps at two batch sizes and two context lengths identifies all three
+terms (one column each in a least-squares system); micro-benchmarks of a square matmul or a
+memory sweep can be several times off on another CPU because their shape, dtype and kernel path
+differ from the model's.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+import numpy as np
+
+from scheduler.hardware import CEILINGS
+
+# A fitted step that misses a calibration step by more than this is not trusted.
+FIT_TOLERANCE = 0.25
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepSample:
+    """Repeated timings of one real decode step.
+
+    Attributes
+    ----------
+    batch, context
+        Sequences in the step and KV tokens each one attends to.
+    seconds
+        Wall time of every repeat (at least one).
+    """
+
+    batch: int
+    context: int
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.seconds or not all(math.isfinite(s) and s > 0 for s in self.seconds):
+            raise ValueError(f"seconds={self.seconds!r} must be positive finite timings")
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeFit:
+    """Rates fitted from decode steps.
+
+    ``fitted``: the rate fields the steps identified (the others are the fallbacks);
+    ``worst_miss``: the largest relative miss of the fitted step on a sample.
+    """
+
+    step_overhead_s: float
+    flops: float
+    kv_bytes_per_s: float
+    fitted: tuple[str, ...]
+    worst_miss: float
+
+
+RATE_COLUMNS = {1: "device_flops", 2: "kv_bytes_per_s"}  # design column -> profile field
+
+
+def fit_decode(
+    samples: list[StepSample],
+    flops_per_token: float,
+    kv_bytes_per_token: float,
+    weight_seconds: float = 0.0,
+    pick: str = "median",
+    fallback: tuple[float, float] | None = None,
+    device_type: str = "",
+) -> DecodeFit:
+    """Least-squares fit of overhead, FLOP rate and KV read rate to decode step timings.
+
+    Parameters
+    ----------
+    samples
+        At least three steps spanning two batch sizes and two context lengths.
+    flops_per_token, kv_bytes_per_token
+        The model's matmul FLOPs and KV bytes per token (``ModelSpec``), as the cost model uses.
+    weight_seconds
+        Time to read the weights once (weights / memory bandwidth): the cost model charges
+        max(that, FLOP time), so the overhead is fitted against exactly that formula.
+    pick
+        Which repeat of each sample to fit: ``"min"``, ``"median"`` or ``"max"`` (the spread).
+    fallback
+        (FLOP/s, KV bytes/s) from micro-benchmarks, fixed in place of a rate the steps do not
+        identify (tiny steps bound by weight reads or Python); the rest is refitted.
+    device_type
+        ``"cpu"``, ``"cuda"``, ...: a fitted rate above the device's physical bound
+        (``scheduler.hardware.CEILINGS``) counts as not identified.
+
+    Raises
+    ------
+    ValueError
+        The samples do not span the sizes, or (without ``fallback``) a fitted rate is zero,
+        negative, infinite or beyond physical bounds: the step did not grow with batch or
+        context.
+    """
+    if len({s.batch for s in samples}) < 2 or len({s.context for s in samples}) < 2:
+        raise ValueError("decode samples must span two batch sizes and two context lengths")
+    choose = {"min": min, "median": statistics.median, "max": max}[pick]
+    design = np.array(
+        [
+            [1.0, s.batch * flops_per_token, s.batch * s.context * kv_bytes_per_token]
+            for s in samples
+        ]
+    )
+    times = np.array([choose(s.seconds) for s in samples])
+    bytes_ceiling, flops_ceiling = CEILINGS.get(device_type, CEILINGS[""])
+    seconds_per, fitted = _slopes(design, times, fallback, (flops_ceiling, bytes_ceiling))
+    variable = np.maximum(weight_seconds, design[:, 1] * seconds_per[1])
+    variable = variable + design[:, 2] * seconds_per[2]
+    overhead = max(0.0, float(np.mean(times - variable)))
+    return DecodeFit(
+        step_overhead_s=overhead,
+        flops=1.0 / seconds_per[1],
+        kv_bytes_per_s=1.0 / seconds_per[2],
+        fitted=fitted,
+        worst_miss=float(np.max(np.abs((overhead + variable) / times - 1.0))),
+    )
+
+
+def _slopes(
+    design: np.ndarray,
+    times: np.ndarray,
+    fallback: tuple[float, float] | None,
+    ceilings: tuple[float, float],
+) -> tuple[dict[int, float], tuple[str, ...]]:
+    """(seconds per unit of each rate column, the fields fitted); a column the steps do not
+    identify is fixed at its fallback rate and the others refitted."""
+    fixed: dict[int, float] = {}
+    while True:
+        free = [c for c in RATE_COLUMNS if c not in fixed]
+        rest = times - sum((design[:, c] * v for c, v in fixed.items()), np.zeros_like(times))
+        columns = design[:, [0, *free]]
+        scale = np.abs(columns).max(axis=0)  # columns of very different size: unit scale
+        solution = np.linalg.lstsq(columns / scale, rest, rcond=None)[0] / scale
+        found = dict(zip(free, (float(v) for v in solution[1:]), strict=True))
+        bad = {c: v for c, v in found.items() if not v > 0 or 1.0 / v > ceilings[c - 1]}
+        if not bad:
+            return {**found, **fixed}, tuple(RATE_COLUMNS[c] for c in free)
+        if fallback is None:
+            column, value = next(iter(bad.items()))
+            raise ValueError(
+                f"decode fit gave {RATE_COLUMNS[column]}={1 / value if value > 0 else math.inf:.3g}"
+                " (not positive or beyond physical bounds): the step did not grow with "
+                "batch/context"
+            )
+        fixed.update({c: 1.0 / fallback[c - 1] for c in bad})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spread:
+    """One profile term measured several ways: lowest, median and highest estimate.
+
+    Attributes
+    ----------
+    field
+        The :class:`~scheduler.hardware.HardwareProfile` field.
+    low, median, high
+        Estimates from the fastest, median and slowest repeats (sorted).
+    source
+        How it was measured (``"fitted from real decode steps"``, ``"micro-benchmark"``, ...).
+    """
+
+    field: str
+    low: float
+    median: float
+    high: float
+    source: str
+
+    @classmethod
+    def of(cls, field: str, estimates: list[float], source: str) -> Spread:
+        """The spread of a list of estimates (min / median / max)."""
+        return cls(
+            field=field,
+            low=min(estimates),
+            median=statistics.median(estimates),
+            high=max(estimates),
+            source=source,
+        )
