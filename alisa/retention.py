@@ -51,7 +51,6 @@ class HostRetention:
         self.pages: HostPages | None = None
         self.sketch: KeySketch | None = None
         self.fetched = 0  # tokens copied host -> device, all sequences and KV heads
-        self.selected = 0  # tokens attended by selecting steps, all sequences and KV heads
         self.steps = 0  # decode steps that selected (budget below the tokens seen)
 
     # ---- writes --------------------------------------------------------------------------
@@ -105,7 +104,6 @@ class HostRetention:
         self._swap(slots, store, wanted)
         slots.kept = budget.copy()
         self.steps += 1
-        self.selected += int(budget.sum()) * kv_heads
 
     def _choose(
         self, slots: SlotMap, policy: KVPolicy, budget: np.ndarray, query: torch.Tensor
@@ -138,10 +136,10 @@ class HostRetention:
         index = torch.where(held, positions, seen)  # an extra column catches empty slots
         holding = torch.zeros(*wanted.shape[:2], seen + 1, dtype=torch.bool, device=wanted.device)
         holding.scatter_(-1, index, held)
-        keep = held & wanted.gather(-1, positions.clamp(min=0))
+        leaving = held & ~wanted.gather(-1, positions.clamp(min=0))
         fetch = wanted & ~holding[..., :seen]
-        free = (positions == FREE) | (held & ~keep)
-        positions.masked_fill_(held & ~keep, FREE)
+        free = (positions == FREE) | leaving
+        positions.masked_fill_(leaving, FREE)
         rows, heads, tokens = fetch.nonzero(as_tuple=True)
         if rows.numel() == 0:
             return

@@ -13,17 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from alisa.config import KV_BITS
 from alisa.storage.quantized import QuantizedPair
 from alisa.storage.store import with_capacity
-from quant import QuantizedTensor, dequantize
 
 PAGE_TOKENS = 16
-HOST_BITS = (16, 8, 4)
-
-
-def host_device(device: torch.device) -> torch.device:
-    """Where the host region lives for a model on ``device``: CPU memory."""
-    return torch.device("cpu") if device.type != "cpu" else device
 
 
 class HostPages:
@@ -42,10 +36,10 @@ class HostPages:
     def __init__(
         self, batch: int, heads: int, head_dim: int, *, bits: int, dtype, device: torch.device
     ) -> None:
-        if bits not in HOST_BITS:
-            raise ValueError(f"host_bits={bits!r} must be one of {HOST_BITS}")
-        self.bits, self.dtype, self.device = bits, dtype, device
-        self.host = host_device(device)
+        if bits not in KV_BITS:
+            raise ValueError(f"host_bits={bits!r} must be one of {KV_BITS}")
+        self.device = device
+        self.host = torch.device("cpu")  # host memory, whatever device the model is on
         self.pin = device.type == "cuda"
         shape = (batch, heads, 0, head_dim)
         self.pair: QuantizedPair | None = None
@@ -54,7 +48,6 @@ class HostPages:
             self.plain = torch.zeros(2, *shape, dtype=dtype, device=self.host)
         else:
             self.pair = QuantizedPair(shape, bits, head_dim, dtype, self.host)
-        self.head_dim = head_dim
         self.length = 0  # positions written
 
     @property
@@ -95,19 +88,7 @@ class HostPages:
         picked = [t.to(self.device, non_blocking=True) for t in picked]
         if self.plain is not None:
             return picked[0][0], picked[0][1]
-        data, scale, zero = picked
-        both = dequantize(
-            QuantizedTensor(
-                data=data,
-                scale=scale,
-                zero_point=zero,
-                shape=(2, rows.numel(), self.head_dim),
-                dtype=self.dtype,
-                bits=self.bits,
-                group_size=self.head_dim,
-            )
-        )
-        return both[0], both[1]
+        return self.pair.decode(*picked)
 
     def select_batch(self, indices: torch.Tensor) -> None:
         host = indices.to(self.host)

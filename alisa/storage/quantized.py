@@ -61,12 +61,18 @@ class QuantizedPair:
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, H, capacity, D) keys and values in the model dtype (views of one tensor)."""
-        shape = (*self.data.shape[:-1], self.head_dim)
+        return self.decode(self.data, self.scale, self.zero)
+
+    def decode(
+        self, data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (model dtype) of codes laid out as this pair's, (2, ..., ·) each:
+        the whole pair, or rows gathered from it."""
         q = QuantizedTensor(
-            data=self.data,
-            scale=self.scale,
-            zero_point=self.zero,
-            shape=shape,
+            data=data,
+            scale=scale,
+            zero_point=zero,
+            shape=(*data.shape[:-1], self.head_dim),
             dtype=self.dtype,
             bits=self.bits,
             group_size=self.group,
