@@ -179,7 +179,8 @@ def _seed_scores(
 ) -> None:
     """Feed the policy the attention rows of the last ``rows_wanted`` prompt queries (all: None).
 
-    Rows are computed in query chunks so the transient stays near 32 MiB; padding queries give
+    With an observation window the rows are one vote (summed, then pooled by the policy). Rows
+    are computed in query chunks so the transient stays near 32 MiB; padding queries give
     zero rows.
     """
     batch, heads, queries, _ = query.shape
@@ -191,6 +192,7 @@ def _seed_scores(
     if valid is not None:
         keys_valid = valid.to(query.device)
     chunk = max(1, SEED_CHUNK_VALUES // max(1, batch * heads * length))
+    vote = None  # an observation window's rows, summed over its chunks
     for start in range(queries - rows, queries, chunk):
         stop = min(start + chunk, queries)
         query_positions = torch.arange(start + offset, stop + offset, device=query.device)
@@ -198,7 +200,14 @@ def _seed_scores(
         visible = (keys_valid.unsqueeze(1) & causal.unsqueeze(0)).unsqueeze(1)  # (B, 1, q, S)
         probabilities = grouped_probabilities(query[:, :, start:stop], key, visible, scaling)
         # Padding queries see nothing: their softmax is NaN; they contribute no attention.
-        layer.account(torch.nan_to_num(probabilities, nan=0.0))
+        probabilities = torch.nan_to_num(probabilities, nan=0.0)
+        if not layer.observes_prompt:
+            layer.account(probabilities)
+            continue
+        summed = probabilities.sum(dim=3, keepdim=True)
+        vote = summed if vote is None else vote + summed
+    if vote is not None:
+        layer.account(vote, vote=True)
 
 
 AttentionInterface.register(ATTENTION_NAME, alisa_attention)

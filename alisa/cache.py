@@ -70,7 +70,7 @@ class AlisaCache(Cache):
         return AlisaLayer(
             policy,
             layer_idx=index,
-            per_head=config.per_head,
+            per_head=config.selects_per_head,
             store_factory=factory,
             tiering=self.planner,
             extensions=extensions,

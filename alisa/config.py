@@ -13,10 +13,15 @@ LAYER_SCHEDULES = ("uniform", "pyramid")
 KV_BITS = (16, 8, 4)
 RECOMPUTE_MODES = ("auto", "never", "always")
 RETENTIONS = ("drop", "host")
-# retention="host" defaults, from docs/retention-selection-study.md: a floor of 64 tokens keeps
-# small budgets early in a sequence from losing what later steps need; 4 attention sinks.
-HOST_MIN_BUDGET_TOKENS = 64
-HOST_SINK_TOKENS = 4
+PRESETS = ("default", "paper")
+PER_HEAD_POLICIES = ("swa", "h2o")  # the "default" preset selects per KV head for these
+# Defaults of the "default" preset (docs/drop-quality.md, docs/retention-selection-study.md): a
+# floor of 64 tokens keeps small budgets early in a sequence from losing what later steps need;
+# 4 attention sinks for every policy that ranks by attention (and for retention="host"); a
+# SnapKV-style observation window of the last 32 prompt queries seeds the scores at prefill.
+MIN_BUDGET_TOKENS = 64
+SINK_TOKENS = 4
+OBSERVATION_WINDOW = 32
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,7 +59,9 @@ class AlisaConfig:
     layer_schedule
         ``uniform`` budgets, or ``pyramid`` (PyramidKV: more tokens in lower layers, same mean).
     per_head
-        Select tokens per KV head instead of one index set per layer.
+        Select tokens per KV head instead of one index set per layer; ``None``: per head for
+        ``swa`` and ``h2o`` under the ``default`` preset (not with ``gpu_memory``), one set per
+        layer otherwise.
     kv_bits
         Storage precision of kept keys/values: 16 (model dtype), 8 or 4 (asymmetric min/max).
     quant_group_size
@@ -80,8 +87,18 @@ class AlisaConfig:
     host_bits
         ``retention="host"``: precision of the host region, 16 (model dtype), 8 or 4.
     min_budget_tokens
-        Least tokens kept (attended) per sequence, whatever r; ``None``: 64 with
-        ``retention="host"``, 0 (the paper) with ``drop``.
+        Least tokens kept (attended) per sequence, whatever r; ``None``: 64 under the
+        ``default`` preset, 0 under ``paper``.
+    observation_window
+        Attention-scored policies: the last this-many prompt queries, summed and pooled over
+        neighbouring tokens, seed the scores at prefill (SnapKV), so a question at the end of a
+        prompt protects what it asks about; 0 seeds with the policy's own rows (the paper);
+        ``None``: 32 under the ``default`` preset, 0 under ``paper``.
+    preset
+        What fields left unset mean: ``default`` (a budget floor of 64 tokens, 4 attention
+        sinks for the attention-scored policies, per-KV-head selection for SWA and H2O, a
+        32-query observation window) or ``paper`` (each paper's own setting: no floor, the
+        policy's own sinks, one index set per layer, scores seeded by the policy's own rows).
     residual_tokens
         With kv_bits < 16, the most recent tokens also kept in full precision (KIVI and HF's
         quantized cache do the same, HF with 128); 0 stores every token quantized, as the paper.
@@ -96,7 +113,7 @@ class AlisaConfig:
     stride: int | None = None
     dense_layers: int = 0
     layer_schedule: str = "uniform"
-    per_head: bool = False
+    per_head: bool | None = None
     kv_bits: int = 16
     quant_group_size: int | None = None
     residual_tokens: int = 64
@@ -107,6 +124,8 @@ class AlisaConfig:
     retention: str = "drop"
     host_bits: int = 8
     min_budget_tokens: int | None = None
+    observation_window: int | None = None
+    preset: str = "default"
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -149,6 +168,9 @@ class AlisaConfig:
         if self.host_bits not in KV_BITS:
             raise ValueError(f"host_bits={self.host_bits!r} must be one of {KV_BITS}")
         check_optional_int("min_budget_tokens", self.min_budget_tokens, minimum=0)
+        check_optional_int("observation_window", self.observation_window, minimum=0)
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset={self.preset!r} is unknown; valid: {', '.join(PRESETS)}")
         if self.retention == "host" and self.gpu_memory is not None:
             raise ValueError(
                 "retention='host' cannot be combined with gpu_memory (its device region is "
@@ -158,6 +180,14 @@ class AlisaConfig:
             raise ValueError(
                 "per_head=True cannot be combined with gpu_memory (tiers are per layer)"
             )
+
+    @property
+    def selects_per_head(self) -> bool:
+        """Whether each KV head keeps its own index set (``per_head``, or the preset's choice)."""
+        if self.per_head is not None:
+            return self.per_head
+        default = self.preset == "default" and self.gpu_memory is None
+        return default and self.policy in PER_HEAD_POLICIES
 
     @property
     def keeps_everything(self) -> bool:
@@ -190,19 +220,27 @@ def policy_for_layer(config: AlisaConfig, layer_idx: int, num_layers: int) -> KV
         return DensePolicy()
     cls = POLICIES[config.policy]
     recent = config.recent_fraction
-    host = config.retention == "host"
+    default = config.preset == "default"
     sinks = config.sink_tokens
     if sinks is None:
-        sinks = max(cls.default_sink_tokens, HOST_SINK_TOKENS) if host else cls.default_sink_tokens
+        # Sinks for whatever ranks tokens by attention or by the query (retention="host").
+        wants_sinks = default and (cls.needs_attention or config.retention == "host")
+        sinks = (
+            max(cls.default_sink_tokens, SINK_TOKENS) if wants_sinks else cls.default_sink_tokens
+        )
     floor = config.min_budget_tokens
     if floor is None:
-        floor = HOST_MIN_BUDGET_TOKENS if host else 0
+        floor = MIN_BUDGET_TOKENS if default else 0
+    window = config.observation_window
+    if window is None:
+        window = OBSERVATION_WINDOW if default and cls.needs_attention else 0
     return cls(
         caching_ratio=config.caching_ratio,
         budget_tokens=config.budget_tokens,
         recent_fraction=cls.default_recent_fraction if recent is None else recent,
         sink_tokens=sinks,
         min_budget_tokens=floor,
+        observation_window=window,
         budget_scale=layer_budget_scale(
             layer_idx, num_layers, config.layer_schedule, config.dense_layers
         ),

@@ -14,6 +14,10 @@ from alisa.accumulator import AttentionAccumulator
 from alisa.policies import KVPolicy
 from alisa.slots import SlotMap
 
+# Neighbouring tokens pooled into the observation window's vote (SnapKV's kernel, as kvpress):
+# a multi-token fact (a number, a name) is kept whole rather than its single loudest token.
+OBSERVATION_POOL = 5
+
 
 class Eviction:
     """A layer's policy and its attention sums (when the policy scores by attention).
@@ -49,10 +53,17 @@ class Eviction:
         """(B,) tokens each sequence may keep."""
         return self.policy.budget(slots.lengths())
 
+    @property
+    def observes(self) -> bool:
+        """Whether the prompt's last queries seed the scores as one pooled vote (SnapKV)."""
+        return self.needs_attention and self.policy.observation_window > 0
+
     def rows_wanted(self, slots: SlotMap) -> int | None:
         """Prompt query rows to seed attention scores with: None = all, 0 = none."""
         if not self.needs_attention:
             return 0
+        if self.observes:
+            return self.policy.observation_window
         window = self.policy.score_window(self.policy.recent(self.budget(slots)))
         return None if window is None else int(window.max())
 
@@ -65,6 +76,26 @@ class Eviction:
             self.scores.add(rows[:, :, 0], window)
         else:
             self.scores.add_rows(rows, window)
+
+    def observe(self, vote: torch.Tensor, slots: SlotMap) -> None:
+        """Seed the scores with the observation window's vote (B, Hs, S'): the attention of the
+        last prompt queries summed, then averaged over neighbouring slots (prompt slots are in
+        position order), added as one step.
+
+        SnapKV, Li et al. 2024, https://arxiv.org/abs/2404.14469, §4.2.
+        """
+        if self.scores is None:
+            return
+        batch, groups, width = vote.shape
+        pooled = torch.nn.functional.avg_pool1d(
+            vote.reshape(batch * groups, 1, width),
+            OBSERVATION_POOL,
+            stride=1,
+            padding=OBSERVATION_POOL // 2,
+            count_include_pad=False,
+        )
+        window = self.policy.score_window(self.policy.recent(self.budget(slots)))
+        self.scores.add(pooled.view(batch, groups, width), window)
 
     def victims(self, slots: SlotMap):
         """Slots to evict now, as flat (rows, groups, slots) and the (B,) excess; None if none."""
@@ -89,6 +120,8 @@ class Eviction:
         chosen = torch.topk(priority, count, dim=-1, largest=False, sorted=True).indices
         wanted = torch.arange(count, device=device).view(1, 1, -1)
         valid = wanted < torch.as_tensor(excess, device=device).view(-1, 1, 1)
+        # Every group (KV head, when selecting per head) of a sequence drops its excess.
+        valid = valid.expand(-1, slots.groups, -1)
         rows, groups, ranks = valid.nonzero(as_tuple=True)
         return rows, groups, chosen[rows, groups, ranks], excess
 

@@ -247,9 +247,15 @@ class AlisaLayer(CacheLayerMixin):
         """Prompt query rows to seed attention scores with: None = all, 0 = none."""
         return self.eviction.rows_wanted(self.slots)
 
-    def account(self, probabilities: torch.Tensor) -> None:
+    @property
+    def observes_prompt(self) -> bool:
+        """Whether the prompt seeds the scores as one pooled vote (an observation window)."""
+        return self.eviction.observes
+
+    def account(self, probabilities: torch.Tensor, *, vote: bool = False) -> None:
         """Add attention probabilities (B, H_kv, G, q, S') over slots [0, S') to the sums.
 
+        ``vote``: the q rows are the observation window's, summed and pooled into one step.
         Columns past the slot map (parts a store adds beyond its slots) are not slots: ignored.
         """
         if self.eviction.scores is None:
@@ -258,7 +264,10 @@ class AlisaLayer(CacheLayerMixin):
         rows = probabilities[..., : self.slots.capacity].sum(dim=2)
         if self.groups == 1:
             rows = rows.sum(dim=1, keepdim=True)
-        self.eviction.account(rows, self.slots)
+        if vote:
+            self.eviction.observe(rows.sum(dim=2), self.slots)
+        else:
+            self.eviction.account(rows, self.slots)
 
     def after_attention(
         self, query: torch.Tensor, probabilities: torch.Tensor | None, scaling: float

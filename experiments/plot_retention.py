@@ -30,12 +30,15 @@ def last_json(path: Path) -> dict:
     raise ValueError(f"{path}: no JSON report line (run experiments.fidelity into it)")
 
 
-def series(reports: list[dict]) -> dict[str, list[tuple[float, float]]]:
-    """{"swa (host)": [(r, perplexity), ...]} over every report; dense as one flat line."""
+def series(
+    reports: list[dict], protocol: str = "streaming"
+) -> dict[str, list[tuple[float, float]]]:
+    """{"swa (host)": [(r, perplexity), ...]} of one protocol over every report; dense as one
+    flat line."""
     out: dict[str, list[tuple[float, float]]] = {}
     for report in reports:
         retention = report.get("retention", "drop")
-        for key, value in report["perplexity"].items():
+        for key, value in report["perplexity"].get(protocol, {}).items():
             policy, ratio = key.split("@")
             name = "dense" if policy == "dense" else f"{policy} ({retention})"
             out.setdefault(name, []).append((float(ratio), value))
@@ -46,8 +49,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("reports", nargs="+", type=Path)
     parser.add_argument("-o", "--output", type=Path, required=True)
+    parser.add_argument("--protocol", default="streaming", help="perplexity protocol to plot")
     args = parser.parse_args(argv)
-    lines = series([last_json(path) for path in args.reports])
+    lines = series([last_json(path) for path in args.reports], args.protocol)
     figure, axis = plt.subplots(figsize=(6, 4))
     dense = dict(lines.pop("dense", [])).get(1.0)
     for name, points in sorted(lines.items()):

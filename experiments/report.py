@@ -31,7 +31,7 @@ MAIN_METRIC = {
     "xsum": "rougeL",
     "throughput": "tokens_per_s",
 }
-SERIES_KEYS = ("policy", "kv_bits", "system", "retention", "gpu_memory")
+SERIES_KEYS = ("policy", "kv_bits", "system", "retention", "gpu_memory", "preset", "protocol")
 
 
 def find_run(path: Path) -> Path:

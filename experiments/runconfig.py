@@ -1,7 +1,8 @@
 """Experiment configs: TOML with ``--set`` overrides, validated key by key, expanded to points.
 
 A config has ``name``, ``[sweep]`` (lists to take the cartesian product of: ``task``, ``model``,
-``batch``, ``system`` and any ``AlisaConfig`` field), ``[options.<task>]`` (task settings) and
+``batch``, ``system``, ``protocol`` (perplexity only: ``streaming`` or ``prefill``) and any
+``AlisaConfig`` field), ``[options.<task>]`` (task settings) and
 ``[runtime]`` (dtype, threads, data_dir, results_dir). Unknown keys are errors naming the key.
 """
 
@@ -16,10 +17,11 @@ from pathlib import Path
 import tomllib
 
 from alisa import AlisaConfig
+from experiments.tasks.perplexity import PROTOCOLS
 
 TOP_KEYS = ("name", "sweep", "options", "runtime")
 RUNTIME_DEFAULTS = {"dtype": "float32", "threads": 2, "data_dir": None, "results_dir": "results"}
-POINT_KEYS = ("task", "model", "batch", "system")
+POINT_KEYS = ("task", "model", "batch", "system", "protocol")
 CONFIG_FIELDS = tuple(f.name for f in fields(AlisaConfig))
 
 
@@ -48,6 +50,8 @@ class RunConfig:
             point = dict(zip(keys, values, strict=True))
             if point.get("policy") == "dense":
                 point["caching_ratio"] = 1.0
+            if point["task"] != "perplexity":
+                point.pop("protocol", None)  # only perplexity has protocols: run others once
             key = point_key(point)
             if key not in seen:
                 seen.add(key)
@@ -92,16 +96,17 @@ def _apply(raw: dict, item: str) -> None:
     path = key.strip().split(".")
     if path[0] not in TOP_KEYS:
         raise ValueError(f"--set key {key!r} is unknown; top-level keys: {', '.join(TOP_KEYS)}")
-    value = _parse(text.strip())
+    value = parse_value(text.strip())
     if path[0] == "sweep" and not isinstance(value, list):
-        value = [_parse(part.strip()) for part in text.split(",")]
+        value = [parse_value(part.strip()) for part in text.split(",")]
     target = raw
     for part in path[:-1]:
         target = target.setdefault(part, {})
     target[path[-1]] = value
 
 
-def _parse(text: str):
+def parse_value(text: str):
+    """A TOML literal (number, bool, string, list), or the text itself when it is none."""
     try:
         return tomllib.loads(f"value = {text}")["value"]
     except tomllib.TOMLDecodeError:
@@ -134,6 +139,12 @@ def _validate(raw: dict, file: Path) -> RunConfig:
         sweep[key] = [None if v == "none" else v for v in values]
     if "task" not in sweep:
         raise ValueError(f"config {file}: the sweep needs 'task'")
+    for protocol in sweep.get("protocol", []):
+        if protocol not in PROTOCOLS:
+            raise ValueError(
+                f"config {file}: sweep.protocol {protocol!r} is unknown; "
+                f"valid: {', '.join(PROTOCOLS)}"
+            )
     from experiments.tasks import TASKS
 
     for task in sweep["task"]:

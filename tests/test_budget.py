@@ -46,18 +46,24 @@ def test_cache_sizing_and_planner_agree(config):
 
 def test_sinks_pyramid_and_dense_layers_are_counted():
     kept = kept_tokens(
-        AlisaConfig(policy="swa", caching_ratio=0.1, sink_tokens=8, dense_layers=2), 4, 40
+        AlisaConfig(
+            policy="swa", caching_ratio=0.1, sink_tokens=8, dense_layers=2, min_budget_tokens=0
+        ),
+        4,
+        40,
     )
     assert kept.tolist() == [40, 40, 9, 9]  # dense layers keep all; sinks + newest beat r*n=4
     pyramid = kept_tokens(
-        AlisaConfig(policy="swa", caching_ratio=0.5, layer_schedule="pyramid"), 4, 100
+        AlisaConfig(policy="swa", caching_ratio=0.5, layer_schedule="pyramid", min_budget_tokens=0),
+        4,
+        100,
     )
     assert pyramid[0] > 50 > pyramid[-1] and abs(pyramid.mean() - 50) <= 1
 
 
 def test_halves_round_to_even_everywhere():
     # r * n = 2.5: the cache has always kept 2 (numpy.rint); sizing and planning now agree.
-    config = AlisaConfig(policy="swa", caching_ratio=0.5)
+    config = AlisaConfig(policy="swa", caching_ratio=0.5, preset="paper")
     assert kept_tokens(config, 2, 5).tolist() == [2, 2]
     assert Workload(batch=1, prompt_len=5, gen_len=1, caching_ratio=0.5).kept_tokens(0) == 2
     assert KeepRule(caching_ratio=0.5).kept(np.array([5, 7])).tolist() == [2, 4]

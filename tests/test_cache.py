@@ -71,8 +71,8 @@ def test_dense_cache_reports_exact_bytes_and_positions():
 @pytest.mark.parametrize("architecture", [tiny_llama, tiny_gpt2])
 def test_budget_is_respected_per_sequence_every_step(policy, architecture):
     model = architecture()
-    ids, mask = padded_batch(lengths=(200, 150, 90))
-    config = AlisaConfig(policy=policy, caching_ratio=0.25)
+    ids, mask = padded_batch(lengths=(400, 300, 180))  # the last one's budget is the floor
+    config = AlisaConfig(policy=policy, caching_ratio=0.25, sink_tokens=4)
     cache = AlisaCache(model, config)
     seen_real = mask.sum(1).numpy()
     with torch.no_grad():
@@ -92,7 +92,7 @@ def test_budget_is_respected_per_sequence_every_step(policy, architecture):
 
 def check_budget(cache, seen_real):
     for layer in cache.layers:
-        budget = np.maximum(np.rint(seen_real * 0.25).astype(int), 1)
+        budget = np.maximum(np.rint(seen_real * 0.25).astype(int), 64)  # the default floor
         assert (layer.slots.kept == budget).all()
         stored = (layer.slot_positions() >= 0).sum(-1)  # (B, Hs)
         assert torch.equal(stored, torch.as_tensor(budget).view(-1, 1).expand_as(stored))
@@ -128,20 +128,44 @@ def test_decode_steps_write_in_place_without_copying_the_cache():
     assert cache.layers[0].get_seq_length() == 320
 
 
-def test_kept_tokens_keep_their_original_positions_and_keys():
+@pytest.mark.parametrize("per_head", [False, True])
+def test_kept_tokens_keep_their_original_positions_and_keys(per_head):
     model = tiny_llama()
-    ids, mask = padded_batch(lengths=(120,))
-    sparse = AlisaCache(model, AlisaConfig(policy="h2o", caching_ratio=0.3))
+    ids, mask = padded_batch(lengths=(240,))
+    config = AlisaConfig(policy="h2o", caching_ratio=0.3, per_head=per_head)
+    sparse = AlisaCache(model, config)
     dense = DynamicCache()
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, past_key_values=sparse)
         model(input_ids=ids, attention_mask=mask, past_key_values=dense)
     layer = sparse.layers[1]
-    positions = layer.slot_positions()[0, 0]
-    kept = positions >= 0
-    keys = layer.store.read()[0][0, :, kept]
-    reference = dense.layers[1].keys[0][:, positions[kept]]
-    assert torch.equal(keys, reference)
+    keys = layer.store.read()[0][0]  # (H_kv, capacity, D)
+    reference = dense.layers[1].keys[0]  # (H_kv, 240, D)
+    for head in range(keys.shape[0]):
+        positions = layer.slot_positions()[0, head if per_head else 0]
+        kept = positions >= 0
+        assert int(kept.sum()) == 72  # round(240 * 0.3), above the floor
+        assert torch.equal(keys[head, kept], reference[head, positions[kept]])
+
+
+@pytest.mark.parametrize("policy", ["swa", "h2o", "tova"])
+def test_every_kv_head_keeps_its_budget_sinks_and_newest_tokens(policy):
+    # Per-head eviction must evict from every KV head: each head holds exactly the budget,
+    # with its sinks and its protected newest tokens (a head that stopped evicting would keep
+    # the oldest tokens after compaction, or overwrite its sink).
+    model = tiny_llama()
+    ids, mask = padded_batch(lengths=(300,))
+    config = AlisaConfig(policy=policy, caching_ratio=0.2, per_head=True, sink_tokens=2)
+    cache = AlisaCache(model, config)
+    hf_generate(model, ids, mask, cache)
+    seen = 300 + NEW_TOKENS - 1
+    for layer in cache.layers:
+        budget = int(layer.policy.budget(np.array([seen]))[0])
+        recent = int(layer.policy.recent(np.array([budget]))[0])
+        for positions in layer.slot_positions()[0]:  # (H_kv, width): one KV head each
+            held = set(positions[positions >= 0].tolist())
+            assert len(held) == budget
+            assert {0, 1} | set(range(seen - max(recent, 1), seen)) <= held
 
 
 def test_per_head_selection_differs_between_heads():
@@ -158,7 +182,8 @@ def test_per_head_selection_differs_between_heads():
 def test_dense_layers_keep_everything():
     model = tiny_llama()
     ids, mask = padded_batch(lengths=(100,))
-    cache = AlisaCache(model, AlisaConfig(policy="swa", caching_ratio=0.2, dense_layers=1))
+    config = AlisaConfig(policy="swa", caching_ratio=0.2, dense_layers=1, min_budget_tokens=0)
+    cache = AlisaCache(model, config)
     hf_generate(model, ids, mask, cache)
     assert cache.layers[0].slots.kept[0] == 100 + NEW_TOKENS - 1
     assert cache.layers[1].slots.kept[0] == round((100 + NEW_TOKENS - 1) * 0.2)

@@ -3,6 +3,7 @@ from dataclasses import fields
 import pytest
 
 from alisa import AlisaConfig
+from alisa.config import policy_for_layer
 from alisa.policies import POLICIES
 
 
@@ -87,7 +88,35 @@ WRONG_TYPES = {
     "retention": 1,
     "host_bits": 8.0,
     "min_budget_tokens": 64.0,
+    "observation_window": 32.0,
+    "preset": 1,
 }
+
+
+def test_presets_resolve_the_fields_left_unset():
+    def first_layer(config):
+        return policy_for_layer(config, 0, 2)
+
+    default = first_layer(AlisaConfig(policy="swa", caching_ratio=0.2))
+    assert (default.min_budget_tokens, default.sink_tokens, default.observation_window) == (
+        64,
+        4,
+        32,
+    )
+    assert AlisaConfig(policy="swa").selects_per_head and AlisaConfig(policy="h2o").selects_per_head
+    assert not AlisaConfig(policy="tova").selects_per_head
+    paper = first_layer(AlisaConfig(policy="swa", caching_ratio=0.2, preset="paper"))
+    assert (paper.min_budget_tokens, paper.sink_tokens, paper.observation_window) == (0, 0, 0)
+    assert not AlisaConfig(policy="swa", preset="paper").selects_per_head
+    # StreamingLLM's own 4 sinks are its paper setting; set fields beat either preset.
+    assert first_layer(AlisaConfig(policy="streaming", preset="paper")).sink_tokens == 4
+    local = first_layer(AlisaConfig(policy="local", caching_ratio=0.2))
+    assert (local.sink_tokens, local.observation_window, local.min_budget_tokens) == (0, 0, 64)
+    mixed = AlisaConfig(policy="swa", preset="paper", min_budget_tokens=16, per_head=True)
+    assert first_layer(mixed).min_budget_tokens == 16 and mixed.selects_per_head
+    assert not AlisaConfig(policy="swa", gpu_memory="1GiB").selects_per_head
+    with pytest.raises(ValueError, match="preset='papers'"):
+        AlisaConfig(preset="papers")
 
 
 def test_every_field_has_a_wrong_type_case():

@@ -9,8 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import byte_tokenizer, tiny_llama
 
+from alisa import AlisaConfig
 from experiments.report import main as report_main
 from experiments.run import main as run_main
 from experiments.runconfig import load_config
@@ -159,6 +161,25 @@ def test_kill_9_loses_and_duplicates_nothing(workspace):
     assert len(keys) == len(set(keys)) == total
 
 
+def test_both_protocols_are_run_and_named_in_every_row(workspace):
+    root, model_dir, data = workspace
+    extra = 'protocol = ["streaming", "prefill"]\npreset = ["default", "paper"]'
+    config = write_config(root, model_dir, data, name="protocols")
+    text = config.read_text().replace("batch = [2]", "batch = [2]\n" + extra)
+    config.write_text(text)
+    assert run_main(["--config", str(config), "--no-progress"]) == 0
+    results = rows(only_run(root, "protocols"))
+    perplexity = [r for r in results if r["point"]["task"] == "perplexity"]
+    copa = [r for r in results if r["point"]["task"] == "copa"]
+    # copa has no protocol: run once per (policy, r, preset), not once per protocol.
+    assert len(copa) == 2 * 5 and all("protocol" not in r["point"] for r in copa)
+    assert len(perplexity) == 2 * 2 * 5
+    for row in perplexity:
+        assert row["metrics"]["protocol"] == row["point"]["protocol"]
+        expected = 1 if row["point"]["protocol"] == "streaming" else 24  # half of 48 tokens
+        assert row["metrics"]["prefill_tokens"] == expected
+
+
 @pytest.mark.parametrize(
     ("text", "needle"),
     [
@@ -170,6 +191,10 @@ def test_kill_9_loses_and_duplicates_nothing(workspace):
         ('name = "x"\n[sweep]\ntask = ["copa"]\n[runtime]\ngpu = 1', "unknown runtime key 'gpu'"),
         ('name = "x"\n[sweep]\ntask = ["copa"]\ncaching_ratio = [1.5]', "caching_ratio=1.5"),
         ("name = [", "not valid TOML"),
+        (
+            'name = "x"\n[sweep]\ntask = ["perplexity"]\nprotocol = ["offline"]',
+            "sweep.protocol 'offline' is unknown",
+        ),
     ],
 )
 def test_bad_configs_name_the_problem(tmp_path, capsys, text, needle):
@@ -252,3 +277,25 @@ def test_torchrun_spreads_points_over_ranks_and_merges_one_results_file(workspac
     assert not parts_dir(folder / "results.jsonl").exists()
     assert run_main(["--config", str(config), *overrides]) == 0  # one process resumes: no work
     assert rows(only_run(root, "ranks")) == merged
+
+
+def test_both_protocols_score_the_tokens_a_full_forward_scores():
+    from experiments.tasks.perplexity import decode_perplexity, protocol_prefill
+
+    model = tiny_llama()
+    segments = torch.randint(3, 200, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(input_ids=segments).logits.float()
+    nll = torch.nn.functional.cross_entropy(
+        logits[:, :-1].transpose(1, 2), segments[:, 1:], reduction="none"
+    )  # (2, 39): nll[:, t] predicts token t + 1
+    for protocol in ("streaming", "prefill"):
+        prefill = protocol_prefill(protocol, 40)
+        assert prefill == (1 if protocol == "streaming" else 20)
+        result = decode_perplexity(
+            model, segments, AlisaConfig(), prefill_tokens=prefill, progress=False
+        )
+        assert result.tokens == 2 * (40 - prefill)
+        assert abs(result.nll - float(nll[:, prefill - 1 :].mean())) < 1e-4
+    with pytest.raises(ValueError, match="protocol='batch'"):
+        protocol_prefill("batch", 40)

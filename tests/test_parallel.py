@@ -17,6 +17,7 @@ from alisa.parallel.partition import (
     even_split,
     from_ratios,
     grid_search,
+    with_last_chunk,
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -105,6 +106,14 @@ def _reference(name, policy="dense"):
 )
 def test_greedy_tokens_match_one_process(name, parallel):
     assert _run_generate(name, 2, parallel) == _reference(name)
+
+
+def test_the_last_chunk_holds_the_observation_window():
+    # The last rank seeds scores from its own queries only: it must hold the window's rows.
+    assert with_last_chunk([0, 50, 80, 94], 32) == [0, 50, 62, 94]
+    assert with_last_chunk([0, 10, 90, 94], 32) == [0, 10, 62, 94]
+    assert with_last_chunk([0, 10, 20, 30], 32) == [0, 1, 2, 30]  # every chunk keeps a token
+    assert with_last_chunk([0, 47, 94], 32) == [0, 47, 94]  # already wide enough
 
 
 def test_swa_handover_after_kvr_prefill_matches_one_process():

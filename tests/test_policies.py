@@ -118,3 +118,27 @@ def test_dense_keeps_everything_whatever_its_budget_options():
     policy = policy_for_layer(AlisaConfig(policy="dense", caching_ratio=0.2), 0, 2)
     assert not policy.can_evict()
     assert policy.budget(np.array([0, 7, 100])).tolist() == [1, 7, 100]
+
+
+def test_the_observation_window_vote_is_pooled_and_ranks_the_first_eviction():
+    from alisa.eviction import Eviction
+    from alisa.slots import SlotMap
+
+    policy = get_policy("swa", caching_ratio=0.25, observation_window=4)
+    slots = SlotMap(1, 2, 40, 48, torch.device("cpu"))
+    eviction = Eviction(policy)
+    eviction.start(slots)
+    assert eviction.observes and eviction.rows_wanted(slots) == 4
+    vote = torch.zeros(1, 2, 48)
+    vote[0, 0, 10] = 1.0  # head 0's question looks at token 10, head 1's at token 20
+    vote[0, 1, 20] = 1.0
+    eviction.observe(vote, slots)
+    rows, groups, chosen, excess = eviction.victims(slots)
+    assert excess.tolist() == [30]  # budget 10: 5 recent + 5 by the vote
+    for group, spike in ((0, 10), (1, 20)):
+        gone = set(chosen[groups == group].tolist())
+        kept = set(range(40)) - gone
+        # The pooled vote keeps the spike's neighbours (kernel 5) with it; the recent half stays.
+        assert kept == set(range(spike - 2, spike + 3)) | set(range(35, 40))
+    paper = get_policy("swa", caching_ratio=0.25)
+    assert not Eviction(paper).observes

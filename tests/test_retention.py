@@ -181,7 +181,8 @@ def test_the_floor_keeps_small_budgets_useful():
     config = AlisaConfig(policy="swa", caching_ratio=0.1, **HOST)
     rule = config.keep_rules(4)[0]
     assert rule.kept(10) == 10 and rule.kept(100) == 64 and rule.kept(1000) == 100
-    assert AlisaConfig(policy="swa", caching_ratio=0.1).keep_rules(4)[0].kept(100) == 10
+    paper = AlisaConfig(policy="swa", caching_ratio=0.1, preset="paper")
+    assert paper.keep_rules(4)[0].kept(100) == 10
 
 
 def test_generate_reports_device_and_host_bytes(tokenizer):

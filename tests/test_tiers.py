@@ -26,7 +26,8 @@ def run(model, config=None, cache=None):
 @pytest.mark.parametrize("recompute", ["never", "always"])
 def test_offload_and_recompute_change_no_greedy_token(architecture, policy, ratio, recompute):
     model = architecture()
-    resident, _ = run(model, AlisaConfig(policy=policy, caching_ratio=ratio))
+    # Tiers are per layer: the resident reference selects per layer too.
+    resident, _ = run(model, AlisaConfig(policy=policy, caching_ratio=ratio, per_head=False))
     # Room for the activations, one streamed layer (half the KV: 2 layers) and a quarter more:
     # the device tier then holds about half of what the policy keeps.
     config_ = model.config

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from alisa.architecture import ModelAdapter
-from alisa.config import AlisaConfig
+from alisa.config import AlisaConfig, policy_for_layer
 from alisa.engine import DecodeState, Engine, GenerationOutput, device_clock
 from alisa.parallel.kvr import (
     AllGatherCache,
@@ -23,7 +23,13 @@ from alisa.parallel.kvr import (
     chunk_forward,
     new_chain,
 )
-from alisa.parallel.partition import PartitionTable, attention_cost_model, even_split, grid_search
+from alisa.parallel.partition import (
+    PartitionTable,
+    attention_cost_model,
+    even_split,
+    grid_search,
+    with_last_chunk,
+)
 from alisa.parallel.sharded import SHARDED_ATTENTION, MasterShardCache, ShardContext, make_shards
 from alisa.sampling import SamplingOptions
 
@@ -92,7 +98,20 @@ def check_consistent(length: int) -> None:
 
 
 def choose_bounds(model, input_ids, parallel: ParallelConfig, config: AlisaConfig) -> list[int]:
-    """Chunk boundaries for this prompt, the same on every rank."""
+    """Chunk boundaries for this prompt, the same on every rank.
+
+    The last rank seeds the policy's scores from its own queries: its chunk is widened to the
+    observation window, so the handover matches one process.
+    """
+    bounds = _partition(model, input_ids, parallel, config)
+    if parallel.mode == "tsp":
+        return bounds
+    layers = ModelAdapter.of(model).shape.num_layers
+    rows = max(policy_for_layer(config, i, layers).observation_window for i in range(layers))
+    return with_last_chunk(bounds, rows)
+
+
+def _partition(model, input_ids, parallel: ParallelConfig, config: AlisaConfig) -> list[int]:
     length, world = input_ids.shape[1], dist.get_world_size()
     if parallel.partition == "even" or parallel.mode == "tsp":
         return even_split(length, world)

@@ -153,3 +153,20 @@ class PartitionTable:
                 f"partition table {str(file)!r} has no entry {key!r}; it has {sorted(data)}"
             )
         return cls(key, {int(k): v for k, v in data[key].items()})
+
+
+def with_last_chunk(bounds: list[int], rows: int) -> list[int]:
+    """``bounds`` with the last chunk at least ``rows`` tokens, every other chunk kept >= 1.
+
+    Earlier boundaries move left only as far as they must (the prompt's length and the number
+    of chunks cap ``rows``).
+    """
+    chunks = len(bounds) - 1
+    start = max(bounds[-1] - rows, bounds[0] + chunks - 1)
+    if bounds[-2] <= start:
+        return list(bounds)
+    moved = [bounds[0]]
+    for index, bound in enumerate(bounds[1:-1], start=1):
+        # Leave room for one token in each chunk before the last.
+        moved.append(max(min(bound, start - (chunks - 1 - index)), moved[-1] + 1))
+    return [*moved, bounds[-1]]

@@ -44,6 +44,9 @@ class KVPolicy:
         Per-layer multiplier on the budget (pyramid schedules); 1.0 = uniform.
     min_budget_tokens
         Least tokens kept per sequence (the budget's floor).
+    observation_window
+        Prompt queries whose attention, summed and pooled, seeds the scores at prefill (SnapKV,
+        https://arxiv.org/abs/2404.14469); 0 seeds with :meth:`score_window` rows instead.
     """
 
     name: ClassVar[str] = "base"
@@ -59,6 +62,7 @@ class KVPolicy:
     sink_tokens: int = 0
     budget_scale: float = 1.0
     min_budget_tokens: int = 0
+    observation_window: int = 0
 
     @classmethod
     def own_options(cls, settings: Mapping[str, object]) -> dict[str, object]:

@@ -25,7 +25,10 @@ class Context:
 
 
 def perplexity(context: Context, point: dict, options: dict) -> dict:
-    from experiments.tasks.perplexity import decode_perplexity, text_segments
+    """WikiText-2 perplexity under the point's ``protocol`` (a sweep key; else the option, else
+    ``streaming``); options ``prefill_share`` and ``segment_tokens``. The protocol is named in
+    the row's metrics."""
+    from experiments.tasks.perplexity import decode_perplexity, protocol_prefill, text_segments
 
     segments = text_segments(
         context.tokenizer,
@@ -33,8 +36,18 @@ def perplexity(context: Context, point: dict, options: dict) -> dict:
         options.get("segment_tokens", 512),
         point.get("batch", 2),
     )
-    result = decode_perplexity(context.model, segments, context.config, progress=False)
-    return {"perplexity": result.perplexity, "nll": result.nll, "tokens": result.tokens}
+    protocol = point.get("protocol", options.get("protocol", "streaming"))
+    prefill = protocol_prefill(protocol, segments.shape[1], options.get("prefill_share", 0.5))
+    result = decode_perplexity(
+        context.model, segments, context.config, prefill_tokens=prefill, progress=False
+    )
+    return {
+        "perplexity": result.perplexity,
+        "nll": result.nll,
+        "tokens": result.tokens,
+        "protocol": protocol,
+        "prefill_tokens": prefill,
+    }
 
 
 def _retrieval(loader, kind: str):

@@ -1,7 +1,10 @@
 """Perplexity in the decode regime: tokens fed one by one, the KV policy active at every step.
 
-This is how ALISA measures accuracy (its sparse mask applies to every row); a one-shot prefill
-over the whole text would hide the policy, since prefill attention is dense.
+Two protocols (:data:`PROTOCOLS`): ``streaming`` compresses from the first token, as ALISA
+measures accuracy (its sparse mask applies to every row); ``prefill`` feeds the first part of
+each segment densely, compresses it to the budget, then scores the rest token by token, as H2O's
+lm-eval simulation and kvpress's benchmarks do. A one-shot prefill over the whole text would hide
+the policy, since prefill attention is dense.
 """
 
 from __future__ import annotations
@@ -38,40 +41,72 @@ def text_segments(tokenizer, text: str, segment_tokens: int, segments: int) -> t
     return ids[:needed].view(segments, segment_tokens)
 
 
+PROTOCOLS = ("streaming", "prefill")
+
+
+def protocol_prefill(protocol: str, length: int, prefill_share: float = 0.5) -> int:
+    """Tokens of a segment fed as the first (dense) call under ``protocol``.
+
+    ``streaming``: 1, the policy compresses from the first token (ALISA's decode-regime
+    measurement). ``prefill``: the first ``prefill_share`` of the segment, compressed to r after
+    its dense prefill, then the rest is scored token by token (H2O's and kvpress's protocol).
+    """
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol={protocol!r} is unknown; valid: {', '.join(PROTOCOLS)}")
+    if protocol == "streaming":
+        return 1
+    if not 0.0 < prefill_share < 1.0:
+        raise ValueError(f"prefill_share={prefill_share!r} must be in (0, 1)")
+    return min(max(1, round(length * prefill_share)), length - 1)
+
+
 @torch.inference_mode()
 def decode_perplexity(
-    model, segments: torch.Tensor, config: AlisaConfig, *, progress: bool = True
+    model,
+    segments: torch.Tensor,
+    config: AlisaConfig,
+    *,
+    prefill_tokens: int = 1,
+    progress: bool = True,
 ) -> PerplexityResult:
-    """Score every token after the first of each segment, feeding one token per step.
+    """Score the tokens after the first ``prefill_tokens`` of each segment, one token per step.
 
     Parameters
     ----------
     segments
         (B, L) token ids; the B segments run as one batch.
     config
-        The KV policy, active from the first step (the budget is round(n * r) of the n seen).
+        The KV policy, active from the first call (the budget is round(n * r) of the n seen).
+    prefill_tokens
+        P, tokens fed in the first call (dense attention, then compressed to the budget); 1 is
+        the streaming protocol (see :func:`protocol_prefill`).
 
     Returns
     -------
     PerplexityResult
-        Mean NLL over B * (L - 1) predictions.
+        Mean NLL over the B * (L - P) predictions of tokens P .. L-1 (the first from the
+        prefill's last logits).
     """
     device = next(model.parameters()).device
     segments = segments.to(device)
     batch, length = segments.shape
+    if not 1 <= prefill_tokens < length:
+        raise ValueError(f"prefill_tokens={prefill_tokens!r} must be in [1, {length - 1}]")
     cache = AlisaCache(model, config)
     total = torch.zeros((), dtype=torch.float64, device=device)
+    starts = [0, *range(prefill_tokens, length - 1)]
     steps = tqdm(
-        range(length - 1),
+        starts,
         desc=f"ppl {config.policy} r={config.caching_ratio:g}",
         disable=not progress,
         leave=False,
     )
-    for step in steps:
-        position = torch.full((batch, 1), step, device=device)
+    for start in steps:
+        stop = prefill_tokens if start == 0 else start + 1
+        position = torch.arange(start, stop, device=device).expand(batch, -1)
         logits = (
             model(
-                input_ids=segments[:, step : step + 1],
+                input_ids=segments[:, start:stop],
                 position_ids=position,
                 past_key_values=cache,
                 use_cache=True,
@@ -79,7 +114,7 @@ def decode_perplexity(
             .logits[:, -1]
             .float()
         )
-        nll = torch.nn.functional.cross_entropy(logits, segments[:, step + 1], reduction="sum")
+        nll = torch.nn.functional.cross_entropy(logits, segments[:, stop], reduction="sum")
         total += nll.double()
-    count = batch * (length - 1)
+    count = batch * (length - prefill_tokens)
     return PerplexityResult(nll=float(total) / count, tokens=count)
