@@ -17,11 +17,11 @@ PRESETS = ("default", "paper")
 PER_HEAD_POLICIES = ("swa", "h2o")  # the "default" preset selects per KV head for these
 # Defaults of the "default" preset (docs/drop-quality.md, docs/retention-selection-study.md): a
 # floor of 64 tokens keeps small budgets early in a sequence from losing what later steps need;
-# 4 attention sinks for every policy that ranks by attention (and for retention="host"); a
-# SnapKV-style observation window of the last 32 prompt queries seeds the scores at prefill.
+# 4 attention sinks for every evicting policy but local (and for retention="host"); a
+# SnapKV-style observation window of the last 8 prompt queries seeds the scores at prefill.
 MIN_BUDGET_TOKENS = 64
 SINK_TOKENS = 4
-OBSERVATION_WINDOW = 32
+OBSERVATION_WINDOW = 8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,8 +46,9 @@ class AlisaConfig:
         Share of the budget reserved for the most recent tokens; ``None`` takes the policy's own
         default (one half for SWA and H2O, as the papers).
     sink_tokens
-        First tokens of each sequence always kept (attention sinks, StreamingLLM); ``None``
-        takes the policy's default (4 for ``streaming``, else 0).
+        First tokens of each sequence always kept (attention sinks, StreamingLLM); ``None``: 4
+        under the ``default`` preset (0 for ``local``), the policy's own under ``paper`` (4 for
+        ``streaming``, else 0).
     score_window
         SWA: number of most recent decode steps whose attention is summed; ``None`` = the local
         window size k, as the paper's Alg. 1.
@@ -93,12 +94,13 @@ class AlisaConfig:
         Attention-scored policies: the last this-many prompt queries, summed and pooled over
         neighbouring tokens, seed the scores at prefill (SnapKV), so a question at the end of a
         prompt protects what it asks about; 0 seeds with the policy's own rows (the paper);
-        ``None``: 32 under the ``default`` preset, 0 under ``paper``.
+        ``None``: 8 under the ``default`` preset, 0 under ``paper``.
     preset
         What fields left unset mean: ``default`` (a budget floor of 64 tokens, 4 attention
-        sinks for the attention-scored policies, per-KV-head selection for SWA and H2O, a
-        32-query observation window) or ``paper`` (each paper's own setting: no floor, the
-        policy's own sinks, one index set per layer, scores seeded by the policy's own rows).
+        sinks for every evicting policy but ``local``, per-KV-head selection for SWA and H2O,
+        an 8-query observation window for the attention-scored policies) or ``paper`` (each
+        paper's own setting: no floor, the policy's own sinks, one index set per layer, scores
+        seeded by the policy's own rows).
     residual_tokens
         With kv_bits < 16, the most recent tokens also kept in full precision (KIVI and HF's
         quantized cache do the same, HF with 128); 0 stores every token quantized, as the paper.
@@ -223,8 +225,7 @@ def policy_for_layer(config: AlisaConfig, layer_idx: int, num_layers: int) -> KV
     default = config.preset == "default"
     sinks = config.sink_tokens
     if sinks is None:
-        # Sinks for whatever ranks tokens by attention or by the query (retention="host").
-        wants_sinks = default and (cls.needs_attention or config.retention == "host")
+        wants_sinks = default and (cls.sinks_by_default or config.retention == "host")
         sinks = (
             max(cls.default_sink_tokens, SINK_TOKENS) if wants_sinks else cls.default_sink_tokens
         )

@@ -43,6 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="also check r = 1 agreement in this dtype (bf16 kernels round differently)",
     )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--preset", default="default", choices=("default", "paper"), help="AlisaConfig preset"
+    )
     return parser.parse_args(argv)
 
 
@@ -73,7 +76,13 @@ def main(argv=None) -> int:
     systems = {
         # All-INT8 storage as the paper (no full-precision residual window).
         "alisa swa r=0.2 int8": (
-            AlisaConfig(policy="swa", caching_ratio=0.2, kv_bits=8, residual_tokens=0),
+            AlisaConfig(
+                policy="swa",
+                caching_ratio=0.2,
+                kv_bits=8,
+                residual_tokens=0,
+                preset=args.preset,
+            ),
             None,
         ),
         "hf DynamicCache": (AlisaConfig(), DynamicCache),

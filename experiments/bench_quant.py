@@ -44,6 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-perplexity", action="store_true")
+    parser.add_argument(
+        "--preset", default="default", choices=("default", "paper"), help="AlisaConfig preset"
+    )
     return parser.parse_args(argv)
 
 
@@ -68,7 +71,11 @@ def perplexities(model, tokenizer, args) -> dict:
     for ratio in (float(r) for r in args.ratios.split(",")):
         for bits, residual in ((16, 0), (8, 0), (8, 64), (4, 0), (4, 64)):
             config = AlisaConfig(
-                policy="swa", caching_ratio=ratio, kv_bits=bits, residual_tokens=residual
+                policy="swa",
+                caching_ratio=ratio,
+                kv_bits=bits,
+                residual_tokens=residual,
+                preset=args.preset,
             )
             value = decode_perplexity(model, segments, config).perplexity
             key = f"swa r={ratio:g} {bits}bit" + (f"+r{residual}" if residual else "")

@@ -4,8 +4,9 @@
     python -m experiments.fidelity --policies swa --ratios 0.5,0.2,0.1 --retention host > host.txt
     python -m experiments.plot_retention drop.txt host.txt -o docs/figures/retention_perplexity.png
 
-Each input is a fidelity run's output (its last JSON line is read); rows are grouped by policy
-and retention. Prints the points it plotted and one JSON line.
+Each input is a fidelity run's output (its last JSON line is read); rows are grouped by policy,
+retention and preset (``paper`` rows dotted), for one ``--protocol``. Prints the points it
+plotted and one JSON line.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ def series(
     out: dict[str, list[tuple[float, float]]] = {}
     for report in reports:
         retention = report.get("retention", "drop")
+        label = retention + (", paper" if report.get("preset") == "paper" else "")
         for key, value in report["perplexity"].get(protocol, {}).items():
             policy, ratio = key.split("@")
-            name = "dense" if policy == "dense" else f"{policy} ({retention})"
+            name = "dense" if policy == "dense" else f"{policy} ({label})"
             out.setdefault(name, []).append((float(ratio), value))
     return {name: sorted(set(points)) for name, points in out.items()}
 
@@ -50,13 +52,19 @@ def main(argv=None) -> int:
     parser.add_argument("reports", nargs="+", type=Path)
     parser.add_argument("-o", "--output", type=Path, required=True)
     parser.add_argument("--protocol", default="streaming", help="perplexity protocol to plot")
+    parser.add_argument("--policies", default=None, help="comma list to plot (default: all)")
+    parser.add_argument("--title", default=None)
     args = parser.parse_args(argv)
     lines = series([last_json(path) for path in args.reports], args.protocol)
+    if args.policies:
+        wanted = {"dense", *args.policies.split(",")}
+        lines = {name: points for name, points in lines.items() if name.split(" ")[0] in wanted}
     figure, axis = plt.subplots(figsize=(6, 4))
     dense = dict(lines.pop("dense", [])).get(1.0)
     for name, points in sorted(lines.items()):
         ratios, values = zip(*points, strict=True)
-        axis.plot(ratios, values, marker="o", linestyle="--" if "drop" in name else "-", label=name)
+        style = ":" if "paper" in name else "--" if "drop" in name else "-"
+        axis.plot(ratios, values, marker="o", linestyle=style, label=name)
     if dense is not None:
         axis.axhline(dense, color="black", linewidth=0.8, label=f"dense ({dense:.2f})")
     axis.set_xlabel("caching ratio r (share of tokens attended)")
@@ -68,6 +76,8 @@ def main(argv=None) -> int:
     axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axis.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     axis.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
+    if args.title:
+        axis.set_title(args.title, fontsize=10)
     axis.legend(fontsize=8)
     axis.grid(True, which="both", alpha=0.3)
     figure.tight_layout()

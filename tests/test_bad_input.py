@@ -84,6 +84,12 @@ CASES = {
         "generate hi --retention disk", ERR, ("--retention", "retention='disk'", "drop, host")
     ),
     "host-bits-3": Case("generate hi --retention host --host-bits 3", ERR, ("--host-bits", "3")),
+    "preset-unknown": Case(
+        "generate hi --preset papers", ERR, ("--preset", "preset='papers'", "default, paper")
+    ),
+    "observation-window-negative": Case(
+        "generate hi --observation-window -1", ERR, ("--observation-window", "-1")
+    ),
     "profile-missing": Case(
         "generate hi --profile {tmp}/missing.json", ERR, ("--profile", "missing.json")
     ),

@@ -101,7 +101,7 @@ def test_presets_resolve_the_fields_left_unset():
     assert (default.min_budget_tokens, default.sink_tokens, default.observation_window) == (
         64,
         4,
-        32,
+        8,
     )
     assert AlisaConfig(policy="swa").selects_per_head and AlisaConfig(policy="h2o").selects_per_head
     assert not AlisaConfig(policy="tova").selects_per_head
@@ -112,6 +112,10 @@ def test_presets_resolve_the_fields_left_unset():
     assert first_layer(AlisaConfig(policy="streaming", preset="paper")).sink_tokens == 4
     local = first_layer(AlisaConfig(policy="local", caching_ratio=0.2))
     assert (local.sink_tokens, local.observation_window, local.min_budget_tokens) == (0, 0, 64)
+    strided = first_layer(AlisaConfig(policy="strided", caching_ratio=0.2))
+    assert (strided.sink_tokens, strided.observation_window) == (4, 0)
+    host_local = first_layer(AlisaConfig(policy="local", caching_ratio=0.2, retention="host"))
+    assert host_local.sink_tokens == 4
     mixed = AlisaConfig(policy="swa", preset="paper", min_budget_tokens=16, per_head=True)
     assert first_layer(mixed).min_budget_tokens == 16 and mixed.selects_per_head
     assert not AlisaConfig(policy="swa", gpu_memory="1GiB").selects_per_head

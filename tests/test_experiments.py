@@ -299,3 +299,27 @@ def test_both_protocols_score_the_tokens_a_full_forward_scores():
         assert abs(result.nll - float(nll[:, prefill - 1 :].mean())) < 1e-4
     with pytest.raises(ValueError, match="protocol='batch'"):
         protocol_prefill("batch", 40)
+
+
+def test_the_retention_plot_reads_one_protocol_and_names_the_preset(tmp_path):
+    from experiments.plot_retention import main as plot_main
+    from experiments.plot_retention import series
+
+    def report(preset, ppl):
+        return {"retention": "drop", "preset": preset, "perplexity": ppl}
+
+    reports = [
+        report("default", {"streaming": {"dense@1": 23.0, "swa@0.2": 31.0, "swa@0.5": 27.0}}),
+        report("paper", {"streaming": {"swa@0.2": 44.8}, "prefill": {"swa@0.2": 29.2}}),
+    ]
+    lines = series(reports, "streaming")
+    assert lines["swa (drop)"] == [(0.2, 31.0), (0.5, 27.0)]
+    assert lines["swa (drop, paper)"] == [(0.2, 44.8)] and lines["dense"] == [(1.0, 23.0)]
+    assert series(reports, "prefill") == {"swa (drop, paper)": [(0.2, 29.2)]}
+    paths = []
+    for index, item in enumerate(reports):
+        paths.append(tmp_path / f"{index}.txt")
+        paths[-1].write_text("table\n" + json.dumps(item) + "\n")
+    figure = tmp_path / "plot.png"
+    assert plot_main([*map(str, paths), "-o", str(figure), "--policies", "swa"]) == 0
+    assert figure.stat().st_size > 0

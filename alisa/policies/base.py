@@ -53,6 +53,9 @@ class KVPolicy:
     needs_attention: ClassVar[bool] = False  # True: score() reads accumulated attention
     default_recent_fraction: ClassVar[float] = 0.5
     default_sink_tokens: ClassVar[int] = 0
+    # The "default" preset adds attention sinks (StreamingLLM): deleting token 0 breaks the model
+    # whatever ranks the rest. False for a policy defined as having none (local's window).
+    sinks_by_default: ClassVar[bool] = True
     evicts: ClassVar[bool] = True  # False: keeps every token whatever its budget options
     config_fields: ClassVar[Mapping[str, str]] = {}
 
