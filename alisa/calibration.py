@@ -207,8 +207,12 @@ def calibrate_selection(
     ``tick`` is called after each timed step (a progress bar).
     """
     spec = model_spec(model, model_shape(model))
+    # Both contexts past the budget floor (twice it when the plan's context allows): a step
+    # that keeps every token it has seen does not select, and would hide the per-step constant.
+    floor = max(rule.floor for rule in SELECTION_CONFIG.keep_rules(spec.num_layers))
+    short = min(max(small_context(context), 2 * floor), context // 2)
     samples, bases = [], []
-    for tokens in (small_context(context), context):
+    for tokens in (short, context):
         seconds, cache = decode_step(model, device, batch, tokens, SELECTION_CONFIG)
         samples.append(StepSample(batch=batch, context=tokens, seconds=tuple(seconds)))
         # Decode steps fetched: the warm-up and the timed ones (the prefill holds its tokens).
