@@ -12,12 +12,24 @@ from alisa.cache import AlisaCache
 from alisa.config import AlisaConfig
 from alisa.engine import DecodeState, Engine, device_clock
 from alisa.planning import model_spec
-from scheduler import activation_bytes, gathered_layers
-from scheduler.calibrate import FIT_TOLERANCE, Spread, StepSample, fit_decode
+from scheduler import (
+    CostModel,
+    HardwareProfile,
+    ModelSpec,
+    Workload,
+    activation_bytes,
+    gathered_layers,
+    make_buckets,
+)
+from scheduler.calibrate import FIT_TOLERANCE, Spread, StepSample, fit_decode, fit_selection
 
 PICKS = ("min", "median", "max")  # fastest, median, slowest repeats: the spread of a term
 FITTED = "fitted from real decode steps"
 TIERED = "real tiered decode step"
+SELECTED = "fitted from real retention='host' steps"
+# retention="host" as a typical plan runs it. The selection's cost per seen token hardly depends
+# on the ratio: every seen token's sketch is scored whatever the budget.
+SELECTION_CONFIG = AlisaConfig(policy="swa", caching_ratio=0.2, retention="host")
 
 
 def timings(work: Callable[[], object], device: torch.device, repeats: int = 5) -> list[float]:
@@ -70,8 +82,12 @@ def decode_step(
 def decode_points(batch: int, context: int) -> list[tuple[int, int]]:
     """Two batch sizes x two context lengths, the largest being the plan's (batch, context)."""
     small_batch = 1 if batch > 1 else 2
-    small_context = max(16, context // 8)
-    return [(b, n) for b in sorted({small_batch, batch}) for n in (small_context, context)]
+    return [(b, n) for b in sorted({small_batch, batch}) for n in (small_context(context), context)]
+
+
+def small_context(context: int) -> int:
+    """The shorter of the two calibration contexts (tokens)."""
+    return max(16, context // 8)
 
 
 def decode_samples(
@@ -170,6 +186,82 @@ def calibrate_tiers(
         Spread.of("h2d_bytes_per_s", reads, _source(reads, h2d)),
         Spread.of("recompute_flops", rebuilds, _source(rebuilds, rebuild)),
     )
+
+
+def calibrate_selection(
+    model,
+    device: torch.device,
+    profile: HardwareProfile,
+    batch: int = 4,
+    context: int = 1024,
+    tick: Callable[[], object] = lambda: None,
+) -> tuple[Spread, Spread]:
+    """The selection cost of ``retention="host"``: ``select_bytes_per_s`` and
+    ``select_overhead_s`` with their spreads, from real host steps.
+
+    :data:`SELECTION_CONFIG` steps of ``batch`` sequences are timed at two contexts; what the
+    cost model charges them without the selection (``profile``'s fitted terms over the kept
+    tokens, the bytes really fetched over ``h2d_bytes_per_s``) is subtracted and the rest fitted
+    by :func:`scheduler.calibrate.fit_selection`. A fit that fails (the steps did not grow with
+    the tokens seen) keeps the formula's rate, the KV read rate, labelled as a fallback.
+    ``tick`` is called after each timed step (a progress bar).
+    """
+    spec = model_spec(model, model_shape(model))
+    # Both contexts past the budget floor (twice it when the plan's context allows): a step
+    # that keeps every token it has seen does not select, and would hide the per-step constant.
+    floor = max(rule.floor for rule in SELECTION_CONFIG.keep_rules(spec.num_layers))
+    short = min(max(small_context(context), 2 * floor), context // 2)
+    samples, bases = [], []
+    for tokens in (short, context):
+        seconds, cache = decode_step(model, device, batch, tokens, SELECTION_CONFIG)
+        samples.append(StepSample(batch=batch, context=tokens, seconds=tuple(seconds)))
+        # Decode steps fetched: the warm-up and the timed ones (the prefill holds its tokens).
+        fetched = fetched_bytes(cache, spec) / (len(seconds) + 1)
+        bases.append(unselected_seconds(profile, spec, batch, tokens, fetched))
+        tick()
+    sketch = spec.sketch_bytes_per_token()
+    try:
+        fits = [fit_selection(samples, bases, sketch, p, profile.device_type) for p in PICKS]
+    except ValueError:
+        rate = profile.kv_bytes_per_s or profile.device_bytes_per_s
+        why = "(fallback: the host steps did not grow with the tokens seen)"
+        return (
+            Spread.of("select_bytes_per_s", [rate], f"KV read rate {why}"),
+            Spread.of("select_overhead_s", [0.0], f"none {why}"),
+        )
+    return (
+        Spread.of("select_bytes_per_s", [f.bytes_per_s for f in fits], SELECTED),
+        Spread.of("select_overhead_s", [f.overhead_s for f in fits], SELECTED),
+    )
+
+
+def fetched_bytes(cache: AlisaCache, spec: ModelSpec) -> float:
+    """Bytes a ``retention="host"`` cache has fetched from its host regions so far."""
+    config = cache.config
+    tokens = sum(layer.retention.fetched for layer in cache.layers if layer.retention is not None)
+    per_head = spec.kv_bytes_per_token(config.host_bits) / (spec.num_layers * spec.num_kv_heads)
+    return tokens * per_head
+
+
+def unselected_seconds(
+    profile: HardwareProfile, spec: ModelSpec, batch: int, context: int, fetch_bytes: float
+) -> float:
+    """The cost model's time of one :data:`SELECTION_CONFIG` step without its selection.
+
+    All kept tokens on the device, plus ``fetch_bytes`` over ``h2d_bytes_per_s`` (after the
+    compute on a CPU, beside it with overlapping copies), as the cost model charges a host step.
+    """
+    workload = Workload(
+        batch=batch,
+        prompt_len=context,
+        gen_len=1,
+        caching_ratio=SELECTION_CONFIG.caching_ratio,
+        recent_fraction=0.0,
+        keep=SELECTION_CONFIG.keep_rules(spec.num_layers),
+    )
+    step = CostModel(profile, spec, workload).step_time(make_buckets(workload, 1)[0], {"g": 1.0})
+    fetch = fetch_bytes / profile.h2d_bytes_per_s
+    return max(step, fetch) if profile.overlap else step + fetch
 
 
 def _picks(times: list[float]) -> list[float]:

@@ -2,7 +2,8 @@
 
 With a model, the terms the LP uses come from the model's own work at the plan's sizes
 (:mod:`alisa.calibration`): decode steps at two batch sizes and two context lengths fit the step
-overhead, FLOP rate and KV read rate; tiered steps give the host-read and recompute rates.
+overhead, FLOP rate and KV read rate; tiered steps give the host-read and recompute rates;
+retention="host" steps give the selection's sketch rate and per-step constant.
 Micro-benchmarks (a square matmul, a memory sweep, a pool-to-pool copy) fill the terms that no
 step identifies, and stand in, labelled as fallbacks, when a fit fails twice.
 """
@@ -20,6 +21,7 @@ from tqdm.auto import tqdm
 
 from alisa.architecture import model_shape
 from alisa.calibration import (
+    calibrate_selection,
     calibrate_tiers,
     decode_points,
     decode_samples,
@@ -123,11 +125,12 @@ def measure_report(
 def _calibrated_terms(
     model, device: torch.device, micro: dict[str, Spread], sizes: tuple[int, int], progress: bool
 ) -> dict[str, Spread]:
-    """The terms real steps give: the fitted decode terms, then the tiered rates."""
-    bar = tqdm(total=2 * len(decode_points(*sizes)) + 2, unit="step", disable=not progress)
+    """The terms real steps give: the fitted decode terms, the tiered rates, then the selection
+    cost of retention="host" (costed on top of the others)."""
+    bar = tqdm(total=2 * len(decode_points(*sizes)) + 4, unit="step", disable=not progress)
     bar.set_description("alisa profile: decode steps")
     terms, resident = _fit_decode_twice(model, device, micro, sizes, bar.update)
-    bar.total = bar.n + 2  # a first fit that held skips the second round
+    bar.total = bar.n + 4  # a first fit that held skips the second round
     bar.set_description("alisa profile: tiered steps")
     reads, rebuilds = calibrate_tiers(
         model,
@@ -138,8 +141,14 @@ def _calibrated_terms(
         resident=resident,
         tick=bar.update,
     )
+    terms = {**micro, **terms, "h2d_bytes_per_s": reads, "recompute_flops": rebuilds}
+    bar.set_description("alisa profile: retention='host' steps")
+    dtype = next(model.parameters()).dtype
+    selection = calibrate_selection(
+        model, device, _profile(device, dtype, terms), *sizes, tick=bar.update
+    )
     bar.close()
-    return {**terms, "h2d_bytes_per_s": reads, "recompute_flops": rebuilds}
+    return {**terms, **{term.field: term for term in selection}}
 
 
 def _fit_decode_twice(

@@ -8,7 +8,9 @@ A decode step of ``batch`` sequences holding ``context`` tokens each costs, in t
 Timing the model's own steps at two batch sizes and two context lengths identifies all three
 terms (one column each in a least-squares system); micro-benchmarks of a square matmul or a
 memory sweep can be several times off on another CPU because their shape, dtype and kernel path
-differ from the model's.
+differ from the model's. ``retention="host"`` steps at two context lengths identify, on top
+of that, the selection's per-step constant and the rate at which it goes over the key sketch
+(:func:`fit_selection`).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class DecodeFit:
 
 
 RATE_COLUMNS = {1: "device_flops", 2: "kv_bytes_per_s"}  # design column -> profile field
+CHOOSE = {"min": min, "median": statistics.median, "max": max}  # which repeat of a sample
 
 
 def fit_decode(
@@ -106,7 +109,7 @@ def fit_decode(
     """
     if len({s.batch for s in samples}) < 2 or len({s.context for s in samples}) < 2:
         raise ValueError("decode samples must span two batch sizes and two context lengths")
-    choose = {"min": min, "median": statistics.median, "max": max}[pick]
+    choose = CHOOSE[pick]
     design = np.array(
         [
             [1.0, s.batch * flops_per_token, s.batch * s.context * kv_bytes_per_token]
@@ -155,6 +158,79 @@ def _slopes(
                 "batch/context"
             )
         fixed.update({c: 1.0 / fallback[c - 1] for c in bad})
+
+
+@dataclass(frozen=True, kw_only=True)
+class SelectionFit:
+    """The selection cost of ``retention="host"`` fitted from real host steps.
+
+    ``overhead_s``: fixed seconds per step; ``bytes_per_s``: key-sketch bytes selected over per
+    second (``select_bytes_per_s``); ``worst_miss``: the largest relative miss on a sample.
+    """
+
+    overhead_s: float
+    bytes_per_s: float
+    worst_miss: float
+
+
+def fit_selection(
+    samples: list[StepSample],
+    base_seconds: list[float],
+    sketch_bytes_per_token: float,
+    pick: str = "median",
+    device_type: str = "",
+) -> SelectionFit:
+    """Least-squares fit of the selection's per-step constant and sketch rate to host steps.
+
+    A ``retention="host"`` step costs what the cost model charges without the selection
+    (``base_seconds``) plus ``overhead + batch * context * sketch_bytes_per_token / rate``:
+    scoring every seen token's sketch, the top-k and the slot swaps grow with the tokens seen.
+
+    Parameters
+    ----------
+    samples
+        Timed retention="host" steps spanning two context lengths (``context``: tokens seen per
+        sequence).
+    base_seconds
+        The cost model's time of each sample without the selection (overhead, weights,
+        attention over the kept tokens, the fetch), in the order of ``samples``.
+    sketch_bytes_per_token
+        Key-sketch bytes of one token over all layers (``ModelSpec.sketch_bytes_per_token``).
+    pick, device_type
+        As :func:`fit_decode`: which repeat to fit, and the device whose bound caps the rate.
+
+    Raises
+    ------
+    ValueError
+        The samples do not span two sizes, or the fitted rate is not positive or beyond the
+        device's physical bound (the selection did not grow with the tokens seen).
+    """
+    if len(base_seconds) != len(samples):
+        raise ValueError(f"base_seconds has {len(base_seconds)} entries for {len(samples)} samples")
+    sketch = np.array([s.batch * s.context * sketch_bytes_per_token for s in samples], float)
+    if len(set(sketch.tolist())) < 2:
+        raise ValueError("selection samples must span two context lengths")
+    times = np.array([CHOOSE[pick](s.seconds) for s in samples])
+    extra = times - np.array(base_seconds, float)
+    scale = sketch.max()  # unit scale: bytes are ~1e7 times a constant in seconds
+    design = np.stack([np.ones_like(sketch), sketch / scale], axis=1)
+    constant, slope = np.linalg.lstsq(design, extra, rcond=None)[0]
+    slope /= scale
+    if constant < 0:  # no negative step time: refit through the origin
+        constant, slope = 0.0, float(sketch @ extra / (sketch @ sketch))
+    bytes_ceiling = CEILINGS.get(device_type, CEILINGS[""])[0]
+    if not slope > 0 or 1.0 / slope > bytes_ceiling:
+        rate = 1.0 / slope if slope > 0 else math.inf
+        raise ValueError(
+            f"selection fit gave select_bytes_per_s={rate:.3g} (not positive or beyond physical "
+            "bounds): the host step did not grow with the tokens seen"
+        )
+    predicted = np.array(base_seconds, float) + constant + sketch * slope
+    return SelectionFit(
+        overhead_s=float(constant),
+        bytes_per_s=float(1.0 / slope),
+        worst_miss=float(np.max(np.abs(predicted / times - 1.0))),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -109,15 +109,22 @@ class CostModel:
         return self.workload.retention == "host"
 
     def retention_terms(self, bucket: Bucket) -> dict[str, float]:
-        """retention="host": per step, reading every token's key sketch (seconds) and fetching
-        ``fetch_share`` of the budget from the host (bytes, theta^g); held, the sketch (device
-        bytes) and the host region of every token (host bytes). Zeros with retention="drop"."""
+        """retention="host": per step, selecting over every token's key sketch (seconds) and
+        fetching ``fetch_share`` of the budget from the host (bytes, theta^g); held, the sketch
+        (device bytes) and the host region of every token (host bytes). Zeros with
+        retention="drop".
+
+        The selection (scoring, top-k, slot swaps) runs at the profile's calibrated
+        ``select_bytes_per_s`` plus ``select_overhead_s`` per step; a profile without them
+        (presets, older profiles) costs it as reading the sketch at the KV read rate.
+        """
         if not self.host_retention:
             return dict.fromkeys(("scoring_s", "fetch_bytes", "sketch_bytes", "region_bytes"), 0.0)
         wl, model, hw = self.workload, self.model, self.hardware
         sketch = model.sketch_bytes_per_token()
+        rate = hw.select_bytes_per_s or hw.kv_bytes_per_s or hw.device_bytes_per_s
         return {
-            "scoring_s": bucket.mean_seen * sketch / (hw.kv_bytes_per_s or hw.device_bytes_per_s),
+            "scoring_s": hw.select_overhead_s + bucket.mean_seen * sketch / rate,
             "fetch_bytes": wl.fetch_share
             * bucket.mean_kept
             * model.kv_bytes_per_token(wl.host_bits),

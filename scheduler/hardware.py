@@ -8,12 +8,20 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 GIB = 1024**3
-OPTIONAL_RATES = ("step_overhead_s", "recompute_flops", "kv_bytes_per_s")  # 0: not measured
+OPTIONAL_RATES = ("step_overhead_s", "recompute_flops", "kv_bytes_per_s", "select_overhead_s")
+# 0 means "not measured" for OPTIONAL_RATES; these are None instead (0 would be a broken rate).
+UNMEASURED = ("select_bytes_per_s",)
 TEXT_FIELDS = ("name", "overlap", "simulated", "device_type", "cpu_model", "torch_version", "dtype")
 # Physical ceilings (bytes/s, FLOP/s): a measured rate above them is a broken measurement (a
 # division by a time of about zero), never "infinitely fast". Any device: beyond HBM3e and
 # tensor-core peaks with room to spare; a CPU: a few hundred GB/s of DRAM, tens of TFLOP/s.
-BYTE_RATES = ("h2d_bytes_per_s", "d2h_bytes_per_s", "device_bytes_per_s", "kv_bytes_per_s")
+BYTE_RATES = (
+    "h2d_bytes_per_s",
+    "d2h_bytes_per_s",
+    "device_bytes_per_s",
+    "kv_bytes_per_s",
+    "select_bytes_per_s",
+)
 FLOP_RATES = ("device_flops", "recompute_flops")
 CEILINGS = {"": (1e14, 1e17), "cpu": (1e12, 1e15)}
 
@@ -46,6 +54,15 @@ class HardwareProfile:
     step_overhead_s
         Fixed time per decode step not explained by bytes and FLOPs (kernel launches, Python),
         fitted by ``alisa profile``; 0 for published presets.
+    select_bytes_per_s
+        ``retention="host"``: key-sketch bytes per second at which a decode step selects its
+        tokens (scores every seen token's sketch, takes the top-k, frees and fills slots), fitted
+        by ``alisa profile`` on real retention="host" steps; the selection of a step costs
+        ``seen tokens * sketch bytes per token / select_bytes_per_s``. None (presets, older
+        profiles): the sketch is costed as read at ``kv_bytes_per_s``.
+    select_overhead_s
+        ``retention="host"``: fixed time per decode step of the selection (its per-layer small
+        ops), fitted with ``select_bytes_per_s``; 0 when not measured.
     simulated
         True for presets built from published figures rather than measured here.
     device_type, cpu_model, torch_version, dtype
@@ -65,6 +82,8 @@ class HardwareProfile:
     step_overhead_s: float = 0.0
     recompute_flops: float = 0.0
     kv_bytes_per_s: float = 0.0
+    select_bytes_per_s: float | None = None
+    select_overhead_s: float = 0.0
     simulated: bool = False
     device_type: str = ""
     cpu_model: str = ""
@@ -79,7 +98,7 @@ class HardwareProfile:
         }
         for item in fields(self):
             value = getattr(self, item.name)
-            if item.name in TEXT_FIELDS:
+            if item.name in TEXT_FIELDS or (value is None and item.name in UNMEASURED):
                 continue
             if (
                 isinstance(value, bool)

@@ -12,7 +12,7 @@ from alisa.commands.profile import describe
 from alisa.planning import cpu_model
 from alisa.profiling import measure_report
 from scheduler import HardwareProfile, load_profile
-from scheduler.calibrate import Spread, StepSample, fit_decode
+from scheduler.calibrate import Spread, StepSample, fit_decode, fit_selection
 from scheduler.hardware import mismatches
 
 FLOPS_PER_TOKEN = 2.7e8  # SmolLM2-135M-like
@@ -87,6 +87,49 @@ def test_samples_must_span_two_batches_and_two_contexts():
         StepSample(batch=1, context=1, seconds=(0.0,))
 
 
+SKETCH_PER_TOKEN = 5760.0  # SmolLM2-135M: 30 layers x 3 KV heads x 64 channels
+SELECT_OVERHEAD, SELECT_RATE = 0.004, 2e9
+
+
+def host_steps(contexts, rate=SELECT_RATE, batch=8, jitter=(1.0,)):
+    """(host steps, base seconds): a base step plus the selection, as the cost model charges."""
+    bases = [0.05 + 1e-6 * context for context in contexts]
+    samples = [
+        StepSample(
+            batch=batch,
+            context=context,
+            seconds=tuple(
+                j * (base + SELECT_OVERHEAD + batch * context * SKETCH_PER_TOKEN / rate)
+                for j in jitter
+            ),
+        )
+        for context, base in zip(contexts, bases, strict=True)
+    ]
+    return samples, bases
+
+
+def test_selection_fit_recovers_a_known_slope_and_constant():
+    samples, bases = host_steps([128, 1024])
+    fit = fit_selection(samples, bases, SKETCH_PER_TOKEN)
+    assert fit.bytes_per_s == pytest.approx(SELECT_RATE, rel=1e-6)
+    assert fit.overhead_s == pytest.approx(SELECT_OVERHEAD, rel=1e-6)
+    assert fit.worst_miss < 1e-9
+    fast, slow = (
+        fit_selection(*host_steps([128, 1024], jitter=(0.9, 1.0, 1.2)), SKETCH_PER_TOKEN, pick=p)
+        for p in ("min", "max")
+    )
+    assert fast.bytes_per_s > SELECT_RATE > slow.bytes_per_s
+
+
+def test_selection_fit_rejects_steps_that_do_not_grow_with_the_tokens_seen():
+    with pytest.raises(ValueError, match="select_bytes_per_s"):
+        fit_selection(*host_steps([128, 1024], rate=-2e9), SKETCH_PER_TOKEN)
+    with pytest.raises(ValueError, match="above|beyond"):
+        fit_selection(*host_steps([128, 1024], rate=1e16), SKETCH_PER_TOKEN, device_type="cpu")
+    with pytest.raises(ValueError, match="two context lengths"):
+        fit_selection(*host_steps([1024, 1024]), SKETCH_PER_TOKEN)
+
+
 def profile(**overrides) -> HardwareProfile:
     options = dict(
         name="m",
@@ -113,6 +156,11 @@ def profile(**overrides) -> HardwareProfile:
         ("kv_bytes_per_s", 1e15, "kv_bytes_per_s=1e\\+15 is above the physical bound"),
         ("device_bytes_per_s", 5e12, "device_bytes_per_s=5e\\+12 is above .* on cpu"),
         ("recompute_flops", 1e16, "recompute_flops=1e\\+16 is above .* on cpu"),
+        ("select_bytes_per_s", 0.0, "select_bytes_per_s=0.0 must be positive"),
+        ("select_bytes_per_s", math.nan, "select_bytes_per_s=nan must be a finite number"),
+        ("select_bytes_per_s", 5e12, "select_bytes_per_s=5e\\+12 is above .* on cpu"),
+        ("select_overhead_s", -0.001, "select_overhead_s=-0.001 must be positive"),
+        ("select_overhead_s", None, "select_overhead_s=None must be a finite number"),
     ],
 )
 def test_degenerate_rates_are_rejected_naming_field_and_value(field, value, message):
@@ -135,6 +183,22 @@ def test_old_profiles_load_and_are_flagged(tmp_path):
     loaded = load_profile(path)
     assert loaded.cpu_model == ""
     assert "older alisa" in mismatches(loaded, "AMD EPYC", "bfloat16")[0]
+
+
+def test_profiles_round_trip_with_and_without_the_selection_rate(tmp_path):
+    path = tmp_path / "p.json"
+    calibrated = profile(select_bytes_per_s=2.5e9, select_overhead_s=0.004)
+    calibrated.save(path)
+    assert load_profile(path) == calibrated
+    # Older profiles have neither field: the selection is costed by the formula again.
+    old = {k: v for k, v in profile().__dict__.items()}
+    del old["select_bytes_per_s"], old["select_overhead_s"]
+    path.write_text(json.dumps(old))
+    loaded = load_profile(path)
+    assert loaded.select_bytes_per_s is None and loaded.select_overhead_s == 0.0
+    assert loaded == profile()
+    profile().save(path)  # saved unmeasured (null) it loads unmeasured
+    assert load_profile(path).select_bytes_per_s is None
 
 
 def test_mismatches_name_the_other_cpu_and_dtype():
@@ -171,9 +235,15 @@ def test_measured_profile_records_machine_and_labels_every_term():
         "kv_bytes_per_s",
         "recompute_flops",
         "step_overhead_s",
+        "select_bytes_per_s",
+        "select_overhead_s",
     }
     assert set(fields) == lp_terms
     assert "fitted from real decode steps" in fields["step_overhead_s"].source
+    # Fitted on real retention="host" steps, or (a tiny model's noise) labelled a fallback.
+    assert "retention='host'" in fields["select_bytes_per_s"].source or (
+        "fallback" in fields["select_bytes_per_s"].source
+    )
     for term in report.terms:
         assert term.low <= term.median <= term.high
         assert term.median == getattr(measured, term.field)

@@ -2,16 +2,19 @@
 
 import itertools
 import json
+from dataclasses import replace
 
 import pytest
 
 from scheduler import (
+    CostModel,
     HardwareProfile,
     ModelSpec,
     Options,
     Workload,
     evaluate,
     load_profile,
+    make_buckets,
     model_preset,
     preset,
     solve,
@@ -224,3 +227,26 @@ def test_host_retention_counts_fetches_the_sketch_and_the_host_region():
     assert drop.fetch_bytes_per_step == 0
     with pytest.raises(ValueError, match="retention='disk'"):
         Workload(**options, retention="disk")
+
+
+def test_host_retention_selection_uses_the_calibrated_rate_when_the_profile_has_it():
+    """A profile with select_bytes_per_s / select_overhead_s costs the selection with them;
+    one without (presets, older profiles) reads the sketch at the KV read rate as before."""
+    workload = Workload(batch=4, prompt_len=1000, gen_len=1, caching_ratio=0.2, retention="host")
+    seen = 4 * 1000
+    sketch = seen * TINY_MHA.sketch_bytes_per_token()
+    bucket = make_buckets(workload, 1)[0]
+    formula = CostModel(machine(16 * GIB), TINY_MHA, workload).retention_terms(bucket)
+    assert formula["scoring_s"] == pytest.approx(sketch / 100e9)
+    calibrated = replace(
+        machine(16 * GIB, overlap=False), select_bytes_per_s=2e9, select_overhead_s=0.003
+    )
+    cost = CostModel(calibrated, TINY_MHA, workload)
+    terms = cost.retention_terms(bucket)
+    assert terms["scoring_s"] == pytest.approx(0.003 + sketch / 2e9)
+    assert terms["fetch_bytes"] == formula["fetch_bytes"]  # fetches stay over the host link
+    drop = CostModel(calibrated, TINY_MHA, replace(workload, retention="drop"))
+    # Without overlapping copies (a CPU) the selection and the fetch add to the step.
+    assert cost.step_time(bucket, {"g": 1.0}) - drop.step_time(bucket, {"g": 1.0}) == (
+        pytest.approx(terms["scoring_s"] + terms["fetch_bytes"] / 1e9)
+    )

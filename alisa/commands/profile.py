@@ -60,6 +60,8 @@ UNITS = {
     "kv_bytes_per_s": ("KV read rate", 1e9, "GB/s"),
     "recompute_flops": ("recompute FLOP rate", 1e9, "GFLOP/s"),
     "step_overhead_s": ("decode step overhead", 1e-3, "ms"),
+    "select_bytes_per_s": ("host selection rate", 1e9, "GB/s"),  # key-sketch bytes selected over
+    "select_overhead_s": ("host select overhead", 1e-3, "ms"),
 }
 
 
