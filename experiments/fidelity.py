@@ -1,8 +1,8 @@
 """Fidelity of KV policies on SmolLM2: decode-regime WikiText-2 perplexity and passkey accuracy.
 
-    python -m experiments.fidelity             # the issue's table (about 30 min on 2 cores)
+    python -m experiments.fidelity             # both protocols (about 50 min on 2 cores)
     python -m experiments.fidelity --segments 2 --segment-tokens 256 --ratios 0.2  # quick
-    python -m experiments.fidelity --protocols streaming,prefill --preset paper   # both protocols
+    python -m experiments.fidelity --protocols streaming --preset paper   # ALISA's protocol, v0.1
 
 Perplexity rows are named by protocol: ``streaming`` (compress from the first token) or
 ``prefill`` (the first half of each segment prefilled densely, compressed, the rest scored).
@@ -47,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--segments", type=int, default=4, help="run as one batch")
     parser.add_argument(
         "--protocols",
-        default="streaming",
+        default="streaming,prefill",
         help="comma list of perplexity protocols: streaming (compress from the first token), "
         "prefill (prefill part of each segment densely, compress, score the rest)",
     )
