@@ -3,7 +3,7 @@
 Prefill runs HF's own SDPA path (so it is exact and never materialises L x L scores), then seeds
 the policy's attention sums from the last prompt queries. Decode runs over the kept slots
 directly on the grouped KV heads (no ``repeat_kv``). Either way the function then hands the step
-to the cache layer's :meth:`~alisa.layer.AlisaLayer.after_attention` (evict, recall, prefetch):
+to the cache layer's :meth:`~alisa.layer.AlisaLayer.after_attention` (evict or select, prefetch):
 it computes attention and nothing else. With any cache other than the ALISA cache, the function
 is plain SDPA.
 

@@ -14,7 +14,6 @@ KV_BITS = (16, 8, 4)
 RECOMPUTE_MODES = ("auto", "never", "always")
 RETENTIONS = ("drop", "host")
 PRESETS = ("default", "paper")
-PER_HEAD_POLICIES = ("swa", "h2o")  # the "default" preset selects per KV head for these
 # Defaults of the "default" preset (docs/drop-quality.md, docs/retention-selection-study.md): a
 # floor of 64 tokens keeps small budgets early in a sequence from losing what later steps need;
 # 4 attention sinks for every evicting policy but local (and for retention="host"); a
@@ -189,7 +188,7 @@ class AlisaConfig:
         if self.per_head is not None:
             return self.per_head
         default = self.preset == "default" and self.gpu_memory is None
-        return default and self.policy in PER_HEAD_POLICIES
+        return default and POLICIES[self.policy].per_head_by_default
 
     @property
     def keeps_everything(self) -> bool:

@@ -53,6 +53,10 @@ class Eviction:
         """(B,) tokens each sequence may keep."""
         return self.policy.budget(slots.lengths())
 
+    def window(self, budget: np.ndarray) -> np.ndarray | None:
+        """(B,) decode steps whose attention the policy sums, given the budgets; None: all."""
+        return self.policy.score_window(self.policy.recent(budget))
+
     @property
     def observes(self) -> bool:
         """Whether the prompt's last queries seed the scores as one pooled vote (SnapKV)."""
@@ -64,14 +68,14 @@ class Eviction:
             return 0
         if self.observes:
             return self.policy.observation_window
-        window = self.policy.score_window(self.policy.recent(self.budget(slots)))
+        window = self.window(self.budget(slots))
         return None if window is None else int(window.max())
 
     def account(self, rows: torch.Tensor, slots: SlotMap) -> None:
         """Add attention rows (B, Hs, R, S') of R consecutive queries over slots [0, S')."""
         if self.scores is None:
             return
-        window = self.policy.score_window(self.policy.recent(self.budget(slots)))
+        window = self.window(self.budget(slots))
         if rows.shape[2] == 1:
             self.scores.add(rows[:, :, 0], window)
         else:
@@ -94,8 +98,7 @@ class Eviction:
             padding=OBSERVATION_POOL // 2,
             count_include_pad=False,
         )
-        window = self.policy.score_window(self.policy.recent(self.budget(slots)))
-        self.scores.add(pooled.view(batch, groups, width), window)
+        self.scores.add(pooled.view(batch, groups, width), self.window(self.budget(slots)))
 
     def victims(self, slots: SlotMap):
         """Slots to evict now, as flat (rows, groups, slots) and the (B,) excess; None if none."""
@@ -111,8 +114,7 @@ class Eviction:
         recent = torch.as_tensor(policy.recent(budget), device=device)
         attention = None
         if self.scores is not None:
-            window = policy.score_window(policy.recent(budget))
-            attention = self.scores.window_sum(window, slots.capacity)
+            attention = self.scores.window_sum(self.window(budget), slots.capacity)
         score = policy.score(positions, attention, first).to(torch.float32)
         keep_first = policy.protected(positions, first, slots.seen, recent) | (positions < 0)
         priority = torch.where(keep_first, torch.inf, score)
@@ -129,12 +131,6 @@ class Eviction:
         """Zero the sums of emptied slots so a reused slot starts afresh."""
         if self.scores is not None:
             self.scores.clear_slots(rows, groups, slots)
-
-    def replace(self, rows, groups, slots, attention: torch.Tensor) -> None:
-        """Slots now hold other tokens (recalled): their sums restart at ``attention``."""
-        if self.scores is not None:
-            self.scores.clear_slots(rows, groups, slots)
-            self.scores.total[rows, groups, slots] = attention
 
     def reindex(self, index: torch.Tensor, capacity: int | None = None) -> None:
         """Follow the slot map: new slot j takes old slot index[b, g, j]; then grow."""

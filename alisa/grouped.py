@@ -1,7 +1,7 @@
 """Grouped-query attention logits: H query heads over H_kv key heads, without ``repeat_kv``.
 
 One helper for every place that scores queries against keys: decode attention, prefill score
-seeding, recall candidates and sharded decode.
+seeding and sharded decode.
 """
 
 from __future__ import annotations

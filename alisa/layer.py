@@ -4,7 +4,7 @@ The layer composes three parts with one job each: a :class:`~alisa.slots.SlotMap
 sits in which slot), a :class:`~alisa.storage.store.KVStore` (the bytes, possibly over several
 tiers) and an :class:`~alisa.eviction.Eviction` (policy plus attention sums). Attention calls
 :meth:`AlisaLayer.after_attention` once per step: account attention, evict, then run the
-layer's extensions (recall of evicted tokens, prefetch of the next layer's host tier). Evicted
+layer's extensions (prefetch of the next layer's host tier). Evicted
 tokens are really gone: their slot is overwritten by the next token, and compaction returns the
 memory.
 """

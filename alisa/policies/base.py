@@ -56,6 +56,8 @@ class KVPolicy:
     # The "default" preset adds attention sinks (StreamingLLM): deleting token 0 breaks the model
     # whatever ranks the rest. False for a policy defined as having none (local's window).
     sinks_by_default: ClassVar[bool] = True
+    # The "default" preset selects per KV head (better for SWA and H2O, docs/drop-quality.md).
+    per_head_by_default: ClassVar[bool] = False
     evicts: ClassVar[bool] = True  # False: keeps every token whatever its budget options
     config_fields: ClassVar[Mapping[str, str]] = {}
 

@@ -20,6 +20,7 @@ class H2OPolicy(KVPolicy):
 
     name = "h2o"
     needs_attention = True
+    per_head_by_default = True
 
     def score(self, positions, attention, first) -> torch.Tensor:
         return attention

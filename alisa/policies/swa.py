@@ -29,6 +29,7 @@ class SWAPolicy(KVPolicy):
 
     name = "swa"
     needs_attention = True
+    per_head_by_default = True
     config_fields = {"score_window": "window"}
     window: int | None = None
 
