@@ -5,6 +5,11 @@ rows since the start. Keeping w full rows would cost w values per stored token. 
 one running total per slot and a small ring of snapshots of it, taken every ceil(w / blocks)
 steps: total - snapshot(step - w) is the sum over the last w steps, rounded up to a whole
 snapshot interval (exact when w <= blocks). Memory: (blocks + 3) values per slot.
+
+A decayed accumulator keeps a soft window instead: each step multiplies the running totals by
+1 - 1/w before adding the new row, so a row's weight fades with its age and all weights sum to w,
+as a window of w steps does (A2SF's forgetting factor, https://arxiv.org/abs/2407.20485). One value
+per slot, no snapshots.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ class AttentionAccumulator:
         Where the sums live (the cache's device).
     windowed
         False for whole-history sums (H2O): no snapshots are kept.
+    decayed
+        Exponentially faded sums with time constant w (not ``windowed``: no snapshots).
     blocks
         Snapshots per window; more is closer to exact, each costs one value per slot.
     """
@@ -41,9 +48,13 @@ class AttentionAccumulator:
         device: torch.device,
         *,
         windowed: bool,
+        decayed: bool = False,
         blocks: int = 8,
     ) -> None:
+        if windowed and decayed:
+            raise ValueError("an accumulator is windowed or decayed, not both")
         self.blocks = blocks
+        self.decayed = decayed
         self.total = torch.zeros(batch, groups, capacity, dtype=torch.float32, device=device)
         ring = blocks + 2 if windowed else 0
         self.snapshots = torch.zeros(
@@ -64,12 +75,22 @@ class AttentionAccumulator:
 
     def add(self, row: torch.Tensor, window: np.ndarray | None) -> None:
         """Add one step's attention row (B, Hs, S') over the first S' slots."""
+        if self.decayed:
+            self.total *= self._fade(window, 1)
         self.total[..., : row.shape[-1]] += row
         self._advance(1, window)
 
     def add_rows(self, rows: torch.Tensor, window: np.ndarray | None) -> None:
         """Add several consecutive steps at once (prefill seeding): rows is (B, Hs, R, S')."""
         width = rows.shape[-1]
+        if self.decayed:
+            # Row i of R is R - 1 - i steps old once all are added.
+            ages = torch.arange(rows.shape[2] - 1, -1, -1, device=rows.device)
+            weights = self._fade(window, ages)  # (B, 1, R)
+            self.total *= self._fade(window, rows.shape[2])
+            self.total[..., :width] += (rows * weights.unsqueeze(-1)).sum(dim=2)
+            self.step += rows.shape[2]
+            return
         if not self.windowed:
             self.total[..., :width] += rows.sum(dim=2)
             self.step += rows.shape[2]
@@ -131,6 +152,14 @@ class AttentionAccumulator:
         """Keep only some sequences (finished ones dropped, beams reordered)."""
         self.total = self.total.index_select(0, indices)
         self.snapshots = self.snapshots.index_select(1, indices)
+
+    def _fade(self, window: np.ndarray | None, age: int | torch.Tensor) -> torch.Tensor:
+        """(B, 1, A) weights (1 - 1/w[b]) ** age of rows ``age`` steps old (A = 1 for an int)."""
+        if window is None:
+            raise ValueError("a decayed accumulator needs the window w of each sequence")
+        keep = torch.as_tensor(1.0 - 1.0 / np.maximum(window, 1), device=self.total.device)
+        age = torch.as_tensor(age, device=self.total.device).reshape(1, 1, -1)
+        return keep.to(torch.float32).view(-1, 1, 1) ** age
 
     def _interval(self, window: np.ndarray | None) -> int:
         widest = int(window.max()) if window is not None and len(window) else 1

@@ -17,7 +17,8 @@ PRESETS = ("default", "paper")
 # Defaults of the "default" preset (docs/drop-quality.md, docs/retention-selection-study.md): a
 # floor of 64 tokens keeps small budgets early in a sequence from losing what later steps need;
 # 4 attention sinks for every evicting policy but local (and for retention="host"); a
-# SnapKV-style observation window of the last 8 prompt queries seeds the scores at prefill.
+# SnapKV-style observation window of the last 8 prompt queries seeds the scores at prefill;
+# SWA scores by decayed attention sums (the policy class says whether it wants them).
 MIN_BUDGET_TOKENS = 64
 SINK_TOKENS = 4
 OBSERVATION_WINDOW = 8
@@ -49,8 +50,16 @@ class AlisaConfig:
         under the ``default`` preset (0 for ``local``), the policy's own under ``paper`` (4 for
         ``streaming``, else 0).
     score_window
-        SWA: number of most recent decode steps whose attention is summed; ``None`` = the local
-        window size k, as the paper's Alg. 1.
+        SWA: number of most recent decode steps whose attention is summed (the time constant
+        with ``score_decay``); ``None`` = the local window size k, as the paper's Alg. 1, or 4k
+        when decayed.
+    score_decay
+        Policies with a score window (SWA): fade each step's attention by 1 - 1/w per step (a
+        soft window, weights summing to w) instead of summing exactly the last w steps;
+        ``None``: decayed for ``swa`` under the ``default`` preset, exact under ``paper``.
+    head_max
+        Attention-scored policies: a KV head scores a token by the largest attention among its
+        query heads instead of their sum (off in both presets: docs/drop-quality.md).
     stride
         ``strided``: keep every ``stride``-th token besides the recent ones; ``None`` derives it
         from the caching ratio so that both halves of the budget are used.
@@ -97,9 +106,10 @@ class AlisaConfig:
     preset
         What fields left unset mean: ``default`` (a budget floor of 64 tokens, 4 attention
         sinks for every evicting policy but ``local``, per-KV-head selection for SWA and H2O,
-        an 8-query observation window for the attention-scored policies) or ``paper`` (each
-        paper's own setting: no floor, the policy's own sinks, one index set per layer, scores
-        seeded by the policy's own rows).
+        an 8-query observation window for the attention-scored policies, SWA scored by
+        attention sums decayed over 4k steps) or ``paper`` (each paper's own setting: no
+        floor, the policy's own sinks, one index set per layer, scores seeded by the policy's
+        own rows, SWA's exact sum over the last k steps).
     residual_tokens
         With kv_bits < 16, the most recent tokens also kept in full precision (KIVI and HF's
         quantized cache do the same, HF with 128); 0 stores every token quantized, as the paper.
@@ -111,6 +121,8 @@ class AlisaConfig:
     recent_fraction: float | None = None
     sink_tokens: int | None = None
     score_window: int | None = None
+    score_decay: bool | None = None
+    head_max: bool = False
     stride: int | None = None
     dense_layers: int = 0
     layer_schedule: str = "uniform"
@@ -221,6 +233,21 @@ def policy_for_layer(config: AlisaConfig, layer_idx: int, num_layers: int) -> KV
         return DensePolicy()
     cls = POLICIES[config.policy]
     recent = config.recent_fraction
+    return cls(
+        caching_ratio=config.caching_ratio,
+        budget_tokens=config.budget_tokens,
+        recent_fraction=cls.default_recent_fraction if recent is None else recent,
+        budget_scale=layer_budget_scale(
+            layer_idx, num_layers, config.layer_schedule, config.dense_layers
+        ),
+        head_max=config.head_max,
+        **_preset_options(config, cls),
+        **cls.own_options(vars(config)),
+    )
+
+
+def _preset_options(config: AlisaConfig, cls: type[KVPolicy]) -> dict[str, object]:
+    """The policy fields whose unset (``None``) config value the preset decides."""
     default = config.preset == "default"
     sinks = config.sink_tokens
     if sinks is None:
@@ -234,15 +261,10 @@ def policy_for_layer(config: AlisaConfig, layer_idx: int, num_layers: int) -> KV
     window = config.observation_window
     if window is None:
         window = OBSERVATION_WINDOW if default and cls.needs_attention else 0
-    return cls(
-        caching_ratio=config.caching_ratio,
-        budget_tokens=config.budget_tokens,
-        recent_fraction=cls.default_recent_fraction if recent is None else recent,
-        sink_tokens=sinks,
-        min_budget_tokens=floor,
-        observation_window=window,
-        budget_scale=layer_budget_scale(
-            layer_idx, num_layers, config.layer_schedule, config.dense_layers
-        ),
-        **cls.own_options(vars(config)),
-    )
+    decay = config.score_decay
+    return {
+        "sink_tokens": sinks,
+        "min_budget_tokens": floor,
+        "observation_window": window,
+        "score_decay": (default and cls.decays_by_default) if decay is None else decay,
+    }

@@ -41,12 +41,14 @@ class Eviction:
         self.scores = None
         if self.needs_attention:
             window = self.policy.score_window(np.ones(len(slots.kept), dtype=np.int64))
+            decayed = window is not None and self.policy.score_decay
             self.scores = AttentionAccumulator(
                 len(slots.kept),
                 slots.groups,
                 slots.capacity,
                 slots.device,
-                windowed=window is not None,
+                windowed=window is not None and not decayed,
+                decayed=decayed,
             )
 
     def budget(self, slots: SlotMap) -> np.ndarray:
@@ -70,6 +72,14 @@ class Eviction:
             return self.policy.observation_window
         window = self.window(self.budget(slots))
         return None if window is None else int(window.max())
+
+    def combine_heads(self, probabilities: torch.Tensor, groups: int) -> torch.Tensor:
+        """(B, Hs, q, S') score rows from attention (B, H_kv, G, q, S'): the G query heads of a
+        KV group summed (or their max, ``head_max``), then every KV head summed when the layer
+        selects one index set (``groups`` = 1).
+        """
+        rows = probabilities.amax(dim=2) if self.policy.head_max else probabilities.sum(dim=2)
+        return rows.sum(dim=1, keepdim=True) if groups == 1 else rows
 
     def account(self, rows: torch.Tensor, slots: SlotMap) -> None:
         """Add attention rows (B, Hs, R, S') of R consecutive queries over slots [0, S')."""

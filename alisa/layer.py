@@ -260,10 +260,7 @@ class AlisaLayer(CacheLayerMixin):
         """
         if self.eviction.scores is None:
             return
-        # Heads summed within each KV group: (B, Hkv, q, S').
-        rows = probabilities[..., : self.slots.capacity].sum(dim=2)
-        if self.groups == 1:
-            rows = rows.sum(dim=1, keepdim=True)
+        rows = self.eviction.combine_heads(probabilities[..., : self.slots.capacity], self.groups)
         if vote:
             self.eviction.observe(rows.sum(dim=2), self.slots)
         else:

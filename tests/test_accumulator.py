@@ -83,3 +83,37 @@ def test_cleared_slots_start_from_zero():
     got = acc.window_sum(windows, 4)[0, 0]
     assert got[1] == 1.0  # only the step after the slot was cleared
     assert got[0] == got[2] == 3.0
+
+
+def test_decayed_sums_fade_each_row_by_one_minus_one_over_w_per_step():
+    torch.manual_seed(3)
+    windows = np.array([1, 4])  # w = 1 keeps only the last row, as a window of one step
+    acc = AttentionAccumulator(2, 1, 6, torch.device("cpu"), windowed=False, decayed=True)
+    rows = [torch.rand(2, 1, 6) for _ in range(12)]
+    for row in rows:
+        acc.add(row, windows)
+    got = acc.window_sum(windows, 6)
+    assert torch.allclose(got[0], rows[-1][0])
+    expected = sum(row[1] * 0.75 ** (len(rows) - 1 - age) for age, row in enumerate(rows))
+    assert torch.allclose(got[1], expected, atol=1e-5)
+    assert not acc.windowed and acc.nbytes() == acc.total.nbytes  # no snapshots
+
+
+def test_decayed_seeding_rows_equals_adding_them_one_by_one():
+    torch.manual_seed(4)
+    rows = torch.rand(2, 2, 7, 9)  # (B, Hs, R, S)
+    windows = np.array([3, 10])
+    one = AttentionAccumulator(2, 2, 9, torch.device("cpu"), windowed=False, decayed=True)
+    many = AttentionAccumulator(2, 2, 9, torch.device("cpu"), windowed=False, decayed=True)
+    first = torch.rand(2, 2, 9)
+    for acc in (one, many):
+        acc.add(first, windows)
+    for index in range(7):
+        one.add(rows[:, :, index], windows)
+    many.add_rows(rows, windows)
+    assert torch.allclose(one.window_sum(windows, 9), many.window_sum(windows, 9), atol=1e-5)
+
+
+def test_an_accumulator_is_not_both_windowed_and_decayed():
+    with pytest.raises(ValueError, match="not both"):
+        AttentionAccumulator(1, 1, 2, torch.device("cpu"), windowed=True, decayed=True)

@@ -74,6 +74,8 @@ WRONG_TYPES = {
     "recent_fraction": "half",
     "sink_tokens": 4.0,
     "score_window": 2.0,
+    "score_decay": 1,
+    "head_max": "max",
     "stride": True,
     "dense_layers": 1.0,
     "layer_schedule": 3,
@@ -121,6 +123,24 @@ def test_presets_resolve_the_fields_left_unset():
     assert not AlisaConfig(policy="swa", gpu_memory="1GiB").selects_per_head
     with pytest.raises(ValueError, match="preset='papers'"):
         AlisaConfig(preset="papers")
+
+
+def test_the_default_preset_scores_swa_by_decayed_sums():
+    def scoring(**options):
+        policy = policy_for_layer(AlisaConfig(caching_ratio=0.2, **options), 0, 2)
+        return policy.head_max, policy.score_decay
+
+    assert scoring(policy="swa") == (False, True)
+    # Only SWA: the other policies and ALISA's own setting keep exact sums.
+    for name in ("h2o", "tova", "streaming"):
+        assert scoring(policy=name) == (False, False)
+    assert scoring(policy="swa", preset="paper") == (False, False)
+    # Set fields beat either preset; the query-head max is opt-in.
+    assert scoring(policy="swa", score_decay=False) == (False, False)
+    assert scoring(policy="swa", preset="paper", head_max=True, score_decay=True) == (True, True)
+    assert scoring(policy="h2o", head_max=True) == (True, False)
+    with pytest.raises(ValueError, match="score_decay=1"):
+        AlisaConfig(score_decay=1)
 
 
 def test_every_field_has_a_wrong_type_case():

@@ -35,6 +35,26 @@ def test_swa_splits_the_budget_into_recent_and_dynamic_halves():
     assert policy.score_window(recent)[0] == recent[0]
 
 
+def test_a_decayed_swa_window_is_four_k_unless_set():
+    recent = np.array([10, 3])
+    assert get_policy("swa", score_decay=True).score_window(recent).tolist() == [40, 12]
+    assert get_policy("swa", score_decay=True, window=5).score_window(recent).tolist() == [5, 5]
+    default = policy_for_layer(AlisaConfig(policy="swa", caching_ratio=0.2), 0, 2)
+    paper = policy_for_layer(AlisaConfig(policy="swa", caching_ratio=0.2, preset="paper"), 0, 2)
+    assert default.score_window(recent).tolist() == [40, 12]
+    assert paper.score_window(recent).tolist() == [10, 3]
+
+
+def test_query_heads_combine_by_sum_or_by_their_max():
+    from alisa.eviction import Eviction
+
+    probabilities = torch.tensor([[[[[0.9, 0.1]], [[0.0, 0.6]]]]])  # (B=1, Hkv=1, G=2, q=1, S=2)
+    summed = Eviction(get_policy("swa")).combine_heads(probabilities, groups=1)
+    largest = Eviction(get_policy("swa", head_max=True)).combine_heads(probabilities, groups=1)
+    assert torch.allclose(summed, torch.tensor([[[[0.9, 0.7]]]]))
+    assert torch.allclose(largest, torch.tensor([[[[0.9, 0.6]]]]))
+
+
 def test_fixed_budget_caps_but_never_exceeds_what_was_seen():
     policy = get_policy("h2o", budget_tokens=100)
     assert policy.budget(np.array([50, 100, 500])).tolist() == [50, 100, 100]

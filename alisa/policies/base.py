@@ -47,6 +47,12 @@ class KVPolicy:
     observation_window
         Prompt queries whose attention, summed and pooled, seeds the scores at prefill (SnapKV,
         https://arxiv.org/abs/2404.14469); 0 seeds with :meth:`score_window` rows instead.
+    head_max
+        Score a KV head's tokens by the largest attention among its query heads, not their sum:
+        a token one query head needs is kept even when the group's other heads ignore it.
+    score_decay
+        With a :meth:`score_window` w: fade the sums by 1 - 1/w per step (a soft window whose
+        weights sum to w) instead of summing exactly the last w steps.
     """
 
     name: ClassVar[str] = "base"
@@ -58,6 +64,8 @@ class KVPolicy:
     sinks_by_default: ClassVar[bool] = True
     # The "default" preset selects per KV head (better for SWA and H2O, docs/drop-quality.md).
     per_head_by_default: ClassVar[bool] = False
+    # The "default" preset fades the attention sums of a score window (SWA, docs/drop-quality.md).
+    decays_by_default: ClassVar[bool] = False
     evicts: ClassVar[bool] = True  # False: keeps every token whatever its budget options
     config_fields: ClassVar[Mapping[str, str]] = {}
 
@@ -68,6 +76,8 @@ class KVPolicy:
     budget_scale: float = 1.0
     min_budget_tokens: int = 0
     observation_window: int = 0
+    head_max: bool = False
+    score_decay: bool = False
 
     @classmethod
     def own_options(cls, settings: Mapping[str, object]) -> dict[str, object]:

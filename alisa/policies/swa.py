@@ -10,6 +10,10 @@ import torch
 from alisa.checks import check_optional_int
 from alisa.policies.base import KVPolicy
 
+# A decayed window's time constant in units of k (best of 2, 4, 8, 16 on the ablation in
+# docs/drop-quality.md): k steps forget a token's attention before it is likely needed again.
+DECAY_WINDOW_SCALE = 4
+
 
 @dataclass(frozen=True, kw_only=True)
 class SWAPolicy(KVPolicy):
@@ -21,15 +25,21 @@ class SWAPolicy(KVPolicy):
     within each KV group; by default w = k, as in Alg. 1. The budget is round(n*r) split in half,
     so r = 1 keeps every token even when n is odd.
 
+    With ``score_decay`` (the ``default`` preset) the window is soft: each step's attention fades
+    by 1 - 1/w per step, with w = 4k (twice the budget) unless set; docs/drop-quality.md has the
+    ablation.
+
     Parameters
     ----------
     window
-        w, the number of most recent steps whose attention is summed; ``None`` = k.
+        w, the number of most recent steps whose attention is summed (the time constant when
+        decayed); ``None`` = k, or ``DECAY_WINDOW_SCALE`` * k when decayed.
     """
 
     name = "swa"
     needs_attention = True
     per_head_by_default = True
+    decays_by_default = True
     config_fields = {"score_window": "window"}
     window: int | None = None
 
@@ -39,7 +49,8 @@ class SWAPolicy(KVPolicy):
     def score_window(self, recent: np.ndarray) -> np.ndarray | None:
         if self.window is not None:
             return np.full_like(recent, self.window)
-        return np.maximum(recent, 1)
+        scale = DECAY_WINDOW_SCALE if self.score_decay else 1
+        return np.maximum(recent * scale, 1)
 
     def score(self, positions, attention, first) -> torch.Tensor:
         return attention
