@@ -18,7 +18,7 @@ PRESETS = ("default", "paper")
 # floor of 64 tokens keeps small budgets early in a sequence from losing what later steps need;
 # 4 attention sinks for every evicting policy but local (and for retention="host"); a
 # SnapKV-style observation window of the last 8 prompt queries seeds the scores at prefill;
-# SWA scores by decayed attention sums (the policy class says whether it wants them).
+# SWA scores decode steps by decayed sums of the query-head max (the policy class says so).
 MIN_BUDGET_TOKENS = 64
 SINK_TOKENS = 4
 OBSERVATION_WINDOW = 8
@@ -58,8 +58,10 @@ class AlisaConfig:
         soft window, weights summing to w) instead of summing exactly the last w steps;
         ``None``: decayed for ``swa`` under the ``default`` preset, exact under ``paper``.
     head_max
-        Attention-scored policies: a KV head scores a token by the largest attention among its
-        query heads instead of their sum (off in both presets: docs/drop-quality.md).
+        Attention-scored policies: at each decode step a KV head scores a token by the largest
+        attention among its query heads instead of their sum (the observation window's vote
+        sums them, as SnapKV); ``None``: max for ``swa`` under the ``default`` preset, sum
+        otherwise.
     stride
         ``strided``: keep every ``stride``-th token besides the recent ones; ``None`` derives it
         from the caching ratio so that both halves of the budget are used.
@@ -106,8 +108,8 @@ class AlisaConfig:
     preset
         What fields left unset mean: ``default`` (a budget floor of 64 tokens, 4 attention
         sinks for every evicting policy but ``local``, per-KV-head selection for SWA and H2O,
-        an 8-query observation window for the attention-scored policies, SWA scored by
-        attention sums decayed over 4k steps) or ``paper`` (each paper's own setting: no
+        an 8-query observation window for the attention-scored policies, SWA scored by the
+        query-head max decayed over 4k steps) or ``paper`` (each paper's own setting: no
         floor, the policy's own sinks, one index set per layer, scores seeded by the policy's
         own rows, SWA's exact sum over the last k steps).
     residual_tokens
@@ -122,7 +124,7 @@ class AlisaConfig:
     sink_tokens: int | None = None
     score_window: int | None = None
     score_decay: bool | None = None
-    head_max: bool = False
+    head_max: bool | None = None
     stride: int | None = None
     dense_layers: int = 0
     layer_schedule: str = "uniform"
@@ -240,7 +242,6 @@ def policy_for_layer(config: AlisaConfig, layer_idx: int, num_layers: int) -> KV
         budget_scale=layer_budget_scale(
             layer_idx, num_layers, config.layer_schedule, config.dense_layers
         ),
-        head_max=config.head_max,
         **_preset_options(config, cls),
         **cls.own_options(vars(config)),
     )
@@ -261,10 +262,11 @@ def _preset_options(config: AlisaConfig, cls: type[KVPolicy]) -> dict[str, objec
     window = config.observation_window
     if window is None:
         window = OBSERVATION_WINDOW if default and cls.needs_attention else 0
-    decay = config.score_decay
+    head_max, decay = config.head_max, config.score_decay
     return {
         "sink_tokens": sinks,
         "min_budget_tokens": floor,
         "observation_window": window,
+        "head_max": (default and cls.head_max_by_default) if head_max is None else head_max,
         "score_decay": (default and cls.decays_by_default) if decay is None else decay,
     }

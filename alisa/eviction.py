@@ -73,12 +73,16 @@ class Eviction:
         window = self.window(self.budget(slots))
         return None if window is None else int(window.max())
 
-    def combine_heads(self, probabilities: torch.Tensor, groups: int) -> torch.Tensor:
+    def combine_heads(
+        self, probabilities: torch.Tensor, groups: int, *, vote: bool = False
+    ) -> torch.Tensor:
         """(B, Hs, q, S') score rows from attention (B, H_kv, G, q, S'): the G query heads of a
-        KV group summed (or their max, ``head_max``), then every KV head summed when the layer
-        selects one index set (``groups`` = 1).
+        KV group summed (or, for decode steps, their max: ``head_max``), then every KV head
+        summed when the layer selects one index set (``groups`` = 1). An observation ``vote``
+        always sums its query heads, as SnapKV does.
         """
-        rows = probabilities.amax(dim=2) if self.policy.head_max else probabilities.sum(dim=2)
+        largest = self.policy.head_max and not vote
+        rows = probabilities.amax(dim=2) if largest else probabilities.sum(dim=2)
         return rows.sum(dim=1, keepdim=True) if groups == 1 else rows
 
     def account(self, rows: torch.Tensor, slots: SlotMap) -> None:

@@ -260,7 +260,9 @@ class AlisaLayer(CacheLayerMixin):
         """
         if self.eviction.scores is None:
             return
-        rows = self.eviction.combine_heads(probabilities[..., : self.slots.capacity], self.groups)
+        rows = self.eviction.combine_heads(
+            probabilities[..., : self.slots.capacity], self.groups, vote=vote
+        )
         if vote:
             self.eviction.observe(rows.sum(dim=2), self.slots)
         else:

@@ -125,18 +125,18 @@ def test_presets_resolve_the_fields_left_unset():
         AlisaConfig(preset="papers")
 
 
-def test_the_default_preset_scores_swa_by_decayed_sums():
+def test_the_default_preset_scores_swa_by_decayed_sums_of_the_query_head_max():
     def scoring(**options):
         policy = policy_for_layer(AlisaConfig(caching_ratio=0.2, **options), 0, 2)
         return policy.head_max, policy.score_decay
 
-    assert scoring(policy="swa") == (False, True)
-    # Only SWA: the other policies and ALISA's own setting keep exact sums.
+    assert scoring(policy="swa") == (True, True)
+    # Only SWA: the other policies and ALISA's own setting keep exact sums over the heads.
     for name in ("h2o", "tova", "streaming"):
         assert scoring(policy=name) == (False, False)
     assert scoring(policy="swa", preset="paper") == (False, False)
-    # Set fields beat either preset; the query-head max is opt-in.
-    assert scoring(policy="swa", score_decay=False) == (False, False)
+    # Set fields beat either preset.
+    assert scoring(policy="swa", head_max=False, score_decay=False) == (False, False)
     assert scoring(policy="swa", preset="paper", head_max=True, score_decay=True) == (True, True)
     assert scoring(policy="h2o", head_max=True) == (True, False)
     with pytest.raises(ValueError, match="score_decay=1"):

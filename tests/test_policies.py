@@ -53,6 +53,9 @@ def test_query_heads_combine_by_sum_or_by_their_max():
     largest = Eviction(get_policy("swa", head_max=True)).combine_heads(probabilities, groups=1)
     assert torch.allclose(summed, torch.tensor([[[[0.9, 0.7]]]]))
     assert torch.allclose(largest, torch.tensor([[[[0.9, 0.6]]]]))
+    # The observation window's vote sums its query heads whatever head_max says (SnapKV).
+    vote = Eviction(get_policy("swa", head_max=True)).combine_heads(probabilities, 1, vote=True)
+    assert torch.allclose(vote, summed)
 
 
 def test_fixed_budget_caps_but_never_exceeds_what_was_seen():

@@ -48,8 +48,9 @@ class KVPolicy:
         Prompt queries whose attention, summed and pooled, seeds the scores at prefill (SnapKV,
         https://arxiv.org/abs/2404.14469); 0 seeds with :meth:`score_window` rows instead.
     head_max
-        Score a KV head's tokens by the largest attention among its query heads, not their sum:
-        a token one query head needs is kept even when the group's other heads ignore it.
+        At decode steps, score a KV head's tokens by the largest attention among its query heads,
+        not their sum: a token one query head needs is kept even when the group's other heads
+        ignore it. The observation window's vote sums them (SnapKV).
     score_decay
         With a :meth:`score_window` w: fade the sums by 1 - 1/w per step (a soft window whose
         weights sum to w) instead of summing exactly the last w steps.
@@ -64,7 +65,9 @@ class KVPolicy:
     sinks_by_default: ClassVar[bool] = True
     # The "default" preset selects per KV head (better for SWA and H2O, docs/drop-quality.md).
     per_head_by_default: ClassVar[bool] = False
-    # The "default" preset fades the attention sums of a score window (SWA, docs/drop-quality.md).
+    # The "default" preset scores by the query-head max and fades the sums of a score window
+    # (SWA, docs/drop-quality.md).
+    head_max_by_default: ClassVar[bool] = False
     decays_by_default: ClassVar[bool] = False
     evicts: ClassVar[bool] = True  # False: keeps every token whatever its budget options
     config_fields: ClassVar[Mapping[str, str]] = {}

@@ -25,8 +25,9 @@ class SWAPolicy(KVPolicy):
     within each KV group; by default w = k, as in Alg. 1. The budget is round(n*r) split in half,
     so r = 1 keeps every token even when n is odd.
 
-    With ``score_decay`` (the ``default`` preset) the window is soft: each step's attention fades
-    by 1 - 1/w per step, with w = 4k (twice the budget) unless set; docs/drop-quality.md has the
+    The ``default`` preset makes the window soft (``score_decay``: each step's attention fades by
+    1 - 1/w per step, with w = 4k, twice the budget, unless set) and scores each step by the
+    largest attention among a KV group's query heads (``head_max``); docs/drop-quality.md has the
     ablation.
 
     Parameters
@@ -39,6 +40,7 @@ class SWAPolicy(KVPolicy):
     name = "swa"
     needs_attention = True
     per_head_by_default = True
+    head_max_by_default = True
     decays_by_default = True
     config_fields = {"score_window": "window"}
     window: int | None = None
