@@ -86,6 +86,12 @@ class AlisaConfig:
         phase II; Quest/InfiniGen/ShadowKV select per step the same way).
     host_bits
         ``retention="host"``: precision of the host region, 16 (model dtype), 8 or 4.
+    history_share
+        ``retention="host"`` with an attention-scored policy (swa, h2o, tova): the share of the
+        budget left after sinks and the recent window that goes to the tokens with the most
+        attention summed over the policy's score window (ALISA's "globally dynamic" tokens)
+        before the key sketch ranks the rest. 0 (default) ranks by the sketch alone; 0.5 fetches
+        fewer tokens per step at a small cost in perplexity (README).
     min_budget_tokens
         Least tokens kept (attended) per sequence, whatever r; ``None``: 64 under the
         ``default`` preset, 0 under ``paper``.
@@ -124,6 +130,7 @@ class AlisaConfig:
     profile: str | None = None
     retention: str = "drop"
     host_bits: int = 8
+    history_share: float = 0.0
     min_budget_tokens: int | None = None
     observation_window: int | None = None
     preset: str = "default"
@@ -168,6 +175,7 @@ class AlisaConfig:
             )
         if self.host_bits not in KV_BITS:
             raise ValueError(f"host_bits={self.host_bits!r} must be one of {KV_BITS}")
+        self._check_history_share()
         check_optional_int("min_budget_tokens", self.min_budget_tokens, minimum=0)
         check_optional_int("observation_window", self.observation_window, minimum=0)
         if self.preset not in PRESETS:
@@ -180,6 +188,23 @@ class AlisaConfig:
         if self.per_head and self.gpu_memory is not None:
             raise ValueError(
                 "per_head=True cannot be combined with gpu_memory (tiers are per layer)"
+            )
+
+    def _check_history_share(self) -> None:
+        check_number("history_share", self.history_share)
+        if not 0.0 <= self.history_share <= 1.0:
+            raise ValueError(f"history_share={self.history_share!r} must be in [0, 1]")
+        if self.history_share == 0:
+            return
+        if self.retention != "host":
+            raise ValueError(
+                f"history_share={self.history_share!r} needs retention='host' (with "
+                f"retention={self.retention!r} the policy's own scores already rank every token)"
+            )
+        if not POLICIES[self.policy].needs_attention:
+            raise ValueError(
+                f"history_share={self.history_share!r} needs an attention-scored policy; "
+                f"policy={self.policy!r} keeps no attention history"
             )
 
     @property
