@@ -239,6 +239,16 @@ def test_bad_retention_settings_name_the_field(options, message):
         AlisaConfig(**options)
 
 
+def test_the_history_share_defaults_to_half_for_attention_scored_host_retention():
+    assert AlisaConfig(policy="swa", **HOST).host_history_share == 0.5
+    assert AlisaConfig(policy="h2o", preset="paper", **HOST).host_history_share == 0.5
+    assert AlisaConfig(policy="swa", history_share=0.0, **HOST).host_history_share == 0.0
+    assert AlisaConfig(policy="streaming", **HOST).host_history_share == 0.0
+    assert AlisaConfig(policy="swa").host_history_share == 0.0  # drop: scores rank every token
+    cache = AlisaCache(tiny_llama(), AlisaConfig(policy="swa", caching_ratio=0.2, **HOST))
+    assert all(layer.retention.history_share == 0.5 for layer in cache.layers)
+
+
 def test_the_floor_keeps_small_budgets_useful():
     config = AlisaConfig(policy="swa", caching_ratio=0.1, **HOST)
     rule = config.keep_rules(4)[0]
