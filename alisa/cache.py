@@ -64,7 +64,9 @@ class AlisaCache(Cache):
         extensions: list[StepExtension] = []
         retention = None
         if config.retention == "host" and policy.can_evict():
-            retention = HostRetention(config.host_bits, policy.sink_tokens)
+            retention = HostRetention(
+                config.host_bits, policy.sink_tokens, config.host_history_share
+            )
         if self.planner is not None:
             extensions.append(self.planner)  # prefetches the next layer's host tier
         return AlisaLayer(

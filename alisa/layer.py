@@ -232,7 +232,8 @@ class AlisaLayer(CacheLayerMixin):
         """Bytes of bookkeeping: slot positions and attention sums."""
         if self.store is None:
             return 0
-        return self.slots.nbytes() + self.eviction.nbytes()
+        history = 0 if self.retention is None else self.retention.state_bytes()
+        return self.slots.nbytes() + self.eviction.nbytes() + history
 
     def receive_inputs(self, hidden: torch.Tensor, position_ids: torch.Tensor | None) -> None:
         """Keep this call's attention input and RoPE positions when a tier recomputes K/V."""
@@ -290,6 +291,8 @@ class AlisaLayer(CacheLayerMixin):
                 # prompt query chooses, so no layer holds the whole prompt past its prefill.
                 self._keep_prompt()
                 self.retention.select(self.slots, self.store, self.policy, query[:, :, -1:])
+            elif probabilities is not None:
+                self.retention.account(probabilities, self.slots, self.policy)
             self._maybe_compact()  # the selection freed slots; return their memory
         else:
             if probabilities is not None:

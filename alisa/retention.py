@@ -8,15 +8,20 @@ key sketch on the device (:class:`~alisa.storage.sketch.KeySketch`). Before atte
 sequence and KV head:
 
 1. the budget is the policy's (``round(n*r)``, at least ``min_budget_tokens``, sinks covered);
-2. the policy's protections (sinks, its recent window, the new token) are always chosen, the rest
-   of the budget goes to the highest ``q . k_hat`` (max over the KV head's query heads);
+2. the policy's protections (sinks, its recent window, the new token) are always chosen; with a
+   ``history_share``, that share of the rest goes to the tokens with the most attention summed
+   over the policy's score window (ALISA's "globally dynamic" tokens; a token earns attention
+   only while chosen); the rest of the budget goes to the highest ``q . k_hat`` (max over the
+   KV head's query heads);
 3. the device slots become exactly that set: slots whose token was not chosen are freed, chosen
    tokens the device does not hold are fetched from the host region (only those rows are read and
    dequantized) into freed slots.
 
 Attention then runs exactly (one softmax) over the device slots. Tokens written at this step stay
 in full precision on the device until a selection first leaves them out, so with a budget that is
-never reached nothing ever moves and the output is that of dense attention.
+never reached nothing ever moves and the output is that of dense attention. New tokens are coded
+into the host region and the sketch a page (16 tokens) at a time: until then they are in the
+recent window, which every selection keeps on the device.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch
 
 from alisa.policies import KVPolicy
 from alisa.slots import FREE, SlotMap
-from alisa.storage.pages import HostPages
+from alisa.storage.pages import PAGE_TOKENS, HostPages
 from alisa.storage.sketch import KeySketch
 from alisa.storage.store import KVStore
 
@@ -40,16 +45,29 @@ class HostRetention:
         Precision of the host region: 16 (model dtype), 8 or 4.
     sink_tokens
         The policy's sinks: always attended, so they do not shape the key sketch.
+    history_share
+        Share of the budget left after the protections that goes to the tokens with the most
+        attention received (the policy's own signal, ALISA's "globally dynamic" tokens), ahead
+        of the key sketch's estimate; 0 ranks by the sketch alone.
     """
 
-    def __init__(self, host_bits: int, sink_tokens: int) -> None:
+    def __init__(self, host_bits: int, sink_tokens: int, history_share: float = 0.0) -> None:
         self.host_bits = host_bits
         self.sinks = sink_tokens
+        self.history_share = history_share
         self.reset()
 
     def reset(self) -> None:
         self.pages: HostPages | None = None
         self.sketch: KeySketch | None = None
+        # New tokens wait here, (keys, values) per write, until a page's worth has come: one
+        # quantization per page instead of per step (its small ops dominate a step at batch 1).
+        # They are all in the recent window, so always on the device (see :meth:`select`).
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.flushed = 0  # positions [0, flushed) are in the host region and the sketch
+        # (B, H_kv, positions) attention each token received while chosen, summed over the
+        # policy's score window (a decaying sum: a window of w steps keeps 1 - 1/w a step).
+        self.history: torch.Tensor | None = None
         self.fetched = 0  # tokens copied host -> device, all sequences and KV heads
         self.steps = 0  # decode steps that selected (budget below the tokens seen)
 
@@ -58,7 +76,9 @@ class HostRetention:
     def write(self, start: int, keys: torch.Tensor, values: torch.Tensor, slots: SlotMap) -> None:
         """Keep (B, H_kv, m, D) new tokens at positions [start, start + m) in both regions.
 
-        Sinks and padding (known from ``slots``) are coded but do not widen the sketch's range.
+        Writes arrive in position order; they are coded a page at a time (``PAGE_TOKENS``), or
+        sooner when a selection could leave them out (:meth:`select`). Sinks and padding (known
+        from ``slots``) are coded but do not widen the sketch's range.
         """
         batch, heads, length, head_dim = keys.shape
         if self.pages is None:
@@ -66,12 +86,28 @@ class HostRetention:
                 batch, heads, head_dim, bits=self.host_bits, dtype=keys.dtype, device=keys.device
             )
             self.sketch = KeySketch(batch, heads, head_dim, start + length, keys.device)
+        self.pending.append((keys, values))
+        if start + length - self.flushed >= PAGE_TOKENS:
+            self._flush(slots)
+
+    def _flush(self, slots: SlotMap) -> None:
+        """Code the pending tokens into the host region and the key sketch."""
+        if not self.pending:
+            return
+        if len(self.pending) == 1:
+            keys, values = self.pending[0]
+        else:
+            keys = torch.cat([k for k, _ in self.pending], dim=2)
+            values = torch.cat([v for _, v in self.pending], dim=2)
+        self.pending = []
+        start, length = self.flushed, keys.shape[2]
         self.pages.write(start, keys, values)
         counted = None
         if self.sketch.widens(start):
             positions = torch.arange(start, start + length, device=keys.device)
             counted = self._counted(positions, slots)
         self.sketch.write(start, keys, counted)
+        self.flushed = start + length
 
     def _counted(self, positions: torch.Tensor, slots: SlotMap) -> torch.Tensor:
         """(B, m) whether each position is a real, non-sink token (it may shape the sketch)."""
@@ -98,35 +134,53 @@ class HostRetention:
         budget = policy.budget(lengths)
         if (budget >= lengths).all():  # budgets only fall behind n: nothing has left yet
             return
+        recent = np.maximum(policy.recent(budget), 1)  # the new token is always attended
+        if slots.seen - self.flushed > recent.min():  # a pending token could be left out
+            self._flush(slots)
         batch, kv_heads = slots.positions.shape[:2]
         grouped = query[:, :, -1].reshape(batch, kv_heads, -1, query.shape[-1])
-        wanted = self._choose(slots, policy, budget, grouped)
+        wanted = self._choose(slots, policy, budget, recent, grouped)
         self._swap(slots, store, wanted)
         slots.kept = budget.copy()
         self.steps += 1
 
     def _choose(
-        self, slots: SlotMap, policy: KVPolicy, budget: np.ndarray, query: torch.Tensor
+        self,
+        slots: SlotMap,
+        policy: KVPolicy,
+        budget: np.ndarray,
+        recent: np.ndarray,
+        query: torch.Tensor,
     ) -> torch.Tensor:
-        """(B, H_kv, seen) bool: protected tokens first, then the best estimated logits."""
+        """(B, H_kv, seen) bool: protected tokens first, then the best estimated logits.
+
+        ``recent`` (B,) newest tokens per sequence are protected; they include every pending
+        (not yet coded) token, whose score is never read.
+        """
         seen, device = slots.seen, query.device
-        score = self.sketch.scores(query, seen)  # (B, H_kv, seen)
-        positions = torch.arange(seen, device=device).view(1, -1)
-        first = torch.as_tensor(slots.first, device=device).view(-1, 1)
-        recent = np.maximum(policy.recent(budget), 1)  # the new token is always attended
-        newest = positions >= torch.as_tensor(seen - recent, device=device).view(-1, 1)
-        protected = (positions - first < policy.sink_tokens) | newest
-        priority = torch.where(protected.unsqueeze(1), torch.inf, score)
-        priority = priority.masked_fill((positions < first).unsqueeze(1), -torch.inf)
-        count = int(budget.max())
-        # Rows with smaller budgets take the first of the ranked tokens: only then sort.
-        ranked = bool((budget != count).any())
-        top = torch.topk(priority, count, dim=-1, sorted=ranked).indices  # (B, H_kv, count)
-        in_budget = torch.arange(count, device=device).view(1, 1, -1) < torch.as_tensor(
-            budget, device=device
-        ).view(-1, 1, 1)
-        wanted = torch.zeros_like(priority, dtype=torch.bool)
-        return wanted.scatter_(-1, top, in_budget.expand_as(top))
+        priority = torch.empty(*query.shape[:2], seen, device=device)  # float32, as the sketch
+        self.sketch.scores(query, priority[..., : self.flushed])
+        if (recent == recent[0]).all() and not slots.first.any():
+            # No padding, one window: the protections are two slices (the common case).
+            priority[..., : policy.sink_tokens] = torch.inf
+            priority[..., seen - int(recent[0]) :] = torch.inf
+        else:
+            positions = torch.arange(seen, device=device).view(1, -1)
+            first = torch.as_tensor(slots.first, device=device).view(-1, 1)
+            newest = positions >= torch.as_tensor(seen - recent, device=device).view(-1, 1)
+            protected = (positions - first < policy.sink_tokens) | newest
+            priority.masked_fill_(protected.unsqueeze(1), torch.inf)
+            priority.masked_fill_((positions < first).unsqueeze(1), -torch.inf)
+        if self.history is not None and self.history_share > 0:
+            shares = np.rint(
+                np.maximum(budget - recent - policy.sink_tokens, 0) * self.history_share
+            ).astype(np.int64)
+            history = self._history(seen).masked_fill(priority.isinf(), -torch.inf)
+            top, taken = _top(history, shares)
+            taken &= history.gather(-1, top) > 0  # never attended: the sketch decides
+            priority.scatter_(-1, top, torch.where(taken, torch.inf, priority.gather(-1, top)))
+        top, taken = _top(priority, budget)
+        return torch.zeros_like(priority, dtype=torch.bool).scatter_(-1, top, taken)
 
     def _swap(self, slots: SlotMap, store: KVStore, wanted: torch.Tensor) -> None:
         """Free slots of tokens not wanted; fetch wanted tokens not held into free slots."""
@@ -163,15 +217,66 @@ class HostRetention:
         slots.width = max(slots.width, int(target.max()) + 1)
         self.fetched += int(rows.numel())
 
+    def account(self, probabilities: torch.Tensor, slots: SlotMap, policy: KVPolicy) -> None:
+        """Add a decode step's attention (B, H_kv, G, 1, S) over the device slots to the history
+        of the tokens they hold (only with a ``history_share``)."""
+        if self.history_share == 0 or self.pages is None:
+            return
+        rows = probabilities[..., 0, : slots.capacity].sum(dim=2)  # (B, H_kv, S)
+        positions = slots.positions[..., : rows.shape[-1]]
+        seen = slots.seen
+        if self.history is None:
+            self.history = rows.new_zeros(*rows.shape[:2], seen)
+        history = self._history(seen)
+        window = policy.score_window(np.maximum(policy.recent(policy.budget(slots.lengths())), 1))
+        if window is not None:  # None: the whole history, undecayed (H2O)
+            keep = torch.as_tensor(1.0 - 1.0 / window, dtype=rows.dtype, device=rows.device)
+            history.mul_(keep.view(-1, 1, 1))
+        held = positions >= 0
+        history.scatter_add_(-1, positions.clamp(min=0), rows.masked_fill(~held, 0.0))
+
+    def _history(self, seen: int) -> torch.Tensor:
+        """(B, H_kv, seen) view of the history, grown (zeros: not yet attended) as needed."""
+        if self.history.shape[-1] < seen:
+            grown = self.history.new_zeros(*self.history.shape[:2], seen + max(16, seen // 8))
+            grown[..., : self.history.shape[-1]] = self.history
+            self.history = grown
+        return self.history[..., :seen]
+
     # ---- bookkeeping ----------------------------------------------------------------------
 
     def tier_bytes(self) -> dict[str, int]:
         """Bytes per tier: the sketch counts on the device, the pages on the host."""
         if self.pages is None:
             return {"device": 0, "host": 0}
-        return {"device": self.sketch.nbytes(), "host": self.pages.nbytes()}
+        waiting = sum(k.nbytes + v.nbytes for k, v in self.pending)
+        return {"device": self.sketch.nbytes() + waiting, "host": self.pages.nbytes()}
+
+    def state_bytes(self) -> int:
+        """Bytes of bookkeeping on the device: the attention history."""
+        return 0 if self.history is None else self.history.nbytes
 
     def select_batch(self, indices: torch.Tensor) -> None:
+        if self.history is not None:
+            self.history = self.history.index_select(0, indices)
+        self.pending = [
+            (k.index_select(0, indices), v.index_select(0, indices)) for k, v in self.pending
+        ]
         if self.pages is not None:
             self.pages.select_batch(indices)
             self.sketch.select_batch(indices)
+
+
+def _top(priority: torch.Tensor, counts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``counts[b]`` highest entries of each (B, H_kv, n) row.
+
+    Returns (B, H_kv, max count) indices and a bool of the same shape that is False past a
+    row's count (rows with smaller counts take the first of the ranked entries: only then sort).
+    """
+    count = int(counts.max())
+    ranked = bool((counts != count).any())
+    top = torch.topk(priority, count, dim=-1, sorted=ranked).indices
+    taken = torch.arange(count, device=priority.device).view(1, 1, -1) < torch.as_tensor(
+        counts, device=priority.device
+    ).view(-1, 1, 1)
+    return top, taken.expand_as(top).clone()

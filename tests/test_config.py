@@ -89,6 +89,7 @@ WRONG_TYPES = {
     "profile": 3,
     "retention": 1,
     "host_bits": 8.0,
+    "history_share": "half",
     "min_budget_tokens": 64.0,
     "observation_window": 32.0,
     "preset": 1,

@@ -11,6 +11,7 @@ from alisa.layer import AlisaLayer
 from alisa.planning import model_spec
 from alisa.policies import POLICIES
 from alisa.retention import HostRetention
+from alisa.storage.pages import PAGE_TOKENS
 
 HOST = {"retention": "host"}
 
@@ -21,6 +22,10 @@ HOST = {"retention": "host"}
     [
         pytest.param(AlisaConfig(policy="swa", caching_ratio=1.0, **HOST), id="r1"),
         pytest.param(AlisaConfig(policy="swa", budget_tokens=10_000, **HOST), id="unreached"),
+        pytest.param(
+            AlisaConfig(policy="swa", budget_tokens=10_000, history_share=0.5, **HOST),
+            id="history-share",
+        ),
         pytest.param(
             AlisaConfig(policy="h2o", budget_tokens=10_000, host_bits=4, **HOST), id="int4-host"
         ),
@@ -68,7 +73,15 @@ def test_every_token_stays_on_the_host_and_the_device_holds_the_budget_per_head(
     lengths = mask.sum(1).numpy() + 20 - 1  # the last token is not yet written
     for layer in cache.layers:
         slots, retention = layer.slots, layer.retention
-        assert retention.pages.length == slots.seen  # every position, padding included
+        # Every position, padding included, is in the host region or waits (at most a page)
+        # for its page to fill; the waiting ones are the newest, held on the device by every head.
+        pending = sum(keys.shape[2] for keys, _ in retention.pending)
+        assert retention.pages.length == retention.flushed == slots.seen - pending
+        assert 0 <= pending < PAGE_TOKENS
+        waiting = set(range(retention.flushed, slots.seen))
+        for row in range(3):
+            for head in range(slots.groups):
+                assert waiting <= set(slots.positions[row, head].tolist())
         budget = layer.policy.budget(lengths)
         for row in range(3):
             first = int(slots.first[row])
@@ -81,6 +94,23 @@ def test_every_token_stays_on_the_host_and_the_device_holds_the_budget_per_head(
                 assert set(range(first, first + 4)) <= set(held)
                 assert slots.seen - 1 in held
         assert retention.steps > 0 and retention.fetched > 0
+
+
+@pytest.mark.parametrize(("policy", "share"), [("swa", 0.0), ("tova", 0.0), ("h2o", 0.5)])
+def test_a_token_off_the_device_is_always_in_the_host_region(policy, share):
+    """New tokens are coded a page at a time; a selection that could leave one out (TOVA has no
+    recent window) codes them first, so no token is ever only on the device when it leaves."""
+    config = AlisaConfig(
+        policy=policy, caching_ratio=0.2, min_budget_tokens=16, history_share=share, **HOST
+    )
+    cache, _ = decoded_cache(config)
+    for layer in cache.layers:
+        slots, retention = layer.slots, layer.retention
+        for row in range(3):
+            for head in range(slots.groups):
+                held = set(slots.positions[row, head].tolist())
+                gone = set(range(int(slots.first[row]), slots.seen)) - held
+                assert all(position < retention.flushed for position in gone)
 
 
 def test_selection_differs_between_kv_heads():
@@ -114,12 +144,41 @@ def test_tier_bytes_split_the_total_and_the_host_region_is_int8():
         cache.kv_bytes(tier="disk")
 
 
-def synthetic_layer(retention: bool, budget: int = 24) -> AlisaLayer:
+def synthetic_layer(retention: bool, budget: int = 24, history_share: float = 0.0) -> AlisaLayer:
     policy = POLICIES["swa"](
         caching_ratio=1.0, budget_tokens=budget, recent_fraction=0.25, sink_tokens=4
     )
-    host = HostRetention(16, 4) if retention else None
+    host = HostRetention(16, 4, history_share) if retention else None
     return AlisaLayer(policy, retention=host)
+
+
+def test_the_history_share_keeps_what_attention_favoured_after_the_query_moves_on():
+    """Token 40 is attended for five steps, then the queries look elsewhere: ranked by the key
+    sketch alone it leaves the device at once; with the free budget given to the attention
+    history (SWA's window of recent steps) it stays while its decayed sum still leads."""
+    torch.manual_seed(0)
+    dim, length = 16, 100
+    keys = torch.randn(1, 1, length, dim) * 0.1
+    needle = torch.zeros(dim)
+    needle[0] = 4.0
+    keys[0, 0, 40] = needle
+    query_needle = needle.view(1, 1, 1, dim)
+    query_away = torch.zeros(1, 1, 1, dim)
+    query_away[..., 1] = 4.0
+    held = {}
+    for share in (0.0, 1.0):
+        layer = synthetic_layer(True, history_share=share)
+        layer.update(keys, torch.randn(1, 1, length, dim))
+        layer.after_attention(query_needle.expand(1, 1, length, dim), None, dim**-0.5)
+        for step in range(8):
+            layer.update(torch.randn(1, 1, 1, dim) * 0.1, torch.randn(1, 1, 1, dim))
+            query = query_needle if step < 5 else query_away
+            parts = layer.parts(query)
+            layer.after_attention(query, _probabilities(query, parts, dim), dim**-0.5)
+        held[share] = set(parts[0].positions[0].flatten().tolist())
+        assert (layer.retention.history is not None) == (share > 0)
+    assert 40 not in held[0.0]
+    assert 40 in held[1.0]
 
 
 def test_a_token_an_evicting_policy_lost_comes_back():
@@ -170,11 +229,24 @@ def _probabilities(query, parts, dim):
         ({"retention": "host", "host_bits": 3}, "host_bits=3"),
         ({"retention": "host", "gpu_memory": "1GiB"}, "gpu_memory"),
         ({"min_budget_tokens": -1}, "min_budget_tokens=-1"),
+        ({"retention": "host", "policy": "swa", "history_share": 1.5}, "history_share=1.5"),
+        ({"policy": "swa", "history_share": 0.5}, "history_share=0.5 needs retention='host'"),
+        ({"retention": "host", "policy": "streaming", "history_share": 0.5}, "policy='streaming'"),
     ],
 )
 def test_bad_retention_settings_name_the_field(options, message):
     with pytest.raises(ValueError, match=message):
         AlisaConfig(**options)
+
+
+def test_the_history_share_defaults_to_half_for_attention_scored_host_retention():
+    assert AlisaConfig(policy="swa", **HOST).host_history_share == 0.5
+    assert AlisaConfig(policy="h2o", preset="paper", **HOST).host_history_share == 0.5
+    assert AlisaConfig(policy="swa", history_share=0.0, **HOST).host_history_share == 0.0
+    assert AlisaConfig(policy="streaming", **HOST).host_history_share == 0.0
+    assert AlisaConfig(policy="swa").host_history_share == 0.0  # drop: scores rank every token
+    cache = AlisaCache(tiny_llama(), AlisaConfig(policy="swa", caching_ratio=0.2, **HOST))
+    assert all(layer.retention.history_share == 0.5 for layer in cache.layers)
 
 
 def test_the_floor_keeps_small_budgets_useful():
