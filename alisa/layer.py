@@ -292,7 +292,11 @@ class AlisaLayer(CacheLayerMixin):
                 self._keep_prompt()
                 self.retention.select(self.slots, self.store, self.policy, query[:, :, -1:])
             elif probabilities is not None:
-                self.retention.account(probabilities, self.slots, self.policy)
+                # The policy's own combination of query heads (sum, or SWA's max by default).
+                rows = self.eviction.combine_heads(
+                    probabilities[..., : self.slots.capacity], self.groups
+                )
+                self.retention.account(rows[:, :, 0], self.slots, self.policy)
             self._maybe_compact()  # the selection freed slots; return their memory
         else:
             if probabilities is not None:

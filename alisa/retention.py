@@ -217,12 +217,12 @@ class HostRetention:
         slots.width = max(slots.width, int(target.max()) + 1)
         self.fetched += int(rows.numel())
 
-    def account(self, probabilities: torch.Tensor, slots: SlotMap, policy: KVPolicy) -> None:
-        """Add a decode step's attention (B, H_kv, G, 1, S) over the device slots to the history
-        of the tokens they hold (only with a ``history_share``)."""
+    def account(self, rows: torch.Tensor, slots: SlotMap, policy: KVPolicy) -> None:
+        """Add a decode step's attention (B, H_kv, S) over the device slots (query heads
+        combined as the policy scores them) to the history of the tokens they hold (only with a
+        ``history_share``)."""
         if self.history_share == 0 or self.pages is None:
             return
-        rows = probabilities[..., 0, : slots.capacity].sum(dim=2)  # (B, H_kv, S)
         positions = slots.positions[..., : rows.shape[-1]]
         seen = slots.seen
         if self.history is None:
