@@ -202,8 +202,10 @@ def calibrate_selection(
     :data:`SELECTION_CONFIG` steps of ``batch`` sequences are timed at two contexts; what the
     cost model charges them without the selection (``profile``'s fitted terms over the kept
     tokens, the bytes really fetched over ``h2d_bytes_per_s``) is subtracted and the rest fitted
-    by :func:`scheduler.calibrate.fit_selection`. A fit that fails (the steps did not grow with
-    the tokens seen) keeps the formula's rate, the KV read rate, labelled as a fallback.
+    by :func:`scheduler.calibrate.fit_selection`, once per repeat pick (fastest, median,
+    slowest); picks whose fit fails are left out, and when every fit fails (the steps did not
+    grow with the tokens seen) the formula's rate, the KV read rate, is kept, labelled as a
+    fallback.
     ``tick`` is called after each timed step (a progress bar).
     """
     spec = model_spec(model, model_shape(model))
@@ -220,9 +222,15 @@ def calibrate_selection(
         bases.append(unselected_seconds(profile, spec, batch, tokens, fetched))
         tick()
     sketch = spec.sketch_bytes_per_token()
-    try:
-        fits = [fit_selection(samples, bases, sketch, p, profile.device_type) for p in PICKS]
-    except ValueError:
+    fits = []
+    for pick in PICKS:
+        # One noisy repeat (the slowest step may be the one that codes a page of new tokens)
+        # must not discard the fits of the others.
+        try:
+            fits.append(fit_selection(samples, bases, sketch, pick, profile.device_type))
+        except ValueError:
+            continue
+    if not fits:
         rate = profile.kv_bytes_per_s or profile.device_bytes_per_s
         why = "(fallback: the host steps did not grow with the tokens seen)"
         return (

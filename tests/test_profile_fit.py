@@ -250,3 +250,27 @@ def test_measured_profile_records_machine_and_labels_every_term():
     text = describe(report)
     assert "min" in text and "median" in text and "max" in text
     assert all(t.source in text for t in report.terms)
+
+
+def test_selection_calibration_keeps_the_picks_that_fit(monkeypatch):
+    """A pick whose fit fails (say, the slowest repeat) is left out; only when every pick fails
+    does the calibration fall back to the KV read rate, labelled as such."""
+    import alisa.calibration as calibration
+    from scheduler.calibrate import SelectionFit
+
+    def fit(samples, bases, sketch, pick, device_type):
+        if pick in failing:
+            raise ValueError("did not grow")
+        return SelectionFit(bytes_per_s=2e9, overhead_s=0.01, worst_miss=0.0)
+
+    monkeypatch.setattr(calibration, "fit_selection", fit)
+    model, device = tiny_llama(), torch.device("cpu")
+    measured = profile(kv_bytes_per_s=5e9)
+    failing = {"max"}
+    rate, overhead = calibration.calibrate_selection(model, device, measured, batch=1, context=256)
+    assert rate.median == 2e9 and overhead.median == 0.01
+    assert "fallback" not in rate.source
+    failing = {"min", "median", "max"}
+    rate, overhead = calibration.calibrate_selection(model, device, measured, batch=1, context=256)
+    assert rate.median == 5e9 and overhead.median == 0.0
+    assert "fallback" in rate.source
