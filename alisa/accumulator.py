@@ -80,6 +80,17 @@ class AttentionAccumulator:
         self.total[..., : row.shape[-1]] += row
         self._advance(1, window)
 
+    def add_at(self, columns: torch.Tensor, row: torch.Tensor, window: np.ndarray | None) -> None:
+        """Add one step's attention ``row`` (B, Hs, S) to the sums at ``columns`` (B, Hs, S).
+
+        For sums kept per token position rather than per slot (``retention="host"``: ``columns``
+        are the positions the slots hold; a slot's zero attention may go anywhere).
+        """
+        if self.decayed:
+            self.total *= self._fade(window, 1)
+        self.total.scatter_add_(-1, columns, row)
+        self._advance(1, window)
+
     def add_rows(self, rows: torch.Tensor, window: np.ndarray | None) -> None:
         """Add several consecutive steps at once (prefill seeding): rows is (B, Hs, R, S')."""
         width = rows.shape[-1]

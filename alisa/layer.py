@@ -296,7 +296,8 @@ class AlisaLayer(CacheLayerMixin):
                 rows = self.eviction.combine_heads(
                     probabilities[..., : self.slots.capacity], self.groups
                 )
-                self.retention.account(rows[:, :, 0], self.slots, self.policy)
+                window = self.eviction.window(self.eviction.budget(self.slots))
+                self.retention.account(rows[:, :, 0], self.slots, window)
             self._maybe_compact()  # the selection freed slots; return their memory
         else:
             if probabilities is not None:

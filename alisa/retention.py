@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from alisa.accumulator import AttentionAccumulator
 from alisa.policies import KVPolicy
 from alisa.slots import FREE, SlotMap
 from alisa.storage.pages import PAGE_TOKENS, HostPages
@@ -65,9 +66,9 @@ class HostRetention:
         # They are all in the recent window, so always on the device (see :meth:`select`).
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.flushed = 0  # positions [0, flushed) are in the host region and the sketch
-        # (B, H_kv, positions) attention each token received while chosen, summed over the
-        # policy's score window (a decaying sum: a window of w steps keeps 1 - 1/w a step).
-        self.history: torch.Tensor | None = None
+        # Per position (B, H_kv, positions): attention each token received while chosen, summed
+        # over the policy's score window (decayed: a window of w steps keeps 1 - 1/w a step).
+        self.history: AttentionAccumulator | None = None
         self.fetched = 0  # tokens copied host -> device, all sequences and KV heads
         self.steps = 0  # decode steps that selected (budget below the tokens seen)
 
@@ -217,31 +218,26 @@ class HostRetention:
         slots.width = max(slots.width, int(target.max()) + 1)
         self.fetched += int(rows.numel())
 
-    def account(self, rows: torch.Tensor, slots: SlotMap, policy: KVPolicy) -> None:
+    def account(self, rows: torch.Tensor, slots: SlotMap, window: np.ndarray | None) -> None:
         """Add a decode step's attention (B, H_kv, S) over the device slots (query heads
         combined as the policy scores them) to the history of the tokens they hold (only with a
-        ``history_share``)."""
+        ``history_share``); ``window`` (B,) is the policy's score window, None: every step."""
         if self.history_share == 0 or self.pages is None:
             return
-        positions = slots.positions[..., : rows.shape[-1]]
-        seen = slots.seen
         if self.history is None:
-            self.history = rows.new_zeros(*rows.shape[:2], seen)
-        history = self._history(seen)
-        window = policy.score_window(np.maximum(policy.recent(policy.budget(slots.lengths())), 1))
-        if window is not None:  # None: the whole history, undecayed (H2O)
-            keep = torch.as_tensor(1.0 - 1.0 / window, dtype=rows.dtype, device=rows.device)
-            history.mul_(keep.view(-1, 1, 1))
+            self.history = AttentionAccumulator(
+                *rows.shape[:2], slots.seen, rows.device, windowed=False, decayed=window is not None
+            )
+        self._history(slots.seen)
+        positions = slots.positions[..., : rows.shape[-1]]
         held = positions >= 0
-        history.scatter_add_(-1, positions.clamp(min=0), rows.masked_fill(~held, 0.0))
+        self.history.add_at(positions.clamp(min=0), rows.masked_fill(~held, 0.0), window)
 
     def _history(self, seen: int) -> torch.Tensor:
         """(B, H_kv, seen) view of the history, grown (zeros: not yet attended) as needed."""
-        if self.history.shape[-1] < seen:
-            grown = self.history.new_zeros(*self.history.shape[:2], seen + max(16, seen // 8))
-            grown[..., : self.history.shape[-1]] = self.history
-            self.history = grown
-        return self.history[..., :seen]
+        if self.history.total.shape[-1] < seen:
+            self.history.grow(seen + max(16, seen // 8))
+        return self.history.total[..., :seen]
 
     # ---- bookkeeping ----------------------------------------------------------------------
 
@@ -254,11 +250,11 @@ class HostRetention:
 
     def state_bytes(self) -> int:
         """Bytes of bookkeeping on the device: the attention history."""
-        return 0 if self.history is None else self.history.nbytes
+        return 0 if self.history is None else self.history.nbytes()
 
     def select_batch(self, indices: torch.Tensor) -> None:
         if self.history is not None:
-            self.history = self.history.index_select(0, indices)
+            self.history.select_batch(indices)
         self.pending = [
             (k.index_select(0, indices), v.index_select(0, indices)) for k, v in self.pending
         ]

@@ -117,3 +117,15 @@ def test_decayed_seeding_rows_equals_adding_them_one_by_one():
 def test_an_accumulator_is_not_both_windowed_and_decayed():
     with pytest.raises(ValueError, match="not both"):
         AttentionAccumulator(1, 1, 2, torch.device("cpu"), windowed=True, decayed=True)
+
+
+def test_sums_by_column_fade_then_add_at_each_column():
+    """add_at (sums per token position, retention="host") fades like add, then adds each value
+    at its own column; values aimed at the same column add up."""
+    acc = AttentionAccumulator(1, 1, 6, torch.device("cpu"), windowed=False, decayed=True)
+    window = np.array([4])
+    acc.add_at(torch.tensor([[[5, 0, 2]]]), torch.tensor([[[1.0, 2.0, 3.0]]]), window)
+    acc.add_at(torch.tensor([[[2, 2, 1]]]), torch.tensor([[[1.0, 0.5, 4.0]]]), window)
+    keep = 0.75
+    expected = torch.tensor([2.0 * keep, 4.0, 3.0 * keep + 1.5, 0.0, 0.0, 1.0 * keep])
+    assert torch.allclose(acc.total[0, 0], expected)
