@@ -3,9 +3,9 @@
 ALISA's phase II keeps the KV of tokens that are not cached on the device in host memory and
 brings the selected ones back each step (https://arxiv.org/abs/2403.17312, §IV; Quest, InfiniGen
 and ShadowKV select per head from a complete store the same way). Here every token of a layer is
-written once to the host region (:class:`~alisa.storage.pages.HostPages`) and coded into a 4-bit
-key sketch on the device (:class:`~alisa.storage.sketch.KeySketch`). Before attention, per
-sequence and KV head:
+written once to the host region (:class:`~alisa.storage.pages.HostPages`) and its strongest key
+channels are kept in a sketch on the device (:class:`~alisa.storage.sketch.KeySketch`). Before
+attention, per sequence and KV head:
 
 1. the budget is the policy's (``round(n*r)``, at least ``min_budget_tokens``, sinks covered);
 2. the policy's protections (sinks, its recent window, the new token) are always chosen; with a
@@ -79,7 +79,7 @@ class HostRetention:
 
         Writes arrive in position order; they are coded a page at a time (``PAGE_TOKENS``), or
         sooner when a selection could leave them out (:meth:`select`). Sinks and padding (known
-        from ``slots``) are coded but do not widen the sketch's range.
+        from ``slots``) are written but do not shape the sketch's choice of channels.
         """
         batch, heads, length, head_dim = keys.shape
         if self.pages is None:
@@ -104,14 +104,14 @@ class HostRetention:
         start, length = self.flushed, keys.shape[2]
         self.pages.write(start, keys, values)
         counted = None
-        if self.sketch.widens(start):
+        if self.sketch.choosing:
             positions = torch.arange(start, start + length, device=keys.device)
             counted = self._counted(positions, slots)
         self.sketch.write(start, keys, counted)
         self.flushed = start + length
 
     def _counted(self, positions: torch.Tensor, slots: SlotMap) -> torch.Tensor:
-        """(B, m) whether each position is a real, non-sink token (it may shape the sketch)."""
+        """(B, m) whether each position is a real, non-sink token (may shape the sketch)."""
         first = torch.as_tensor(slots.first, device=positions.device).view(-1, 1)
         return positions.view(1, -1) >= first + self.sinks
 
@@ -140,8 +140,8 @@ class HostRetention:
             self._flush(slots)
         batch, kv_heads = slots.positions.shape[:2]
         grouped = query[:, :, -1].reshape(batch, kv_heads, -1, query.shape[-1])
-        wanted = self._choose(slots, policy, budget, recent, grouped)
-        self._swap(slots, store, wanted)
+        chosen, taken = self._choose(slots, policy, budget, recent, grouped)
+        self._swap(slots, store, chosen, taken)
         slots.kept = budget.copy()
         self.steps += 1
 
@@ -152,11 +152,12 @@ class HostRetention:
         budget: np.ndarray,
         recent: np.ndarray,
         query: torch.Tensor,
-    ) -> torch.Tensor:
-        """(B, H_kv, seen) bool: protected tokens first, then the best estimated logits.
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chosen positions: protected tokens first, then the best estimated logits.
 
         ``recent`` (B,) newest tokens per sequence are protected; they include every pending
-        (not yet coded) token, whose score is never read.
+        (not yet coded) token, whose score is never read. Returns (B, H_kv, max budget)
+        positions and a bool of the same shape, False past a sequence's budget.
         """
         seen, device = slots.seen, query.device
         priority = torch.empty(*query.shape[:2], seen, device=device)  # float32, as the sketch
@@ -176,42 +177,55 @@ class HostRetention:
             shares = np.rint(
                 np.maximum(budget - recent - policy.sink_tokens, 0) * self.history_share
             ).astype(np.int64)
-            history = self._history(seen).masked_fill(priority.isinf(), -torch.inf)
+            # Only held tokens are candidates: a token earns attention only while held, so one
+            # that left was outranked then and has decayed since like every other. Ranking the
+            # slots instead of every position makes this top-k several times cheaper.
+            column = slots.positions.clamp(min=0)
+            history = self._history(seen).gather(-1, column)
+            history.masked_fill_(
+                (slots.positions < 0) | priority.gather(-1, column).isinf(), -torch.inf
+            )
             top, taken = _top(history, shares)
             taken &= history.gather(-1, top) > 0  # never attended: the sketch decides
-            priority.scatter_(-1, top, torch.where(taken, torch.inf, priority.gather(-1, top)))
-        top, taken = _top(priority, budget)
-        return torch.zeros_like(priority, dtype=torch.bool).scatter_(-1, top, taken)
+            chosen = column.gather(-1, top)
+            priority.scatter_(
+                -1, chosen, torch.where(taken, torch.inf, priority.gather(-1, chosen))
+            )
+        return _top(priority, budget)
 
-    def _swap(self, slots: SlotMap, store: KVStore, wanted: torch.Tensor) -> None:
-        """Free slots of tokens not wanted; fetch wanted tokens not held into free slots."""
+    def _swap(
+        self, slots: SlotMap, store: KVStore, chosen: torch.Tensor, taken: torch.Tensor
+    ) -> None:
+        """Free slots of tokens not chosen; fetch chosen tokens not held into free slots.
+
+        ``chosen`` (B, H_kv, K) positions, ``taken`` (B, H_kv, K) which of them count. Work is
+        over the slots and the K chosen, not over every position seen.
+        """
         positions = slots.positions  # (B, H_kv, capacity)
-        seen = wanted.shape[-1]
+        seen, device = slots.seen, chosen.device
         held = positions >= 0
-        index = torch.where(held, positions, seen)  # an extra column catches empty slots
-        holding = torch.zeros(*wanted.shape[:2], seen + 1, dtype=torch.bool, device=wanted.device)
-        holding.scatter_(-1, index, held)
+        # Per position: whether it is wanted / held; an extra column takes the rest.
+        wanted = torch.zeros(*chosen.shape[:2], seen + 1, dtype=torch.bool, device=device)
+        wanted.scatter_(-1, torch.where(taken, chosen, seen), True)
+        holding = torch.zeros_like(wanted).scatter_(-1, torch.where(held, positions, seen), True)
         leaving = held & ~wanted.gather(-1, positions.clamp(min=0))
-        fetch = wanted & ~holding[..., :seen]
+        fetch = taken & ~holding.gather(-1, chosen)  # (B, H_kv, K)
         free = (positions == FREE) | leaving
         positions.masked_fill_(leaving, FREE)
-        rows, heads, tokens = fetch.nonzero(as_tuple=True)
+        rows, heads, entries = fetch.nonzero(as_tuple=True)
         if rows.numel() == 0:
             return
         # The j-th fetched token of a (sequence, head) goes to its j-th free slot, lowest first:
         # free_slot[b, h, j] is that slot (an extra column takes the occupied ones).
         capacity = positions.shape[-1]
         free_rank = torch.where(free, free.cumsum(-1) - 1, capacity)
-        free_slot = torch.empty(*free.shape[:2], capacity + 1, dtype=torch.long, device=free.device)
+        free_slot = torch.empty(*free.shape[:2], capacity + 1, dtype=torch.long, device=device)
         free_slot.scatter_(
-            -1, free_rank, torch.arange(capacity, device=free.device).expand_as(free_rank)
+            -1, free_rank, torch.arange(capacity, device=device).expand_as(free_rank)
         )
-        counts = fetch.sum(-1).flatten()
-        starts = torch.cumsum(counts, 0) - counts
-        rank = (
-            torch.arange(rows.numel(), device=rows.device) - starts[rows * fetch.shape[1] + heads]
-        )
+        rank = fetch.cumsum(-1)[rows, heads, entries] - 1
         target = free_slot[rows, heads, rank]
+        tokens = chosen[rows, heads, entries]
         keys, values = self.pages.fetch(rows, heads, tokens)
         store.write_heads(rows, heads, target, keys, values)
         positions[rows, heads, target] = tokens

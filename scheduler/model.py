@@ -83,8 +83,8 @@ class ModelSpec:
         return values * kv_bits / 8 + groups * 2 * SCALE_BYTES
 
     def sketch_bytes_per_token(self) -> float:
-        """Device bytes of one token's key sketch over all layers (``retention="host"``: one
-        4-bit code per key channel, stored one per byte)."""
+        """Device bytes of one token's key sketch over all layers (``retention="host"``: half
+        the key channels in bfloat16, i.e. head_dim bytes per KV head)."""
         return self.num_layers * self.num_kv_heads * self.head_dim
 
     def hidden_bytes_per_token(self, hidden_bits: int = 16) -> float:

@@ -89,7 +89,7 @@ class Plan:
             f"  retention host: every token kept on the host at {self.workload.host_bits} bits; "
             f"fetched per step {self.fetch_bytes_per_step / 2**20:.2f} MiB "
             f"({self.workload.fetch_share:g} of the budget); the device holds the budget and "
-            "a 4-bit sketch of every key"
+            "a sketch of every key (half its channels, bfloat16)"
         ]
 
     def describe(self) -> str:

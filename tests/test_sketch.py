@@ -1,0 +1,86 @@
+"""The key sketch of retention="host": the strongest RoPE channel pairs of every key."""
+
+import pytest
+import torch
+
+from alisa.storage.sketch import SKETCH_DTYPE, KeySketch
+
+STRONG = ((1, 6, 2, 5), (3, 4, 7, 6), (2, 5, 1, 7))  # per KV head: its strong RoPE pairs
+
+
+def keys_with_strong_pairs(batch=2, heads=3, length=40, dim=16):
+    """(B, H, L, D) keys whose pairs (channels p and p + D/2) in ``STRONG[h]`` are strong, and
+    two sink rows with huge values on pair 0."""
+    torch.manual_seed(0)
+    keys = torch.randn(batch, heads, length, dim) * 0.01
+    half = dim // 2
+    for head in range(heads):
+        for pair in STRONG[head]:
+            keys[:, head, :, pair] *= 400
+            keys[:, head, :, pair + half] *= 400
+    keys[:, :, :2, 0] = 1e4  # sinks: never counted, so they cannot claim pair 0
+    return keys
+
+
+def test_the_sketch_keeps_the_pairs_with_the_largest_key_norms_and_ignores_sinks():
+    keys = keys_with_strong_pairs()
+    batch, heads, length, dim = keys.shape
+    counted = torch.ones(batch, length, dtype=torch.bool)
+    counted[:, :2] = False
+    sketch = KeySketch(batch, heads, dim, length, keys.device)
+    assert sketch.choosing
+    sketch.write(0, keys, counted)
+    assert not sketch.choosing
+    half = dim // 2
+    for head, strong in enumerate(STRONG):
+        chosen = set(sketch.channels[0, head, : sketch.width // 2].tolist())
+        assert chosen == set(strong)
+        # Pairs: channel p and p + D/2 are kept together.
+        assert torch.equal(
+            sketch.channels[0, head, sketch.width // 2 :],
+            sketch.channels[0, head, : sketch.width // 2] + half,
+        )
+    assert sketch.width == dim // 2
+
+
+def test_scores_are_the_partial_logits_max_over_the_query_heads():
+    keys = keys_with_strong_pairs()
+    batch, heads, length, dim = keys.shape
+    sketch = KeySketch(batch, heads, dim, 8, keys.device)  # grows as keys come
+    counted = torch.ones(batch, 24, dtype=torch.bool)
+    counted[:, :2] = False
+    sketch.write(0, keys[:, :, :24], counted)
+    sketch.write(24, keys[:, :, 24:], None)  # later writes need no `counted`
+    query = torch.randn(batch, heads, 2, dim)
+    out = sketch.scores(query, torch.empty(batch, heads, length))
+    index = sketch.channels.unsqueeze(2)
+    q = query.gather(-1, index.expand(-1, -1, 2, -1)).to(SKETCH_DTYPE).float()
+    k = keys.gather(-1, index.expand(-1, -1, length, -1)).to(SKETCH_DTYPE).float()
+    expected = (q @ k.transpose(-1, -2)).amax(dim=2)
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+    # Past the sinks (always attended), the ranking follows the full logits: the dropped
+    # channels are weak.
+    full = (query @ keys.transpose(-1, -2)).amax(dim=2)[..., 2:]
+    top = out[..., 2:].topk(4, dim=-1).indices
+    assert (top.unsqueeze(-1) == full.topk(8, dim=-1).indices.unsqueeze(-2)).any(-1).all()
+
+
+def test_a_sequence_with_nothing_counted_chooses_from_all_its_keys_and_batches_reorder():
+    keys = keys_with_strong_pairs(batch=2)
+    batch, heads, length, dim = keys.shape
+    counted = torch.ones(batch, length, dtype=torch.bool)
+    counted[0, :2] = False
+    counted[1] = False  # all padding or sinks so far
+    sketch = KeySketch(batch, heads, dim, length, keys.device)
+    sketch.write(0, keys, counted)
+    assert 0 in sketch.channels[1, 0].tolist()  # the huge sink values now count
+    assert 0 not in sketch.channels[0, 0].tolist()
+    channels, stored = sketch.channels.clone(), sketch.keys.clone()
+    sketch.select_batch(torch.tensor([1, 0]))
+    assert torch.equal(sketch.channels, channels.flip(0))
+    assert torch.equal(sketch.keys, stored.flip(0))
+
+
+def test_odd_head_dims_are_refused():
+    with pytest.raises(ValueError, match="head_dim=7"):
+        KeySketch(1, 1, 7, 4, torch.device("cpu"))
