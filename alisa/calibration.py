@@ -199,7 +199,7 @@ def calibrate_selection(
     """The selection cost of ``retention="host"``: ``select_bytes_per_s`` and
     ``select_overhead_s`` with their spreads, from real host steps.
 
-    :data:`SELECTION_CONFIG` steps of ``batch`` sequences are timed at two contexts; what the
+    :data:`SELECTION_CONFIG` steps of ``batch`` sequences are timed at three contexts; what the
     cost model charges them without the selection (``profile``'s fitted terms over the kept
     tokens, the bytes really fetched over ``h2d_bytes_per_s``) is subtracted and the rest fitted
     by :func:`scheduler.calibrate.fit_selection`, once per repeat pick (fastest, median,
@@ -213,8 +213,10 @@ def calibrate_selection(
     # that keeps every token it has seen does not select, and would hide the per-step constant.
     floor = max(rule.floor for rule in SELECTION_CONFIG.keep_rules(spec.num_layers))
     short = min(max(small_context(context), 2 * floor), context // 2)
+    # Three contexts for two unknowns: a least-squares fit, so one noisy point (another job on
+    # the machine, a page being coded) bends the line instead of setting it.
     samples, bases = [], []
-    for tokens in (short, context):
+    for tokens in (short, (short + context) // 2, context):
         seconds, cache = decode_step(model, device, batch, tokens, SELECTION_CONFIG)
         samples.append(StepSample(batch=batch, context=tokens, seconds=tuple(seconds)))
         # Decode steps fetched: the warm-up and the timed ones (the prefill holds its tokens).

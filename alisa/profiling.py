@@ -127,10 +127,10 @@ def _calibrated_terms(
 ) -> dict[str, Spread]:
     """The terms real steps give: the fitted decode terms, the tiered rates, then the selection
     cost of retention="host" (costed on top of the others)."""
-    bar = tqdm(total=2 * len(decode_points(*sizes)) + 4, unit="step", disable=not progress)
+    bar = tqdm(total=2 * len(decode_points(*sizes)) + 5, unit="step", disable=not progress)
     bar.set_description("alisa profile: decode steps")
     terms, resident = _fit_decode_twice(model, device, micro, sizes, bar.update)
-    bar.total = bar.n + 4  # a first fit that held skips the second round
+    bar.total = bar.n + 5  # a first fit that held skips the second round
     bar.set_description("alisa profile: tiered steps")
     reads, rebuilds = calibrate_tiers(
         model,

@@ -111,9 +111,12 @@ class HostRetention:
         self.flushed = start + length
 
     def _counted(self, positions: torch.Tensor, slots: SlotMap) -> torch.Tensor:
-        """(B, m) whether each position is a real, non-sink token (may shape the sketch)."""
+        """(B, m) whether each position is a real, non-sink token (may shape the sketch); a
+        sequence with only sinks so far (a short prompt padded in a batch) counts its sinks."""
         first = torch.as_tensor(slots.first, device=positions.device).view(-1, 1)
-        return positions.view(1, -1) >= first + self.sinks
+        real = positions.view(1, -1) >= first
+        counted = positions.view(1, -1) >= first + self.sinks
+        return torch.where(counted.any(-1, keepdim=True), counted, real)
 
     # ---- the step -------------------------------------------------------------------------
 

@@ -1,5 +1,8 @@
 """retention="host": nothing is lost; each decode step attends to the best tokens per KV head."""
 
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 import torch
 from conftest import hf_generate, padded_batch, tiny_gpt2, tiny_llama
@@ -275,3 +278,13 @@ def test_batch_sizing_counts_the_budget_and_every_token_sketch_on_the_device():
     host = drop.with_overrides(retention="host")
     extra = batch_memory(spec, host, 4, 512, 64).kv - batch_memory(spec, drop, 4, 512, 64).kv
     assert extra == 4 * (512 + 64) * spec.sketch_bytes_per_token()
+
+
+def test_a_short_padded_prompt_shapes_its_sketch_with_its_sinks_not_its_padding():
+    """The sketch's channels come from real, non-sink keys; a sequence that has only sinks so far
+    (3 real tokens padded to a long batch) counts those, never its padding."""
+    retention = HostRetention(host_bits=8, sink_tokens=4)
+    slots = SimpleNamespace(first=np.array([0, 97]))
+    counted = retention._counted(torch.arange(100), slots)
+    assert counted[0].tolist() == [False] * 4 + [True] * 96
+    assert counted[1].tolist() == [False] * 97 + [True] * 3

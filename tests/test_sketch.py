@@ -81,6 +81,12 @@ def test_a_sequence_with_nothing_counted_chooses_from_all_its_keys_and_batches_r
     assert torch.equal(sketch.keys, stored.flip(0))
 
 
-def test_odd_head_dims_are_refused():
-    with pytest.raises(ValueError, match="head_dim=7"):
-        KeySketch(1, 1, 7, 4, torch.device("cpu"))
+def test_an_odd_head_dim_sketches_its_pairs_and_a_single_channel_is_refused():
+    keys = torch.randn(1, 2, 12, 7)
+    sketch = KeySketch(1, 2, 7, 12, keys.device)
+    sketch.write(0, keys, torch.ones(1, 12, dtype=torch.bool))
+    assert sketch.width == 4 and int(sketch.channels.max()) < 6  # channel 6 has no partner
+    query = torch.randn(1, 2, 1, 7)
+    assert torch.isfinite(sketch.scores(query, torch.empty(1, 2, 12))).all()
+    with pytest.raises(ValueError, match="head_dim=1"):
+        KeySketch(1, 1, 1, 4, torch.device("cpu"))

@@ -34,7 +34,7 @@ class KeySketch:
     Parameters
     ----------
     batch, heads, head_dim
-        Sequences, KV heads and channels (even).
+        Sequences, KV heads and channels.
     capacity
         Token positions allocated (grows as needed).
     device
@@ -44,9 +44,10 @@ class KeySketch:
     def __init__(
         self, batch: int, heads: int, head_dim: int, capacity: int, device: torch.device
     ) -> None:
-        if head_dim % 2:
-            raise ValueError(f"head_dim={head_dim} must be even (keys are sketched in RoPE pairs)")
-        self.width = max(2, 2 * round(head_dim * KEPT_FRACTION / 2))
+        if head_dim < 2:
+            raise ValueError(f"head_dim={head_dim} must be at least 2 (keys are sketched in pairs)")
+        # An odd head_dim's last channel has no partner and is never kept.
+        self.width = min(head_dim // 2 * 2, max(2, 2 * round(head_dim * KEPT_FRACTION / 2)))
         # Channel-major, (B, H, width, capacity): the score is (G, width) @ (width, L), one wide
         # product per (sequence, KV head).
         self.keys = torch.zeros(batch, heads, self.width, 0, dtype=SKETCH_DTYPE, device=device)
@@ -116,7 +117,7 @@ class KeySketch:
         (all keys of a sequence that has none counted yet)."""
         half = keys.shape[-1] // 2
         keys = keys.float()
-        norms = (keys[..., :half].square() + keys[..., half:].square()).sqrt()  # (B, H, m, D/2)
+        norms = (keys[..., :half].square() + keys[..., half : 2 * half].square()).sqrt()
         weight = counted.to(device=keys.device, dtype=keys.dtype)  # (B, m)
         weight = torch.where(weight.sum(-1, keepdim=True) > 0, weight, torch.ones_like(weight))
         strength = (norms * weight.view(weight.shape[0], 1, -1, 1)).sum(2)  # (B, H, D/2)
