@@ -30,6 +30,12 @@ SELECTED = "fitted from real retention='host' steps"
 # retention="host" as a typical plan runs it. The selection's cost per seen token hardly depends
 # on the ratio: every seen token's sketch is scored whatever the budget.
 SELECTION_CONFIG = AlisaConfig(policy="swa", caching_ratio=0.2, retention="host")
+# Contexts the selection is timed at, evenly spaced: three for its two unknowns, a least-squares
+# fit, so one noisy point (another job on the machine, a page being coded) bends the line
+# instead of setting it.
+SELECTION_CONTEXTS = 3
+# Progress ticks after the decode fit: calibrate_tiers' two tiered steps, then the selection's.
+LATER_TICKS = 2 + SELECTION_CONTEXTS
 
 
 def timings(work: Callable[[], object], device: torch.device, repeats: int = 5) -> list[float]:
@@ -199,13 +205,13 @@ def calibrate_selection(
     """The selection cost of ``retention="host"``: ``select_bytes_per_s`` and
     ``select_overhead_s`` with their spreads, from real host steps.
 
-    :data:`SELECTION_CONFIG` steps of ``batch`` sequences are timed at three contexts; what the
-    cost model charges them without the selection (``profile``'s fitted terms over the kept
-    tokens, the bytes really fetched over ``h2d_bytes_per_s``) is subtracted and the rest fitted
-    by :func:`scheduler.calibrate.fit_selection`, once per repeat pick (fastest, median,
-    slowest); picks whose fit fails are left out, and when every fit fails (the steps did not
-    grow with the tokens seen) the formula's rate, the KV read rate, is kept, labelled as a
-    fallback.
+    :data:`SELECTION_CONFIG` steps of ``batch`` sequences are timed at
+    :data:`SELECTION_CONTEXTS` evenly spaced contexts; what the cost model charges them without
+    the selection (``profile``'s fitted terms over the kept tokens, the bytes really fetched over
+    ``h2d_bytes_per_s``) is subtracted and the rest fitted by
+    :func:`scheduler.calibrate.fit_selection`, once per repeat pick (fastest, median, slowest);
+    picks whose fit fails are left out, and when every fit fails (the steps did not grow with
+    the tokens seen) the formula's rate, the KV read rate, is kept, labelled as a fallback.
     ``tick`` is called after each timed step (a progress bar).
     """
     spec = model_spec(model, model_shape(model))
@@ -213,10 +219,9 @@ def calibrate_selection(
     # that keeps every token it has seen does not select, and would hide the per-step constant.
     floor = max(rule.floor for rule in SELECTION_CONFIG.keep_rules(spec.num_layers))
     short = min(max(small_context(context), 2 * floor), context // 2)
-    # Three contexts for two unknowns: a least-squares fit, so one noisy point (another job on
-    # the machine, a page being coded) bends the line instead of setting it.
+    steps = SELECTION_CONTEXTS - 1
     samples, bases = [], []
-    for tokens in (short, (short + context) // 2, context):
+    for tokens in (short + (context - short) * i // steps for i in range(steps + 1)):
         seconds, cache = decode_step(model, device, batch, tokens, SELECTION_CONFIG)
         samples.append(StepSample(batch=batch, context=tokens, seconds=tuple(seconds)))
         # Decode steps fetched: the warm-up and the timed ones (the prefill holds its tokens).

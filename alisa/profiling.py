@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from alisa.architecture import model_shape
 from alisa.calibration import (
+    LATER_TICKS,
     calibrate_selection,
     calibrate_tiers,
     decode_points,
@@ -127,10 +128,12 @@ def _calibrated_terms(
 ) -> dict[str, Spread]:
     """The terms real steps give: the fitted decode terms, the tiered rates, then the selection
     cost of retention="host" (costed on top of the others)."""
-    bar = tqdm(total=2 * len(decode_points(*sizes)) + 5, unit="step", disable=not progress)
+    bar = tqdm(
+        total=2 * len(decode_points(*sizes)) + LATER_TICKS, unit="step", disable=not progress
+    )
     bar.set_description("alisa profile: decode steps")
     terms, resident = _fit_decode_twice(model, device, micro, sizes, bar.update)
-    bar.total = bar.n + 5  # a first fit that held skips the second round
+    bar.total = bar.n + LATER_TICKS  # a first fit that held skips the second round
     bar.set_description("alisa profile: tiered steps")
     reads, rebuilds = calibrate_tiers(
         model,
