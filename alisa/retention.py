@@ -165,10 +165,18 @@ class HostRetention:
         seen, device = slots.seen, query.device
         priority = torch.empty(*query.shape[:2], seen, device=device)  # float32, as the sketch
         self.sketch.scores(query, priority[..., : self.flushed])
-        if (recent == recent[0]).all() and not slots.first.any():
-            # No padding, one window: the protections are two slices (the common case).
-            priority[..., : policy.sink_tokens] = torch.inf
-            priority[..., seen - int(recent[0]) :] = torch.inf
+        sinks, newest = policy.sink_tokens, seen - int(recent[0])
+        # No padding, one window, one budget: the protections are two slices (the common case),
+        # and only the positions between them are ranked.
+        sliced = (
+            (recent == recent[0]).all()
+            and (budget == budget[0]).all()
+            and not slots.first.any()
+            and 0 < budget[0] - sinks - recent[0] < newest - sinks
+        )
+        if sliced:
+            priority[..., :sinks] = torch.inf
+            priority[..., newest:] = torch.inf
         else:
             positions = torch.arange(seen, device=device).view(1, -1)
             first = torch.as_tensor(slots.first, device=device).view(-1, 1)
@@ -194,7 +202,15 @@ class HostRetention:
             priority.scatter_(
                 -1, chosen, torch.where(taken, torch.inf, priority.gather(-1, chosen))
             )
-        return _top(priority, budget)
+        if not sliced:
+            return _top(priority, budget)
+        middle, _ = _top(priority[..., sinks:newest], budget[:1] - sinks - recent[:1])
+        shape = (*middle.shape[:2], -1)
+        protected = torch.arange(seen, device=device)
+        chosen = torch.cat(
+            [protected[:sinks].expand(shape), middle + sinks, protected[newest:].expand(shape)], -1
+        )
+        return chosen, torch.ones_like(chosen, dtype=torch.bool)
 
     def _swap(
         self, slots: SlotMap, store: KVStore, chosen: torch.Tensor, taken: torch.Tensor

@@ -288,3 +288,34 @@ def test_a_short_padded_prompt_shapes_its_sketch_with_its_sinks_not_its_padding(
     counted = retention._counted(torch.arange(100), slots)
     assert counted[0].tolist() == [False] * 4 + [True] * 96
     assert counted[1].tolist() == [False] * 97 + [True] * 3
+
+
+def test_each_step_holds_the_protections_and_the_best_estimates_per_head():
+    """Unpadded batch (protections are two slices, only the positions between them ranked): the
+    device holds exactly the sinks, the recent window and the best sketch estimates of the rest,
+    max over each KV head's query heads."""
+    torch.manual_seed(0)
+    batch, kv_heads, group, dim, length = 2, 2, 2, 16, 100
+    layer = synthetic_layer(True)  # budget 24: 4 sinks, 6 recent, 14 ranked
+    layer.update(
+        torch.randn(batch, kv_heads, length, dim), torch.randn(batch, kv_heads, length, dim)
+    )
+    query = torch.randn(batch, kv_heads * group, 1, dim)
+    layer.after_attention(query.expand(-1, -1, length, -1), None, dim**-0.5)
+    for _ in range(3):
+        layer.update(torch.randn(batch, kv_heads, 1, dim), torch.randn(batch, kv_heads, 1, dim))
+        query = torch.randn(batch, kv_heads * group, 1, dim)
+        held = layer.parts(query)[0].positions
+        seen = layer.slots.seen
+        budget = int(layer.policy.budget(layer.slots.lengths())[0])
+        recent = int(layer.policy.recent(np.array([budget]))[0])
+        estimate = torch.empty(batch, kv_heads, layer.retention.flushed)
+        layer.retention.sketch.scores(query.view(batch, kv_heads, group, dim), estimate)
+        middle = estimate[..., 4 : seen - recent]
+        best = middle.topk(budget - 4 - recent, dim=-1).indices + 4
+        for row in range(batch):
+            for head in range(kv_heads):
+                expected = set(range(4)) | set(range(seen - recent, seen))
+                expected |= set(best[row, head].tolist())
+                got = held[row, head]
+                assert set(got[got >= 0].tolist()) == expected
