@@ -245,8 +245,7 @@ class HostRetention:
         rank = fetch.cumsum(-1)[rows, heads, entries] - 1
         target = free_slot[rows, heads, rank]
         tokens = chosen[rows, heads, entries]
-        keys, values = self.pages.fetch(rows, heads, tokens)
-        store.write_heads(rows, heads, target, keys, values)
+        store.write_heads(rows, heads, target, self.pages.fetch(rows, heads, tokens))
         positions[rows, heads, target] = tokens
         slots.width = max(slots.width, int(target.max()) + 1)
         self.fetched += int(rows.numel())

@@ -1,5 +1,6 @@
 """retention="host": nothing is lost; each decode step attends to the best tokens per KV head."""
 
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,7 +15,8 @@ from alisa.layer import AlisaLayer
 from alisa.planning import model_spec
 from alisa.policies import POLICIES
 from alisa.retention import HostRetention
-from alisa.storage.pages import PAGE_TOKENS
+from alisa.storage.pages import PAGE_TOKENS, FetchedRows
+from alisa.storage.quantized import QuantizedStore
 
 HOST = {"retention": "host"}
 
@@ -319,3 +321,46 @@ def test_each_step_holds_the_protections_and_the_best_estimates_per_head():
                 expected |= set(best[row, head].tolist())
                 got = held[row, head]
                 assert set(got[got >= 0].tolist()) == expected
+
+
+@pytest.mark.parametrize("host_bits", [8, 4])
+def test_an_int8_device_region_takes_int8_host_codes_as_they_are(host_bits, monkeypatch):
+    """A token fetched into an INT8 device region from an INT8 host region keeps its host codes
+    bit for bit and is never decoded on the way (no dequantize-requantize); from INT4 codes it is
+    decoded and coded again. Either way every held token is its value to the precision of both
+    roundings."""
+    decoded = []
+    original = FetchedRows.decoded
+    monkeypatch.setattr(FetchedRows, "decoded", lambda rows: decoded.append(1) or original(rows))
+    torch.manual_seed(0)
+    dim, length = 16, 100
+    policy = POLICIES["swa"](
+        caching_ratio=1.0, budget_tokens=24, recent_fraction=0.25, sink_tokens=4
+    )
+    store = partial(QuantizedStore, bits=8, group_size=dim, residual_tokens=0)
+    layer = AlisaLayer(policy, retention=HostRetention(host_bits, 4), store_factory=store)
+    keys, values = torch.randn(1, 1, length, dim), torch.randn(1, 1, length, dim)
+    layer.update(keys, values)
+    layer.after_attention(torch.randn(1, 1, length, dim), None, dim**-0.5)
+    for _ in range(4):
+        new = torch.randn(1, 1, 1, dim), torch.randn(1, 1, 1, dim)
+        keys, values = torch.cat([keys, new[0]], 2), torch.cat([values, new[1]], 2)
+        layer.update(*new)
+        layer.parts(torch.randn(1, 1, 1, dim))
+    retention = layer.retention
+    assert retention.fetched > 0
+    assert bool(decoded) == (host_bits == 4)
+    device, host = layer.store.codes, retention.pages.pair
+    held = layer.slots.positions[0, 0]
+    slots = (held >= 0) & (held < retention.flushed)
+    positions = held[slots]
+    stored = [t[:, 0, 0, slots] for t in device.tensors()]
+    if host_bits == 8:
+        kept = [t[:, 0, 0, positions] for t in host.tensors()]
+        for a, b in zip(stored, kept, strict=True):
+            assert torch.equal(a, b)
+    for got, want in zip(device.decode(*stored), (keys, values), strict=True):
+        want = want[0, 0, positions]
+        spread = want.amax(-1, keepdim=True) - want.amin(-1, keepdim=True)
+        tolerance = spread / 2 / (2**host_bits - 1) + spread / 2 / 255 + 1e-2
+        assert ((got - want).abs() <= tolerance).all()

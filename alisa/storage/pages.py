@@ -4,18 +4,45 @@ Nothing is deleted here. Tokens are written once, at their position, into pages 
 ``PAGE_TOKENS`` (the buffers grow by whole pages), quantized per token and KV head (ALISA's
 asymmetric min/max, :mod:`quant`) unless ``bits`` is 16. A decode step copies back only the
 tokens its selection wants that the device does not already hold (:meth:`HostPages.fetch`):
-an index gather of those rows, then dequantization of just them. On CUDA the buffers are pinned
+an index gather of those rows, then dequantization of just them (a device region with the same
+INT8/INT4 format takes the codes as they are). On CUDA the buffers are pinned
 so the copy is asynchronous; on a CPU both regions are ordinary memory and the saving is the bytes
 read per step.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from alisa.config import KV_BITS
 from alisa.storage.quantized import QuantizedPair
 from alisa.storage.store import with_capacity
+
+
+@dataclass(frozen=True)
+class FetchedRows:
+    """E tokens read from :class:`HostPages`, as stored there, on the model's device
+    (:class:`~alisa.storage.store.HostRows`).
+
+    ``stored`` is the plain (2, E, D) keys/values, or the (data, scale, zero point) rows of
+    ``pair``'s codes, each (2, E, ·).
+    """
+
+    stored: tuple[torch.Tensor, ...]
+    pair: QuantizedPair | None
+
+    def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.pair is None:
+            return self.stored[0][0], self.stored[0][1]
+        return self.pair.decode(*self.stored)
+
+    def codes(self, bits: int, group: int) -> tuple[torch.Tensor, ...] | None:
+        if self.pair is None or (self.pair.bits, self.pair.group) != (bits, group):
+            return None
+        return self.stored
+
 
 PAGE_TOKENS = 16
 
@@ -71,10 +98,11 @@ class HostPages:
 
     def fetch(
         self, rows: torch.Tensor, heads: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(E, D) keys and values of E tokens (flat index triples), on the model's device.
+    ) -> FetchedRows:
+        """E tokens (flat index triples), on the model's device.
 
-        Only these rows are read and dequantized; nothing else of the history is touched.
+        Only these rows are read (and dequantized, when the device region wants them decoded);
+        nothing else of the history is touched.
         """
         _, batch, heads_, capacity = self._tensors()[0].shape[:4]
         # One flat row index into (2, B * H_kv * capacity, ·) views: index_select copies just
@@ -85,10 +113,8 @@ class HostPages:
         ]
         if self.pin:
             picked = [t.pin_memory() for t in picked]
-        picked = [t.to(self.device, non_blocking=True) for t in picked]
-        if self.plain is not None:
-            return picked[0][0], picked[0][1]
-        return self.pair.decode(*picked)
+        picked = tuple(t.to(self.device, non_blocking=True) for t in picked)
+        return FetchedRows(picked, self.pair)
 
     def select_batch(self, indices: torch.Tensor) -> None:
         host = indices.to(self.host)

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from alisa.storage.store import DeviceResident, TokenInputs, slot_indices, with_capacity
+from alisa.storage.store import (
+    DeviceResident,
+    HostRows,
+    TokenInputs,
+    slot_indices,
+    with_capacity,
+)
 from quant import QuantizedTensor, dequantize, quantize
 
 SCALE_DTYPE = torch.float16
@@ -52,12 +58,17 @@ class QuantizedPair:
         """Quantize ``pair`` (shaped like ``data[index]`` with D values last) into ``index``."""
         # K/V of a finite model are finite; a NaN here would already have poisoned the output.
         q = quantize(pair, self.bits, self.group, scale_dtype=self.scale.dtype, check_finite=False)
-        if q.scale.dtype != self.scale.dtype:  # a group needed more precision: widen once
-            self.scale = self.scale.to(q.scale.dtype)
-            self.zero = self.zero.to(q.scale.dtype)
-        self.data[index] = q.data
-        self.scale[index] = q.scale
-        self.zero[index] = q.zero_point
+        self.put(index, q.data, q.scale, q.zero_point)
+
+    def put(self, index: tuple, data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
+        """Store codes already in this pair's format (bits, group) at ``index``."""
+        if torch.promote_types(scale.dtype, self.scale.dtype) != self.scale.dtype:
+            # a group needed more precision: widen once
+            self.scale = self.scale.to(scale.dtype)
+            self.zero = self.zero.to(scale.dtype)
+        self.data[index] = data
+        self.scale[index] = scale
+        self.zero[index] = zero
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, H, capacity, D) keys and values in the model dtype (views of one tensor)."""
@@ -205,13 +216,20 @@ class QuantizedStore(DeviceResident):
             self.ring_slots[rows, :, entry] = slots.view(-1, 1)
             self.ring_positions[entry] = position
 
-    def write_heads(self, rows, heads, slots, keys, values) -> None:
-        """Write (sequence, KV head) entries: index triples (E,), keys/values (E, D).
+    def write_heads(self, rows, heads, slots, tokens: HostRows) -> None:
+        """Write (sequence, KV head) entries at index triples (E,).
 
-        The full-precision ring is left alone: its entries are used only while their slot still
+        Host codes of this store's format are copied as they are (quantizing a dequantized
+        token again would cost a B = 16 CPU step about 60 ms and add a second rounding). The
+        full-precision ring is left alone: its entries are used only while their slot still
         holds the token they were written for.
         """
-        self.codes.write((slice(None), rows, heads, slots), torch.stack([keys, values]))
+        index = (slice(None), rows, heads, slots)
+        codes = tokens.codes(self.codes.bits, self.codes.group)
+        if codes is None:
+            self.codes.write(index, torch.stack(tokens.decoded()))
+        else:
+            self.codes.put(index, *codes)
 
     def reindex(self, index: torch.Tensor, capacity: int) -> None:
         """New slot j holds old slot index[b, g, j]; grow to ``capacity``; remap the ring."""

@@ -50,6 +50,21 @@ class Part(NamedTuple):
     positions: torch.Tensor
 
 
+class HostRows(Protocol):
+    """Tokens read back from the host region of ``retention="host"``, E (sequence, KV head)
+    entries, as that region stores them."""
+
+    def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(E, D) keys and values in the model dtype, on the model's device."""
+        ...
+
+    def codes(self, bits: int, group: int) -> tuple[torch.Tensor, ...] | None:
+        """The rows' (data, scale, zero point), each (2, E, ·), when the host region codes them
+        with ``bits`` and ``group`` values per scale (a device region of that format copies them
+        as they are: no dequantize-requantize round trip); None otherwise."""
+        ...
+
+
 class KVStore(Protocol):
     """What a cache layer needs from its storage, whatever regions it has.
 
@@ -115,15 +130,10 @@ class KVStore(Protocol):
     ) -> None: ...
 
     def write_heads(
-        self,
-        rows: torch.Tensor,
-        heads: torch.Tensor,
-        slots: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
+        self, rows: torch.Tensor, heads: torch.Tensor, slots: torch.Tensor, tokens: HostRows
     ) -> None:
-        """Write single (sequence, KV head) entries: index triples (E,), keys/values (E, D)
-        (tokens brought back from the host region by ``retention="host"``)."""
+        """Write single (sequence, KV head) entries at index triples (E,): the tokens brought
+        back from the host region by ``retention="host"``."""
         ...
 
     def reindex(self, index: torch.Tensor, capacity: int) -> None: ...
@@ -264,8 +274,9 @@ class DenseStore(DeviceResident):
         self.keys[rows, :, slots] = keys
         self.values[rows, :, slots] = values
 
-    def write_heads(self, rows, heads, slots, keys, values) -> None:
-        """Write (sequence, KV head) entries: index triples (E,), keys/values (E, D)."""
+    def write_heads(self, rows, heads, slots, tokens: HostRows) -> None:
+        """Write (sequence, KV head) entries at index triples (E,)."""
+        keys, values = tokens.decoded()
         batch, kv_heads, capacity, dim = self.keys.shape
         flat = (rows * kv_heads + heads) * capacity + slots  # one row index: index_copy_ is
         self.keys.view(-1, dim).index_copy_(0, flat, keys.to(self.keys.dtype))  # much faster

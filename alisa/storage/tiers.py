@@ -160,7 +160,7 @@ class TieredStore:
                     inputs.rows(inside) if region.needs_inputs else None,
                 )
 
-    def write_heads(self, rows, heads, slots, keys, values) -> None:
+    def write_heads(self, rows, heads, slots, tokens) -> None:
         """Tiers hold one index set per layer; per-head writes come only from
         ``retention="host"``, which the configuration keeps apart from tiers."""
         raise ValueError("retention='host' cannot be combined with gpu_memory tiers")
