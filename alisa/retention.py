@@ -31,7 +31,7 @@ import torch
 
 from alisa.accumulator import AttentionAccumulator
 from alisa.policies import KVPolicy
-from alisa.slots import FREE, SlotMap
+from alisa.slots import FREE, SlotMap, headroom
 from alisa.storage.pages import PAGE_TOKENS, HostPages
 from alisa.storage.sketch import KeySketch
 from alisa.storage.store import KVStore
@@ -120,7 +120,14 @@ class HostRetention:
 
     # ---- the step -------------------------------------------------------------------------
 
-    def select(self, slots: SlotMap, store: KVStore, policy: KVPolicy, query: torch.Tensor) -> None:
+    def select(
+        self,
+        slots: SlotMap,
+        store: KVStore,
+        policy: KVPolicy,
+        query: torch.Tensor,
+        budget: np.ndarray,
+    ) -> None:
         """Make each (sequence, KV head)'s device slots exactly this step's chosen tokens.
 
         Parameters
@@ -133,10 +140,10 @@ class HostRetention:
             Budget and protections.
         query
             (B, H, 1, D) this step's query.
+        budget
+            (B,) the policy's budget for the current lengths (the caller sized the slots by it).
         """
-        lengths = slots.lengths()
-        budget = policy.budget(lengths)
-        if (budget >= lengths).all():  # budgets only fall behind n: nothing has left yet
+        if (budget >= slots.lengths()).all():  # budgets only fall behind n: nothing has left yet
             return
         recent = np.maximum(policy.recent(budget), 1)  # the new token is always attended
         if slots.seen - self.flushed > recent.min():  # a pending token could be left out
@@ -268,7 +275,7 @@ class HostRetention:
     def _history(self, seen: int) -> torch.Tensor:
         """(B, H_kv, seen) view of the history, grown (zeros: not yet attended) as needed."""
         if self.history.total.shape[-1] < seen:
-            self.history.grow(seen + max(16, seen // 8))
+            self.history.grow(seen + headroom(seen))
         return self.history.total[..., :seen]
 
     # ---- bookkeeping ----------------------------------------------------------------------

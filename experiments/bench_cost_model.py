@@ -1,7 +1,14 @@
 """Fidelity of the scheduler's cost model on this machine: predicted vs measured decode steps.
 
     python -m experiments.bench_cost_model     # SmolLM2 bf16 and float32, batch 8, 1024 tokens
-    python -m experiments.bench_cost_model --dtype float32
+    MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=67108864 \
+        python -m experiments.bench_cost_model --dtype float32 --threads 1
+
+Every configuration runs in this one process, after the profile's own steps. With glibc's
+default, adaptive allocator thresholds, what ran before decides whether a step's large
+temporaries come from the heap or from fresh pages: the host retention row, last, measured
+197 and 242 ms in two runs here (a fresh process: 181 ms) against 172 ms with the thresholds
+fixed as above, the same as ``experiments.bench_speed`` asks for. The JSON line reports them.
 
 Per dtype: measures a hardware profile (as ``alisa profile``, calibrated at the benchmark's batch
 and prompt length), then runs the tiered cache with all KV resident, about half offloaded to the
@@ -28,6 +35,7 @@ from alisa.architecture import model_shape
 from alisa.calibration import SELECTION_CONFIG, half_offload_budget
 from alisa.planning import model_spec
 from alisa.profiling import measure_report
+from experiments.bench_speed import environment
 from experiments.data import data_dir, load_wikitext2
 from experiments.worker import prompts_of_length
 from scheduler import Options, Workload, evaluate, solve
@@ -170,6 +178,7 @@ def main(argv=None) -> int:
         "model": args.model,
         "batch": args.batch,
         "prompt_tokens": args.prompt_tokens,
+        "environment": environment(args),
         "results": results,
         "target_within_20pct": all(abs(e) <= 0.2 for e in errors),
         "lp_picks_faster": all(result["lp_choice"]["match"] for result in results),

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from alisa.slots import headroom
+
 SKETCH_DTYPE = torch.bfloat16
 # Share of the key channels kept: bytes are then head_dim per token and KV head (1/8 of an fp32
 # key + value). A quarter of them lost 2.3 % perplexity at r = 0.2, three eighths 0.9 %.
@@ -71,10 +73,10 @@ class KeySketch:
         return self.keys.nbytes + channels
 
     def grow(self, capacity: int) -> None:
-        """Room for ``capacity`` positions, plus an eighth so growth copies amortise."""
+        """Room for ``capacity`` positions, plus the slots' headroom so growth copies amortise."""
         if capacity <= self.capacity:
             return
-        extra = capacity + max(16, capacity // 8) - self.capacity
+        extra = capacity + headroom(capacity) - self.capacity
         self.keys = torch.nn.functional.pad(self.keys, (0, 0, 0, extra))
 
     def write(self, start: int, keys: torch.Tensor, counted: torch.Tensor | None) -> None:
