@@ -4,11 +4,12 @@
     MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=67108864 \
         python -m experiments.bench_cost_model --dtype float32 --threads 1
 
-Every configuration runs in this one process, after the profile's own steps. With glibc's
-default, adaptive allocator thresholds, what ran before decides whether a step's large
-temporaries come from the heap or from fresh pages: the host retention row, last, measured
-197 and 242 ms in two runs here (a fresh process: 181 ms) against 172 ms with the thresholds
-fixed as above, the same as ``experiments.bench_speed`` asks for. The JSON line reports them.
+Each configuration is measured in a fresh process (``experiments.worker``), as a user runs one:
+measured in this process, after the profile's steps and the other configurations, the last row
+(host retention) took 197 and 242 ms a step in two runs here against 181 ms alone, because what
+ran before decides whether glibc serves a step's temporaries from the heap or from fresh pages.
+The allocator thresholds above (as ``experiments.bench_speed`` asks for) make steps steadier;
+the JSON line reports them.
 
 Per dtype: measures a hardware profile (as ``alisa profile``, calibrated at the benchmark's batch
 and prompt length), then runs the tiered cache with all KV resident, about half offloaded to the
@@ -24,20 +25,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from dataclasses import replace
 
 import torch
+from tqdm.auto import tqdm
 
-from alisa import AlisaCache, AlisaConfig, generate, load_model
+from alisa import AlisaConfig, load_model
 from alisa.architecture import model_shape
 from alisa.calibration import SELECTION_CONFIG, half_offload_budget
 from alisa.planning import model_spec
 from alisa.profiling import measure_report
-from experiments.bench_speed import environment
-from experiments.data import data_dir, load_wikitext2
-from experiments.worker import prompts_of_length
+from experiments.bench_speed import environment, worker_options
+from experiments.systems import system_name
+from experiments.worker import run_in_subprocess
 from scheduler import Options, Workload, evaluate, solve
 
 HOST_ROW = "host retention r=0.2"
@@ -57,34 +58,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def placement(cache: AlisaCache) -> dict[str, float]:
-    """Fractions of the stored tokens per tier, as the cache really placed them."""
-    counts = cache.tier_tokens()
-    total = max(1, sum(counts.values()))
-    return {
-        "g": counts["device"] / total,
-        "c": counts["host"] / total,
-        "x": counts["recompute"] / total,
-        "w": 0.0,
-    }
-
-
 def bench_dtype(args: argparse.Namespace, dtype: str) -> dict:
     """Profile, run the three placements and the LP choice in one dtype."""
-    model, tokenizer = load_model(args.model, dtype=dtype)
+    model, _ = load_model(args.model, dtype=dtype)
     report = measure_report(model, sizes=(args.batch, args.prompt_tokens))
     profile = report.profile
     spec = model_spec(model, model_shape(model), name=args.model)
-    prompts = prompts_of_length(
-        tokenizer, load_wikitext2(data_dir(args.data_dir)), args.prompt_tokens, args.batch
-    )
     half = half_offload_budget(spec, args.batch, args.prompt_tokens + args.new_tokens)
     configs = {
         "resident": AlisaConfig(),
         "half on host": AlisaConfig(gpu_memory=half, recompute="never"),
         "half recomputed": AlisaConfig(gpu_memory=half, recompute="always"),
     }
-    generate(model, tokenizer, [p[:200] for p in prompts], max_new_tokens=4)  # warm-up
     workload = Workload(batch=args.batch, prompt_len=args.prompt_tokens, gen_len=args.new_tokens)
     workloads = dict.fromkeys(configs, workload)
     # retention="host" as `alisa profile` calibrates it: every token on the host, the budget
@@ -98,14 +83,15 @@ def bench_dtype(args: argparse.Namespace, dtype: str) -> dict:
         retention="host",
         host_bits=SELECTION_CONFIG.host_bits,
     )
+    options = {**worker_options(args), "dtype": dtype}
     rows = []
-    for name, config in configs.items():
-        cache = AlisaCache(model, config, max_new_tokens=args.new_tokens)
-        result = generate(
-            model, tokenizer, prompts, max_new_tokens=args.new_tokens, past_key_values=cache
-        )
-        measured = statistics.median(result.step_times_s)
-        used = placement(cache)
+    for name, config in tqdm(configs.items(), desc=f"{dtype} configurations", unit="run"):
+        # Each in a fresh process, as a user runs one: in this one, what ran before (the
+        # profile's steps, the other configurations) changes where glibc serves a step's
+        # temporaries from, and the last row measured up to 40 % slower than it runs alone.
+        run = run_in_subprocess(system_name(config), options)
+        measured = run["median_step_ms"] / 1000
+        used = run["placement"]
         plan = evaluate(profile, spec, workloads[name], used, buckets=1)
         predicted = plan.decode_s / args.new_tokens
         rows.append(

@@ -31,6 +31,18 @@ def parse_alisa(name: str) -> AlisaConfig:
     return AlisaConfig(**values)
 
 
+def system_name(config: AlisaConfig) -> str:
+    """The ``alisa:...`` name of a config (its fields that differ from the defaults), which
+    :func:`parse_alisa` reads back to an equal config."""
+    default = AlisaConfig()
+    changed = [
+        f"{f.name}={getattr(config, f.name)}"
+        for f in fields(AlisaConfig)
+        if getattr(config, f.name) != getattr(default, f.name)
+    ]
+    return "alisa:" + ",".join(changed) if changed else "alisa"
+
+
 def _convert(raw: str, annotation: str):
     if raw.lower() in ("none", "null"):
         return None

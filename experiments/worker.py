@@ -36,7 +36,7 @@ def prompts_of_length(tokenizer, text: str, tokens: int, count: int) -> list[str
 def measure(args: argparse.Namespace) -> dict:
     import torch
 
-    from alisa import generate, load_model
+    from alisa import AlisaCache, generate, load_model
     from experiments.data import data_dir, load_wikitext2
     from experiments.systems import make_cache
 
@@ -48,15 +48,19 @@ def measure(args: argparse.Namespace) -> dict:
 
     def run(batch, new_tokens):
         cache, config = make_cache(args.system, model)
-        return generate(
+        if config is not None:  # as generate() would build it, kept to report its placement
+            cache = AlisaCache(model, config, max_new_tokens=new_tokens)
+        result = generate(
             model, tokenizer, batch, config, max_new_tokens=new_tokens, past_key_values=cache
         )
+        return result, cache
 
     run([p[: max(1, len(p) // 8)] for p in prompts], 4)  # warm-up: kernels, allocator
-    result = run(prompts, args.new_tokens)
+    result, cache = run(prompts, args.new_tokens)
     median = statistics.median(result.step_times_s)
     return {
         "system": args.system,
+        "placement": placement(cache) if isinstance(cache, AlisaCache) else None,
         "batch": args.batch,
         "decode_tokens_per_s": args.batch / median,
         "median_step_ms": median * 1000,
@@ -79,6 +83,19 @@ def dense_fp32_bytes(model, result) -> int:
     shape = model_shape(model)
     tokens = sum(result.prompt_tokens) + result.generated_tokens - len(result.token_ids)
     return 2 * 4 * tokens * shape.num_layers * shape.num_kv_heads * shape.head_dim
+
+
+def placement(cache) -> dict[str, float]:
+    """Fractions of an ``AlisaCache``'s stored tokens per tier, as it really placed them (the
+    scheduler's g / c / x / w)."""
+    counts = cache.tier_tokens()
+    total = max(1, sum(counts.values()))
+    return {
+        "g": counts["device"] / total,
+        "c": counts["host"] / total,
+        "x": counts["recompute"] / total,
+        "w": 0.0,
+    }
 
 
 def run_in_subprocess(system: str, options: dict) -> dict:

@@ -323,3 +323,18 @@ def test_the_retention_plot_reads_one_protocol_and_names_the_preset(tmp_path):
     figure = tmp_path / "plot.png"
     assert plot_main([*map(str, paths), "-o", str(figure), "--policies", "swa"]) == 0
     assert figure.stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        AlisaConfig(),
+        AlisaConfig(policy="swa", caching_ratio=0.2, retention="host"),
+        AlisaConfig(gpu_memory=123456789, recompute="never", kv_bits=8, score_decay=False),
+    ],
+)
+def test_a_benchmark_system_name_reads_back_as_its_config(config):
+    # bench_cost_model measures each configuration in a worker process by this name.
+    from experiments.systems import parse_alisa, system_name
+
+    assert parse_alisa(system_name(config)) == config
