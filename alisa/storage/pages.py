@@ -6,8 +6,10 @@ asymmetric min/max, :mod:`quant`) unless ``bits`` is 16. A decode step copies ba
 tokens its selection wants that the device does not already hold (:meth:`HostPages.fetch`):
 an index gather of those rows, then dequantization of just them (a device region with the same
 INT8/INT4 format takes the codes as they are). On CUDA the buffers are pinned
-so the copy is asynchronous; on a CPU both regions are ordinary memory and the saving is the bytes
-read per step.
+so the copy is asynchronous; it runs on the compute stream, not a side stream: the rows are known
+only once this layer's query has been scored and this layer's attention waits for them, so there
+is nothing to overlap it with (the tiered host pool, whose rows are known a step ahead, does use a
+side stream). On a CPU both regions are ordinary memory and the saving is the bytes read per step.
 """
 
 from __future__ import annotations
