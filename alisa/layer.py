@@ -200,7 +200,7 @@ class AlisaLayer(CacheLayerMixin):
         this step's chosen tokens (fetching from the host region what the device lacks).
         """
         if self.retention is not None and query is not None and not self.prefilling:
-            budget = self.policy.budget(self.slots.lengths())
+            budget = self.eviction.budget(self.slots)
             self._ensure_capacity(int(budget.max()) + int(self.slots.dead.max(initial=0)) + 1)
             self.retention.select(self.slots, self.store, self.policy, query, budget)
         return self.store.parts(self.slots.positions, query)
@@ -290,7 +290,7 @@ class AlisaLayer(CacheLayerMixin):
                 # The prompt goes to the host region; the device keeps only what the last
                 # prompt query chooses, so no layer holds the whole prompt past its prefill.
                 self._keep_prompt()
-                budget = self.policy.budget(self.slots.lengths())
+                budget = self.eviction.budget(self.slots)
                 self.retention.select(self.slots, self.store, self.policy, query[:, :, -1:], budget)
             elif probabilities is not None:
                 # The policy's own combination of query heads (sum, or SWA's max by default).
