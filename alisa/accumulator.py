@@ -19,6 +19,8 @@ import math
 import numpy as np
 import torch
 
+from alisa.slots import headroom
+
 NO_STAMP = -(2**62)
 
 
@@ -80,12 +82,16 @@ class AttentionAccumulator:
         self.total[..., : row.shape[-1]] += row
         self._advance(1, window)
 
-    def add_at(self, columns: torch.Tensor, row: torch.Tensor, window: np.ndarray | None) -> None:
+    def add_at(
+        self, columns: torch.Tensor, row: torch.Tensor, window: np.ndarray | None, width: int
+    ) -> None:
         """Add one step's attention ``row`` (B, Hs, S) to the sums at ``columns`` (B, Hs, S).
 
         For sums kept per token position rather than per slot (``retention="host"``: ``columns``
-        are the positions the slots hold; a slot's zero attention may go anywhere).
+        are the positions the slots hold, all below ``width``; a slot's zero attention may go
+        anywhere). The sums grow to ``width`` first.
         """
+        self.reserve(width)
         if self.decayed:
             self.total *= self._fade(window, 1)
         self.total.scatter_add_(-1, columns, row)
@@ -139,19 +145,36 @@ class AttentionAccumulator:
         keep = torch.as_tensor(has_snapshot, device=total.device).view(-1, 1, 1)
         return torch.where(keep, total - older, total)
 
+    def totals(self, width: int) -> torch.Tensor:
+        """(B, Hs, width) running totals (whole-history or decayed), grown as needed."""
+        self.reserve(width)
+        return self.total[..., :width]
+
+    def reserve(self, width: int) -> None:
+        """Grow (with headroom) so that the first ``width`` slots exist; new ones are zero."""
+        if self.total.shape[-1] < width:
+            self.grow(width + headroom(width))
+
     def clear_slots(self, rows: torch.Tensor, groups: torch.Tensor, slots: torch.Tensor) -> None:
         """Zero the sums of evicted slots (flat index triples) so a reused slot starts afresh."""
         self.total[rows, groups, slots] = 0.0
         if self.windowed:
             self.snapshots[:, rows, groups, slots] = 0.0
 
-    def reindex(self, index: torch.Tensor) -> None:
-        """Move slots as the cache does: new slot j takes old slot index[b, h, j] (B, Hs, S')."""
+    def reindex(self, index: torch.Tensor, vacated: torch.Tensor | None = None) -> None:
+        """Move slots as the cache does: new slot j takes old slot index[b, h, j] (B, Hs, S').
+
+        ``vacated`` (S',) bool: new slots that hold nothing, zeroed.
+        """
         rows = torch.arange(index.shape[0], device=index.device).view(-1, 1, 1)
         groups = torch.arange(index.shape[1], device=index.device).view(1, -1, 1)
         self.total = self.total[rows, groups, index]
         if self.windowed:
             self.snapshots = self.snapshots[:, rows, groups, index]
+        if vacated is not None:
+            self.total.masked_fill_(vacated, 0.0)
+            if self.windowed:
+                self.snapshots.masked_fill_(vacated, 0.0)
 
     def grow(self, capacity: int) -> None:
         """Extend the slot space to ``capacity`` slots, new ones zero."""

@@ -3,7 +3,8 @@
 Prefill runs HF's own SDPA path (so it is exact and never materialises L x L scores), then seeds
 the policy's attention sums from the last prompt queries. Decode runs over the kept slots
 directly on the grouped KV heads (no ``repeat_kv``). Either way the function then hands the step
-to the cache layer's :meth:`~alisa.layer.AlisaLayer.after_attention` (evict or select, prefetch):
+to the cache layer's :meth:`~alisa.layer.AlisaLayer.after_attention` (its keeper evicts or
+updates its history, the tiers prefetch):
 it computes attention and nothing else. With any cache other than the ALISA cache, the function
 is plain SDPA.
 
@@ -65,16 +66,17 @@ def alisa_attention(
         if layer is not None:
             scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
             _account_prompt(layer, query, key, attention_mask, scaling)
-            layer.after_attention(query, None, scaling)
+            layer.after_attention(query, None)
         return output, None
     for name in UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise ValueError(f"attention option {name}={kwargs[name]!r} is not supported by alisa")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    layer.before_attention(query)
     parts = layer.parts(query)
     visible = _visible(parts, layer.get_seq_length(), query.shape[2])
     output, probabilities = grouped_attention_parts(query, parts, visible, scaling)
-    layer.after_attention(query, probabilities, scaling)
+    layer.after_attention(query, probabilities)
     return output, None
 
 

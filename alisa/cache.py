@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 from torch import nn
@@ -10,16 +11,20 @@ from transformers.cache_utils import Cache
 from alisa.architecture import ModelAdapter, ModelShape
 from alisa.attention import ATTENTION_NAME
 from alisa.config import AlisaConfig, policy_for_layer
+from alisa.eviction import DropKeeper
 from alisa.hooks import attach
-from alisa.layer import AlisaLayer, StepExtension
+from alisa.keeper import Keeper
+from alisa.layer import AlisaLayer
 from alisa.planning import TierPlanner
-from alisa.retention import HostRetention
+from alisa.policies import KVPolicy
+from alisa.retention import HostKeeper
 from alisa.storage.quantized import QuantizedStore
 from alisa.storage.recompute import KVRecomputer
 from alisa.storage.store import DenseStore, StoreFactory
 from quant import check_options
 
 TIERS = ("device", "host", "recompute")  # reported even when empty
+KeeperFactory = Callable[[AlisaConfig, KVPolicy], Keeper]
 
 
 class AlisaCache(Cache):
@@ -41,10 +46,20 @@ class AlisaCache(Cache):
         A decoder-only HF model with full attention in every layer (Llama family, GPT-2, OPT, ...).
     config
         Policy, caching ratio and storage options.
+    max_new_tokens
+        Generation length the tier planner assumes (``gpu_memory`` only).
+    keeper
+        Builds each layer's :class:`~alisa.keeper.Keeper` from the config and the layer's
+        policy; None: :func:`default_keeper` (dropping, or host retention).
     """
 
     def __init__(
-        self, model: nn.Module, config: AlisaConfig | None = None, *, max_new_tokens: int = 256
+        self,
+        model: nn.Module,
+        config: AlisaConfig | None = None,
+        *,
+        max_new_tokens: int = 256,
+        keeper: KeeperFactory | None = None,
     ) -> None:
         self.config = config or AlisaConfig()
         adapter = ModelAdapter.of(model)
@@ -53,30 +68,18 @@ class AlisaCache(Cache):
         self.planner = None
         if self.config.gpu_memory is not None:
             self.planner = _planner(model, adapter, self.config, factory, max_new_tokens)
-        layers = [self._layer(index, factory) for index in range(self.shape.num_layers)]
+        layers = [self._layer(index, factory, keeper) for index in range(self.shape.num_layers)]
         super().__init__(layers=layers)
         attach(model, adapter=adapter)
         self._model_config = model.config
 
-    def _layer(self, index: int, factory: StoreFactory) -> AlisaLayer:
-        config = self.config
-        policy = policy_for_layer(config, index, self.shape.num_layers)
-        extensions: list[StepExtension] = []
-        retention = None
-        if config.retention == "host" and policy.can_evict():
-            retention = HostRetention(
-                config.host_bits, policy.sink_tokens, config.host_history_share
-            )
-        if self.planner is not None:
-            extensions.append(self.planner)  # prefetches the next layer's host tier
+    def _layer(self, index: int, factory: StoreFactory, keeper: KeeperFactory | None):
+        policy = policy_for_layer(self.config, index, self.shape.num_layers)
         return AlisaLayer(
-            policy,
+            (keeper or default_keeper)(self.config, policy),
             layer_idx=index,
-            per_head=config.selects_per_head,
             store_factory=factory,
             tiering=self.planner,
-            extensions=extensions,
-            retention=retention,
         )
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -129,10 +132,18 @@ class AlisaCache(Cache):
 
     def evicted_tokens(self) -> int:
         """Tokens evicted so far over all layers and sequences."""
-        return sum(layer.evicted for layer in self.layers)
+        return sum(layer.keeper.evicted for layer in self.layers)
 
     def _started(self) -> list[AlisaLayer]:
         return [layer for layer in self.layers if layer.store is not None]
+
+
+def default_keeper(config: AlisaConfig, policy: KVPolicy) -> Keeper:
+    """Host retention when ``retention="host"`` and the policy can leave tokens out, else
+    dropping (which never drops under a budget that covers every token)."""
+    if config.retention == "host" and policy.can_evict():
+        return HostKeeper(policy, config.host_bits, config.host_history_share)
+    return DropKeeper(policy, per_head=config.selects_per_head)
 
 
 def store_factory(config: AlisaConfig, shape: ModelShape) -> StoreFactory:

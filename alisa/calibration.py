@@ -253,7 +253,7 @@ def calibrate_selection(
 def fetched_bytes(cache: AlisaCache, spec: ModelSpec) -> float:
     """Bytes a ``retention="host"`` cache has fetched from its host regions so far."""
     config = cache.config
-    tokens = sum(layer.retention.fetched for layer in cache.layers if layer.retention is not None)
+    tokens = sum(layer.keeper.fetched for layer in cache.layers)
     per_head = spec.kv_bytes_per_token(config.host_bits) / (spec.num_layers * spec.num_kv_heads)
     return tokens * per_head
 

@@ -1,8 +1,9 @@
-"""The eviction decision of one cache layer: a KV policy plus the attention it has received.
+"""Dropping: the keeper that evicts each sequence's excess tokens for good (ALISA's SWA, H2O, ...).
 
-Apart from the slot map (:mod:`alisa.slots`), which only records where tokens sit, this decides
-which tokens go: per sequence, the excess over the policy's budget, lowest score first, with
-sinks, the recent window and empty slots protected.
+Per sequence, the excess over the policy's budget goes, lowest policy score first, with sinks,
+the recent window and empty slots protected (:func:`alisa.selection.top_k`). Evicted tokens are
+really gone: their slot is overwritten by the next token, and compaction returns the memory.
+ALISA, https://arxiv.org/abs/2403.17312, Alg. 1.
 """
 
 from __future__ import annotations
@@ -11,32 +12,33 @@ import numpy as np
 import torch
 
 from alisa.accumulator import AttentionAccumulator
-from alisa.policies import KVPolicy
+from alisa.keeper import Keeper
+from alisa.selection import top_k, with_protections
 from alisa.slots import SlotMap
+from alisa.storage.store import KVStore
 
 # Neighbouring tokens pooled into the observation window's vote (SnapKV's kernel, as kvpress):
 # a multi-token fact (a number, a name) is kept whole rather than its single loudest token.
 OBSERVATION_POOL = 5
 
 
-class Eviction:
-    """A layer's policy and its attention sums (when the policy scores by attention).
+class DropKeeper(Keeper):
+    """Keeps each sequence's budget of tokens and deletes the rest, by the policy's scores.
 
-    ``scored=False``: the layer selects tokens another way (``retention="host"``) and only uses
-    the policy's budget and protections, so no attention is summed.
+    An attention-scored policy (SWA, H2O, TOVA) gets the attention each slot received, summed
+    over its score window (:class:`~alisa.accumulator.AttentionAccumulator`).
     """
 
-    def __init__(self, policy: KVPolicy, *, scored: bool = True) -> None:
-        self.policy = policy
-        self.scored = scored
+    def __init__(self, policy, *, per_head: bool = False) -> None:
+        super().__init__(policy, per_head=per_head)
         self.scores: AttentionAccumulator | None = None
 
     @property
     def needs_attention(self) -> bool:
         """Whether attention probabilities must reach the policy (never when nothing is evicted)."""
-        return self.scored and self.policy.needs_attention and self.policy.can_evict()
+        return self.policy.needs_attention and self.policy.can_evict()
 
-    def start(self, slots: SlotMap) -> None:
+    def start(self, slots: SlotMap, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Fresh attention sums for a new slot map (prefill); none when not needed."""
         self.scores = None
         if self.needs_attention:
@@ -51,59 +53,44 @@ class Eviction:
                 decayed=decayed,
             )
 
-    def budget(self, slots: SlotMap) -> np.ndarray:
-        """(B,) tokens each sequence may keep."""
-        return self.policy.budget(slots.lengths())
-
-    def window(self, budget: np.ndarray) -> np.ndarray | None:
-        """(B,) decode steps whose attention the policy sums, given the budgets; None: all."""
-        return self.policy.score_window(self.policy.recent(budget))
-
     @property
     def observes(self) -> bool:
-        """Whether the prompt's last queries seed the scores as one pooled vote (SnapKV)."""
         return self.needs_attention and self.policy.observation_window > 0
 
     def rows_wanted(self, slots: SlotMap) -> int | None:
-        """Prompt query rows to seed attention scores with: None = all, 0 = none."""
         if not self.needs_attention:
             return 0
         if self.observes:
             return self.policy.observation_window
-        window = self.window(self.budget(slots))
+        window = self.policy.steps_scored(self.budget(slots))
         return None if window is None else int(window.max())
 
-    def combine_heads(
-        self, probabilities: torch.Tensor, groups: int, *, vote: bool = False
-    ) -> torch.Tensor:
-        """(B, Hs, q, S') score rows from attention (B, H_kv, G, q, S'): the G query heads of a
-        KV group summed (or, for decode steps, their max: ``head_max``), then every KV head
-        summed when the layer selects one index set (``groups`` = 1). An observation ``vote``
-        always sums its query heads, as SnapKV does.
-        """
-        largest = self.policy.head_max and not vote
-        rows = probabilities.amax(dim=2) if largest else probabilities.sum(dim=2)
-        return rows.sum(dim=1, keepdim=True) if groups == 1 else rows
+    def account(self, probabilities: torch.Tensor, slots: SlotMap, *, vote: bool = False) -> None:
+        """Add attention probabilities (B, H_kv, G, q, S') over slots [0, S') to the sums.
 
-    def account(self, rows: torch.Tensor, slots: SlotMap) -> None:
-        """Add attention rows (B, Hs, R, S') of R consecutive queries over slots [0, S')."""
+        ``vote``: the q rows are the observation window's, summed and pooled into one step.
+        Columns past the slot map (parts a store adds beyond its slots) are not slots: ignored.
+        """
         if self.scores is None:
             return
-        window = self.window(self.budget(slots))
-        if rows.shape[2] == 1:
+        rows = self.policy.combine_heads(
+            probabilities[..., : slots.capacity], slots.groups, vote=vote
+        )
+        window = self.policy.steps_scored(self.budget(slots))
+        if vote:
+            self._observe(rows.sum(dim=2), window)
+        elif rows.shape[2] == 1:
             self.scores.add(rows[:, :, 0], window)
         else:
             self.scores.add_rows(rows, window)
 
-    def observe(self, vote: torch.Tensor, slots: SlotMap) -> None:
+    def _observe(self, vote: torch.Tensor, window: np.ndarray | None) -> None:
         """Seed the scores with the observation window's vote (B, Hs, S'): the attention of the
         last prompt queries summed, then averaged over neighbouring slots (prompt slots are in
         position order), added as one step.
 
         SnapKV, Li et al. 2024, https://arxiv.org/abs/2404.14469, §4.2.
         """
-        if self.scores is None:
-            return
         batch, groups, width = vote.shape
         pooled = torch.nn.functional.avg_pool1d(
             vote.reshape(batch * groups, 1, width),
@@ -112,7 +99,28 @@ class Eviction:
             padding=OBSERVATION_POOL // 2,
             count_include_pad=False,
         )
-        self.scores.add(pooled.view(batch, groups, width), self.window(self.budget(slots)))
+        self.scores.add(pooled.view(batch, groups, width), window)
+
+    def after_attention(
+        self,
+        slots: SlotMap,
+        store: KVStore,
+        query: torch.Tensor,
+        probabilities: torch.Tensor | None,
+        *,
+        prefilling: bool,
+    ) -> None:
+        """Account this step's attention, then evict each sequence's excess."""
+        if probabilities is not None:
+            self.account(probabilities, slots)
+        chosen = self.victims(slots)
+        if chosen is None:
+            return
+        rows, groups, victims, excess = chosen
+        slots.free(rows, groups, victims, excess)
+        if self.scores is not None:
+            self.scores.clear_slots(rows, groups, victims)  # a reused slot starts afresh
+        self.evicted += int(excess.sum()) * slots.groups
 
     def victims(self, slots: SlotMap):
         """Slots to evict now, as flat (rows, groups, slots) and the (B,) excess; None if none."""
@@ -128,38 +136,34 @@ class Eviction:
         recent = torch.as_tensor(policy.recent(budget), device=device)
         attention = None
         if self.scores is not None:
-            attention = self.scores.window_sum(self.window(budget), slots.capacity)
+            attention = self.scores.window_sum(policy.steps_scored(budget), slots.capacity)
         score = policy.score(positions, attention, first).to(torch.float32)
-        keep_first = policy.protected(positions, first, slots.seen, recent) | (positions < 0)
-        priority = torch.where(keep_first, torch.inf, score)
-        count = int(excess.max())
-        chosen = torch.topk(priority, count, dim=-1, largest=False, sorted=True).indices
-        wanted = torch.arange(count, device=device).view(1, 1, -1)
-        valid = wanted < torch.as_tensor(excess, device=device).view(-1, 1, 1)
+        protected = policy.protected(positions, first, slots.seen, recent) | (positions < 0)
+        priority = with_protections(score, protected)
         # Every group (KV head, when selecting per head) of a sequence drops its excess.
-        valid = valid.expand(-1, slots.groups, -1)
-        rows, groups, ranks = valid.nonzero(as_tuple=True)
+        chosen, taken = top_k(priority, excess, largest=False, ordered=True)
+        rows, groups, ranks = taken.nonzero(as_tuple=True)
         return rows, groups, chosen[rows, groups, ranks], excess
-
-    def forget(self, rows: torch.Tensor, groups: torch.Tensor, slots: torch.Tensor) -> None:
-        """Zero the sums of emptied slots so a reused slot starts afresh."""
-        if self.scores is not None:
-            self.scores.clear_slots(rows, groups, slots)
-
-    def reindex(self, index: torch.Tensor, capacity: int | None = None) -> None:
-        """Follow the slot map: new slot j takes old slot index[b, g, j]; then grow."""
-        if self.scores is not None:
-            self.scores.reindex(index)
-            if capacity is not None:
-                self.scores.grow(capacity)
 
     def grow(self, capacity: int) -> None:
         if self.scores is not None:
             self.scores.grow(capacity)
 
+    def moved(
+        self, index: torch.Tensor, capacity: int | None = None, vacated: torch.Tensor | None = None
+    ) -> None:
+        if self.scores is not None:
+            self.scores.reindex(index, vacated)
+            if capacity is not None:
+                self.scores.grow(capacity)
+
+    def state_bytes(self) -> int:
+        return self.scores.nbytes() if self.scores is not None else 0
+
     def select_batch(self, indices: torch.Tensor) -> None:
         if self.scores is not None:
             self.scores.select_batch(indices)
 
-    def nbytes(self) -> int:
-        return self.scores.nbytes() if self.scores is not None else 0
+    def reset(self) -> None:
+        super().reset()
+        self.scores = None

@@ -127,9 +127,8 @@ def machine_profile(device: torch.device, path: str | None = None) -> HardwarePr
 class TierPlanner:
     """Sizes the device/host/recompute regions from byte budgets and the scheduler's plan.
 
-    It also splits each layer's prefill into a tiered store (:meth:`split`) and, as a step
-    extension of every layer, starts copying the next layer's host tier while a layer finishes
-    (:meth:`after_step`).
+    It also splits each layer's prefill into a tiered store (:meth:`split`) and, after each
+    layer's decode step, starts copying the next layer's host tier (:meth:`after_step`).
 
     Parameters
     ----------
@@ -238,24 +237,15 @@ class TierPlanner:
         self.stores[layer_idx] = tiered
         return (tiered, *_mapping(tiered, counts))
 
-    # ---- step extension: prefetch a layer ahead ----------------------------------------
+    # ---- after each decode step: prefetch a layer ahead -----------------------------------
 
-    def after_step(self, layer, query: torch.Tensor, scaling: float) -> None:
+    def after_step(self, layer_idx: int) -> None:
         """Start the next layer's host copy while this layer's step completes."""
         if self.shape.num_layers <= 2:  # the next layer would be the one running next anyway
             return
-        following = self.stores.get((layer.layer_idx + 1) % self.shape.num_layers)
+        following = self.stores.get((layer_idx + 1) % self.shape.num_layers)
         if following is not None:
             following.prefetch()
-
-    def on_evict(self, layer, rows, groups, slots) -> None:
-        """Evicted slots are simply reused; nothing to do."""
-
-    def select_batch(self, indices: torch.Tensor) -> None:
-        """Stores follow their layers."""
-
-    def reset(self) -> None:
-        """The layout is decided once per cache; stores are replaced at the next split."""
 
 
 def _mapping(store: TieredStore, counts: list[int]) -> tuple[torch.Tensor, int]:

@@ -26,41 +26,54 @@ recent window, which every selection keeps on the device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
 from alisa.accumulator import AttentionAccumulator
+from alisa.keeper import Keeper
 from alisa.policies import KVPolicy
-from alisa.slots import FREE, SlotMap, headroom
+from alisa.selection import top_k, with_protections
+from alisa.slots import SlotMap
 from alisa.storage.pages import PAGE_TOKENS, HostPages
 from alisa.storage.sketch import KeySketch
 from alisa.storage.store import KVStore
 
 
-class HostRetention:
+class HostKeeper(Keeper):
     """The host region, the key sketch and the per-step selection of one layer.
 
     Parameters
     ----------
+    policy
+        Budget and protections (sinks, recent window); its attention history ranks part of the
+        budget with a ``history_share``.
     host_bits
         Precision of the host region: 16 (model dtype), 8 or 4.
-    sink_tokens
-        The policy's sinks: always attended, so they do not shape the key sketch.
     history_share
         Share of the budget left after the protections that goes to the tokens with the most
         attention received (the policy's own signal, ALISA's "globally dynamic" tokens), ahead
         of the key sketch's estimate; 0 ranks by the sketch alone.
     """
 
-    def __init__(self, host_bits: int, sink_tokens: int, history_share: float = 0.0) -> None:
+    # New tokens go to the frontier: the selection itself refills freed slots with what it
+    # fetches, and compaction returns the rest.
+    reuses_free_slots = False
+
+    def __init__(self, policy: KVPolicy, host_bits: int, history_share: float = 0.0) -> None:
+        super().__init__(policy, per_head=True)
         self.host_bits = host_bits
-        self.sinks = sink_tokens
+        self.sinks = policy.sink_tokens
         self.history_share = history_share
         self.reset()
 
     def reset(self) -> None:
+        super().reset()
         self.pages: HostPages | None = None
         self.sketch: KeySketch | None = None
+        # The prompt, written to the host region once the prefill attention marked its padding.
+        self.prompt: tuple[torch.Tensor, torch.Tensor] | None = None
         # New tokens wait here, (keys, values) per write, until a page's worth has come: one
         # quantization per page instead of per step (its small ops dominate a step at batch 1).
         # They are all in the recent window, so always on the device (see :meth:`select`).
@@ -69,8 +82,51 @@ class HostRetention:
         # Per position (B, H_kv, positions): attention each token received while chosen, summed
         # over the policy's score window (decayed: a window of w steps keeps 1 - 1/w a step).
         self.history: AttentionAccumulator | None = None
-        self.fetched = 0  # tokens copied host -> device, all sequences and KV heads
         self.steps = 0  # decode steps that selected (budget below the tokens seen)
+
+    # ---- the keeper's hooks -----------------------------------------------------------------
+
+    def start(self, slots: SlotMap, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.prompt = (keys, values)  # to the host region once its padding is known
+
+    def on_write(
+        self, start: int, keys: torch.Tensor, values: torch.Tensor, slots: SlotMap
+    ) -> None:
+        self.write(start, keys, values, slots)
+
+    def before_attention(
+        self,
+        slots: SlotMap,
+        store: KVStore,
+        query: torch.Tensor,
+        reserve: Callable[[int], None],
+    ) -> None:
+        """Make the device slots this step's chosen tokens (fetching what the device lacks)."""
+        budget = self.budget(slots)
+        reserve(int(budget.max()) + int(slots.dead.max(initial=0)) + 1)
+        self.select(slots, store, query, budget)
+
+    def after_attention(
+        self,
+        slots: SlotMap,
+        store: KVStore,
+        query: torch.Tensor,
+        probabilities: torch.Tensor | None,
+        *,
+        prefilling: bool,
+    ) -> None:
+        """After the prefill: the prompt goes to the host region and the device keeps only what
+        the last prompt query chooses, so no layer holds the whole prompt past its prefill.
+        After a decode step: the attention the held tokens received joins their history."""
+        if prefilling:
+            if self.prompt is not None:
+                self.write(0, *self.prompt, slots)
+                self.prompt = None
+            self.select(slots, store, query[:, :, -1:], self.budget(slots))
+        elif probabilities is not None:
+            # The policy's own combination of query heads (sum, or SWA's max by default).
+            rows = self.policy.combine_heads(probabilities[..., : slots.capacity], slots.groups)
+            self.account_history(rows[:, :, 0], slots, self.policy.steps_scored(self.budget(slots)))
 
     # ---- writes --------------------------------------------------------------------------
 
@@ -121,12 +177,7 @@ class HostRetention:
     # ---- the step -------------------------------------------------------------------------
 
     def select(
-        self,
-        slots: SlotMap,
-        store: KVStore,
-        policy: KVPolicy,
-        query: torch.Tensor,
-        budget: np.ndarray,
+        self, slots: SlotMap, store: KVStore, query: torch.Tensor, budget: np.ndarray
     ) -> None:
         """Make each (sequence, KV head)'s device slots exactly this step's chosen tokens.
 
@@ -136,32 +187,28 @@ class HostRetention:
             The layer's slot map (groups = KV heads); the new token is already placed.
         store
             The device region; fetched tokens are written with ``write_heads``.
-        policy
-            Budget and protections.
         query
             (B, H, 1, D) this step's query.
         budget
-            (B,) the policy's budget for the current lengths (the caller sized the slots by it).
+            (B,) the policy's budget for the current lengths (the slots are sized for it).
         """
         if (budget >= slots.lengths()).all():  # budgets only fall behind n: nothing has left yet
             return
-        recent = np.maximum(policy.recent(budget), 1)  # the new token is always attended
+        recent = np.maximum(self.policy.recent(budget), 1)  # the new token is always attended
         if slots.seen - self.flushed > recent.min():  # a pending token could be left out
             self._flush(slots)
         batch, kv_heads = slots.positions.shape[:2]
         grouped = query[:, :, -1].reshape(batch, kv_heads, -1, query.shape[-1])
-        chosen, taken = self._choose(slots, policy, budget, recent, grouped)
-        self._swap(slots, store, chosen, taken)
-        slots.kept = budget.copy()
+        chosen, taken = self._choose(slots, budget, recent, grouped)
+        fetch = slots.swap(chosen, taken, budget)
+        if fetch is not None:
+            rows, heads, targets, tokens = fetch
+            store.write_heads(rows, heads, targets, self.pages.fetch(rows, heads, tokens))
+            self.fetched += int(rows.numel())
         self.steps += 1
 
     def _choose(
-        self,
-        slots: SlotMap,
-        policy: KVPolicy,
-        budget: np.ndarray,
-        recent: np.ndarray,
-        query: torch.Tensor,
+        self, slots: SlotMap, budget: np.ndarray, recent: np.ndarray, query: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The chosen positions: protected tokens first, then the best estimated logits.
 
@@ -169,7 +216,7 @@ class HostRetention:
         (not yet coded) token, whose score is never read. Returns (B, H_kv, max budget)
         positions and a bool of the same shape, False past a sequence's budget.
         """
-        seen, device = slots.seen, query.device
+        seen, device, policy = slots.seen, query.device, self.policy
         priority = torch.empty(*query.shape[:2], seen, device=device)  # float32, as the sketch
         self.sketch.scores(query, priority[..., : self.flushed])
         sinks, newest = policy.sink_tokens, seen - int(recent[0])
@@ -185,12 +232,13 @@ class HostRetention:
             priority[..., :sinks] = torch.inf
             priority[..., newest:] = torch.inf
         else:
-            positions = torch.arange(seen, device=device).view(1, -1)
-            first = torch.as_tensor(slots.first, device=device).view(-1, 1)
-            newest = positions >= torch.as_tensor(seen - recent, device=device).view(-1, 1)
-            protected = (positions - first < policy.sink_tokens) | newest
-            priority.masked_fill_(protected.unsqueeze(1), torch.inf)
-            priority.masked_fill_((positions < first).unsqueeze(1), -torch.inf)
+            positions = torch.arange(seen, device=device).view(1, 1, -1)
+            first = torch.as_tensor(slots.first, device=device)
+            protected = policy.protected(
+                positions, first, seen, torch.as_tensor(recent, device=device)
+            )
+            padding = positions < first.view(-1, 1, 1)
+            with_protections(priority, protected, padding, inplace=True)
         if self.history is not None and self.history_share > 0:
             shares = np.rint(
                 np.maximum(budget - recent - policy.sink_tokens, 0) * self.history_share
@@ -199,19 +247,19 @@ class HostRetention:
             # that left was outranked then and has decayed since like every other. Ranking the
             # slots instead of every position makes this top-k several times cheaper.
             column = slots.positions.clamp(min=0)
-            history = self._history(seen).gather(-1, column)
+            history = self.history.totals(seen).gather(-1, column)
             history.masked_fill_(
                 (slots.positions < 0) | priority.gather(-1, column).isinf(), -torch.inf
             )
-            top, taken = _top(history, shares)
+            top, taken = top_k(history, shares)
             taken &= history.gather(-1, top) > 0  # never attended: the sketch decides
             chosen = column.gather(-1, top)
             priority.scatter_(
                 -1, chosen, torch.where(taken, torch.inf, priority.gather(-1, chosen))
             )
         if not sliced:
-            return _top(priority, budget)
-        middle, _ = _top(priority[..., sinks:newest], budget[:1] - sinks - recent[:1])
+            return top_k(priority, budget)
+        middle, _ = top_k(priority[..., sinks:newest], budget[:1] - sinks - recent[:1])
         shape = (*middle.shape[:2], -1)
         protected = torch.arange(seen, device=device)
         chosen = torch.cat(
@@ -219,45 +267,9 @@ class HostRetention:
         )
         return chosen, torch.ones_like(chosen, dtype=torch.bool)
 
-    def _swap(
-        self, slots: SlotMap, store: KVStore, chosen: torch.Tensor, taken: torch.Tensor
+    def account_history(
+        self, rows: torch.Tensor, slots: SlotMap, window: np.ndarray | None
     ) -> None:
-        """Free slots of tokens not chosen; fetch chosen tokens not held into free slots.
-
-        ``chosen`` (B, H_kv, K) positions, ``taken`` (B, H_kv, K) which of them count. Work is
-        over the slots and the K chosen, not over every position seen.
-        """
-        positions = slots.positions  # (B, H_kv, capacity)
-        seen, device = slots.seen, chosen.device
-        held = positions >= 0
-        # Per position: whether it is wanted / held; an extra column takes the rest.
-        wanted = torch.zeros(*chosen.shape[:2], seen + 1, dtype=torch.bool, device=device)
-        wanted.scatter_(-1, torch.where(taken, chosen, seen), True)
-        holding = torch.zeros_like(wanted).scatter_(-1, torch.where(held, positions, seen), True)
-        leaving = held & ~wanted.gather(-1, positions.clamp(min=0))
-        fetch = taken & ~holding.gather(-1, chosen)  # (B, H_kv, K)
-        free = (positions == FREE) | leaving
-        positions.masked_fill_(leaving, FREE)
-        rows, heads, entries = fetch.nonzero(as_tuple=True)
-        if rows.numel() == 0:
-            return
-        # The j-th fetched token of a (sequence, head) goes to its j-th free slot, lowest first:
-        # free_slot[b, h, j] is that slot (an extra column takes the occupied ones).
-        capacity = positions.shape[-1]
-        free_rank = torch.where(free, free.cumsum(-1) - 1, capacity)
-        free_slot = torch.empty(*free.shape[:2], capacity + 1, dtype=torch.long, device=device)
-        free_slot.scatter_(
-            -1, free_rank, torch.arange(capacity, device=device).expand_as(free_rank)
-        )
-        rank = fetch.cumsum(-1)[rows, heads, entries] - 1
-        target = free_slot[rows, heads, rank]
-        tokens = chosen[rows, heads, entries]
-        store.write_heads(rows, heads, target, self.pages.fetch(rows, heads, tokens))
-        positions[rows, heads, target] = tokens
-        slots.width = max(slots.width, int(target.max()) + 1)
-        self.fetched += int(rows.numel())
-
-    def account(self, rows: torch.Tensor, slots: SlotMap, window: np.ndarray | None) -> None:
         """Add a decode step's attention (B, H_kv, S) over the device slots (query heads
         combined as the policy scores them) to the history of the tokens they hold (only with a
         ``history_share``); ``window`` (B,) is the policy's score window, None: every step."""
@@ -267,16 +279,11 @@ class HostRetention:
             self.history = AttentionAccumulator(
                 *rows.shape[:2], slots.seen, rows.device, windowed=False, decayed=window is not None
             )
-        self._history(slots.seen)
         positions = slots.positions[..., : rows.shape[-1]]
         held = positions >= 0
-        self.history.add_at(positions.clamp(min=0), rows.masked_fill(~held, 0.0), window)
-
-    def _history(self, seen: int) -> torch.Tensor:
-        """(B, H_kv, seen) view of the history, grown (zeros: not yet attended) as needed."""
-        if self.history.total.shape[-1] < seen:
-            self.history.grow(seen + headroom(seen))
-        return self.history.total[..., :seen]
+        self.history.add_at(
+            positions.clamp(min=0), rows.masked_fill(~held, 0.0), window, width=slots.seen
+        )
 
     # ---- bookkeeping ----------------------------------------------------------------------
 
@@ -300,18 +307,3 @@ class HostRetention:
         if self.pages is not None:
             self.pages.select_batch(indices)
             self.sketch.select_batch(indices)
-
-
-def _top(priority: torch.Tensor, counts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``counts[b]`` highest entries of each (B, H_kv, n) row.
-
-    Returns (B, H_kv, max count) indices and a bool of the same shape that is False past a
-    row's count (rows with smaller counts take the first of the ranked entries: only then sort).
-    """
-    count = int(counts.max())
-    ranked = bool((counts != count).any())
-    top = torch.topk(priority, count, dim=-1, sorted=ranked).indices
-    taken = torch.arange(count, device=priority.device).view(1, 1, -1) < torch.as_tensor(
-        counts, device=priority.device
-    ).view(-1, 1, 1)
-    return top, taken.expand_as(top).clone()

@@ -123,6 +123,59 @@ class SlotMap:
         self.positions[rows, groups, slots] = FREE
         self.kept -= excess
 
+    def swap(
+        self, chosen: torch.Tensor, taken: torch.Tensor, kept: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Make each (sequence, group)'s slots exactly its ``chosen`` positions.
+
+        Slots whose token was not chosen are freed; each chosen token not held is given a free
+        slot, lowest first. Work is over the slots and the K chosen, not every position seen.
+
+        Parameters
+        ----------
+        chosen
+            (B, Hs, K) positions to hold.
+        taken
+            (B, Hs, K) bool: which of them count (False past a sequence's budget).
+        kept
+            (B,) tokens each sequence holds per group afterwards (its budget).
+
+        Returns
+        -------
+        tuple or None
+            Flat (rows, groups, slots, positions) of the tokens that must be brought in (the
+            caller fills those slots), or None when every chosen token was already held.
+        """
+        positions = self.positions  # (B, Hs, capacity)
+        seen, device = self.seen, chosen.device
+        held = positions >= 0
+        # Per position: whether it is wanted / held; an extra column takes the rest.
+        wanted = torch.zeros(*chosen.shape[:2], seen + 1, dtype=torch.bool, device=device)
+        wanted.scatter_(-1, torch.where(taken, chosen, seen), True)
+        holding = torch.zeros_like(wanted).scatter_(-1, torch.where(held, positions, seen), True)
+        leaving = held & ~wanted.gather(-1, positions.clamp(min=0))
+        fetch = taken & ~holding.gather(-1, chosen)  # (B, Hs, K)
+        free = (positions == FREE) | leaving
+        positions.masked_fill_(leaving, FREE)
+        self.kept = kept.copy()
+        rows, groups, entries = fetch.nonzero(as_tuple=True)
+        if rows.numel() == 0:
+            return None
+        # The j-th fetched token of a (sequence, group) goes to its j-th free slot, lowest
+        # first: free_slot[b, g, j] is that slot (an extra column takes the occupied ones).
+        capacity = positions.shape[-1]
+        free_rank = torch.where(free, free.cumsum(-1) - 1, capacity)
+        free_slot = torch.empty(*free.shape[:2], capacity + 1, dtype=torch.long, device=device)
+        free_slot.scatter_(
+            -1, free_rank, torch.arange(capacity, device=device).expand_as(free_rank)
+        )
+        rank = fetch.cumsum(-1)[rows, groups, entries] - 1
+        target = free_slot[rows, groups, rank]
+        tokens = chosen[rows, groups, entries]
+        positions[rows, groups, target] = tokens
+        self.width = max(self.width, int(target.max()) + 1)
+        return rows, groups, target, tokens
+
     def compaction(self) -> tuple[torch.Tensor, int] | None:
         """Move live slots to the front once over a third of width is empty.
 

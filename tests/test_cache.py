@@ -160,8 +160,8 @@ def test_every_kv_head_keeps_its_budget_sinks_and_newest_tokens(policy):
     hf_generate(model, ids, mask, cache)
     seen = 300 + NEW_TOKENS - 1
     for layer in cache.layers:
-        budget = int(layer.policy.budget(np.array([seen]))[0])
-        recent = int(layer.policy.recent(np.array([budget]))[0])
+        budget = int(layer.keeper.policy.budget(np.array([seen]))[0])
+        recent = int(layer.keeper.policy.recent(np.array([budget]))[0])
         for positions in layer.slot_positions()[0]:  # (H_kv, width): one KV head each
             held = set(positions[positions >= 0].tolist())
             assert len(held) == budget

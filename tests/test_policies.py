@@ -46,15 +46,13 @@ def test_a_decayed_swa_window_is_four_k_unless_set():
 
 
 def test_query_heads_combine_by_sum_or_by_their_max():
-    from alisa.eviction import Eviction
-
     probabilities = torch.tensor([[[[[0.9, 0.1]], [[0.0, 0.6]]]]])  # (B=1, Hkv=1, G=2, q=1, S=2)
-    summed = Eviction(get_policy("swa")).combine_heads(probabilities, groups=1)
-    largest = Eviction(get_policy("swa", head_max=True)).combine_heads(probabilities, groups=1)
+    summed = get_policy("swa").combine_heads(probabilities, groups=1)
+    largest = get_policy("swa", head_max=True).combine_heads(probabilities, groups=1)
     assert torch.allclose(summed, torch.tensor([[[[0.9, 0.7]]]]))
     assert torch.allclose(largest, torch.tensor([[[[0.9, 0.6]]]]))
     # The observation window's vote sums its query heads whatever head_max says (SnapKV).
-    vote = Eviction(get_policy("swa", head_max=True)).combine_heads(probabilities, 1, vote=True)
+    vote = get_policy("swa", head_max=True).combine_heads(probabilities, 1, vote=True)
     assert torch.allclose(vote, summed)
 
 
@@ -144,18 +142,18 @@ def test_dense_keeps_everything_whatever_its_budget_options():
 
 
 def test_the_observation_window_vote_is_pooled_and_ranks_the_first_eviction():
-    from alisa.eviction import Eviction
+    from alisa.eviction import DropKeeper
     from alisa.slots import SlotMap
 
     policy = get_policy("swa", caching_ratio=0.25, observation_window=4)
     slots = SlotMap(1, 2, 40, 48, torch.device("cpu"))
-    eviction = Eviction(policy)
-    eviction.start(slots)
+    eviction = DropKeeper(policy, per_head=True)
+    eviction.start(slots, None, None)
     assert eviction.observes and eviction.rows_wanted(slots) == 4
     vote = torch.zeros(1, 2, 48)
     vote[0, 0, 10] = 1.0  # head 0's question looks at token 10, head 1's at token 20
     vote[0, 1, 20] = 1.0
-    eviction.observe(vote, slots)
+    eviction.account(vote.view(1, 2, 1, 1, 48), slots, vote=True)
     rows, groups, chosen, excess = eviction.victims(slots)
     assert excess.tolist() == [30]  # budget 10: 5 recent + 5 by the vote
     for group, spike in ((0, 10), (1, 20)):
@@ -164,4 +162,4 @@ def test_the_observation_window_vote_is_pooled_and_ranks_the_first_eviction():
         # The pooled vote keeps the spike's neighbours (kernel 5) with it; the recent half stays.
         assert kept == set(range(spike - 2, spike + 3)) | set(range(35, 40))
     paper = get_policy("swa", caching_ratio=0.25)
-    assert not Eviction(paper).observes
+    assert not DropKeeper(paper).observes

@@ -10,11 +10,12 @@ from conftest import hf_generate, padded_batch, tiny_gpt2, tiny_llama
 
 from alisa import AlisaCache, AlisaConfig, generate
 from alisa.architecture import model_shape
+from alisa.eviction import DropKeeper
 from alisa.jobs.sizing import batch_memory
 from alisa.layer import AlisaLayer
 from alisa.planning import model_spec
 from alisa.policies import POLICIES
-from alisa.retention import HostRetention
+from alisa.retention import HostKeeper
 from alisa.storage.pages import PAGE_TOKENS, FetchedRows
 from alisa.storage.quantized import QuantizedStore
 
@@ -77,7 +78,7 @@ def test_every_token_stays_on_the_host_and_the_device_holds_the_budget_per_head(
     cache, mask = decoded_cache(config)
     lengths = mask.sum(1).numpy() + 20 - 1  # the last token is not yet written
     for layer in cache.layers:
-        slots, retention = layer.slots, layer.retention
+        slots, retention = layer.slots, layer.keeper
         # Every position, padding included, is in the host region or waits (at most a page)
         # for its page to fill; the waiting ones are the newest, held on the device by every head.
         pending = sum(keys.shape[2] for keys, _ in retention.pending)
@@ -87,7 +88,7 @@ def test_every_token_stays_on_the_host_and_the_device_holds_the_budget_per_head(
         for row in range(3):
             for head in range(slots.groups):
                 assert waiting <= set(slots.positions[row, head].tolist())
-        budget = layer.policy.budget(lengths)
+        budget = layer.keeper.policy.budget(lengths)
         for row in range(3):
             first = int(slots.first[row])
             for head in range(slots.groups):
@@ -110,7 +111,7 @@ def test_a_token_off_the_device_is_always_in_the_host_region(policy, share):
     )
     cache, _ = decoded_cache(config)
     for layer in cache.layers:
-        slots, retention = layer.slots, layer.retention
+        slots, retention = layer.slots, layer.keeper
         for row in range(3):
             for head in range(slots.groups):
                 held = set(slots.positions[row, head].tolist())
@@ -139,12 +140,12 @@ def test_tier_bytes_split_the_total_and_the_host_region_is_int8():
     assert cache.kv_bytes(tier="device") == tiers["device"]
     assert cache.kv_bytes(tier="host") == tiers["host"] > 0
     layer = cache.layers[0]
-    batch, heads, capacity = layer.retention.pages.pair.data.shape[1:4]
+    batch, heads, capacity = layer.keeper.pages.pair.data.shape[1:4]
     head_dim = cache.shape.head_dim
     dense_fp32 = 2 * batch * heads * capacity * head_dim * 4
     # INT8 codes plus an fp16 scale and zero point per token, K and V (0.27 at head_dim 64)
     expected = (head_dim + 4) / (4 * head_dim)
-    assert layer.retention.pages.nbytes() / dense_fp32 == pytest.approx(expected)
+    assert layer.keeper.pages.nbytes() / dense_fp32 == pytest.approx(expected)
     with pytest.raises(ValueError, match="tier='disk'"):
         cache.kv_bytes(tier="disk")
 
@@ -153,8 +154,8 @@ def synthetic_layer(retention: bool, budget: int = 24, history_share: float = 0.
     policy = POLICIES["swa"](
         caching_ratio=1.0, budget_tokens=budget, recent_fraction=0.25, sink_tokens=4
     )
-    host = HostRetention(16, 4, history_share) if retention else None
-    return AlisaLayer(policy, retention=host)
+    keeper = HostKeeper(policy, 16, history_share) if retention else DropKeeper(policy)
+    return AlisaLayer(keeper)
 
 
 def test_the_history_share_keeps_what_attention_favoured_after_the_query_moves_on():
@@ -174,14 +175,15 @@ def test_the_history_share_keeps_what_attention_favoured_after_the_query_moves_o
     for share in (0.0, 1.0):
         layer = synthetic_layer(True, history_share=share)
         layer.update(keys, torch.randn(1, 1, length, dim))
-        layer.after_attention(query_needle.expand(1, 1, length, dim), None, dim**-0.5)
+        layer.after_attention(query_needle.expand(1, 1, length, dim), None)
         for step in range(8):
             layer.update(torch.randn(1, 1, 1, dim) * 0.1, torch.randn(1, 1, 1, dim))
             query = query_needle if step < 5 else query_away
+            layer.before_attention(query)
             parts = layer.parts(query)
-            layer.after_attention(query, _probabilities(query, parts, dim), dim**-0.5)
+            layer.after_attention(query, _probabilities(query, parts, dim))
         held[share] = set(parts[0].positions[0].flatten().tolist())
-        assert (layer.retention.history is not None) == (share > 0)
+        assert (layer.keeper.history is not None) == (share > 0)
     assert 40 not in held[0.0]
     assert 40 in held[1.0]
 
@@ -202,14 +204,15 @@ def test_a_token_an_evicting_policy_lost_comes_back():
     query_needle = needle.view(1, 1, 1, dim)
     for name, layer in layers.items():
         layer.update(keys, values)
-        layer.after_attention(query_away.expand(1, 1, length, dim), None, dim**-0.5)
+        layer.after_attention(query_away.expand(1, 1, length, dim), None)
         for step in range(10):
             new_key = torch.randn(1, 1, 1, dim) * 0.1
             layer.update(new_key, torch.randn(1, 1, 1, dim))
             query = query_needle if step == 9 else query_away
+            layer.before_attention(query)
             parts = layer.parts(query)
             probabilities = _probabilities(query, parts, dim)
-            layer.after_attention(query, probabilities, dim**-0.5)
+            layer.after_attention(query, probabilities)
         held = set(parts[0].positions[0].flatten().tolist())
         if name == "drop":
             assert 40 not in held  # evicted for good
@@ -217,7 +220,7 @@ def test_a_token_an_evicting_policy_lost_comes_back():
             assert 40 in held  # fetched back from the host region
             slot = (parts[0].positions[0, 0] == 40).nonzero()[0, 0]
             assert torch.equal(parts[0].keys[0, 0, slot], needle)  # 16-bit host: exact
-            assert layer.retention.fetched > 0
+            assert layer.keeper.fetched > 0
 
 
 def _probabilities(query, parts, dim):
@@ -251,7 +254,7 @@ def test_the_history_share_defaults_to_half_for_attention_scored_host_retention(
     assert AlisaConfig(policy="streaming", **HOST).host_history_share == 0.0
     assert AlisaConfig(policy="swa").host_history_share == 0.0  # drop: scores rank every token
     cache = AlisaCache(tiny_llama(), AlisaConfig(policy="swa", caching_ratio=0.2, **HOST))
-    assert all(layer.retention.history_share == 0.5 for layer in cache.layers)
+    assert all(layer.keeper.history_share == 0.5 for layer in cache.layers)
 
 
 def test_the_floor_keeps_small_budgets_useful():
@@ -285,7 +288,7 @@ def test_batch_sizing_counts_the_budget_and_every_token_sketch_on_the_device():
 def test_a_short_padded_prompt_shapes_its_sketch_with_its_sinks_not_its_padding():
     """The sketch's channels come from real, non-sink keys; a sequence that has only sinks so far
     (3 real tokens padded to a long batch) counts those, never its padding."""
-    retention = HostRetention(host_bits=8, sink_tokens=4)
+    retention = HostKeeper(POLICIES["swa"](sink_tokens=4), host_bits=8)
     slots = SimpleNamespace(first=np.array([0, 97]))
     counted = retention._counted(torch.arange(100), slots)
     assert counted[0].tolist() == [False] * 4 + [True] * 96
@@ -303,16 +306,17 @@ def test_each_step_holds_the_protections_and_the_best_estimates_per_head():
         torch.randn(batch, kv_heads, length, dim), torch.randn(batch, kv_heads, length, dim)
     )
     query = torch.randn(batch, kv_heads * group, 1, dim)
-    layer.after_attention(query.expand(-1, -1, length, -1), None, dim**-0.5)
+    layer.after_attention(query.expand(-1, -1, length, -1), None)
     for _ in range(3):
         layer.update(torch.randn(batch, kv_heads, 1, dim), torch.randn(batch, kv_heads, 1, dim))
         query = torch.randn(batch, kv_heads * group, 1, dim)
+        layer.before_attention(query)
         held = layer.parts(query)[0].positions
         seen = layer.slots.seen
-        budget = int(layer.policy.budget(layer.slots.lengths())[0])
-        recent = int(layer.policy.recent(np.array([budget]))[0])
-        estimate = torch.empty(batch, kv_heads, layer.retention.flushed)
-        layer.retention.sketch.scores(query.view(batch, kv_heads, group, dim), estimate)
+        budget = int(layer.keeper.policy.budget(layer.slots.lengths())[0])
+        recent = int(layer.keeper.policy.recent(np.array([budget]))[0])
+        estimate = torch.empty(batch, kv_heads, layer.keeper.flushed)
+        layer.keeper.sketch.scores(query.view(batch, kv_heads, group, dim), estimate)
         middle = estimate[..., 4 : seen - recent]
         best = middle.topk(budget - 4 - recent, dim=-1).indices + 4
         for row in range(batch):
@@ -338,16 +342,16 @@ def test_an_int8_device_region_takes_int8_host_codes_as_they_are(host_bits, monk
         caching_ratio=1.0, budget_tokens=24, recent_fraction=0.25, sink_tokens=4
     )
     store = partial(QuantizedStore, bits=8, group_size=dim, residual_tokens=0)
-    layer = AlisaLayer(policy, retention=HostRetention(host_bits, 4), store_factory=store)
+    layer = AlisaLayer(HostKeeper(policy, host_bits), store_factory=store)
     keys, values = torch.randn(1, 1, length, dim), torch.randn(1, 1, length, dim)
     layer.update(keys, values)
-    layer.after_attention(torch.randn(1, 1, length, dim), None, dim**-0.5)
+    layer.after_attention(torch.randn(1, 1, length, dim), None)
     for _ in range(4):
         new = torch.randn(1, 1, 1, dim), torch.randn(1, 1, 1, dim)
         keys, values = torch.cat([keys, new[0]], 2), torch.cat([values, new[1]], 2)
         layer.update(*new)
-        layer.parts(torch.randn(1, 1, 1, dim))
-    retention = layer.retention
+        layer.before_attention(torch.randn(1, 1, 1, dim))
+    retention = layer.keeper
     assert retention.fetched > 0
     assert bool(decoded) == (host_bits == 4)
     device, host = layer.store.codes, retention.pages.pair

@@ -149,15 +149,14 @@ def prefill(
     if parallel.mode == "tsp":
         cache = AllGatherCache(bounds)
         logits = chunk_forward(model, input_ids, bounds, cache)
-        cache.gathering = False
+        cache.finish_prefill()
         sent = cache.bytes_sent
     else:
         chain = new_chain(model, bounds, batch)
         last = rank == world - 1 and parallel.decode == "local"
         cache = RunaheadAlisaCache(model, config, chain) if last else RunaheadDynamicCache(chain)
         logits = chunk_forward(model, input_ids, bounds, cache)
-        chain.finish()
-        cache.chain = None
+        cache.finish_prefill()
         sent = chain.bytes_sent
     ttft = device_clock(device) - wall
     return PrefillResult(logits, cache, bounds, ttft, sent, time.process_time() - cpu)

@@ -59,30 +59,36 @@ class _Chain:
         self.sends.clear()
 
 
-class RunaheadDynamicCache(DynamicCache):
+class _Relaying:
+    """Relays K/V along the chain in ``update`` until :meth:`finish_prefill` (a cache mixin)."""
+
+    chain: _Chain | None
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.chain is not None:
+            key_states, value_states = self.chain.exchange(layer_idx, key_states, value_states)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def finish_prefill(self) -> None:
+        """Wait for this rank's sends; later updates (decode) stay local."""
+        self.chain.finish()
+        self.chain = None
+
+
+class RunaheadDynamicCache(_Relaying, DynamicCache):
     """HF dynamic cache that relays K/V along the chain during one prefill."""
 
     def __init__(self, chain: _Chain, **kwargs) -> None:
         super().__init__(**kwargs)
         self.chain = chain
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        if self.chain is not None:
-            key_states, value_states = self.chain.exchange(layer_idx, key_states, value_states)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-
-class RunaheadAlisaCache(AlisaCache):
+class RunaheadAlisaCache(_Relaying, AlisaCache):
     """The last rank's cache: the relayed full prompt goes straight into the ALISA cache."""
 
     def __init__(self, model, config, chain: _Chain, **kwargs) -> None:
         super().__init__(model, config, **kwargs)
         self.chain = chain
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        if self.chain is not None:
-            key_states, value_states = self.chain.exchange(layer_idx, key_states, value_states)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 class AllGatherCache(DynamicCache):
@@ -93,6 +99,10 @@ class AllGatherCache(DynamicCache):
         self.bounds = bounds
         self.bytes_sent = 0
         self.gathering = True  # off after prefill: decode is local to the last rank
+
+    def finish_prefill(self) -> None:
+        """Later updates (decode) stay local to this rank."""
+        self.gathering = False
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if not self.gathering:

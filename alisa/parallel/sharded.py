@@ -19,6 +19,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from alisa.config import AlisaConfig, policy_for_layer
+from alisa.eviction import DropKeeper
 from alisa.grouped import grouped_logits
 from alisa.layer import AlisaLayer
 
@@ -33,7 +34,8 @@ def make_shards(
     start, stop = bounds[rank], bounds[rank + 1]
     shards = []
     for index in range(num_layers):
-        layer = AlisaLayer(policy_for_layer(config, index, num_layers), layer_idx=index)
+        policy = policy_for_layer(config, index, num_layers)
+        layer = AlisaLayer(DropKeeper(policy), layer_idx=index)
         keys = full_cache.layers[index].keys[:, :, start:stop].contiguous()
         values = full_cache.layers[index].values[:, :, start:stop].contiguous()
         layer.update(keys, values)
@@ -54,7 +56,7 @@ def partial_attention(layer: AlisaLayer, query: torch.Tensor, scaling: float):
     probabilities = torch.exp(logits - lse)
     flat = probabilities.flatten(2, 3)  # (B, Hkv, G*q, S)
     output = torch.matmul(flat.to(values.dtype), values)
-    layer.after_attention(query, probabilities, scaling)
+    layer.after_attention(query, probabilities)
     return output.reshape(batch, heads, length, head_dim), lse.reshape(batch, heads, length)
 
 

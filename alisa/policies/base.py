@@ -127,6 +127,23 @@ class KVPolicy:
         """Decode steps whose attention is summed per sequence; ``None`` sums the whole history."""
         return None
 
+    def steps_scored(self, budget: np.ndarray) -> np.ndarray | None:
+        """(B,) decode steps whose attention is summed, given the budgets; None: every step."""
+        return self.score_window(self.recent(budget))
+
+    def combine_heads(
+        self, probabilities: torch.Tensor, groups: int, *, vote: bool = False
+    ) -> torch.Tensor:
+        """(B, Hs, q, S') score rows from attention (B, H_kv, G, q, S').
+
+        The G query heads of a KV group are summed (or, at decode steps, their max:
+        :attr:`head_max`), then every KV head is summed when the layer keeps one index set
+        (``groups`` = 1). An observation ``vote`` always sums its query heads, as SnapKV does.
+        """
+        largest = self.head_max and not vote
+        rows = probabilities.amax(dim=2) if largest else probabilities.sum(dim=2)
+        return rows.sum(dim=1, keepdim=True) if groups == 1 else rows
+
     def score(
         self, positions: torch.Tensor, attention: torch.Tensor | None, first: torch.Tensor
     ) -> torch.Tensor:

@@ -1,0 +1,127 @@
+"""The keeper protocol: what one cache layer holds on the device, decided around attention.
+
+A layer (:class:`~alisa.layer.AlisaLayer`) owns the slot map (which token sits in which slot) and
+the store (the bytes); its keeper decides which tokens those are. Two keepers ship:
+:class:`~alisa.eviction.DropKeeper` (ALISA's SWA, H2O, ...: tokens over the budget are evicted
+for good) and :class:`~alisa.retention.HostKeeper` (every token kept in host memory, each decode
+step attends to the best tokens per KV head). A third (a disk tier, a keeper for sliding-window
+layers) is one more subclass; the layer never asks which keeper it has.
+
+The layer calls, in order: :meth:`Keeper.start` when the prefill arrives; :meth:`Keeper.on_write`
+for every later write; at prefill :meth:`Keeper.rows_wanted` and :meth:`Keeper.account` (the
+attention function seeds scores from the last prompt queries); :meth:`Keeper.before_attention`
+at each decode step; :meth:`Keeper.after_attention` after every attention call. When the slots
+move (growth, compaction, the tier split) it calls :meth:`Keeper.grow` and :meth:`Keeper.moved`
+so that per-slot state follows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from alisa.policies import KVPolicy
+from alisa.slots import SlotMap
+from alisa.storage.store import KVStore
+
+
+class Keeper:
+    """Base of every keeper: the hooks a layer calls, each a no-op unless a keeper needs it.
+
+    Parameters
+    ----------
+    policy
+        Budgets, protections and scores (the keeper's rules).
+    per_head
+        Keep one index set per KV head (slot groups = H_kv) instead of one per layer.
+    """
+
+    #: New tokens reuse slots freed below the frontier (False: always appended at the frontier).
+    reuses_free_slots = True
+
+    def __init__(self, policy: KVPolicy, *, per_head: bool = False) -> None:
+        self.policy = policy
+        self.per_head = per_head
+        self.evicted = 0  # tokens deleted for good, all sequences and groups
+        self.fetched = 0  # tokens brought back to the device, all sequences and KV heads
+
+    @property
+    def frees_slots(self) -> bool:
+        """Whether slots may empty after attention (then the layer compacts when worth it)."""
+        return self.policy.can_evict()
+
+    @property
+    def observes(self) -> bool:
+        """Whether the prompt's last queries seed the scores as one pooled vote (SnapKV)."""
+        return False
+
+    def start(self, slots: SlotMap, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The prefill's (B, H_kv, n, D) K/V were stored in slots [0, n) of a fresh slot map."""
+
+    def on_write(
+        self, start: int, keys: torch.Tensor, values: torch.Tensor, slots: SlotMap
+    ) -> None:
+        """(B, H_kv, m, D) tokens at positions [start, start + m) are about to be stored."""
+
+    def rows_wanted(self, slots: SlotMap) -> int | None:
+        """Prompt query rows to seed attention scores with: None = all, 0 = none."""
+        return 0
+
+    def account(self, probabilities: torch.Tensor, slots: SlotMap, *, vote: bool = False) -> None:
+        """Prompt attention (B, H_kv, G, q, S') over slots [0, S'), rows or one pooled ``vote``."""
+
+    def before_attention(
+        self,
+        slots: SlotMap,
+        store: KVStore,
+        query: torch.Tensor,
+        reserve: Callable[[int], None],
+    ) -> None:
+        """A decode step's (B, H, q, D) query is about to attend to the stored slots.
+
+        ``reserve(n)`` makes room for ``n`` slots (store, slot map and keeper state grow).
+        """
+
+    def after_attention(
+        self,
+        slots: SlotMap,
+        store: KVStore,
+        query: torch.Tensor,
+        probabilities: torch.Tensor | None,
+        *,
+        prefilling: bool,
+    ) -> None:
+        """Attention ran: (B, H, q, D) queries, (B, H_kv, G, q, S) probabilities over the slots
+        (None when already accounted, at prefill)."""
+        raise NotImplementedError
+
+    def grow(self, capacity: int) -> None:
+        """The slot space grew to ``capacity`` slots."""
+
+    def moved(
+        self, index: torch.Tensor, capacity: int | None = None, vacated: torch.Tensor | None = None
+    ) -> None:
+        """Slots moved: new slot j holds old slot index[b, g, j] (B, Hs, S'); then the space is
+        ``capacity`` slots (None: S'); ``vacated`` (S',) new slots that hold nothing."""
+
+    def tier_bytes(self) -> dict[str, int]:
+        """KV bytes per tier held by the keeper itself, besides the layer's store."""
+        return {}
+
+    def state_bytes(self) -> int:
+        """Bytes of bookkeeping (attention sums)."""
+        return 0
+
+    def select_batch(self, indices: torch.Tensor) -> None:
+        """Keep (and reorder) sequences."""
+
+    def reset(self) -> None:
+        """Forget everything; the next write is a new prefill."""
+        self.evicted = 0
+        self.fetched = 0
+
+    def budget(self, slots: SlotMap) -> np.ndarray:
+        """(B,) tokens each sequence may hold per group now."""
+        return self.policy.budget(slots.lengths())
