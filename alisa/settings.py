@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Protocol
 
-from alisa.memory import parse_bytes
+from alisa.memory import format_bytes, parse_bytes
 from alisa.policies import POLICIES, DensePolicy, KVPolicy, layer_budget_scale
 
 # Defaults of the "default" preset (docs/drop-quality.md, docs/retention-selection-study.md): a
@@ -30,6 +30,16 @@ OBSERVATION_WINDOW = 8
 # (README, "Which scoring works": a third fewer tokens fetched per step for 0.1-0.4 % of
 # perplexity against the key sketch alone).
 HISTORY_SHARE = 0.5
+# What an unset field that no resolver value replaces means, as shown by describe_settings.
+UNSET_MEANS = {
+    "quant_group_size": "head_dim",
+    "profile": "this machine's saved profile, else rough defaults",
+    "score_window": "auto (from the recent window)",
+    "stride": "auto (from the caching ratio)",
+    "budget_tokens": "None (the caching ratio decides)",
+    "gpu_memory": "None (no limit)",
+    "host_memory": "None (what psutil reports available)",
+}
 
 
 class ConfigFields(Protocol):
@@ -228,3 +238,77 @@ def _history_share(config: ConfigFields) -> float:
 
 def _bytes(value: int | str | None, name: str) -> int | None:
     return None if value is None else parse_bytes(value, field=name)
+
+
+def effective_values(config: ConfigFields, num_layers: int) -> dict[str, str]:
+    """Every effective setting of ``config`` as text, by name, in the config's field order.
+
+    A per-layer value the same in every layer reads once (``4``); one that differs reads by
+    layer ranges (``0: dense, 1-3: swa``); ``-`` marks a layer whose policy lacks the option.
+    ``layer_policy`` and ``budget_scale`` are the per-layer results of ``policy``,
+    ``dense_layers`` and ``layer_schedule``.
+    """
+    settings = resolve_settings(config, num_layers)
+    layers = [layer.values() for layer in settings.layers]
+    layer_names = {name for values in layers for name in values} - {"policy"}
+    options = {name for cls in POLICIES.values() for name in cls.config_fields}
+    resolved = {
+        "per_head": settings.per_head,
+        "history_share": settings.history_share,
+        "gpu_memory": settings.gpu_memory_bytes,
+        "host_memory": settings.host_memory_bytes,
+    }
+    result: dict[str, str] = {}
+    for item in fields(config):  # type: ignore[arg-type]  # an AlisaConfig dataclass
+        name = item.name
+        if name in layer_names:
+            result[name] = _by_layer([values.get(name, "-") for values in layers], name)
+        elif name in options:  # an option of another policy than the one running
+            result[name] = f"{getattr(config, name)} (unused by this policy)"
+        else:
+            result[name] = _text(resolved.get(name, getattr(config, name)), name)
+    result["layer_policy"] = _by_layer([values["policy"] for values in layers])
+    result["budget_scale"] = _by_layer([values["budget_scale"] for values in layers])
+    return result
+
+
+def describe_settings(config: ConfigFields, num_layers: int) -> str:
+    """The effective settings, one ``name  value`` line each; ``*`` marks a field left unset
+    (``None``) that the preset or the policy decided."""
+    unset = resolve_settings(config, num_layers).unset
+    values = effective_values(config, num_layers)
+    width = max(map(len, values))
+    lines = [
+        f"alisa settings ({num_layers} layers, preset {config.preset}; * = unset, decided by "
+        "the preset or the policy)"
+    ]
+    for name, text in values.items():
+        lines.append(f"  {name:<{width}}  {text}{' *' if name in unset else ''}")
+    return "\n".join(lines)
+
+
+def _by_layer(values: list[object], name: str = "") -> str:
+    """``4`` when every layer has the same value, else ``0: a, 1-3: b`` (runs of equal layers)."""
+    texts = [_text(value, name) for value in values]
+    if len(set(texts)) == 1:
+        return texts[0]
+    runs: list[list] = []
+    for index, text in enumerate(texts):
+        if runs and runs[-1][2] == text:
+            runs[-1][1] = index
+        else:
+            runs.append([index, index, text])
+    return ", ".join(
+        f"{first}: {text}" if first == last else f"{first}-{last}: {text}"
+        for first, last, text in runs
+    )
+
+
+def _text(value: object, name: str = "") -> str:
+    if value is None and name in UNSET_MEANS:
+        return UNSET_MEANS[name]
+    if name in ("gpu_memory", "host_memory") and isinstance(value, int):
+        return f"{value} ({format_bytes(value)})"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
