@@ -80,3 +80,33 @@ def test_generate_shows_the_config_and_the_summary_names_changed_settings(tiny_m
     err = capsys.readouterr().err
     assert "alisa settings" not in err
     assert "| settings" not in err
+
+
+def test_the_workload_keeps_what_the_cache_keeps():
+    from alisa.planning import config_workload
+
+    config = AlisaConfig(policy="swa", budget_tokens=100, retention="host", host_bits=4)
+    workload = config_workload(config, 3, batch=2, prompt_len=1000, gen_len=5)
+    assert workload.keep == config.keep_rules(3)
+    assert (workload.retention, workload.host_bits, workload.recent_fraction) == ("host", 4, 0.0)
+    assert workload.kept_tokens(0) == 2 * 100  # the token budget, which r alone would miss
+    dense = config_workload(AlisaConfig(caching_ratio=0.5), 3, batch=1, prompt_len=8, gen_len=1)
+    assert dense.caching_ratio == 1.0 and dense.kept_tokens(0) == 8
+
+
+def test_the_selection_calibration_workload_is_unchanged():
+    from dataclasses import replace
+
+    from alisa.calibration import SELECTION_CONFIG
+    from alisa.planning import config_workload
+    from scheduler import Workload
+
+    built = config_workload(SELECTION_CONFIG, 4, batch=2, prompt_len=512, gen_len=1)
+    assert replace(built, retention="drop") == Workload(
+        batch=2,
+        prompt_len=512,
+        gen_len=1,
+        caching_ratio=SELECTION_CONFIG.caching_ratio,
+        recent_fraction=0.0,
+        keep=SELECTION_CONFIG.keep_rules(4),
+    )
