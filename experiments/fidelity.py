@@ -22,6 +22,7 @@ import torch
 
 from alisa import AlisaConfig, load_model
 from alisa.assignments import parse_assignments
+from alisa.logs import log_to_stderr
 from experiments.data import data_dir, load_niah, load_passkey, load_wikitext2
 from experiments.tasks.passkey import passkey_accuracy
 from experiments.tasks.perplexity import (
@@ -111,6 +112,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    log_to_stderr()
     torch.set_num_threads(args.threads)
     root = data_dir(args.data_dir)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]

@@ -110,3 +110,14 @@ def test_the_selection_calibration_workload_is_unchanged():
         recent_fraction=0.0,
         keep=SELECTION_CONFIG.keep_rules(4),
     )
+
+
+def test_the_cli_shows_library_log_records_on_stderr(capsys):
+    import logging
+
+    from alisa.logs import log_to_stderr
+
+    log_to_stderr()
+    log_to_stderr()  # once: no second handler
+    logging.getLogger("alisa.models").info("converting x.gguf to safetensors once")
+    assert capsys.readouterr().err == "alisa: converting x.gguf to safetensors once\n"
