@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -11,12 +12,11 @@ from alisa.architecture import model_shape
 from alisa.cache import AlisaCache
 from alisa.config import AlisaConfig
 from alisa.engine import DecodeState, Engine, device_clock
-from alisa.planning import model_spec
+from alisa.planning import config_workload, model_spec
 from scheduler import (
     CostModel,
     HardwareProfile,
     ModelSpec,
-    Workload,
     activation_bytes,
     gathered_layers,
     make_buckets,
@@ -266,14 +266,11 @@ def unselected_seconds(
     All kept tokens on the device, plus ``fetch_bytes`` over ``h2d_bytes_per_s`` (after the
     compute on a CPU, beside it with overlapping copies), as the cost model charges a host step.
     """
-    workload = Workload(
-        batch=batch,
-        prompt_len=context,
-        gen_len=1,
-        caching_ratio=SELECTION_CONFIG.caching_ratio,
-        recent_fraction=0.0,
-        keep=SELECTION_CONFIG.keep_rules(spec.num_layers),
+    selected = config_workload(
+        SELECTION_CONFIG, spec.num_layers, batch=batch, prompt_len=context, gen_len=1
     )
+    # Without its selection the step is a drop-mode step over the same kept tokens.
+    workload = replace(selected, retention="drop")
     step = CostModel(profile, spec, workload).step_time(make_buckets(workload, 1)[0], {"g": 1.0})
     fetch = fetch_bytes / profile.h2d_bytes_per_s
     return max(step, fetch) if profile.overlap else step + fetch

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 from alisa.commands import COMMANDS
 from alisa.commands.options import EXIT_ERROR, EXIT_INTERRUPTED, CommandError
+from alisa.logs import log_to_stderr
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``alisa`` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
+    log_to_stderr()
     run: Callable[[argparse.Namespace], int] = COMMANDS[args.command][2]
     try:
         return run(args)

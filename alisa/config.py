@@ -6,7 +6,8 @@ from dataclasses import dataclass, fields, replace
 
 from alisa.checks import check_field_types, check_number, check_optional_int
 from alisa.memory import parse_bytes
-from alisa.policies import POLICIES, DensePolicy, KVPolicy, layer_budget_scale
+from alisa.policies import POLICIES, KVPolicy
+from alisa.settings import layer_settings, resolve_settings
 from scheduler.budget import KeepRule
 
 LAYER_SCHEDULES = ("uniform", "pyramid")
@@ -14,19 +15,6 @@ KV_BITS = (16, 8, 4)
 RECOMPUTE_MODES = ("auto", "never", "always")
 RETENTIONS = ("drop", "host")
 PRESETS = ("default", "paper")
-# Defaults of the "default" preset (docs/drop-quality.md, docs/retention-selection-study.md): a
-# floor of 64 tokens keeps small budgets early in a sequence from losing what later steps need;
-# 4 attention sinks for every evicting policy but local (and for retention="host"); a
-# SnapKV-style observation window of the last 8 prompt queries seeds the scores at prefill;
-# SWA scores decode steps by decayed sums of the query-head max (the policy class says so).
-MIN_BUDGET_TOKENS = 64
-SINK_TOKENS = 4
-OBSERVATION_WINDOW = 8
-# retention="host" with an attention-scored policy: half of the budget left after sinks and the
-# recent window goes to the tokens with the most attention summed over the policy's window
-# (README, "Which scoring works": a third fewer tokens fetched per step for 0.1-0.4 % of
-# perplexity against the key sketch alone).
-HISTORY_SHARE = 0.5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,19 +220,13 @@ class AlisaConfig:
     @property
     def host_history_share(self) -> float:
         """``history_share``, or its default: 0.5 for an attention-scored policy with
-        ``retention="host"``, else 0."""
-        if self.history_share is not None:
-            return self.history_share
-        scored = self.retention == "host" and POLICIES[self.policy].needs_attention
-        return HISTORY_SHARE if scored else 0.0
+        ``retention="host"``, else 0 (:func:`alisa.settings.resolve_settings` decides)."""
+        return resolve_settings(self, 1).history_share
 
     @property
     def selects_per_head(self) -> bool:
         """Whether each KV head keeps its own index set (``per_head``, or the preset's choice)."""
-        if self.per_head is not None:
-            return self.per_head
-        default = self.preset == "default" and self.gpu_memory is None
-        return default and POLICIES[self.policy].per_head_by_default
+        return resolve_settings(self, 1).per_head
 
     @property
     def keeps_everything(self) -> bool:
@@ -271,44 +253,7 @@ def policy_for_layer(config: AlisaConfig, layer_idx: int, num_layers: int) -> KV
     """The policy one layer runs: the config's, with its options and the layer's budget scale.
 
     The first ``config.dense_layers`` layers keep every token. A policy's own options (SWA's
-    window, strided's stride) come from the config fields its ``config_fields`` names.
+    window, strided's stride) come from the config fields its ``config_fields`` names; unset
+    fields are decided by :func:`alisa.settings.resolve_settings` (this is its layer entry).
     """
-    if layer_idx < config.dense_layers:
-        return DensePolicy()
-    cls = POLICIES[config.policy]
-    recent = config.recent_fraction
-    return cls(
-        caching_ratio=config.caching_ratio,
-        budget_tokens=config.budget_tokens,
-        recent_fraction=cls.default_recent_fraction if recent is None else recent,
-        budget_scale=layer_budget_scale(
-            layer_idx, num_layers, config.layer_schedule, config.dense_layers
-        ),
-        **_preset_options(config, cls),
-        **cls.own_options(vars(config)),
-    )
-
-
-def _preset_options(config: AlisaConfig, cls: type[KVPolicy]) -> dict[str, object]:
-    """The policy fields whose unset (``None``) config value the preset decides."""
-    default = config.preset == "default"
-    sinks = config.sink_tokens
-    if sinks is None:
-        wants_sinks = default and (cls.sinks_by_default or config.retention == "host")
-        sinks = (
-            max(cls.default_sink_tokens, SINK_TOKENS) if wants_sinks else cls.default_sink_tokens
-        )
-    floor = config.min_budget_tokens
-    if floor is None:
-        floor = MIN_BUDGET_TOKENS if default else 0
-    window = config.observation_window
-    if window is None:
-        window = OBSERVATION_WINDOW if default and cls.needs_attention else 0
-    head_max, decay = config.head_max, config.score_decay
-    return {
-        "sink_tokens": sinks,
-        "min_budget_tokens": floor,
-        "observation_window": window,
-        "head_max": (default and cls.head_max_by_default) if head_max is None else head_max,
-        "score_decay": (default and cls.decays_by_default) if decay is None else decay,
-    }
+    return layer_settings(config, layer_idx, num_layers).build()

@@ -13,7 +13,6 @@ import importlib.util
 import logging
 import os
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,9 +106,8 @@ def convert_gguf(gguf_path: Path, target: Path | None = None) -> Path:
     target = target or _gguf_cache_dir(gguf_path)
     if (target / "config.json").is_file():
         return target
-    print(
-        f"alisa: converting {gguf_path.name} to safetensors once (about 30 s); cached in {target}",
-        file=sys.stderr,
+    logger.info(
+        "converting %s to safetensors once (about 30 s); cached in %s", gguf_path.name, target
     )
     target.parent.mkdir(parents=True, exist_ok=True)
     folder, name = gguf_path.parent, gguf_path.name

@@ -33,6 +33,33 @@ from scheduler import (
 )
 
 
+def config_workload(
+    config: AlisaConfig, num_layers: int, *, batch: int, prompt_len: int, gen_len: int
+) -> Workload:
+    """The scheduler's :class:`~scheduler.Workload` of generating with ``config``.
+
+    Every layer's budget rule is the cache's own (:meth:`AlisaConfig.keep_rules`: sinks, floor,
+    token budget, pyramid scales, dense layers), r is 1 when nothing can be evicted, and no
+    recent window is pinned to the device (the runtime places kept tokens by slot, not by age).
+
+    Raises
+    ------
+    ValueError
+        A ``batch``, ``prompt_len`` or ``gen_len`` below 1 (named by ``Workload``).
+    """
+    return Workload(
+        batch=batch,
+        prompt_len=prompt_len,
+        gen_len=gen_len,
+        caching_ratio=1.0 if config.keeps_everything else config.caching_ratio,
+        keep=config.keep_rules(num_layers),
+        kv_bits=config.kv_bits,
+        recent_fraction=0.0,
+        retention=config.retention,
+        host_bits=config.host_bits,
+    )
+
+
 def model_spec(model: nn.Module, shape: ModelShape, name: str | None = None) -> ModelSpec:
     """The scheduler's view of a loaded (or empty-weights) model."""
     config = model.config
@@ -172,14 +199,12 @@ class TierPlanner:
         profile = HardwareProfile(
             **{**profile.__dict__, "device_bytes": device_bytes, "host_bytes": host_bytes}
         )
-        workload = Workload(
+        workload = config_workload(
+            config,
+            self.spec.num_layers,
             batch=batch,
             prompt_len=prompt_len,
             gen_len=max(1, self.max_new_tokens),
-            caching_ratio=1.0 if config.keeps_everything else config.caching_ratio,
-            keep=config.keep_rules(self.spec.num_layers),
-            kv_bits=config.kv_bits,
-            recent_fraction=0.0,
         )
         self.plan = solve(
             profile,

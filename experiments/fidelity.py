@@ -21,8 +21,9 @@ import time
 import torch
 
 from alisa import AlisaConfig, load_model
+from alisa.assignments import parse_assignments
+from alisa.logs import log_to_stderr
 from experiments.data import data_dir, load_niah, load_passkey, load_wikitext2
-from experiments.runconfig import parse_value
 from experiments.tasks.passkey import passkey_accuracy
 from experiments.tasks.perplexity import (
     PROTOCOLS,
@@ -69,7 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="FIELD=VALUE",
-        help="set an AlisaConfig field of every sparse row (TOML value), e.g. per_head=false",
+        help="set an AlisaConfig field of every sparse row, typed by the field, e.g. "
+        "per_head=false or gpu_memory=2GiB",
     )
     parser.add_argument("--passkey-ratio", type=float, default=0.2)
     parser.add_argument("--passkey-max-tokens", type=int, default=2048)
@@ -100,13 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = sorted(set(args.protocols.split(",")) - set(PROTOCOLS))
     if unknown:
         parser.error(f"--protocols: unknown {unknown}; valid: {', '.join(PROTOCOLS)}")
-    args.overrides = {}
-    for item in args.set:
-        name, sep, text = item.partition("=")
-        if not sep:
-            parser.error(f"--set {item!r}: expected FIELD=VALUE")
-        args.overrides[name.strip()] = parse_value(text.strip())
     try:
+        args.overrides = parse_assignments(AlisaConfig, args.set)
         make_config(args, "swa", 0.5)
     except ValueError as error:
         parser.error(f"--set: {error}")
@@ -115,6 +112,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    log_to_stderr()
     torch.set_num_threads(args.threads)
     root = data_dir(args.data_dir)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]

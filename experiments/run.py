@@ -35,6 +35,7 @@ from alisa.jobs.distributed import (
 )
 from alisa.jobs.io import OutputLog
 from alisa.jobs.parts import merge_parts, part_path, parts_dir, share
+from alisa.logs import log_to_stderr
 from experiments.data import REPO_ROOT, data_dir
 from experiments.runconfig import (
     RunConfig,
@@ -222,6 +223,7 @@ def _remove_if_empty(folder: Path, created: bool) -> None:
 
 
 def main(argv=None) -> int:
+    log_to_stderr()
     return run_from_args(parse_args(argv))
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import tomllib
 
 from alisa import AlisaConfig
+from alisa.assignments import parse_field
 from experiments.tasks.perplexity import PROTOCOLS
 
 TOP_KEYS = ("name", "sweep", "options", "runtime")
@@ -97,7 +98,10 @@ def _apply(raw: dict, item: str) -> None:
     if path[0] not in TOP_KEYS:
         raise ValueError(f"--set key {key!r} is unknown; top-level keys: {', '.join(TOP_KEYS)}")
     value = parse_value(text.strip())
-    if path[0] == "sweep" and not isinstance(value, list):
+    if path[0] == "sweep" and path[-1] in CONFIG_FIELDS and not isinstance(value, list):
+        # An AlisaConfig field's values are typed by the field: gpu_memory=2GiB is a size.
+        value = [parse_field(AlisaConfig, path[-1], part) for part in text.split(",")]
+    elif path[0] == "sweep" and not isinstance(value, list):
         value = [parse_value(part.strip()) for part in text.split(",")]
     target = raw
     for part in path[:-1]:
@@ -106,7 +110,8 @@ def _apply(raw: dict, item: str) -> None:
 
 
 def parse_value(text: str):
-    """A TOML literal (number, bool, string, list), or the text itself when it is none."""
+    """A TOML literal (number, bool, string, list), or the text itself when it is none (keys that
+    are not ``AlisaConfig`` fields: tasks, models, options, runtime)."""
     try:
         return tomllib.loads(f"value = {text}")["value"]
     except tomllib.TOMLDecodeError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from alisa import AlisaConfig
+from alisa.assignments import parse_assignments
 
 HF_QUANTIZED = {
     "hf-hqq8": {"backend": "hqq", "nbits": 8},
@@ -19,16 +20,15 @@ HF_QUANTIZED = {
 
 
 def parse_alisa(name: str) -> AlisaConfig:
-    """``alisa:key=value,...`` -> AlisaConfig; unknown keys and bad values raise ``ValueError``."""
+    """``alisa:key=value,...`` -> AlisaConfig; values are typed by the field
+    (:func:`alisa.assignments.parse_field`: ``gpu_memory=2GiB``, ``per_head=false``,
+    ``sink_tokens=none``); unknown keys and bad values raise ``ValueError`` naming the system."""
     _, _, options = name.partition(":")
-    types = {f.name: f.type for f in fields(AlisaConfig)}
-    values = {}
-    for item in filter(None, options.split(",")):
-        key, _, raw = item.partition("=")
-        if key not in types:
-            raise ValueError(f"system {name!r}: unknown AlisaConfig field {key!r}")
-        values[key] = _convert(raw, str(types[key]))
-    return AlisaConfig(**values)
+    try:
+        items = [item for item in options.split(",") if item]
+        return AlisaConfig(**parse_assignments(AlisaConfig, items))
+    except ValueError as error:
+        raise ValueError(f"system {name!r}: {error}") from None
 
 
 def system_name(config: AlisaConfig) -> str:
@@ -41,18 +41,6 @@ def system_name(config: AlisaConfig) -> str:
         if getattr(config, f.name) != getattr(default, f.name)
     ]
     return "alisa:" + ",".join(changed) if changed else "alisa"
-
-
-def _convert(raw: str, annotation: str):
-    if raw.lower() in ("none", "null"):
-        return None
-    if "bool" in annotation:
-        return raw.lower() in ("1", "true", "yes")
-    if "float" in annotation:
-        return float(raw)
-    if "int" in annotation:
-        return int(raw)
-    return raw
 
 
 def make_cache(name: str, model):

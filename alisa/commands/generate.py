@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from alisa.architecture import model_shape
 from alisa.commands.options import (
     CommandError,
     add_cache_options,
@@ -15,7 +16,9 @@ from alisa.commands.options import (
     check_minimum,
     load_for_cli,
 )
+from alisa.config import AlisaConfig
 from alisa.parallel.generate import DECODES, MODES, PARTITIONS
+from alisa.settings import describe_settings, effective_values
 
 HELP = "generate a completion for one prompt"
 # ParallelConfig field -> the flag that sets it, so its errors name the flag.
@@ -47,6 +50,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--top-k", type=int, help="sample among the k likeliest tokens")
     sampling.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
     sampling.add_argument("--seed", type=int, help="seed for sampling")
+    parser.add_argument(
+        "--show-config",
+        action="store_true",
+        help="print every effective cache setting (what unset fields became, per layer) to "
+        "stderr before generating",
+    )
     add_cache_options(parser)
     parallel = parser.add_argument_group("multi-process (launch with torchrun --nproc-per-node N)")
     parallel.add_argument(
@@ -147,6 +156,9 @@ def run(args: argparse.Namespace) -> int:
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
     prompt = fit_prompt(model, tokenizer, prompt, args)
+    num_layers = model_shape(model).num_layers
+    if args.show_config:
+        print(describe_settings(config, num_layers), file=sys.stderr)
     if parallel is not None:
         result = _parallel(args, model, tokenizer, prompt, config, parallel, sampling)
         if result is None:  # not the last rank: it printed nothing, the last rank reports
@@ -156,21 +168,37 @@ def run(args: argparse.Namespace) -> int:
             model, tokenizer, prompt, config, max_new_tokens=args.max_new_tokens, sampling=sampling
         )
     print(result.texts[0])
-    print(stats_line(result, config), file=sys.stderr)
+    print(stats_line(result, config, num_layers), file=sys.stderr)
     return 0
 
 
-def stats_line(result, config) -> str:
-    """The one ``[alisa]`` line on stderr: lengths, speed, KV and memory."""
+def changed_settings(config: AlisaConfig, num_layers: int) -> dict[str, str]:
+    """The effective settings of ``config`` that differ from those of ``AlisaConfig()``, as
+    text (:func:`alisa.settings.effective_values`)."""
+    default = effective_values(AlisaConfig(), num_layers)
+    values = effective_values(config, num_layers).items()
+    return {name: text for name, text in values if default.get(name) != text}
+
+
+def stats_line(result, config: AlisaConfig, num_layers: int | None = None) -> str:
+    """The one ``[alisa]`` line on stderr: lengths, speed, KV and memory, and (given the
+    model's ``num_layers``) the effective settings that differ from the defaults."""
     from alisa.memory import format_bytes
 
+    changed = changed_settings(config, num_layers) if num_layers else {}
+    for name in ("policy", "caching_ratio", "layer_policy"):  # policy and r are shown anyway
+        changed.pop(name, None)
+    # Explanations in parentheses belong to --show-config; the line keeps the values.
+    extra = " ".join(
+        f"{name}={text.split(' (')[0].replace(' ', '')}" for name, text in changed.items()
+    )
     return (
         f"[alisa] prompt {result.prompt_tokens[0]} tok | generated {result.generated_tokens} tok | "
         f"ttft {result.ttft_s:.2f} s | decode {result.decode_tokens_per_s:.1f} tok/s | "
         f"kv held {format_bytes(result.kv_bytes)} (peak {format_bytes(result.peak_kv_bytes)}; "
         f"{tiers_text(result.kv_tier_bytes)}) | "
         f"peak memory {format_bytes(result.peak_memory_bytes)} | policy {config.policy} "
-        f"r={config.caching_ratio:g}"
+        f"r={config.caching_ratio:g}" + (f" | settings {extra}" if extra else "")
     )
 
 

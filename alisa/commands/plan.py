@@ -57,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from alisa.planning import cpu_model, empty_model_spec
-    from scheduler import MODEL_PRESETS, Options, Workload, solve
+    from alisa.planning import config_workload, cpu_model, empty_model_spec
+    from scheduler import MODEL_PRESETS, Options, solve
     from scheduler.hardware import mismatches
 
     for flag in ("--batch", "--prompt-len", "--gen-len"):
@@ -74,16 +74,8 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"{error}; plan presets: {', '.join(MODEL_PRESETS)}") from None
     if args.model.lower() in MODEL_PRESETS:  # a preset's bytes follow --dtype too
         spec = replace(spec, bytes_per_element=torch_dtype.itemsize)
-    workload = Workload(
-        batch=args.batch,
-        prompt_len=args.prompt_len,
-        gen_len=args.gen_len,
-        caching_ratio=1.0 if config.policy == "dense" else config.caching_ratio,
-        kv_bits=config.kv_bits,
-        recent_fraction=0.0,  # as the runtime: no window is pinned to the device
-        keep=config.keep_rules(spec.num_layers) if config.retention == "host" else (),
-        retention=config.retention,
-        host_bits=config.host_bits,
+    workload = config_workload(
+        config, spec.num_layers, batch=args.batch, prompt_len=args.prompt_len, gen_len=args.gen_len
     )
     options = Options(allow_recompute=recomputable and config.recompute != "never")
     plan = solve(profile, spec, workload, options)

@@ -1,0 +1,314 @@
+"""The effective settings of a config: what every field left ``None`` becomes, layer by layer.
+
+:func:`resolve_settings` is the one place the preset and the policy decide unset fields;
+:func:`alisa.config.policy_for_layer`, ``AlisaConfig.selects_per_head`` and
+``AlisaConfig.host_history_share`` read its result, and :func:`describe_settings` shows it.
+
+This module does not import :mod:`alisa.config` (which imports it): the resolver reads the
+config through :class:`ConfigFields`, the attributes it needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Protocol
+
+from alisa.memory import format_bytes, parse_bytes
+from alisa.policies import POLICIES, DensePolicy, KVPolicy, layer_budget_scale
+
+# Defaults of the "default" preset (docs/drop-quality.md, docs/retention-selection-study.md): a
+# floor of 64 tokens keeps small budgets early in a sequence from losing what later steps need;
+# 4 attention sinks for every evicting policy but local (and for retention="host"); a
+# SnapKV-style observation window of the last 8 prompt queries seeds the scores at prefill;
+# SWA scores decode steps by decayed sums of the query-head max (the policy class says so).
+MIN_BUDGET_TOKENS = 64
+SINK_TOKENS = 4
+OBSERVATION_WINDOW = 8
+# retention="host" with an attention-scored policy: half of the budget left after sinks and the
+# recent window goes to the tokens with the most attention summed over the policy's window
+# (README, "Which scoring works": a third fewer tokens fetched per step for 0.1-0.4 % of
+# perplexity against the key sketch alone).
+HISTORY_SHARE = 0.5
+# What an unset field that no resolver value replaces means, as shown by describe_settings.
+UNSET_MEANS = {
+    "quant_group_size": "head_dim",
+    "profile": "this machine's saved profile, else rough defaults",
+    "score_window": "auto (from the recent window)",
+    "stride": "auto (from the caching ratio)",
+    "budget_tokens": "None (the caching ratio decides)",
+    "gpu_memory": "None (no limit)",
+    "host_memory": "None (what psutil reports available)",
+}
+
+
+class ConfigFields(Protocol):
+    """The :class:`~alisa.config.AlisaConfig` fields the resolver reads."""
+
+    policy: str
+    caching_ratio: float
+    budget_tokens: int | None
+    recent_fraction: float | None
+    sink_tokens: int | None
+    score_decay: bool | None
+    head_max: bool | None
+    dense_layers: int
+    layer_schedule: str
+    per_head: bool | None
+    gpu_memory: int | str | None
+    host_memory: int | str | None
+    retention: str
+    history_share: float | None
+    min_budget_tokens: int | None
+    observation_window: int | None
+    preset: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerSettings:
+    """The effective policy settings of one layer (the fields of the policy it runs).
+
+    Parameters
+    ----------
+    policy
+        The policy the layer runs (``dense`` for the first ``dense_layers`` layers).
+    caching_ratio, budget_tokens, recent_fraction, sink_tokens, min_budget_tokens
+        The budget rule: share kept, fixed token budget, recent share, sinks, floor.
+    budget_scale
+        Budget multiplier of the layer (``layer_schedule``; 1.0 when uniform).
+    observation_window, head_max, score_decay
+        How attention-scored policies score tokens (see ``AlisaConfig``).
+    options
+        The policy's own options by config field name (SWA's ``score_window``, strided's
+        ``stride``); ``None`` there means the policy derives it at run time from the budget.
+    """
+
+    policy: str
+    caching_ratio: float
+    budget_tokens: int | None
+    recent_fraction: float
+    sink_tokens: int
+    budget_scale: float
+    min_budget_tokens: int
+    observation_window: int
+    head_max: bool
+    score_decay: bool
+    options: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def dense(self) -> bool:
+        """True when the layer keeps every token whatever its budget (a policy that never
+        evicts)."""
+        return not POLICIES[self.policy].evicts
+
+    def values(self) -> dict[str, object]:
+        """Setting name -> value, the policy's own options included."""
+        shared = {item.name: getattr(self, item.name) for item in fields(self)}
+        del shared["options"]
+        return {**shared, **dict(self.options)}
+
+    def build(self) -> KVPolicy:
+        """The policy object of this layer."""
+        cls = POLICIES[self.policy]
+        own = cls.own_options(dict(self.options))
+        shared = {item.name: getattr(self, item.name) for item in fields(self)}
+        del shared["policy"], shared["options"]
+        return cls(**shared, **own)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """Everything a config means for a model of ``len(layers)`` layers.
+
+    Parameters
+    ----------
+    layers
+        The effective policy settings of each layer.
+    per_head
+        Whether each KV head keeps its own index set.
+    history_share
+        ``retention="host"``: the share of the budget chosen by attention history.
+    gpu_memory_bytes, host_memory_bytes
+        Byte budgets; ``None``: no device limit, the host's available memory.
+    unset
+        The config fields left ``None`` (decided here by the preset or the policy).
+    """
+
+    layers: tuple[LayerSettings, ...]
+    per_head: bool
+    history_share: float
+    gpu_memory_bytes: int | None
+    host_memory_bytes: int | None
+    unset: frozenset[str]
+
+
+def resolve_settings(config: ConfigFields, num_layers: int) -> Settings:
+    """The effective settings of ``config`` on a model of ``num_layers`` layers.
+
+    Raises
+    ------
+    ValueError
+        ``num_layers`` below 1.
+    """
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers={num_layers!r} must be an integer >= 1")
+    return Settings(
+        layers=tuple(_layer(config, index, num_layers) for index in range(num_layers)),
+        per_head=_per_head(config),
+        history_share=_history_share(config),
+        gpu_memory_bytes=_bytes(config.gpu_memory, "gpu_memory"),
+        host_memory_bytes=_bytes(config.host_memory, "host_memory"),
+        unset=frozenset(name for name, value in vars(config).items() if value is None),
+    )
+
+
+def layer_settings(config: ConfigFields, layer_idx: int, num_layers: int) -> LayerSettings:
+    """One layer's :attr:`Settings.layers` entry without resolving the others."""
+    return _layer(config, layer_idx, num_layers)
+
+
+def _layer(config: ConfigFields, layer_idx: int, num_layers: int) -> LayerSettings:
+    """The policy settings of one layer: the first ``dense_layers`` layers run a plain
+    :class:`DensePolicy`; the others the config's policy, its unset fields decided by the preset,
+    its own options (SWA's window, strided's stride) named by its ``config_fields``."""
+    if layer_idx < config.dense_layers:
+        dense = DensePolicy()
+        return LayerSettings(policy=dense.name, **_shared_fields(dense))
+    cls = POLICIES[config.policy]
+    recent = config.recent_fraction
+    settings: Mapping[str, object] = vars(config)
+    return LayerSettings(
+        policy=config.policy,
+        caching_ratio=config.caching_ratio,
+        budget_tokens=config.budget_tokens,
+        recent_fraction=cls.default_recent_fraction if recent is None else recent,
+        budget_scale=layer_budget_scale(
+            layer_idx, num_layers, config.layer_schedule, config.dense_layers
+        ),
+        **_preset_options(config, cls),
+        options=tuple((name, settings[name]) for name in cls.config_fields),
+    )
+
+
+def _shared_fields(policy: KVPolicy) -> dict[str, object]:
+    """The base-class fields of a policy (those every layer has)."""
+    return {item.name: getattr(policy, item.name) for item in fields(KVPolicy)}
+
+
+def _preset_options(config: ConfigFields, cls: type[KVPolicy]) -> dict[str, object]:
+    """The policy fields whose unset (``None``) config value the preset decides."""
+    default = config.preset == "default"
+    sinks = config.sink_tokens
+    if sinks is None:
+        wants_sinks = default and (cls.sinks_by_default or config.retention == "host")
+        sinks = (
+            max(cls.default_sink_tokens, SINK_TOKENS) if wants_sinks else cls.default_sink_tokens
+        )
+    floor = config.min_budget_tokens
+    if floor is None:
+        floor = MIN_BUDGET_TOKENS if default else 0
+    window = config.observation_window
+    if window is None:
+        window = OBSERVATION_WINDOW if default and cls.needs_attention else 0
+    head_max, decay = config.head_max, config.score_decay
+    return {
+        "sink_tokens": sinks,
+        "min_budget_tokens": floor,
+        "observation_window": window,
+        "head_max": (default and cls.head_max_by_default) if head_max is None else head_max,
+        "score_decay": (default and cls.decays_by_default) if decay is None else decay,
+    }
+
+
+def _per_head(config: ConfigFields) -> bool:
+    """``per_head``, or the preset's choice (per head for SWA and H2O, not with tiers)."""
+    if config.per_head is not None:
+        return config.per_head
+    default = config.preset == "default" and config.gpu_memory is None
+    return default and POLICIES[config.policy].per_head_by_default
+
+
+def _history_share(config: ConfigFields) -> float:
+    """``history_share``, or 0.5 for an attention-scored policy with ``retention="host"``."""
+    if config.history_share is not None:
+        return config.history_share
+    scored = config.retention == "host" and POLICIES[config.policy].needs_attention
+    return HISTORY_SHARE if scored else 0.0
+
+
+def _bytes(value: int | str | None, name: str) -> int | None:
+    return None if value is None else parse_bytes(value, field=name)
+
+
+def effective_values(config: ConfigFields, num_layers: int) -> dict[str, str]:
+    """Every effective setting of ``config`` as text, by name, in the config's field order.
+
+    A per-layer value the same in every layer reads once (``4``); one that differs reads by
+    layer ranges (``0: dense, 1-3: swa``); ``-`` marks a layer whose policy lacks the option.
+    ``layer_policy`` and ``budget_scale`` are the per-layer results of ``policy``,
+    ``dense_layers`` and ``layer_schedule``.
+    """
+    settings = resolve_settings(config, num_layers)
+    layers = [layer.values() for layer in settings.layers]
+    layer_names = {name for values in layers for name in values} - {"policy"}
+    options = {name for cls in POLICIES.values() for name in cls.config_fields}
+    resolved = {
+        "per_head": settings.per_head,
+        "history_share": settings.history_share,
+        "gpu_memory": settings.gpu_memory_bytes,
+        "host_memory": settings.host_memory_bytes,
+    }
+    result: dict[str, str] = {}
+    for item in fields(config):  # type: ignore[arg-type]  # an AlisaConfig dataclass
+        name = item.name
+        if name in layer_names:
+            result[name] = _by_layer([values.get(name, "-") for values in layers], name)
+        elif name in options:  # an option of another policy than the one running
+            result[name] = f"{getattr(config, name)} (unused by this policy)"
+        else:
+            result[name] = _text(resolved.get(name, getattr(config, name)), name)
+    result["layer_policy"] = _by_layer([values["policy"] for values in layers])
+    result["budget_scale"] = _by_layer([values["budget_scale"] for values in layers])
+    return result
+
+
+def describe_settings(config: ConfigFields, num_layers: int) -> str:
+    """The effective settings, one ``name  value`` line each; ``*`` marks a field left unset
+    (``None``) that the preset or the policy decided."""
+    unset = resolve_settings(config, num_layers).unset
+    values = effective_values(config, num_layers)
+    width = max(map(len, values))
+    lines = [
+        f"alisa settings ({num_layers} layers, preset {config.preset}; * = unset, decided by "
+        "the preset or the policy)"
+    ]
+    for name, text in values.items():
+        lines.append(f"  {name:<{width}}  {text}{' *' if name in unset else ''}")
+    return "\n".join(lines)
+
+
+def _by_layer(values: list[object], name: str = "") -> str:
+    """``4`` when every layer has the same value, else ``0: a, 1-3: b`` (runs of equal layers)."""
+    texts = [_text(value, name) for value in values]
+    if len(set(texts)) == 1:
+        return texts[0]
+    runs: list[list] = []
+    for index, text in enumerate(texts):
+        if runs and runs[-1][2] == text:
+            runs[-1][1] = index
+        else:
+            runs.append([index, index, text])
+    return ", ".join(
+        f"{first}: {text}" if first == last else f"{first}-{last}: {text}"
+        for first, last, text in runs
+    )
+
+
+def _text(value: object, name: str = "") -> str:
+    if value is None and name in UNSET_MEANS:
+        return UNSET_MEANS[name]
+    if name in ("gpu_memory", "host_memory") and isinstance(value, int):
+        return f"{value} ({format_bytes(value)})"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
