@@ -4,13 +4,13 @@ ALISA sparse window attention (https://arxiv.org/abs/2403.17312) and baseline KV
 Hugging Face ``generate``, INT8 KV storage and three-phase offload/recompute scheduling.
 """
 
-from alisa.cache import AlisaCache
 from alisa.config import AlisaConfig
-from alisa.generate import GenerationOutput, SamplingOptions, generate
-from alisa.hooks import attach, attached, detach
 from alisa.jobs import BatchJob, JobSummary, run_batch
-from alisa.models import load_model
+from alisa.kv.cache import AlisaCache
+from alisa.kv.hooks import attach, attached, detach
+from alisa.model.loading import load_model
 from alisa.policies import POLICIES, KVPolicy, get_policy
+from alisa.runtime.generate import GenerationOutput, SamplingOptions, generate
 
 __version__ = "0.1.0"
 

@@ -32,10 +32,10 @@ import torch
 from tqdm.auto import tqdm
 
 from alisa import AlisaConfig, load_model
-from alisa.architecture import model_shape
-from alisa.calibration import SELECTION_CONFIG, half_offload_budget
-from alisa.planning import model_spec
-from alisa.profiling import measure_report
+from alisa.calibration.profile import measure_report
+from alisa.calibration.steps import SELECTION_CONFIG, half_offload_budget
+from alisa.model.adapter import model_shape
+from alisa.planning.spec import model_spec
 from experiments.bench_speed import environment, worker_options
 from experiments.systems import system_name
 from experiments.worker import run_in_subprocess

@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from alisa.models import resolve_model_path
+    from alisa.model.loading import resolve_model_path
 
     work = Path(tempfile.mkdtemp(prefix="alisa-bench-distributed-"))
     source = work / "prompts.jsonl"

@@ -175,7 +175,7 @@ def _validate(raw: dict, file: Path) -> RunConfig:
 
 def _check_runtime(runtime: dict, file: Path) -> None:
     """Types and ranges of the ``[runtime]`` values, each error naming ``runtime.KEY``."""
-    from alisa.models import DTYPES
+    from alisa.model.loading import DTYPES
 
     threads = runtime["threads"]
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:

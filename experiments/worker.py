@@ -78,7 +78,7 @@ def measure(args: argparse.Namespace) -> dict:
 
 def dense_fp32_bytes(model, result) -> int:
     """Bytes of float32 K and V for every token of the run, all layers and KV heads."""
-    from alisa.architecture import model_shape
+    from alisa.model.adapter import model_shape
 
     shape = model_shape(model)
     tokens = sum(result.prompt_tokens) + result.generated_tokens - len(result.token_ids)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from alisa.accumulator import AttentionAccumulator
+from alisa.kv.accumulator import AttentionAccumulator
 
 
 def brute_force(rows: list[torch.Tensor], window: int) -> torch.Tensor:

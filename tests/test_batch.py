@@ -13,10 +13,10 @@ from conftest import byte_tokenizer, tiny_llama
 from transformers import DynamicCache
 
 from alisa import AlisaConfig, BatchJob, run_batch
-from alisa.architecture import model_shape
 from alisa.cli import main
 from alisa.jobs import batch_memory
-from alisa.planning import model_spec
+from alisa.model.adapter import model_shape
+from alisa.planning.spec import model_spec
 
 TESTS = Path(__file__).parent
 

@@ -8,9 +8,9 @@ import torch
 from conftest import tiny_llama
 
 from alisa import AlisaCache, AlisaConfig
-from alisa.architecture import model_shape
 from alisa.jobs.sizing import batch_memory, kept_tokens
-from alisa.planning import model_spec
+from alisa.model.adapter import model_shape
+from alisa.planning.spec import model_spec
 from scheduler import KeepRule, Workload, layers_kept
 
 LAYERS = 6

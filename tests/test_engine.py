@@ -4,7 +4,7 @@ import torch
 from conftest import tiny_llama
 
 from alisa import AlisaCache, AlisaConfig, generate
-from alisa.engine import DecodeState, Engine
+from alisa.runtime.engine import DecodeState, Engine
 
 PROMPT = "The quick brown fox jumps over"
 

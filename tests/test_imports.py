@@ -111,3 +111,54 @@ def test_no_import_circles():
 def test_graph_sees_late_imports(module):
     # Guards the checker itself: both modules have imports inside functions or type checks.
     assert import_graph(module_files())[module]
+
+
+# The package's floors, lowest first, as docs/architecture.md draws them: a module imports only
+# from its own floor or below, so the floors read bottom-up are the architecture.
+FLOORS = (
+    ("leaves", ("quant", "scheduler")),
+    ("basics", ("alisa.checks", "alisa.memory", "alisa.jsonl", "alisa.logs", "alisa.assignments")),
+    ("settings", ("alisa.policies", "alisa.settings", "alisa.config")),
+    ("model", ("alisa.model",)),
+    ("storage", ("alisa.storage",)),
+    ("planning", ("alisa.planning",)),
+    ("kv cache", ("alisa.kv",)),
+    ("runtime", ("alisa.runtime",)),
+    ("scale-out", ("alisa.parallel",)),
+    ("front ends", ("alisa.jobs", "alisa.calibration")),
+    ("public API", ("alisa",)),
+    ("experiments", ("experiments",)),
+    ("CLI", ("alisa.commands", "alisa.cli", "alisa.__main__")),
+)
+
+
+def floor_of(module: str) -> int:
+    """Index in FLOORS of the longest unit (package or module) containing ``module``."""
+    best, level = "", None
+    for index, (_, units) in enumerate(FLOORS):
+        for unit in units:
+            inside = module == unit or module.startswith(unit + ".")
+            if inside and len(unit) > len(best):
+                best, level = unit, index
+    if level is None:
+        raise KeyError(f"{module} is on no floor: add it to FLOORS and docs/architecture.md")
+    return level
+
+
+def test_every_module_imports_only_from_its_floor_or_below():
+    graph = import_graph(module_files())
+    upward = sorted(
+        f"{source} ({FLOORS[floor_of(source)][0]}) -> {target} ({FLOORS[floor_of(target)][0]})"
+        for source, targets in graph.items()
+        for target in targets
+        if floor_of(target) > floor_of(source)
+    )
+    assert not upward, "imports from a higher floor: " + "; ".join(upward)
+
+
+def test_the_floor_checker_places_modules_by_their_longest_unit():
+    assert FLOORS[floor_of("alisa.kv.layer")][0] == "kv cache"
+    assert FLOORS[floor_of("alisa")][0] == "public API"
+    assert FLOORS[floor_of("alisa.cli")][0] == "CLI"
+    with pytest.raises(KeyError, match="no floor"):
+        floor_of("alisa_elsewhere")

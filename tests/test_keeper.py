@@ -5,8 +5,8 @@ import torch
 from conftest import hf_generate, padded_batch, tiny_llama
 
 from alisa import AlisaCache, AlisaConfig
-from alisa.keeper import Keeper
-from alisa.selection import top_k, with_protections
+from alisa.kv.keeper import Keeper
+from alisa.kv.selection import top_k, with_protections
 
 
 class NewestKeeper(Keeper):

@@ -3,7 +3,7 @@ import torch
 from conftest import tiny_llama
 
 from alisa import load_model
-from alisa.models import cache_root, resolve_dtype, resolve_model_path
+from alisa.model.loading import cache_root, resolve_dtype, resolve_model_path
 
 
 def test_local_directory_loads_with_left_padding(tmp_path, tokenizer):

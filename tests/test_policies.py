@@ -142,8 +142,8 @@ def test_dense_keeps_everything_whatever_its_budget_options():
 
 
 def test_the_observation_window_vote_is_pooled_and_ranks_the_first_eviction():
-    from alisa.eviction import DropKeeper
-    from alisa.slots import SlotMap
+    from alisa.kv.drop import DropKeeper
+    from alisa.kv.slots import SlotMap
 
     policy = get_policy("swa", caching_ratio=0.25, observation_window=4)
     slots = SlotMap(1, 2, 40, 48, torch.device("cpu"))

@@ -7,10 +7,10 @@ import pytest
 import torch
 from conftest import tiny_llama
 
+from alisa.calibration.profile import measure_report
 from alisa.cli import main
 from alisa.commands.profile import describe
-from alisa.planning import cpu_model
-from alisa.profiling import measure_report
+from alisa.planning.hardware import cpu_model
 from scheduler import HardwareProfile, load_profile
 from scheduler.calibrate import Spread, StepSample, fit_decode, fit_selection
 from scheduler.hardware import mismatches
@@ -255,7 +255,7 @@ def test_measured_profile_records_machine_and_labels_every_term():
 def test_selection_calibration_keeps_the_picks_that_fit(monkeypatch):
     """A pick whose fit fails (say, the slowest repeat) is left out; only when every pick fails
     does the calibration fall back to the KV read rate, labelled as such."""
-    import alisa.calibration as calibration
+    import alisa.calibration.steps as calibration
     from scheduler.calibrate import SelectionFit
 
     def fit(samples, bases, sketch, pick, device_type):

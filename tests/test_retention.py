@@ -9,13 +9,13 @@ import torch
 from conftest import hf_generate, padded_batch, tiny_gpt2, tiny_llama
 
 from alisa import AlisaCache, AlisaConfig, generate
-from alisa.architecture import model_shape
-from alisa.eviction import DropKeeper
 from alisa.jobs.sizing import batch_memory
-from alisa.layer import AlisaLayer
-from alisa.planning import model_spec
+from alisa.kv.drop import DropKeeper
+from alisa.kv.host import HostKeeper
+from alisa.kv.layer import AlisaLayer
+from alisa.model.adapter import model_shape
+from alisa.planning.spec import model_spec
 from alisa.policies import POLICIES
-from alisa.retention import HostKeeper
 from alisa.storage.pages import PAGE_TOKENS, FetchedRows
 from alisa.storage.quantized import QuantizedStore
 

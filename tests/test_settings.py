@@ -83,7 +83,7 @@ def test_generate_shows_the_config_and_the_summary_names_changed_settings(tiny_m
 
 
 def test_the_workload_keeps_what_the_cache_keeps():
-    from alisa.planning import config_workload
+    from alisa.planning.spec import config_workload
 
     config = AlisaConfig(policy="swa", budget_tokens=100, retention="host", host_bits=4)
     workload = config_workload(config, 3, batch=2, prompt_len=1000, gen_len=5)
@@ -97,8 +97,8 @@ def test_the_workload_keeps_what_the_cache_keeps():
 def test_the_selection_calibration_workload_is_unchanged():
     from dataclasses import replace
 
-    from alisa.calibration import SELECTION_CONFIG
-    from alisa.planning import config_workload
+    from alisa.calibration.steps import SELECTION_CONFIG
+    from alisa.planning.spec import config_workload
     from scheduler import Workload
 
     built = config_workload(SELECTION_CONFIG, 4, batch=2, prompt_len=512, gen_len=1)
@@ -119,5 +119,5 @@ def test_the_cli_shows_library_log_records_on_stderr(capsys):
 
     log_to_stderr()
     log_to_stderr()  # once: no second handler
-    logging.getLogger("alisa.models").info("converting x.gguf to safetensors once")
+    logging.getLogger("alisa.model.loading").info("converting x.gguf to safetensors once")
     assert capsys.readouterr().err == "alisa: converting x.gguf to safetensors once\n"

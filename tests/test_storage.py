@@ -3,7 +3,7 @@
 import torch
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from alisa.grouped import grouped_logits
+from alisa.kv.grouped import grouped_logits
 from alisa.storage.quantized import QuantizedStore
 from alisa.storage.regions import DeviceRegion, TierStats
 from alisa.storage.store import DenseStore, KVStore, TokenInputs

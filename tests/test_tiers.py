@@ -116,9 +116,9 @@ def test_int8_storage_can_be_tiered_too():
 
 
 def test_calibration_splits_half_the_kv_off_device_and_only_lowers_rates():
-    from alisa.architecture import model_shape
-    from alisa.calibration import calibrate_tiers, decode_step, half_offload_budget
-    from alisa.planning import model_spec
+    from alisa.calibration.steps import calibrate_tiers, decode_step, half_offload_budget
+    from alisa.model.adapter import model_shape
+    from alisa.planning.spec import model_spec
 
     model = tiny_llama()
     spec = model_spec(model, model_shape(model))

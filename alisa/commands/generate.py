@@ -6,7 +6,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from alisa.architecture import model_shape
 from alisa.commands.options import (
     CommandError,
     add_cache_options,
@@ -17,6 +16,7 @@ from alisa.commands.options import (
     load_for_cli,
 )
 from alisa.config import AlisaConfig
+from alisa.model.adapter import model_shape
 from alisa.parallel.generate import DECODES, MODES, PARTITIONS
 from alisa.settings import describe_settings, effective_values
 
@@ -122,7 +122,7 @@ def parallel_config(args: argparse.Namespace):
 
 def fit_prompt(model, tokenizer, prompt: str, args: argparse.Namespace) -> str:
     """The prompt, or with ``--truncate-prompt`` its last tokens that fit the context."""
-    from alisa.models import check_prompt_length, context_length, keep_last_tokens
+    from alisa.model.loading import check_prompt_length, context_length, keep_last_tokens
 
     tokens = len(tokenizer(prompt)["input_ids"])
     known = context_length(model, tokenizer)
@@ -135,7 +135,7 @@ def fit_prompt(model, tokenizer, prompt: str, args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from alisa.generate import SamplingOptions, generate
+    from alisa.runtime.generate import SamplingOptions, generate
 
     check_minimum("--max-new-tokens", args.max_new_tokens, 0)
     prompt = read_prompt(args)

@@ -16,7 +16,7 @@ from dataclasses import MISSING, Field, fields
 from pathlib import Path
 
 from alisa.config import AlisaConfig
-from alisa.models import DEFAULT_MODEL, DTYPES
+from alisa.model.loading import DEFAULT_MODEL, DTYPES
 
 T = typing.TypeVar("T")
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_ROWS_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -194,7 +194,7 @@ def check_new_file(flag: str, path: Path) -> None:
 
 def dtype_from_flag(value: str):
     """The torch dtype of ``--dtype`` (None for ``auto``); the error names the flag."""
-    from alisa.models import resolve_dtype
+    from alisa.model.loading import resolve_dtype
 
     try:
         return resolve_dtype(value)
@@ -206,7 +206,7 @@ def load_for_cli(spec: str, dtype: str):
     """Load a model quietly (HF's per-load bars off) after any one-time GGUF conversion."""
     from transformers.utils import logging as hf_logging
 
-    from alisa.models import load_model, resolve_model_path
+    from alisa.model.loading import load_model, resolve_model_path
 
     dtype_from_flag(dtype)  # fail on a bad dtype before any slow work
     path = resolve_model_path(spec)  # converts a GGUF once, with its progress bar

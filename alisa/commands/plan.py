@@ -13,10 +13,10 @@ from alisa.commands.options import (
     check_minimum,
     dtype_from_flag,
 )
-from alisa.models import DTYPES
+from alisa.model.loading import DTYPES
 
 HELP = "print the three-phase plan (weights, KV tiers, p1/p2, alpha/beta, memory, tokens/s)"
-# The AlisaConfig fields the runtime's tier planner reads (alisa.planning.TierPlanner.decide).
+# The AlisaConfig fields the runtime's tier planner reads (alisa.planning.tiers.TierPlanner.decide).
 PLAN_FIELDS = (
     "policy",
     "caching_ratio",
@@ -57,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from alisa.planning import config_workload, cpu_model, empty_model_spec
+    from alisa.planning.hardware import cpu_model
+    from alisa.planning.spec import config_workload, empty_model_spec
     from scheduler import MODEL_PRESETS, Options, solve
     from scheduler.hardware import mismatches
 
@@ -94,7 +95,7 @@ def _hardware(args: argparse.Namespace, config):
     import torch
 
     from alisa.memory import parse_bytes
-    from alisa.planning import machine_profile
+    from alisa.planning.hardware import machine_profile
     from scheduler import preset
 
     if args.hardware and config.profile:

@@ -27,8 +27,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from alisa.planning import default_profile_path
-    from alisa.profiling import PLAN_SIZES, measure_report
+    from alisa.calibration.profile import PLAN_SIZES, measure_report
+    from alisa.planning.hardware import default_profile_path
 
     check_minimum("--threads", args.threads, 1)
     for flag in ("--batch", "--context"):

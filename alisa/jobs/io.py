@@ -66,7 +66,7 @@ def read_requests(path: str | Path) -> list[Request]:
 
 def _check_options(options: dict, where: str, which: str) -> None:
     """Types and ranges of a row's options, with the rules of the flags they override."""
-    from alisa.generate import SamplingOptions
+    from alisa.runtime.generate import SamplingOptions
 
     for key, value in options.items():
         if key not in ROW_OPTIONS:

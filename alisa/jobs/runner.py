@@ -9,15 +9,15 @@ from dataclasses import dataclass, field
 import psutil
 from tqdm.auto import tqdm
 
-from alisa.architecture import model_shape
 from alisa.config import AlisaConfig
-from alisa.generate import SamplingOptions, generate
 from alisa.jobs.io import OutputLog, Request, read_requests, same_file
 from alisa.jobs.parts import merge_parts
 from alisa.jobs.sizing import BatchMemory, batch_memory, largest_batch
 from alisa.memory import PeakMemory, format_bytes, parse_bytes
-from alisa.models import context_length, prompt_length_error
-from alisa.planning import model_spec
+from alisa.model.adapter import model_shape
+from alisa.model.loading import context_length, prompt_length_error
+from alisa.planning.spec import model_spec
+from alisa.runtime.generate import SamplingOptions, generate
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -241,7 +241,7 @@ def run_requests(
 
 
 def _generate(model, tokenizer, job: BatchJob, batch: list[Request], new_tokens: int, factory):
-    """One batch through :func:`alisa.generate.generate` (a fresh cache from ``factory``)."""
+    """One batch through `generate()` (a fresh cache from ``factory``)."""
     return generate(
         model,
         tokenizer,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from alisa.config import AlisaConfig
-from alisa.slots import headroom
+from alisa.storage.store import headroom
 from scheduler import ModelSpec, layers_kept
 
 SAFETY = 1.10  # allocator slack on activations

@@ -2,7 +2,7 @@
 
 Call :func:`parallel_generate` on every rank of an initialised process group (torchrun, or
 :func:`alisa.parallel.dist.spawn`); the last rank returns the :class:`GenerationOutput`, the
-others None. A single process needs none of this: use :func:`alisa.generate`.
+others None. A single process needs none of this: use :func:`alisa.runtime.generate`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from alisa.architecture import ModelAdapter
 from alisa.config import AlisaConfig, policy_for_layer
-from alisa.engine import DecodeState, Engine, GenerationOutput, device_clock
+from alisa.model.adapter import ModelAdapter
 from alisa.parallel.kvr import (
     AllGatherCache,
     RunaheadAlisaCache,
@@ -31,7 +30,8 @@ from alisa.parallel.partition import (
     with_last_chunk,
 )
 from alisa.parallel.sharded import SHARDED_ATTENTION, MasterShardCache, ShardContext, make_shards
-from alisa.sampling import SamplingOptions
+from alisa.runtime.engine import DecodeState, Engine, GenerationOutput, device_clock
+from alisa.runtime.sampling import SamplingOptions
 
 MODES = ("kvr", "tsp")
 PARTITIONS = ("even", "search", "table")

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from transformers import DynamicCache
 
-from alisa.architecture import model_shape
-from alisa.cache import AlisaCache
+from alisa.kv.cache import AlisaCache
+from alisa.model.adapter import model_shape
 
 
 class _Chain:

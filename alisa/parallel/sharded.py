@@ -19,9 +19,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from alisa.config import AlisaConfig, policy_for_layer
-from alisa.eviction import DropKeeper
-from alisa.grouped import grouped_logits
-from alisa.layer import AlisaLayer
+from alisa.kv.drop import DropKeeper
+from alisa.kv.grouped import grouped_logits
+from alisa.kv.layer import AlisaLayer
 
 SHARDED_ATTENTION = "alisa_sharded"
 

@@ -4,7 +4,7 @@ The recompute tier keeps, per token, the input of a layer's attention (after the
 the RoPE position it was encoded at; K and V come back through the layer's own projections and
 rotary embedding, so nothing is forked: the modules of the loaded model do the work. Supported:
 separate ``k_proj``/``v_proj`` (Llama, Mistral, Qwen2, OPT, ...; RoPE applied when the base model
-has ``rotary_emb``) and GPT-2's fused ``c_attn`` (see :class:`~alisa.architecture.ModelAdapter`).
+has ``rotary_emb``) and GPT-2's fused ``c_attn`` (see :class:`~alisa.model.adapter.ModelAdapter`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from alisa.architecture import ModelAdapter
+from alisa.model.adapter import ModelAdapter
 
 
 class KVRecomputer:
@@ -23,7 +23,7 @@ class KVRecomputer:
     model
         The HF model whose attention modules produced the cache.
     adapter
-        Its :class:`~alisa.architecture.ModelAdapter`, when already built.
+        Its :class:`~alisa.model.adapter.ModelAdapter`, when already built.
 
     Raises
     ------

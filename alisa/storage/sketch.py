@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from alisa.slots import headroom
+from alisa.storage.store import headroom
 
 SKETCH_DTYPE = torch.bfloat16
 # Share of the key channels kept: bytes are then head_dim per token and KV head (1/8 of an fp32

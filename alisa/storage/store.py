@@ -303,6 +303,11 @@ class DenseStore(DeviceResident):
         self.keys, self.values = self.keys.pin_memory(), self.values.pin_memory()
 
 
+def headroom(slots: int) -> int:
+    """Spare slots allocated beyond what is stored: growth in chunks of 1/8, at least 32."""
+    return max(32, slots // 8)
+
+
 def with_capacity(tensor: torch.Tensor, capacity: int) -> torch.Tensor:
     """Copy with the slot dimension (second to last) at ``capacity``: cut or zero-padded."""
     length = tensor.shape[-2]

@@ -7,7 +7,7 @@ the model to the ``alisa`` attention implementation. :func:`detach` undoes both;
 its previous implementation by itself at the first forward that uses another cache, so a model
 used with an ``AlisaCache`` and then without gives HF's own outputs.
 
-An ALISA cache is recognised by its layers' type (:class:`~alisa.layer.AlisaLayer`), so this
+An ALISA cache is recognised by its layers' type (:class:`~alisa.kv.layer.AlisaLayer`), so this
 module does not import the cache.
 """
 
@@ -19,9 +19,9 @@ from contextlib import contextmanager
 from torch import nn
 from transformers.cache_utils import Cache
 
-from alisa.architecture import ModelAdapter, attention_modules
-from alisa.attention import ATTENTION_NAME
-from alisa.layer import AlisaLayer
+from alisa.kv.attention import ATTENTION_NAME
+from alisa.kv.layer import AlisaLayer
+from alisa.model.adapter import ModelAdapter, attention_modules
 
 
 def _alisa_layer(cache, layer_idx: int) -> AlisaLayer | None:

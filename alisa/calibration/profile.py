@@ -1,8 +1,8 @@
 """Measure this machine for the scheduler: every cost-model term, with its spread and source.
 
 With a model, the terms the LP uses come from the model's own work at the plan's sizes
-(:mod:`alisa.calibration`): decode steps at two batch sizes and two context lengths fit the step
-overhead, FLOP rate and KV read rate; tiered steps give the host-read and recompute rates;
+(:mod:`alisa.calibration.steps`): decode steps at two batch sizes and two context lengths fit the
+step overhead, FLOP rate and KV read rate; tiered steps give the host-read and recompute rates;
 retention="host" steps give the selection's sketch rate and per-step constant.
 Micro-benchmarks (a square matmul, a memory sweep, a pool-to-pool copy) fill the terms that no
 step identifies, and stand in, labelled as fallbacks, when a fit fails twice.
@@ -19,8 +19,7 @@ import psutil
 import torch
 from tqdm.auto import tqdm
 
-from alisa.architecture import model_shape
-from alisa.calibration import (
+from alisa.calibration.steps import (
     LATER_TICKS,
     calibrate_selection,
     calibrate_tiers,
@@ -29,7 +28,9 @@ from alisa.calibration import (
     fit_decode_terms,
     timings,
 )
-from alisa.planning import cpu_model, model_spec
+from alisa.model.adapter import model_shape
+from alisa.planning.hardware import cpu_model
+from alisa.planning.spec import model_spec
 from alisa.storage.recompute import KVRecomputer
 from scheduler import HardwareProfile
 from scheduler.calibrate import FIT_TOLERANCE, Spread

@@ -15,9 +15,9 @@ from functools import partial
 import torch
 from torch import nn
 
-from alisa.cache import AlisaCache
+from alisa.kv.cache import AlisaCache
 from alisa.memory import tensor_bytes
-from alisa.sampling import SamplingOptions, TokenPicker
+from alisa.runtime.sampling import SamplingOptions, TokenPicker
 
 
 @dataclass(kw_only=True)
@@ -192,7 +192,7 @@ class Engine:
         Decodes the output texts and supplies EOS/pad when the model's config lacks them;
         ``None`` is enough for :meth:`step` (profiling).
     sampling
-        Greedy by default; see :class:`~alisa.sampling.SamplingOptions`.
+        Greedy by default; see :class:`~alisa.runtime.sampling.SamplingOptions`.
     stop_at_eos
         False never stops a row early (benchmarks of equal work).
     """

@@ -19,7 +19,7 @@ import math
 import numpy as np
 import torch
 
-from alisa.slots import headroom
+from alisa.storage.store import headroom
 
 NO_STAMP = -(2**62)
 

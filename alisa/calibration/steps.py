@@ -8,11 +8,11 @@ from dataclasses import replace
 
 import torch
 
-from alisa.architecture import model_shape
-from alisa.cache import AlisaCache
 from alisa.config import AlisaConfig
-from alisa.engine import DecodeState, Engine, device_clock
-from alisa.planning import config_workload, model_spec
+from alisa.kv.cache import AlisaCache
+from alisa.model.adapter import model_shape
+from alisa.planning.spec import config_workload, model_spec
+from alisa.runtime.engine import DecodeState, Engine, device_clock
 from scheduler import (
     CostModel,
     HardwareProfile,

@@ -1,7 +1,7 @@
 """Dropping: the keeper that evicts each sequence's excess tokens for good (ALISA's SWA, H2O, ...).
 
 Per sequence, the excess over the policy's budget goes, lowest policy score first, with sinks,
-the recent window and empty slots protected (:func:`alisa.selection.top_k`). Evicted tokens are
+the recent window and empty slots protected (:func:`alisa.kv.selection.top_k`). Evicted tokens are
 really gone: their slot is overwritten by the next token, and compaction returns the memory.
 ALISA, https://arxiv.org/abs/2403.17312, Alg. 1.
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from alisa.accumulator import AttentionAccumulator
-from alisa.keeper import Keeper
-from alisa.selection import top_k, with_protections
-from alisa.slots import SlotMap
+from alisa.kv.accumulator import AttentionAccumulator
+from alisa.kv.keeper import Keeper
+from alisa.kv.selection import top_k, with_protections
+from alisa.kv.slots import SlotMap
 from alisa.storage.store import KVStore
 
 # Neighbouring tokens pooled into the observation window's vote (SnapKV's kernel, as kvpress):
@@ -26,7 +26,7 @@ class DropKeeper(Keeper):
     """Keeps each sequence's budget of tokens and deletes the rest, by the policy's scores.
 
     An attention-scored policy (SWA, H2O, TOVA) gets the attention each slot received, summed
-    over its score window (:class:`~alisa.accumulator.AttentionAccumulator`).
+    over its score window (:class:`~alisa.kv.accumulator.AttentionAccumulator`).
     """
 
     def __init__(self, policy, *, per_head: bool = False) -> None:

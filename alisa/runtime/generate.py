@@ -1,4 +1,4 @@
-"""``alisa.generate``: batched prefill + decode with the ALISA cache, timed step by step."""
+"""``alisa.runtime.generate``: batched prefill + decode with the ALISA cache, timed step by step."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from alisa.cache import AlisaCache
 from alisa.config import AlisaConfig
-from alisa.engine import DecodeState, Engine, GenerationOutput, cache_kv_bytes
-from alisa.hooks import attached
+from alisa.kv.cache import AlisaCache
+from alisa.kv.hooks import attached
 from alisa.memory import PeakMemory
-from alisa.models import check_prompt_length
-from alisa.sampling import SamplingOptions
+from alisa.model.loading import check_prompt_length
+from alisa.runtime.engine import DecodeState, Engine, GenerationOutput, cache_kv_bytes
+from alisa.runtime.sampling import SamplingOptions
 
 
 @torch.inference_mode()

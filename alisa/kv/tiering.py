@@ -8,12 +8,12 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from alisa.slots import SlotMap
+from alisa.kv.slots import SlotMap
 from alisa.storage.store import KVStore, TokenInputs
 
 
 class Tiering(Protocol):
-    """Splits a layer's prefill over storage tiers (see :class:`alisa.planning.TierPlanner`)."""
+    """Splits a layer's prefill over storage tiers (:class:`~alisa.planning.tiers.TierPlanner`)."""
 
     keeps_inputs: bool  # whether layers must keep their attention inputs (recompute tier)
 

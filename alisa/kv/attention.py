@@ -3,13 +3,13 @@
 Prefill runs HF's own SDPA path (so it is exact and never materialises L x L scores), then seeds
 the policy's attention sums from the last prompt queries. Decode runs over the kept slots
 directly on the grouped KV heads (no ``repeat_kv``). Either way the function then hands the step
-to the cache layer's :meth:`~alisa.layer.AlisaLayer.after_attention` (its keeper evicts or
+to the cache layer's :meth:`~alisa.kv.layer.AlisaLayer.after_attention` (its keeper evicts or
 updates its history, the tiers prefetch):
 it computes attention and nothing else. With any cache other than the ALISA cache, the function
 is plain SDPA.
 
 The cache layer reaches the attention function through a forward pre-hook on each attention
-module (:mod:`alisa.hooks`), which adds ``alisa_layer`` to the keyword arguments that HF passes
+module (:mod:`alisa.kv.hooks`), which adds ``alisa_layer`` to the keyword arguments that HF passes
 through to attention.
 """
 
@@ -21,9 +21,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-# Re-exported only for alisa/parallel/generate.py until it imports it from alisa.architecture.
-from alisa.grouped import grouped_logits
-from alisa.layer import AlisaLayer
+# Re-exported only for alisa/parallel/generate.py until it imports it from alisa.model.adapter.
+from alisa.kv.grouped import grouped_logits
+from alisa.kv.layer import AlisaLayer
 from alisa.storage.store import Part
 
 ATTENTION_NAME = "alisa"

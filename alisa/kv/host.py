@@ -31,11 +31,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from alisa.accumulator import AttentionAccumulator
-from alisa.keeper import Keeper
+from alisa.kv.accumulator import AttentionAccumulator
+from alisa.kv.keeper import Keeper
+from alisa.kv.selection import top_k, with_protections
+from alisa.kv.slots import SlotMap
 from alisa.policies import KVPolicy
-from alisa.selection import top_k, with_protections
-from alisa.slots import SlotMap
 from alisa.storage.pages import PAGE_TOKENS, HostPages
 from alisa.storage.sketch import KeySketch
 from alisa.storage.store import KVStore

@@ -1,8 +1,8 @@
 """One ALISA cache layer: the Hugging Face face of a slot map, a store and a keeper.
 
-The layer composes three parts with one job each: a :class:`~alisa.slots.SlotMap` (which token
+The layer composes three parts with one job each: a :class:`~alisa.kv.slots.SlotMap` (which token
 sits in which slot), a :class:`~alisa.storage.store.KVStore` (the bytes, possibly over several
-tiers) and a :class:`~alisa.keeper.Keeper` (which tokens stay on the device: dropping or host
+tiers) and a :class:`~alisa.kv.keeper.Keeper` (which tokens stay on the device: dropping or host
 retention). The attention function calls :meth:`AlisaLayer.before_attention` at a decode step,
 reads :meth:`AlisaLayer.parts`, and calls :meth:`AlisaLayer.after_attention` once per call; the
 layer forwards each to its keeper and keeps the buffers sized and compact. It never asks which
@@ -15,14 +15,14 @@ import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from alisa.keeper import Keeper
-from alisa.slots import SlotMap, headroom
-from alisa.storage.store import DenseStore, KVStore, Part, StoreFactory, TokenInputs
-from alisa.tiering import CallInputs, Tiering
+from alisa.kv.keeper import Keeper
+from alisa.kv.slots import SlotMap
+from alisa.kv.tiering import CallInputs, Tiering
+from alisa.storage.store import DenseStore, KVStore, Part, StoreFactory, TokenInputs, headroom
 
 
 class AlisaLayer(CacheLayerMixin):
-    """KV of one attention layer: what its :class:`~alisa.keeper.Keeper` keeps on the device.
+    """KV of one attention layer: what its :class:`~alisa.kv.keeper.Keeper` keeps on the device.
 
     Parameters
     ----------

@@ -1,9 +1,9 @@
 """The keeper protocol: what one cache layer holds on the device, decided around attention.
 
-A layer (:class:`~alisa.layer.AlisaLayer`) owns the slot map (which token sits in which slot) and
+A layer (:class:`~alisa.kv.layer.AlisaLayer`) owns the slot map (which token sits in which slot) and
 the store (the bytes); its keeper decides which tokens those are. Two keepers ship:
-:class:`~alisa.eviction.DropKeeper` (ALISA's SWA, H2O, ...: tokens over the budget are evicted
-for good) and :class:`~alisa.retention.HostKeeper` (every token kept in host memory, each decode
+:class:`~alisa.kv.drop.DropKeeper` (ALISA's SWA, H2O, ...: tokens over the budget are evicted
+for good) and :class:`~alisa.kv.host.HostKeeper` (every token kept in host memory, each decode
 step attends to the best tokens per KV head). A third (a disk tier, a keeper for sliding-window
 layers) is one more subclass; the layer never asks which keeper it has.
 
@@ -22,8 +22,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from alisa.kv.slots import SlotMap
 from alisa.policies import KVPolicy
-from alisa.slots import SlotMap
 from alisa.storage.store import KVStore
 
 

@@ -8,16 +8,16 @@ from functools import partial
 from torch import nn
 from transformers.cache_utils import Cache
 
-from alisa.architecture import ModelAdapter, ModelShape
-from alisa.attention import ATTENTION_NAME
 from alisa.config import AlisaConfig, policy_for_layer
-from alisa.eviction import DropKeeper
-from alisa.hooks import attach
-from alisa.keeper import Keeper
-from alisa.layer import AlisaLayer
-from alisa.planning import TierPlanner
+from alisa.kv.attention import ATTENTION_NAME
+from alisa.kv.drop import DropKeeper
+from alisa.kv.hooks import attach
+from alisa.kv.host import HostKeeper
+from alisa.kv.keeper import Keeper
+from alisa.kv.layer import AlisaLayer
+from alisa.model.adapter import ModelAdapter, ModelShape
+from alisa.planning.tiers import TierPlanner
 from alisa.policies import KVPolicy
-from alisa.retention import HostKeeper
 from alisa.storage.quantized import QuantizedStore
 from alisa.storage.recompute import KVRecomputer
 from alisa.storage.store import DenseStore, StoreFactory
@@ -36,7 +36,7 @@ class AlisaCache(Cache):
         model.generate(**inputs, past_key_values=cache)
 
     Building it routes the model's attention through the ``alisa`` attention function (see
-    :func:`alisa.hooks.attach`), which is plain SDPA for any other cache; the model's previous
+    :func:`alisa.kv.hooks.attach`), which is plain SDPA for any other cache; the model's previous
     attention comes back at its first forward with another cache. One cache serves one
     generation (one batch of sequences).
 
@@ -49,7 +49,7 @@ class AlisaCache(Cache):
     max_new_tokens
         Generation length the tier planner assumes (``gpu_memory`` only).
     keeper
-        Builds each layer's :class:`~alisa.keeper.Keeper` from the config and the layer's
+        Builds each layer's :class:`~alisa.kv.keeper.Keeper` from the config and the layer's
         policy; None: :func:`default_keeper` (dropping, or host retention).
     """
 

@@ -14,13 +14,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from alisa.storage.store import headroom
+
 FREE = -1  # slot holds nothing; may be reused
 PAD = -2  # slot holds a left-padding token; masked, reclaimed at the next compaction
-
-
-def headroom(slots: int) -> int:
-    """Spare slots allocated beyond what is stored: growth in chunks of 1/8, at least 32."""
-    return max(32, slots // 8)
 
 
 class SlotMap:
