@@ -59,6 +59,12 @@ def alisa_attention(
         ((B, q, H, D) output, None).
     """
     layer: AlisaLayer | None = kwargs.pop("alisa_layer", None)
+    if layer is not None:  # HF's SDPA would ignore some of them: refuse, never run wrong
+        for name in UNSUPPORTED_KWARGS:
+            if kwargs.get(name) is not None:
+                raise ValueError(
+                    f"attention option {name}={kwargs[name]!r} is not supported by alisa"
+                )
     if layer is None or layer.prefilling:
         output, _ = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -68,9 +74,6 @@ def alisa_attention(
             _account_prompt(layer, query, key, attention_mask, scaling)
             layer.after_attention(query, None)
         return output, None
-    for name in UNSUPPORTED_KWARGS:
-        if kwargs.get(name) is not None:
-            raise ValueError(f"attention option {name}={kwargs[name]!r} is not supported by alisa")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     layer.before_attention(query)
     parts = layer.parts(query)

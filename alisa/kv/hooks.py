@@ -21,7 +21,7 @@ from transformers.cache_utils import Cache
 
 from alisa.kv.attention import ATTENTION_NAME
 from alisa.kv.layer import AlisaLayer
-from alisa.model.adapter import ModelAdapter, attention_modules
+from alisa.model.adapter import CACHE_KWARGS, ModelAdapter, attention_modules
 
 
 def _alisa_layer(cache, layer_idx: int) -> AlisaLayer | None:
@@ -32,7 +32,8 @@ def _alisa_layer(cache, layer_idx: int) -> AlisaLayer | None:
 
 
 def _inject_layer(module: nn.Module, args: tuple, kwargs: dict):
-    layer = _alisa_layer(kwargs.get("past_key_values"), module.layer_idx)
+    cache = next((kwargs[name] for name in CACHE_KWARGS if kwargs.get(name) is not None), None)
+    layer = _alisa_layer(cache, module.layer_idx)
     if layer is None:
         return None
     kwargs["alisa_layer"] = layer

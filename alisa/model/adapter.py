@@ -7,6 +7,7 @@ embedding, key/value projections, softmax scales); the cache, the recomputer and
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,14 +38,22 @@ class ModelShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 
+# The keyword under which a modeling file hands its attention module the cache (Llama-style,
+# older files, and GPT-NeoX / GPTBigCode / CTRL).
+CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+
+
 def model_shape(model: nn.Module) -> ModelShape:
     """Read the attention geometry from a model and check the runtime supports it.
+
+    Every reason a model cannot run exactly is found here, when the cache is built, never at a
+    later forward (:func:`unsupported_reason`).
 
     Raises
     ------
     ValueError
         Naming what is missing: a decoder-only config, one full-attention module per layer
-        reached through HF's attention interface, no sliding-window or linear-attention layers.
+        reached through HF's attention interface and handed the cache, per-head keys and values.
     """
     config = getattr(model, "config", None)
     if config is None:
@@ -66,22 +75,11 @@ def model_shape(model: nn.Module) -> ModelShape:
     ]
     if missing:
         raise ValueError(f"{name} config lacks {', '.join(missing)}")
+    reason = unsupported_reason(model)
+    if reason is not None:
+        raise ValueError(f"{name} is not supported: {reason}")
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * layers
-    other = sorted({t for t in layer_types if t != "full_attention"})
-    if other or getattr(config, "sliding_window", None) and _uses_sliding_window(config):
-        kinds = ", ".join(other) if other else "sliding_attention"
-        raise ValueError(
-            f"{name} has non-full-attention layers ({kinds}); "
-            "alisa needs full attention in every layer"
-        )
-    modules = attention_modules(model)
-    if len(modules) != layers:
-        raise ValueError(
-            f"{name}: found {len(modules)} attention modules with a layer_idx for {layers} layers; "
-            "alisa needs one self-attention module per layer that calls HF's attention interface"
-        )
     return ModelShape(
         num_layers=layers,
         num_heads=heads,
@@ -89,6 +87,73 @@ def model_shape(model: nn.Module) -> ModelShape:
         head_dim=head_dim,
         hidden_size=hidden,
     )
+
+
+def layer_types(model: nn.Module) -> list[str]:
+    """Each layer's attention kind as transformers' own ``DynamicCache`` sees it
+    (``full_attention``, ``sliding_attention``, ``linear_attention``, ...)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    text = model.config.get_text_config(decoder=True)
+    return list(get_layer_types_and_kwargs(text)[0])
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why ``model`` cannot run exactly with the ALISA cache, or None when it can.
+
+    Checked without running the model (https://huggingface.co/docs/transformers/attention_interface):
+    attention must go through transformers' attention interface (the ``alisa`` function then
+    sees every query), every layer must be full attention, the cache must receive per-head keys
+    and values (not multi-head latent attention's latents), each attention module must be handed
+    the cache, and no attention option alisa does not apply (logit soft-capping, learned sinks)
+    may be in use.
+    """
+    config = model.config.get_text_config(decoder=True)
+    if not type(model)._can_set_attn_implementation():
+        return (
+            "its modeling code computes attention inline instead of through transformers' "
+            "attention interface (ALL_ATTENTION_FUNCTIONS), so the kept tokens could not be the "
+            "ones attended"
+        )
+    kinds = sorted({kind for kind in layer_types(model) if kind != "full_attention"})
+    if kinds:
+        window = getattr(config, "sliding_window", None)
+        detail = f" (sliding_window={window})" if "sliding_attention" in kinds and window else ""
+        return f"it has non-full-attention layers ({', '.join(kinds)}){detail}; alisa needs " + (
+            "full attention in every layer"
+        )
+    rank = getattr(config, "kv_lora_rank", None)
+    if rank:
+        return (
+            f"it caches multi-head latent attention latents (kv_lora_rank={rank}), not per-head "
+            "keys and values"
+        )
+    modules = attention_modules(model)
+    if len(modules) != config.num_hidden_layers:
+        return (
+            f"found {len(modules)} attention modules with a layer_idx for "
+            f"{config.num_hidden_layers} layers; alisa needs one self-attention module per layer"
+        )
+    return _module_reason(modules[0])
+
+
+def _module_reason(module: nn.Module) -> str | None:
+    """What in an attention module's forward alisa cannot follow, or None."""
+    parameters = inspect.signature(type(module).forward).parameters
+    if not any(name in parameters for name in CACHE_KWARGS):
+        return (
+            f"{type(module).__name__}.forward takes no cache argument "
+            f"({' / '.join(CACHE_KWARGS)}), so the attention function could not reach the cache"
+        )
+    source = inspect.getsource(type(module).forward)
+    if "softcap=" in source and getattr(module, "attn_logit_softcapping", None) is not None:
+        return (
+            f"attention logit soft-capping (attn_logit_softcapping="
+            f"{module.attn_logit_softcapping}) is not applied by alisa's attention"
+        )
+    if "s_aux=" in source and getattr(module, "sinks", None) is not None:
+        return "learned attention sinks (s_aux) are not applied by alisa's attention"
+    return None
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -175,8 +240,3 @@ def _find_rotary(model: nn.Module) -> nn.Module | None:
         if name.endswith("rotary_emb") and name.split(".")[-2:-1] != ["self_attn"]:
             return module
     return None
-
-
-def _uses_sliding_window(config) -> bool:
-    # Mistral-style configs carry sliding_window; Qwen2 keeps it but disables it by a flag.
-    return getattr(config, "use_sliding_window", True)

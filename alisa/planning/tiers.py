@@ -31,6 +31,11 @@ from scheduler import (
     solve,
 )
 
+# Prompt tokens recomputed per layer to check the recomputer against the model's own K/V, and the
+# largest difference allowed, relative to the largest stored value (INT4 rounds to 1/30 of it).
+RECOMPUTE_CHECK_TOKENS = 8
+RECOMPUTE_TOLERANCE = 0.05
+
 
 class TierPlanner:
     """Sizes the device/host/recompute regions from byte budgets and the scheduler's plan.
@@ -127,6 +132,16 @@ class TierPlanner:
         new width. ``slots`` is the layer's :class:`~alisa.kv.slots.SlotMap`; ``inputs`` gives the
         attention inputs of a span of its first slots (for the recompute region).
         """
+        keys, values = store.read(slots.positions)
+        error = None
+        if self.recompute_enabled and inputs is not None:
+            error = self._recompute_error(layer_idx, keys, values, slots, inputs)
+        if error is not None and self.layout is None and self.config.recompute == "auto":
+            # Before the plan: an architecture whose K/V the recomputer cannot rebuild is
+            # planned without the recompute tier.
+            self.recompute_enabled, error = False, None
+        if error is not None:
+            raise ValueError(error)
         layout = self.decide(len(slots.kept), slots.seen)
         context = RegionContext(
             factory=self.region_factory,
@@ -135,13 +150,45 @@ class TierPlanner:
             recompute=partial(self.recomputer, layer_idx) if layout.recompute else None,
             stats=TierStats(),
         )
-        keys, values = store.read(slots.positions)
         width = slots.width
         tiered, counts = split_prefill(
             keys[:, :, :width], values[:, :, :width], inputs, layout, context
         )
         self.stores[layer_idx] = tiered
         return (tiered, *_mapping(tiered, counts))
+
+    def _recompute_error(
+        self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, slots, inputs
+    ) -> str | None:
+        """Why this layer's K/V cannot be rebuilt from its attention inputs, or None.
+
+        The first stored prompt tokens are recomputed and compared with what the model itself
+        produced ((B, H_kv, S, D) ``keys``/``values`` in slot order): a key path the recomputer
+        does not replay (a key norm, partial or per-layer rotary, multi-query fused projections)
+        shows as a mismatch or an error here, never as different tokens later.
+        """
+        count = min(RECOMPUTE_CHECK_TOKENS, slots.width)
+        try:
+            span = inputs(slice(0, count))
+            rebuilt = self.recomputer(layer_idx, span.hidden, span.rope)
+        except (RuntimeError, TypeError, ValueError, AttributeError) as error:
+            return self._cannot_recompute(layer_idx, f"{type(error).__name__}: {error}")
+        held = (slots.positions[:, 0, :count] >= 0).view(-1, 1, count, 1)
+        for name, made, stored in zip(("keys", "values"), rebuilt, (keys, values), strict=True):
+            stored = stored[:, :, :count].to(made.dtype)
+            if made.shape != stored.shape:
+                return self._cannot_recompute(layer_idx, f"{name} of shape {tuple(made.shape)}")
+            error = ((made - stored) * held).abs().max()
+            # Quantized stores hold values to within half a step: a few per cent of the range.
+            if error > RECOMPUTE_TOLERANCE * stored.abs().max() + 1e-5:
+                return self._cannot_recompute(layer_idx, f"{name} off by {float(error):.3g}")
+        return None
+
+    def _cannot_recompute(self, layer_idx: int, detail: str) -> str:
+        return (
+            f"{self.spec.name}: layer {layer_idx}'s keys and values cannot be recomputed exactly "
+            f"from its attention inputs ({detail}); use recompute='never' (host offload only)"
+        )
 
     # ---- after each decode step: prefetch a layer ahead -----------------------------------
 

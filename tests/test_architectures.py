@@ -1,0 +1,79 @@
+"""Every family is exact at r = 1 (drop and host) or refused when the cache is built, never run
+wrong: a crash after construction or a silent difference fails its row. Under a device budget,
+offload never changes a token, and recomputation either does not either or is refused."""
+
+import pytest
+import torch
+from conftest import hf_generate, padded_batch
+from tiny_models import EXACT, FAMILIES, build
+
+from alisa import AlisaCache, AlisaConfig
+from alisa.model.adapter import model_shape
+
+NEW = 6
+MODES = {
+    "drop": AlisaConfig(),
+    "host": AlisaConfig(policy="swa", caching_ratio=1.0, retention="host"),
+    "int8": AlisaConfig(kv_bits=8, residual_tokens=64),
+}
+EXACT_FAMILIES = sorted(name for name, family in FAMILIES.items() if family.expected == EXACT)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_each_family_is_exact_or_refused_at_construction(name):
+    family = FAMILIES[name]
+    model = build(family)
+    if family.expected != EXACT:
+        with pytest.raises(ValueError, match=family.expected):
+            AlisaCache(model, AlisaConfig())
+        return
+    ids, mask = padded_batch(lengths=(12, 7))
+    reference = hf_generate(model, ids, mask, max_new_tokens=NEW)
+    for mode, config in MODES.items():
+        ours = hf_generate(model, ids, mask, AlisaCache(model, config), max_new_tokens=NEW)
+        assert torch.equal(ours, reference), f"{name} differs from HF in mode {mode}"
+
+
+def tier_budget(model) -> int:
+    """Weights, working room and about 40 % of the prompts' KV: the rest leaves the device."""
+    weights = sum(p.nbytes for p in model.parameters())
+    kv_token = model_shape(model).kv_values_per_token * 4
+    return weights + 20_000 + int(0.4 * 2 * (40 + NEW) * kv_token)
+
+
+@pytest.mark.parametrize("name", EXACT_FAMILIES)
+def test_offload_is_exact_and_recompute_is_exact_or_refused(name):
+    model = build(FAMILIES[name])
+    ids, mask = padded_batch(lengths=(40, 30))
+    reference = hf_generate(model, ids, mask, max_new_tokens=NEW)
+    for recompute in ("never", "auto", "always"):
+        config = AlisaConfig(gpu_memory=tier_budget(model), recompute=recompute)
+        try:
+            cache = AlisaCache(model, config, max_new_tokens=NEW)
+            ours = hf_generate(model, ids, mask, cache, max_new_tokens=NEW)
+        except ValueError as error:
+            # Only recomputation may be refused, and only because it would not be exact.
+            assert recompute == "always", f"{name}, recompute={recompute}: {error}"
+            assert "cannot recompute" in str(error) or "cannot be recomputed" in str(error)
+            continue
+        assert torch.equal(ours, reference), f"{name} differs with recompute={recompute}"
+        tiers = cache.tier_tokens()
+        assert tiers["host"] + tiers["recompute"] > 0, tiers  # the budget pushed KV out
+
+
+def test_keys_the_recomputer_cannot_rebuild_are_refused_or_kept_on_the_host():
+    """Qwen3 normalises keys before RoPE (k_norm), which the recomputer does not replay: with
+    recompute="always" the cache says so at the prefill; with "auto" it offloads instead."""
+    model = build(FAMILIES["qwen3"])
+    ids, mask = padded_batch(lengths=(40, 30))
+    reference = hf_generate(model, ids, mask, max_new_tokens=NEW)
+    always = AlisaConfig(gpu_memory=tier_budget(model), recompute="always")
+    with pytest.raises(ValueError, match=r"layer 0's keys .* cannot be recomputed exactly"):
+        hf_generate(
+            model, ids, mask, AlisaCache(model, always, max_new_tokens=NEW), max_new_tokens=NEW
+        )
+    auto = AlisaConfig(gpu_memory=tier_budget(model), recompute="auto")
+    cache = AlisaCache(model, auto, max_new_tokens=NEW)
+    assert torch.equal(hf_generate(model, ids, mask, cache, max_new_tokens=NEW), reference)
+    tiers = cache.tier_tokens()
+    assert tiers["recompute"] == 0 and tiers["host"] > 0

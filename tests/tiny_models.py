@@ -1,0 +1,141 @@
+"""Tiny seeded random-weight decoder models of many transformers families, built from configs.
+
+One table entry per family (or per variant of a family's config): the model type, the config
+fields that make it tiny and valid, and what alisa must do with it, ``EXACT`` (token-identical to
+HF at r = 1, drop and host) or the words of its refusal at construction.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+EXACT = "exact"
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=2048,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=None,
+)
+INLINE = "computes attention inline"
+NON_FULL = "non-full-attention layers"
+UNSET = object()  # a field of TINY the family's config does not take
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A config to build and the outcome alisa owes it."""
+
+    model_type: str
+    expected: str = EXACT
+    fields: dict = field(default_factory=dict)
+
+
+FAMILIES = {
+    "llama": Family("llama"),
+    "gpt2": Family("gpt2"),
+    "opt": Family("opt"),
+    "phi": Family("phi"),
+    "phi3": Family("phi3"),
+    "stablelm": Family("stablelm"),
+    "qwen2": Family("qwen2"),
+    "qwen3": Family("qwen3"),
+    "mixtral": Family("mixtral", fields={"num_local_experts": 2, "num_experts_per_tok": 1}),
+    "olmo2": Family("olmo2"),
+    "granite": Family("granite"),
+    "cohere": Family("cohere"),
+    "glm4": Family("glm4"),
+    "smollm3": Family("smollm3"),
+    "starcoder2": Family("starcoder2"),
+    # The cache reaches attention as `layer_past` (GPTBigCode: one KV head, multi-query).
+    "gpt_neox": Family("gpt_neox"),
+    "gpt_bigcode": Family("gpt_bigcode"),
+    "ctrl": Family("ctrl"),
+    # A window that no layer uses is full attention (Qwen2's max_window_layers, as Dots1's default).
+    "qwen2-window-unused": Family(
+        "qwen2", fields={"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2}
+    ),
+    "mistral-no-window": Family("mistral", fields={"sliding_window": None}),
+    "gemma3-all-full": Family("gemma3_text", fields={"layer_types": ["full_attention"] * 2}),
+    # Refused at construction, with the true reason.
+    "falcon": Family("falcon", INLINE, {"head_dim": UNSET}),
+    "bloom": Family("bloom", INLINE),
+    "mpt": Family("mpt", INLINE),
+    "gptj": Family("gptj", INLINE, {"rotary_dim": 8}),
+    "codegen": Family("codegen", INLINE, {"rotary_dim": 8}),
+    "gpt_neo": Family(
+        "gpt_neo", INLINE, {"attention_types": [[["global", "local"], 1]], "num_layers": 2}
+    ),
+    "deepseek_v3": Family(
+        "deepseek_v3",
+        "multi-head latent attention",
+        {
+            "kv_lora_rank": 16,
+            "q_lora_rank": None,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 8,
+            "head_dim": 8,
+            "num_key_value_heads": 4,
+            "n_routed_experts": 4,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            **MOE,
+        },
+    ),
+    "gemma2-all-full": Family("gemma2", "soft-capping", {"layer_types": ["full_attention"] * 2}),
+    "mistral": Family("mistral", NON_FULL),
+    "qwen2-window": Family(
+        "qwen2",
+        NON_FULL,
+        {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
+    ),
+    "gemma2": Family("gemma2", NON_FULL),
+    "gemma3": Family("gemma3_text", NON_FULL),
+    "cohere2": Family("cohere2", NON_FULL),
+    "olmo3": Family("olmo3", NON_FULL),
+    "exaone4": Family("exaone4", NON_FULL),
+    "ministral": Family("ministral", NON_FULL),
+    "gpt_oss": Family("gpt_oss", NON_FULL, {"num_local_experts": 2, "num_experts_per_tok": 1}),
+    "jamba": Family(
+        "jamba",
+        NON_FULL,
+        {
+            "num_hidden_layers": 4,
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "expert_layer_period": 4,
+            "num_experts": 2,
+        },
+    ),
+    "qwen3_next": Family("qwen3_next", NON_FULL, {"num_hidden_layers": 4, "num_experts": 2, **MOE}),
+}
+
+
+def build(family: Family, seed: int = 0):
+    """The family's tiny model in eval mode, its generation config's pad/eos set."""
+    options = {**TINY, **family.fields}
+    options = {key: value for key, value in options.items() if value is not UNSET}
+    config = type(AutoConfig.for_model(family.model_type))(**options)
+    torch.manual_seed(seed)
+    quiet = logging.getLogger("transformers").level
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        model = AutoModelForCausalLM.from_config(config).eval()
+    finally:
+        logging.getLogger("transformers").setLevel(quiet)
+    model.generation_config.eos_token_id = TINY["eos_token_id"]
+    model.generation_config.pad_token_id = TINY["pad_token_id"]
+    return model
