@@ -44,6 +44,10 @@ def tier_budget(model) -> int:
 @pytest.mark.parametrize("name", EXACT_FAMILIES)
 def test_offload_is_exact_and_recompute_is_exact_or_refused(name):
     model = build(FAMILIES[name])
+    if model_shape(model).hybrid:  # tiers are planned for full-attention layers only
+        with pytest.raises(ValueError, match="sliding-window layers"):
+            AlisaCache(model, AlisaConfig(gpu_memory=tier_budget(model)))
+        return
     ids, mask = padded_batch(lengths=(40, 30))
     reference = hf_generate(model, ids, mask, max_new_tokens=NEW)
     for recompute in ("never", "auto", "always"):
@@ -77,3 +81,26 @@ def test_keys_the_recomputer_cannot_rebuild_are_refused_or_kept_on_the_host():
     assert torch.equal(hf_generate(model, ids, mask, cache, max_new_tokens=NEW), reference)
     tiers = cache.tier_tokens()
     assert tiers["recompute"] == 0 and tiers["host"] > 0
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3", "qwen2-window"])
+def test_sliding_layers_hold_their_window_and_the_ratio_applies_to_full_layers(name):
+    """A sliding layer holds W - 1 tokens, as transformers' own cache, whatever the policy; a
+    full layer of the same model keeps its policy's budget."""
+    model = build(FAMILIES[name])
+    shape = model_shape(model)
+    ids, mask = padded_batch(lengths=(30, 21, 5))
+    reference = hf_generate(model, ids, mask, max_new_tokens=20)
+    config = AlisaConfig(policy="swa", caching_ratio=0.25, min_budget_tokens=4)
+    cache = AlisaCache(model, config)
+    ours = hf_generate(model, ids, mask, cache, max_new_tokens=20)
+    for index, layer in enumerate(cache.layers):
+        window = shape.window(index)
+        if window is not None:
+            assert layer.is_sliding and (layer.slots.kept == window - 1).all()
+        else:
+            seen = layer.slots.lengths()
+            assert not layer.is_sliding
+            assert (layer.slots.kept == layer.keeper.policy.budget(seen)).all()
+    if all(shape.window(index) is not None for index in range(shape.num_layers)):
+        assert torch.equal(ours, reference)  # every layer windowed: nothing else was dropped

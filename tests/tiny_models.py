@@ -28,7 +28,8 @@ TINY = dict(
     bos_token_id=None,
 )
 INLINE = "computes attention inline"
-NON_FULL = "non-full-attention layers"
+LINEAR = "layers of kind linear_attention"
+WINDOW = {"sliding_window": 8}
 UNSET = object()  # a field of TINY the family's config does not take
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 
@@ -96,22 +97,30 @@ FAMILIES = {
         },
     ),
     "gemma2-all-full": Family("gemma2", "soft-capping", {"layer_types": ["full_attention"] * 2}),
-    "mistral": Family("mistral", NON_FULL),
-    "qwen2-window": Family(
-        "qwen2",
-        NON_FULL,
-        {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
+    "gemma2": Family("gemma2", "soft-capping", WINDOW),
+    "gpt_oss": Family(
+        "gpt_oss", "attention sinks", {"num_local_experts": 2, "num_experts_per_tok": 1, **WINDOW}
     ),
-    "gemma2": Family("gemma2", NON_FULL),
-    "gemma3": Family("gemma3_text", NON_FULL),
-    "cohere2": Family("cohere2", NON_FULL),
-    "olmo3": Family("olmo3", NON_FULL),
-    "exaone4": Family("exaone4", NON_FULL),
-    "ministral": Family("ministral", NON_FULL),
-    "gpt_oss": Family("gpt_oss", NON_FULL, {"num_local_experts": 2, "num_experts_per_tok": 1}),
+    # Sliding-window layers keep HF's window exactly (8 tokens: prompts and answers outgrow it).
+    "mistral": Family("mistral", fields=WINDOW),
+    "ministral": Family("ministral", fields=WINDOW),
+    "qwen2-window": Family(
+        "qwen2", fields={"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}
+    ),
+    "gemma3": Family(
+        "gemma3_text",
+        fields={
+            **WINDOW,
+            "num_hidden_layers": 3,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        },
+    ),
+    "cohere2": Family("cohere2", fields=WINDOW),
+    "olmo3": Family("olmo3", fields=WINDOW),
+    "exaone4": Family("exaone4", fields=WINDOW),
     "jamba": Family(
         "jamba",
-        NON_FULL,
+        LINEAR,
         {
             "num_hidden_layers": 4,
             "attn_layer_period": 2,
@@ -120,7 +129,7 @@ FAMILIES = {
             "num_experts": 2,
         },
     ),
-    "qwen3_next": Family("qwen3_next", NON_FULL, {"num_hidden_layers": 4, "num_experts": 2, **MOE}),
+    "qwen3_next": Family("qwen3_next", LINEAR, {"num_hidden_layers": 4, "num_experts": 2, **MOE}),
 }
 
 

@@ -29,7 +29,7 @@ from alisa.storage.store import Part
 ATTENTION_NAME = "alisa"
 # Score rows are computed in query chunks of about this many float32 values (32 MiB).
 SEED_CHUNK_VALUES = 1 << 23
-UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sliding_window")
+UNSUPPORTED_KWARGS = ("softcap", "s_aux")
 
 
 def alisa_attention(
@@ -65,6 +65,12 @@ def alisa_attention(
                 raise ValueError(
                     f"attention option {name}={kwargs[name]!r} is not supported by alisa"
                 )
+        window = kwargs.get("sliding_window")
+        if window is not None and window != layer.keeper.window:
+            raise ValueError(
+                f"layer {layer.layer_idx} attends with sliding_window={window!r} but its cache "
+                f"keeps window={layer.keeper.window!r}"
+            )
     if layer is None or layer.prefilling:
         output, _ = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -77,7 +83,7 @@ def alisa_attention(
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     layer.before_attention(query)
     parts = layer.parts(query)
-    visible = _visible(parts, layer.get_seq_length(), query.shape[2])
+    visible = _visible(parts, layer.get_seq_length(), query.shape[2], layer.keeper.window)
     output, probabilities = grouped_attention_parts(query, parts, visible, scaling)
     layer.after_attention(query, probabilities)
     return output, None
@@ -139,14 +145,19 @@ def grouped_attention_parts(
     return output, probabilities
 
 
-def _visible(parts: list[Part], seen: int, length: int) -> torch.Tensor:
-    """(B, Hs, q, S): a slot is visible when it holds a token no later than the query."""
+def _visible(parts: list[Part], seen: int, length: int, window: int | None) -> torch.Tensor:
+    """(B, Hs, q, S): a slot is visible when it holds a token no later than the query (and,
+    in a sliding-window layer, within the query's window of ``window`` positions)."""
     if len(parts) == 1:
         positions = parts[0].positions
     else:
         positions = torch.cat([part.positions for part in parts], dim=-1)
-    queries = torch.arange(seen - length, seen, device=positions.device)
-    return (positions.unsqueeze(2) >= 0) & (positions.unsqueeze(2) <= queries.view(1, 1, -1, 1))
+    queries = torch.arange(seen - length, seen, device=positions.device).view(1, 1, -1, 1)
+    slots = positions.unsqueeze(2)
+    visible = (slots >= 0) & (slots <= queries)
+    if window is not None:  # HF's sliding_window_overlay: positions (p - W, p]
+        visible &= slots > queries - window
+    return visible
 
 
 def _account_prompt(

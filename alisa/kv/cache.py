@@ -15,9 +15,10 @@ from alisa.kv.hooks import attach
 from alisa.kv.host import HostKeeper
 from alisa.kv.keeper import Keeper
 from alisa.kv.layer import AlisaLayer
+from alisa.kv.window import WindowKeeper
 from alisa.model.adapter import ModelAdapter, ModelShape
 from alisa.planning.tiers import TierPlanner
-from alisa.policies import KVPolicy
+from alisa.policies import DensePolicy, KVPolicy
 from alisa.storage.quantized import QuantizedStore
 from alisa.storage.recompute import KVRecomputer
 from alisa.storage.store import DenseStore, StoreFactory
@@ -43,14 +44,19 @@ class AlisaCache(Cache):
     Parameters
     ----------
     model
-        A decoder-only HF model with full attention in every layer (Llama family, GPT-2, OPT, ...).
+        A decoder-only HF model whose layers are full or sliding-window attention run through
+        transformers' attention interface (Llama, Qwen, Mistral, Gemma 3, GPT-2, OPT, ...);
+        anything else is refused here, naming the reason.
     config
         Policy, caching ratio and storage options.
     max_new_tokens
         Generation length the tier planner assumes (``gpu_memory`` only).
     keeper
-        Builds each layer's :class:`~alisa.kv.keeper.Keeper` from the config and the layer's
-        policy; None: :func:`default_keeper` (dropping, or host retention).
+        Builds each full-attention layer's :class:`~alisa.kv.keeper.Keeper` from the config and
+        the layer's policy; None: :func:`default_keeper` (dropping, or host retention).
+        Sliding-window layers (Gemma 2/3, Mistral with a window, ...) always keep exactly the
+        model's window (:class:`~alisa.kv.window.WindowKeeper`): the caching ratio applies to
+        the full-attention layers only.
     """
 
     def __init__(
@@ -66,6 +72,12 @@ class AlisaCache(Cache):
         self.shape: ModelShape = adapter.shape
         factory = store_factory(self.config, self.shape)
         self.planner = None
+        if self.config.gpu_memory is not None and self.shape.hybrid:
+            raise ValueError(
+                f"gpu_memory={self.config.gpu_memory!r}: device/host/recompute tiers are planned "
+                f"for full-attention layers only, and {type(model).__name__} has sliding-window "
+                "layers (their KV is already bounded by the window)"
+            )
         if self.config.gpu_memory is not None:
             self.planner = _planner(model, adapter, self.config, factory, max_new_tokens)
         layers = [self._layer(index, factory, keeper) for index in range(self.shape.num_layers)]
@@ -74,13 +86,14 @@ class AlisaCache(Cache):
         self._model_config = model.config
 
     def _layer(self, index: int, factory: StoreFactory, keeper: KeeperFactory | None):
-        policy = policy_for_layer(self.config, index, self.shape.num_layers)
-        return AlisaLayer(
-            (keeper or default_keeper)(self.config, policy),
-            layer_idx=index,
-            store_factory=factory,
-            tiering=self.planner,
-        )
+        window = self.shape.window(index)
+        if window is not None:
+            # The model's own window bounds a sliding layer: no policy applies there.
+            chosen: Keeper = WindowKeeper(DensePolicy(), window)
+        else:
+            policy = policy_for_layer(self.config, index, self.shape.num_layers)
+            chosen = (keeper or default_keeper)(self.config, policy)
+        return AlisaLayer(chosen, layer_idx=index, store_factory=factory, tiering=self.planner)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if layer_idx == 0 and self._model_config._attn_implementation != ATTENTION_NAME:

@@ -40,6 +40,8 @@ class Keeper:
 
     #: New tokens reuse slots freed below the frontier (False: always appended at the frontier).
     reuses_free_slots = True
+    #: A sliding window W: queries see only positions (p - W, p] (None: every held token).
+    window: int | None = None
 
     def __init__(self, policy: KVPolicy, *, per_head: bool = False) -> None:
         self.policy = policy

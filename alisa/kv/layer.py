@@ -50,6 +50,8 @@ class AlisaLayer(CacheLayerMixin):
     ) -> None:
         super().__init__()
         self.keeper = keeper
+        # Transformers sizes its sliding-window masks against a layer that says it is sliding.
+        self.is_sliding = keeper.window is not None
         self.layer_idx = layer_idx
         self.store_factory = store_factory
         self.tiering = tiering

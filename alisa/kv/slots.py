@@ -120,6 +120,13 @@ class SlotMap:
         self.positions[rows, groups, slots] = FREE
         self.kept -= excess
 
+    def free_before(self, cutoff: int, leaving: np.ndarray) -> None:
+        """Empty every slot holding a position below ``cutoff``; ``leaving`` (B,) is how many
+        real tokens that is per sequence (per group)."""
+        held = self.positions >= 0
+        self.positions.masked_fill_(held & (self.positions < cutoff), FREE)
+        self.kept -= leaving
+
     def swap(
         self, chosen: torch.Tensor, taken: torch.Tensor, kept: np.ndarray
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:

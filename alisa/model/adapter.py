@@ -24,6 +24,9 @@ class ModelShape:
     ----------
     num_layers, num_heads, num_kv_heads, head_dim, hidden_size
         As in the HF config (``num_kv_heads == num_heads`` for multi-head attention).
+    windows
+        Per layer, the sliding window W of a ``sliding_attention`` layer, None for a full one
+        (empty: every layer full).
     """
 
     num_layers: int
@@ -31,6 +34,16 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     hidden_size: int
+    windows: tuple[int | None, ...] = ()
+
+    def window(self, layer_idx: int) -> int | None:
+        """Layer ``layer_idx``'s sliding window W (None: full attention)."""
+        return self.windows[layer_idx] if self.windows else None
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether any layer is a sliding-window layer."""
+        return any(window is not None for window in self.windows)
 
     @property
     def kv_values_per_token(self) -> int:
@@ -41,6 +54,8 @@ class ModelShape:
 # The keyword under which a modeling file hands its attention module the cache (Llama-style,
 # older files, and GPT-NeoX / GPTBigCode / CTRL).
 CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+# Layer kinds (transformers' ``layer_types``) whose attention the ALISA cache reproduces exactly.
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def model_shape(model: nn.Module) -> ModelShape:
@@ -80,12 +95,14 @@ def model_shape(model: nn.Module) -> ModelShape:
         raise ValueError(f"{name} is not supported: {reason}")
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
+    windows = layer_windows(model)
     return ModelShape(
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         hidden_size=hidden,
+        windows=windows if any(window is not None for window in windows) else (),
     )
 
 
@@ -98,15 +115,28 @@ def layer_types(model: nn.Module) -> list[str]:
     return list(get_layer_types_and_kwargs(text)[0])
 
 
+def layer_windows(model: nn.Module) -> tuple[int | None, ...]:
+    """Per layer, the sliding window W of a ``sliding_attention`` layer, else None (as
+    transformers' ``DynamicCache`` sizes its ``DynamicSlidingWindowLayer``)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    text = model.config.get_text_config(decoder=True)
+    kinds, options = get_layer_types_and_kwargs(text)
+    return tuple(
+        option.get("sliding_window") if kind == "sliding_attention" else None
+        for kind, option in zip(kinds, options, strict=True)
+    )
+
+
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why ``model`` cannot run exactly with the ALISA cache, or None when it can.
 
     Checked without running the model (https://huggingface.co/docs/transformers/attention_interface):
     attention must go through transformers' attention interface (the ``alisa`` function then
-    sees every query), every layer must be full attention, the cache must receive per-head keys
-    and values (not multi-head latent attention's latents), each attention module must be handed
-    the cache, and no attention option alisa does not apply (logit soft-capping, learned sinks)
-    may be in use.
+    sees every query), every layer must be full or sliding-window attention, the cache must
+    receive per-head keys and values (not multi-head latent attention's latents), each attention
+    module must be handed the cache, and no attention option alisa does not apply (logit
+    soft-capping, learned sinks) may be in use.
     """
     config = model.config.get_text_config(decoder=True)
     if not type(model)._can_set_attn_implementation():
@@ -115,12 +145,11 @@ def unsupported_reason(model: nn.Module) -> str | None:
             "attention interface (ALL_ATTENTION_FUNCTIONS), so the kept tokens could not be the "
             "ones attended"
         )
-    kinds = sorted({kind for kind in layer_types(model) if kind != "full_attention"})
+    kinds = sorted({kind for kind in layer_types(model) if kind not in SUPPORTED_LAYER_TYPES})
     if kinds:
-        window = getattr(config, "sliding_window", None)
-        detail = f" (sliding_window={window})" if "sliding_attention" in kinds and window else ""
-        return f"it has non-full-attention layers ({', '.join(kinds)}){detail}; alisa needs " + (
-            "full attention in every layer"
+        return (
+            f"it has layers of kind {', '.join(kinds)}; alisa runs full-attention and "
+            "sliding-window attention layers"
         )
     rank = getattr(config, "kv_lora_rank", None)
     if rank:

@@ -179,9 +179,16 @@ def parallel_generate(
     ------
     ValueError
         Ranks with different prompt lengths, a prompt shorter than the world, a partition table
-        for another world size, ``retention="host"`` with sharded decode.
+        for another world size, ``retention="host"`` with sharded decode, a model with
+        sliding-window layers.
     """
     config, parallel = config or AlisaConfig(), parallel or ParallelConfig()
+    if ModelAdapter.of(model).shape.hybrid:
+        # The chunked prefill's masks and the shards' attention are full causal attention.
+        raise ValueError(
+            f"{type(model).__name__} has sliding-window layers; parallel prefill and sharded "
+            "decode support full-attention models only"
+        )
     if parallel.decode == "sharded" and config.retention == "host":
         # Shards evict within their own chunk; a host region per shard is not built.
         raise ValueError("retention='host' cannot be combined with parallel decode='sharded'")

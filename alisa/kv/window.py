@@ -1,0 +1,70 @@
+"""Sliding-window layers: the keeper that holds exactly what transformers' window lets attend.
+
+A layer that transformers runs as ``sliding_attention`` with window W lets the query at position
+p attend to positions (p - W, p] (``sliding_window_overlay``: W tokens, itself included), so its
+own cache keeps the newest W - 1 (``DynamicSlidingWindowLayer``). :class:`WindowKeeper` keeps the
+same tokens, in padded coordinates as transformers does: after every attention call, each
+position at or below ``seen - W`` leaves. The layer's KV is therefore bounded by the window and no
+KV policy is needed there; in a hybrid model (Gemma 2/3, GPT-OSS, Cohere2, ...) the caching ratio
+applies to the full-attention layers only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from alisa.kv.keeper import Keeper
+from alisa.kv.slots import SlotMap
+from alisa.policies import KVPolicy
+from alisa.storage.store import KVStore
+
+
+class WindowKeeper(Keeper):
+    """Keeps the newest ``window - 1`` positions of every sequence (HF's sliding window).
+
+    Parameters
+    ----------
+    policy
+        The layer's policy (a dense one: the window, not a budget, bounds the layer).
+    window
+        W, the model's ``sliding_window`` for this layer.
+    """
+
+    def __init__(self, policy: KVPolicy, window: int) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window={window!r} must be an integer >= 1")
+        super().__init__(policy)
+        self.window = window
+        self.cutoff = 0  # positions below this have left (padded coordinates)
+
+    @property
+    def frees_slots(self) -> bool:
+        return True
+
+    def after_attention(
+        self,
+        slots: SlotMap,
+        store: KVStore,
+        query: torch.Tensor,
+        probabilities: torch.Tensor | None,
+        *,
+        prefilling: bool,
+    ) -> None:
+        """Free every slot whose position the next query's window no longer reaches."""
+        cutoff = slots.seen - self.window + 1
+        if cutoff <= self.cutoff:
+            return
+        # Real tokens of each sequence between the last cutoff and this one (padding is not
+        # counted: it sits in PAD slots until compaction), known on the host without a sync.
+        leaving = np.maximum(cutoff - np.maximum(self.cutoff, slots.first), 0)
+        slots.free_before(cutoff, leaving)
+        self.evicted += int(leaving.sum()) * slots.groups
+        self.cutoff = cutoff
+
+    def select_batch(self, indices: torch.Tensor) -> None:
+        """Sequences share the padded coordinates: the cutoff stays."""
+
+    def reset(self) -> None:
+        super().reset()
+        self.cutoff = 0
