@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 from alisa.checks import check_field_types, check_number, check_optional_int
@@ -235,10 +236,19 @@ class AlisaConfig:
         uniform = self.caching_ratio == 1.0 and self.layer_schedule == "uniform"
         return not POLICIES[self.policy].evicts or (uniform and self.budget_tokens is None)
 
-    def keep_rules(self, num_layers: int) -> tuple[KeepRule, ...]:
+    def keep_rules(
+        self, num_layers: int, windows: Sequence[int | None] = ()
+    ) -> tuple[KeepRule, ...]:
         """The budget rule of each of ``num_layers`` layers: what the cache keeps, for sizing and
-        planning (sinks, pyramid scales and dense layers included)."""
-        return tuple(policy_for_layer(self, i, num_layers).keep_rule for i in range(num_layers))
+        planning (sinks, pyramid scales and dense layers included). A layer with a sliding
+        window W (``windows``, None: full attention) attends to at most W tokens, whatever the
+        policy."""
+        return tuple(
+            KeepRule(budget_tokens=windows[i])
+            if i < len(windows) and windows[i] is not None
+            else policy_for_layer(self, i, num_layers).keep_rule
+            for i in range(num_layers)
+        )
 
     def with_overrides(self, **changes) -> AlisaConfig:
         """A copy with some fields changed (validated again); unknown names raise ``ValueError``."""

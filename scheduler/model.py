@@ -21,6 +21,9 @@ class ModelSpec:
         Bytes of all weights; ``None`` estimates them from the shapes.
     gated_mlp
         Llama-style gate/up/down MLP (3 matrices) instead of 2.
+    windows
+        Per layer, the sliding window W of a sliding-window layer (it attends to at most W
+        tokens), None for a full-attention one; empty: every layer full.
     """
 
     name: str
@@ -34,6 +37,7 @@ class ModelSpec:
     bytes_per_element: int = 2
     weight_bytes: int | None = None
     gated_mlp: bool = False
+    windows: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         for name in (

@@ -104,3 +104,26 @@ def test_sliding_layers_hold_their_window_and_the_ratio_applies_to_full_layers(n
             assert (layer.slots.kept == layer.keeper.policy.budget(seen)).all()
     if all(shape.window(index) is not None for index in range(shape.num_layers)):
         assert torch.equal(ours, reference)  # every layer windowed: nothing else was dropped
+
+
+def test_the_summary_line_says_what_sliding_layers_keep():
+    from alisa.commands.generate import window_note
+
+    assert window_note(model_shape(build(FAMILIES["gemma3"]))) == (
+        "2 sliding layers keep their 8-token window; r applies to the 1 full-attention layer"
+    )
+    assert window_note(model_shape(build(FAMILIES["llama"]))) == ""
+
+
+def test_batch_sizing_counts_a_sliding_layer_at_its_window():
+    """Sizing and the cache agree on a hybrid model: full layers keep their budget, sliding
+    layers W tokens (the window a step attends to), never the ratio of every token seen."""
+    from alisa.jobs.sizing import kept_tokens
+    from alisa.planning.spec import model_spec
+
+    model = build(FAMILIES["gemma3"])
+    spec = model_spec(model, model_shape(model))
+    assert spec.windows == (8, 8, None)
+    config = AlisaConfig(policy="swa", caching_ratio=0.25, min_budget_tokens=4)
+    assert kept_tokens(config, 3, 100, spec.windows).tolist() == [8, 8, 25]
+    assert kept_tokens(None, 3, 100, spec.windows).tolist() == [8, 8, 100]

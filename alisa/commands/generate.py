@@ -156,7 +156,8 @@ def run(args: argparse.Namespace) -> int:
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
     prompt = fit_prompt(model, tokenizer, prompt, args)
-    num_layers = model_shape(model).num_layers
+    shape = model_shape(model)
+    num_layers = shape.num_layers
     if args.show_config:
         print(describe_settings(config, num_layers), file=sys.stderr)
     if parallel is not None:
@@ -168,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
             model, tokenizer, prompt, config, max_new_tokens=args.max_new_tokens, sampling=sampling
         )
     print(result.texts[0])
-    print(stats_line(result, config, num_layers), file=sys.stderr)
+    print(stats_line(result, config, num_layers, window_note(shape)), file=sys.stderr)
     return 0
 
 
@@ -180,9 +181,24 @@ def changed_settings(config: AlisaConfig, num_layers: int) -> dict[str, str]:
     return {name: text for name, text in values if default.get(name) != text}
 
 
-def stats_line(result, config: AlisaConfig, num_layers: int | None = None) -> str:
+def window_note(shape) -> str:
+    """What a hybrid model's sliding layers keep (empty for a model without them)."""
+    windows = sorted({window for window in shape.windows if window is not None})
+    if not windows:
+        return ""
+    sliding = sum(window is not None for window in shape.windows)
+    full = shape.num_layers - sliding
+    sizes = "/".join(str(window) for window in windows)
+    return (
+        f"{sliding} sliding layers keep their {sizes}-token window; r applies to the "
+        f"{full} full-attention layer{'s' if full != 1 else ''}"
+    )
+
+
+def stats_line(result, config: AlisaConfig, num_layers: int | None = None, note: str = "") -> str:
     """The one ``[alisa]`` line on stderr: lengths, speed, KV and memory, and (given the
-    model's ``num_layers``) the effective settings that differ from the defaults."""
+    model's ``num_layers``) the effective settings that differ from the defaults; ``note``
+    (e.g. :func:`window_note`) is appended."""
     from alisa.memory import format_bytes
 
     changed = changed_settings(config, num_layers) if num_layers else {}
@@ -198,7 +214,9 @@ def stats_line(result, config: AlisaConfig, num_layers: int | None = None) -> st
         f"kv held {format_bytes(result.kv_bytes)} (peak {format_bytes(result.peak_kv_bytes)}; "
         f"{tiers_text(result.kv_tier_bytes)}) | "
         f"peak memory {format_bytes(result.peak_memory_bytes)} | policy {config.policy} "
-        f"r={config.caching_ratio:g}" + (f" | settings {extra}" if extra else "")
+        f"r={config.caching_ratio:g}"
+        + (f" | settings {extra}" if extra else "")
+        + (f" | {note}" if note else "")
     )
 
 

@@ -76,7 +76,12 @@ def run(args: argparse.Namespace) -> int:
     if args.model.lower() in MODEL_PRESETS:  # a preset's bytes follow --dtype too
         spec = replace(spec, bytes_per_element=torch_dtype.itemsize)
     workload = config_workload(
-        config, spec.num_layers, batch=args.batch, prompt_len=args.prompt_len, gen_len=args.gen_len
+        config,
+        spec.num_layers,
+        batch=args.batch,
+        prompt_len=args.prompt_len,
+        gen_len=args.gen_len,
+        windows=spec.windows,
     )
     options = Options(allow_recompute=recomputable and config.recompute != "never")
     plan = solve(profile, spec, workload, options)

@@ -9,6 +9,7 @@ holds one layer twice).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,15 +34,21 @@ class BatchMemory:
         return self.weights + self.kv + self.transient
 
 
-def kept_tokens(config: AlisaConfig | None, num_layers: int, tokens: int) -> np.ndarray:
+def kept_tokens(
+    config: AlisaConfig | None,
+    num_layers: int,
+    tokens: int,
+    windows: Sequence[int | None] = (),
+) -> np.ndarray:
     """(num_layers,) tokens a sequence keeps in each layer after ``tokens`` seen.
 
     The cache's own budget rule (:meth:`AlisaConfig.keep_rules`): ratio or token budget, sinks,
-    pyramid scales and dense layers; ``config=None`` (HF's cache) keeps every token.
+    pyramid scales and dense layers; ``config=None`` (HF's cache) keeps every token. Either way a
+    layer with a sliding window (``windows``, as :attr:`scheduler.ModelSpec.windows`) holds at
+    most its window.
     """
-    if config is None:
-        return np.full(num_layers, tokens, dtype=np.int64)
-    return layers_kept(config.keep_rules(num_layers), np.int64(tokens))
+    rules = (config or AlisaConfig()).keep_rules(num_layers, windows)
+    return layers_kept(rules, np.int64(tokens))
 
 
 def batch_memory(
@@ -55,10 +62,13 @@ def batch_memory(
     full_token = spec.kv_bytes_per_token(16)
     layer_full = full_token / spec.num_layers
     if config is None:
-        kv = batch * total * full_token + batch * total * layer_full  # cat holds a layer twice
+        held = int(
+            kept_tokens(None, spec.num_layers, total, spec.windows).sum()
+        )  # every token, windows bounded
+        kv = batch * held * layer_full + batch * total * layer_full  # cat holds a layer twice
     else:
         # Each layer allocates its kept tokens plus headroom; layers keep different counts.
-        kept = kept_tokens(config, spec.num_layers, total).tolist()
+        kept = kept_tokens(config, spec.num_layers, total, spec.windows).tolist()
         slots = [count + headroom(count) for count in kept]
         kv = batch * sum(slots) * spec.kv_bytes_per_token(config.kv_bits) / spec.num_layers
         if config.kv_bits < 16:

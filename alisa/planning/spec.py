@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -13,13 +14,20 @@ from scheduler import ModelSpec, Workload
 
 
 def config_workload(
-    config: AlisaConfig, num_layers: int, *, batch: int, prompt_len: int, gen_len: int
+    config: AlisaConfig,
+    num_layers: int,
+    *,
+    batch: int,
+    prompt_len: int,
+    gen_len: int,
+    windows: Sequence[int | None] = (),
 ) -> Workload:
     """The scheduler's :class:`~scheduler.Workload` of generating with ``config``.
 
     Every layer's budget rule is the cache's own (:meth:`AlisaConfig.keep_rules`: sinks, floor,
-    token budget, pyramid scales, dense layers), r is 1 when nothing can be evicted, and no
-    recent window is pinned to the device (the runtime places kept tokens by slot, not by age).
+    token budget, pyramid scales, dense layers, sliding ``windows``), r is 1 when nothing can be
+    evicted, and no recent window is pinned to the device (the runtime places kept tokens by
+    slot, not by age).
 
     Raises
     ------
@@ -31,7 +39,7 @@ def config_workload(
         prompt_len=prompt_len,
         gen_len=gen_len,
         caching_ratio=1.0 if config.keeps_everything else config.caching_ratio,
-        keep=config.keep_rules(num_layers),
+        keep=config.keep_rules(num_layers, windows),
         kv_bits=config.kv_bits,
         recent_fraction=0.0,
         retention=config.retention,
@@ -55,6 +63,7 @@ def model_spec(model: nn.Module, shape: ModelShape, name: str | None = None) -> 
         vocab_size=config.vocab_size,
         bytes_per_element=element,
         weight_bytes=sum(p.numel() * p.element_size() for p in parameters),
+        windows=shape.windows,
     )
 
 
