@@ -153,6 +153,19 @@ CASES = {
         {"in.jsonl": ONE + b'{"id": "b", "prompt": "Yo"}\n', "o.jsonl": ROW + b'{"id": "b", "te'},
         changes=("o.jsonl",),
     ),
+    "output-user-line-starting-like-a-row": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --model {model}",
+        ERR,
+        ("o.jsonl:1", "unterminated", "nothing was changed"),
+        {"in.jsonl": ONE, "o.jsonl": b'{"id": "mine", "note": "keep me"'},
+    ),
+    "failures-file-not-ours": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --model {model} --max-new-tokens 2 --no-progress",
+        ERR,
+        ("o.jsonl.failed", "not a failures list"),
+        {"in.jsonl": ONE, "o.jsonl.failed": b"my own notes\n"},
+        absent=("o.jsonl", "o.jsonl.lock"),
+    ),
     "output-is-a-directory": Case(
         "batch {tmp}/in.jsonl -o {tmp} --model {model}",
         ERR,
@@ -271,6 +284,17 @@ CASES = {
         ERR,
         ("--output", "not a directory"),
         {"f": b"x"},
+    ),
+    "profile-output-exists": Case(
+        "profile --model none --output {tmp}/p.json",
+        ERR,
+        ("--output", "p.json", "--force"),
+        {"p.json": b"my profile"},
+    ),
+    "profile-output-unwritable": Case(
+        "profile --model none --output /proc/alisa-none/p.json",
+        ERR,
+        ("--output", "/proc/alisa-none/p.json", "cannot be written"),
     ),
     # alisa experiment
     "experiment-threads-zero": Case(
@@ -415,3 +439,58 @@ def test_python_api_refuses_the_same_inputs(tmp_path):
     assert source.read_bytes() == ONE
     with pytest.raises(ValueError, match="max_new_tokens=0"):
         BatchJob(input=str(source), output=str(tmp_path / "o.jsonl"), max_new_tokens=0)
+
+
+def test_a_second_writer_of_one_output_is_refused(tmp_path, models, capsys, monkeypatch):
+    from alisa.jobs.io import output_lock
+
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(ONE)
+    argv = ["batch", str(source), "-o", str(target), "--model", models["model"], "--no-progress"]
+    argv += ["--max-new-tokens", "2"]
+    with output_lock(target):  # another run, as far as the command can tell
+        code, _, err = run_cli(argv, capsys, monkeypatch, None)
+    assert code == ERR, err
+    assert "another alisa run" in err and str(target) in err and "Traceback" not in err
+    assert not target.exists()  # refused before anything was written
+    assert run_cli(argv, capsys, monkeypatch, None)[0] == OK  # released: the next run works
+    assert len(target.read_text().splitlines()) == 1
+    assert not (tmp_path / "out.jsonl.lock").exists()
+
+
+def test_a_killed_writer_leaves_no_stuck_lock(tmp_path, models, capsys, monkeypatch):
+    import subprocess
+
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(ONE)
+    lock = tmp_path / "out.jsonl.lock"
+    # A process that takes the lock and is killed holding it: the kernel releases the lock.
+    holder = "import fcntl, os, signal, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+    holder += "fcntl.flock(fd, fcntl.LOCK_EX); os.kill(os.getpid(), signal.SIGKILL)"
+    subprocess.run([sys.executable, "-c", holder, str(lock)], check=False)
+    assert lock.exists()
+    argv = ["batch", str(source), "-o", str(target), "--model", models["model"], "--no-progress"]
+    code, _, err = run_cli(argv + ["--max-new-tokens", "2"], capsys, monkeypatch, None)
+    assert code == OK, err
+    assert not lock.exists()
+
+
+def test_python_api_takes_the_output_lock(tmp_path):
+    from alisa import BatchJob, run_batch
+    from alisa.jobs.io import output_lock
+
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(ONE)
+    job = BatchJob(input=str(source), output=str(target), max_new_tokens=2, progress=False)
+    with output_lock(target), pytest.raises(ValueError, match="another alisa run"):
+        run_batch(tiny_llama(), byte_tokenizer(), job)
+    assert run_batch(tiny_llama(), byte_tokenizer(), job).completed == 1
+
+
+def test_profile_force_overwrites(tmp_path):
+    from alisa.commands.options import check_new_file
+
+    path = tmp_path / "p.json"
+    path.write_bytes(b"old")
+    check_new_file("--output", path, force=True)  # allowed, and the file is not touched
+    assert path.read_bytes() == b"old"

@@ -10,7 +10,14 @@ import psutil
 from tqdm.auto import tqdm
 
 from alisa.config import AlisaConfig
-from alisa.jobs.io import OutputLog, Request, read_requests, same_file
+from alisa.jobs.io import (
+    OutputLog,
+    Request,
+    check_failures_file,
+    output_lock,
+    read_requests,
+    same_file,
+)
 from alisa.jobs.parts import merge_parts
 from alisa.jobs.sizing import BatchMemory, batch_memory, largest_batch
 from alisa.memory import PeakMemory, format_bytes, parse_bytes
@@ -122,14 +129,15 @@ def open_job(job: BatchJob) -> tuple[list[Request], OutputLog]:
     Raises
     ------
     ValueError
-        A bad input row (file, line, id), ``output`` naming the input file, or an output that
-        is not a batch output (left untouched) or cannot be written.
+        A bad input row (file, line, id), ``output`` naming the input file, or an output (or
+        its failures file) that alisa did not write (left untouched) or cannot write.
     """
     requests = read_requests(job.input)
     if same_file(job.input, job.output):
         raise ValueError(
             f"the output {job.output!r} is the input file; results go to a file of their own"
         )
+    check_failures_file(job.output)
     log = OutputLog(job.output, keys=RESULT_KEYS)
     try:
         merge_parts(log)
@@ -152,8 +160,18 @@ def run_batch(
     Raises
     ------
     ValueError
-        Bad input rows (file and line), an unwritable output, or a budget below the weights.
+        Bad input rows (file and line), an unwritable output, another run writing the same
+        output (see :func:`alisa.jobs.io.output_lock`), or a budget below the weights.
     """
+    with output_lock(job.output):
+        return run_locked_batch(model, tokenizer, job, cache_factory=cache_factory)
+
+
+def run_locked_batch(
+    model, tokenizer, job: BatchJob, *, cache_factory: Callable | None = None
+) -> JobSummary:
+    """:func:`run_batch` for a caller that already holds ``output_lock(job.output)`` (the CLI
+    holds it from its file checks to its failures file)."""
     requests, log = open_job(job)
     try:
         pending = [r for r in requests if r.id not in log.done]
