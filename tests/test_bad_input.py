@@ -109,6 +109,57 @@ CASES = {
         f"generate '{LONG}' --model {{short}} --max-new-tokens 2 --truncate-prompt", OK
     ),
     "generate-clean": Case("generate hi --model {model} --max-new-tokens 2", OK),
+    "new-tokens-past-context": Case(
+        "generate hi --model {short} --max-new-tokens 63",
+        ERR,
+        ("2 tokens", "max_new_tokens=63", "65", "context of 64", "--max-new-tokens"),
+    ),
+    "max-new-tokens-past-context-alone": Case(
+        "generate hi --max-new-tokens 1000000000",
+        ERR,
+        ("--max-new-tokens=1000000000", "context of 2048"),
+    ),
+    "new-tokens-past-context-truncated": Case(
+        f"generate '{LONG}' --model {{short}} --max-new-tokens 40 --truncate-prompt",
+        OK,
+        ("last 24 tokens",),
+    ),
+    "gguf-truncated": Case(
+        "generate hi --model {tmp}/t.gguf",
+        ERR,
+        ("t.gguf", "cannot read the GGUF file"),
+        {"t.gguf": b"GGUF\x03\x00\x00\x00\x01\x00"},
+    ),
+    "dense-with-caching-ratio": Case(
+        "generate hi --policy dense --caching-ratio 0.2",
+        ERR,
+        ("--caching-ratio", "caching_ratio=0.2", "policy='dense'"),
+    ),
+    "dense-with-budget-tokens": Case(
+        "generate hi --budget-tokens 9", ERR, ("--budget-tokens", "budget_tokens=9", "'dense'")
+    ),
+    "dense-layers-past-the-model": Case(
+        "generate hi --policy swa --caching-ratio 0.5 --dense-layers 1000 --max-new-tokens 2",
+        ERR,
+        ("--dense-layers", "dense_layers=1000", "2 layers"),
+    ),
+    "parallel-decode-without-parallel": Case(
+        "generate hi --parallel-decode sharded", ERR, ("--parallel-decode='sharded'", "--parallel")
+    ),
+    "partition-without-parallel": Case(
+        "generate hi --partition search", ERR, ("--partition='search'", "--parallel")
+    ),
+    "sampling-flags-without-do-sample": Case(
+        "generate hi --temperature 0.7 --seed 3 --max-new-tokens 2",
+        OK,
+        ("--temperature, --seed", "ignored without --do-sample"),
+    ),
+    "temperature-infinite": Case(
+        "generate hi --do-sample --temperature inf", ERR, ("--temperature", "temperature=inf")
+    ),
+    "temperature-nan": Case(
+        "generate hi --do-sample --temperature nan", ERR, ("--temperature", "temperature=nan")
+    ),
     # alisa batch: output files that are not ours are never cut
     "output-is-notes": Case(
         "batch {tmp}/in.jsonl -o {tmp}/notes.txt --model {model}",
@@ -249,12 +300,38 @@ CASES = {
     "max-new-tokens-huge": Case(
         "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --model {model} --max-new-tokens 1000000000 "
         "--no-progress",
+        ERR,
+        ("--max-new-tokens=1000000000", "context of 2048"),
+        {"in.jsonl": ONE},
+        absent=("o.jsonl.failed", "o.jsonl.lock"),
+    ),
+    "batch-row-new-tokens-past-context": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --model {short} --max-new-tokens 2 --no-progress",
         FAILED,
-        ("1 row(s) failed", "did_not_fit", "budget"),
+        ("1 row(s) failed", "context_exceeded", "max_new_tokens=63", "context of 64"),
+        {"in.jsonl": b'{"id": "a", "prompt": "Hi", "max_new_tokens": 63}\n'},
+    ),
+    "batch-rank-timeout-nan": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --rank-timeout nan",
+        ERR,
+        ("--rank-timeout=nan",),
+        {"in.jsonl": ONE},
+        absent=("o.jsonl",),
+    ),
+    "batch-rank-timeout-without-torchrun": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --rank-timeout 5 --max-new-tokens 2 --no-progress",
+        OK,
+        ("--rank-timeout ignored", "torchrun"),
         {"in.jsonl": ONE},
     ),
+    "batch-row-sampling-without-do-sample": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --max-new-tokens 2 --no-progress",
+        OK,
+        ("in.jsonl", "1 row(s) set", "do_sample", "greedily", "line 1"),
+        {"in.jsonl": b'{"id": "a", "prompt": "Hi", "temperature": 0.7}\n'},
+    ),
     "batch-prompt-past-context": Case(
-        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --model {short} --no-progress",
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --model {short} --max-new-tokens 2 --no-progress",
         FAILED,
         ("1 row(s) failed", "prompt_too_long", "context of 64"),
         {"in.jsonl": f'{{"id": "long", "prompt": "{LONG}"}}\n'.encode()},
@@ -316,6 +393,30 @@ CASES = {
         "experiment --config {repo}/experiments/configs/smoke.toml --set threads",
         ERR,
         ("'threads'", "key=value"),
+    ),
+    "experiment-option-typo": Case(
+        "experiment --config {repo}/experiments/configs/smoke.toml "
+        "--set options.perplexity.segment_tokns=64",
+        ERR,
+        ("options.perplexity.segment_tokns", "segment_tokens"),
+    ),
+    "experiment-segment-tokens-negative": Case(
+        "experiment --config {repo}/experiments/configs/smoke.toml "
+        "--set options.perplexity.segment_tokens=-5",
+        ERR,
+        ("options.perplexity.segment_tokens=-5",),
+    ),
+    "experiment-batch-zero": Case(
+        "experiment --config {repo}/experiments/configs/smoke.toml --set sweep.batch=0",
+        ERR,
+        ("sweep.batch=0",),
+    ),
+    "experiment-name-outside-results": Case(
+        "experiment --config {repo}/experiments/configs/smoke.toml --set name=.. "
+        "--set runtime.results_dir='{tmp}/results'",
+        ERR,
+        ("name='..'",),
+        absent=("results",),
     ),
     "experiment-config-missing": Case("experiment --config {tmp}/none.toml", ERR, ("none.toml",)),
     "experiment-data-dir-missing": Case(
@@ -494,3 +595,55 @@ def test_profile_force_overwrites(tmp_path):
     path.write_bytes(b"old")
     check_new_file("--output", path, force=True)  # allowed, and the file is not touched
     assert path.read_bytes() == b"old"
+
+
+@pytest.mark.parametrize(
+    ("build", "needle"),
+    [
+        (lambda: AlisaConfig(policy=None), "policy=None"),
+        (lambda: AlisaConfig(caching_ratio="0.5"), "caching_ratio='0.5'"),
+        (lambda: AlisaConfig(dense_layers=None), "dense_layers=None"),
+        (lambda: AlisaConfig(gpu_memory=float("inf")), "gpu_memory=inf"),
+        (lambda: _sampling(do_sample="no"), "do_sample='no' must be a bool"),
+        (lambda: _sampling(do_sample=None), "do_sample=None"),
+        (lambda: _sampling(seed="x"), "seed='x'"),
+        (lambda: _sampling(top_k=2.5), "top_k=2.5"),
+        (lambda: _sampling(temperature=float("inf")), "temperature=inf"),
+        (lambda: _sampling(temperature="1"), "temperature='1'"),
+        (lambda: _job(input=None), "input=None"),
+        (lambda: _job(output=3), "output=3"),
+        (lambda: _job(config=None), "config=None"),
+        (lambda: _job(config="swa"), "config='swa'"),
+        (lambda: _job(stop_at_eos="no"), "stop_at_eos='no'"),
+        (lambda: _job(kv_memory=float("inf")), "kv_memory=inf"),
+        (lambda: _job(kv_memory=float("nan")), "kv_memory=nan"),
+    ],
+)
+def test_python_api_names_the_field_of_a_bad_argument(build, needle):
+    with pytest.raises(ValueError) as error:
+        build()
+    assert needle in str(error.value)
+
+
+def _sampling(**values):
+    from alisa.runtime.generate import SamplingOptions
+
+    return SamplingOptions(**values)
+
+
+def _job(**values):
+    from alisa import BatchJob
+
+    return BatchJob(**{"input": "in.jsonl", "output": "out.jsonl", **values})
+
+
+def test_python_api_refuses_new_tokens_past_the_context():
+    from alisa import AlisaCache, generate
+
+    model, tokenizer = tiny_llama(max_position_embeddings=64), byte_tokenizer()
+    with pytest.raises(ValueError, match="2 tokens and max_new_tokens=63 .* context of 64"):
+        generate(model, tokenizer, "Hi", max_new_tokens=63)
+    assert len(generate(model, tokenizer, "Hi", max_new_tokens=62).token_ids[0]) <= 62
+    with pytest.raises(ValueError, match="dense_layers=3 .* the model's 2 layers"):
+        AlisaCache(model, AlisaConfig(policy="swa", caching_ratio=0.5, dense_layers=3))
+

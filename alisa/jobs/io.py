@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import tempfile
 from collections.abc import Iterator
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from alisa.jsonl import iter_jsonl
+
+logger = logging.getLogger(__name__)
 
 ROW_OPTIONS = {
     "max_new_tokens": int,
@@ -65,7 +68,31 @@ def read_requests(path: str | Path) -> list[Request]:
         options = {k: v for k, v in row.items() if k not in ("id", "prompt")}
         _check_options(options, where, f" (id {identifier!r})")
         requests.append(Request(id=identifier, prompt=prompt, options=options, line=number))
+    _warn_ignored_sampling(requests, file)
     return requests
+
+
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed")
+
+
+def _warn_ignored_sampling(requests: list[Request], file: Path) -> None:
+    """One log line for the rows whose sampling options greedy decoding ignores."""
+    greedy = [
+        r
+        for r in requests
+        if not r.options.get("do_sample") and any(k in r.options for k in SAMPLING_KEYS)
+    ]
+    if greedy:
+        first = greedy[0]
+        logger.warning(
+            '%s: %d row(s) set %s without "do_sample": true; they decode greedily and ignore '
+            "them (first: line %d, id %r)",
+            file,
+            len(greedy),
+            "/".join(SAMPLING_KEYS),
+            first.line,
+            first.id,
+        )
 
 
 def _check_options(options: dict, where: str, which: str) -> None:

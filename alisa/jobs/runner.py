@@ -5,10 +5,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
 from tqdm.auto import tqdm
 
+from alisa.checks import check_field_types
 from alisa.config import AlisaConfig
 from alisa.jobs.io import (
     OutputLog,
@@ -50,8 +52,8 @@ class BatchJob:
         False: every prompt generates exactly its ``max_new_tokens`` (benchmarks).
     """
 
-    input: str
-    output: str
+    input: str | Path
+    output: str | Path
     config: AlisaConfig = field(default_factory=AlisaConfig)
     gpu_memory: int | str | None = None
     kv_memory: int | str | None = None
@@ -61,6 +63,7 @@ class BatchJob:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # None or a wrong type fails here, naming the field
         for name in ("gpu_memory", "kv_memory"):
             if getattr(self, name) is not None:
                 parse_bytes(getattr(self, name), field=name)
@@ -78,7 +81,8 @@ class JobSummary:
     already_done: int = 0
     completed: int = 0
     did_not_fit: list = field(default_factory=list)
-    too_long: list = field(default_factory=list)  # prompts longer than the model's context
+    # Prompts that, with their new tokens, are longer than the model's context.
+    too_long: list = field(default_factory=list)
     batches: list = field(default_factory=list)  # sizes of the batches run
     generated_tokens: int = 0
     seconds: float = 0.0
@@ -238,7 +242,8 @@ def run_requests(
     summary.kv_budget_bytes = budgets.kv
     encoded = tokenizer([r.prompt for r in pending])["input_ids"] if pending else []
     lengths = {r.id: len(ids) for r, ids in zip(pending, encoded, strict=True)}
-    pending = _drop_too_long(pending, lengths, context_length(model, tokenizer), summary)
+    context = context_length(model, tokenizer)
+    pending = _drop_too_long(pending, lengths, context, summary, job.max_new_tokens)
     bar.update(len(summary.too_long))
     started = time.perf_counter()
     with PeakMemory(next(model.parameters()).device) as memory:
@@ -273,15 +278,19 @@ def _generate(model, tokenizer, job: BatchJob, batch: list[Request], new_tokens:
     )
 
 
-def _drop_too_long(pending, lengths, context, summary: JobSummary) -> list:
-    """Record prompts longer than the model's context as failed; return the others."""
+def _drop_too_long(pending, lengths, context, summary: JobSummary, new_tokens: int) -> list:
+    """Record prompts that, with the tokens they are to generate (a row's ``max_new_tokens``,
+    else ``new_tokens``), do not fit the model's context as failed; return the others."""
     kept = []
     for request in pending:
-        error = prompt_length_error(lengths[request.id], context)
+        wanted = request.options.get("max_new_tokens", new_tokens)
+        error = prompt_length_error(lengths[request.id], context, wanted)
         if error is None:
             kept.append(request)
             continue
-        summary.errors[request.id] = _failed_row(request, "prompt_too_long", error)
+        alone = context is not None and lengths[request.id] > context[0]
+        reason = "prompt_too_long" if alone else "context_exceeded"
+        summary.errors[request.id] = _failed_row(request, reason, error)
         summary.too_long.append(request.id)
     return kept
 
