@@ -647,3 +647,11 @@ def test_python_api_refuses_new_tokens_past_the_context():
     with pytest.raises(ValueError, match="dense_layers=3 .* the model's 2 layers"):
         AlisaCache(model, AlisaConfig(policy="swa", caching_ratio=0.5, dense_layers=3))
 
+
+def test_version_comes_from_the_package(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"alisa {version('alisa')}"
