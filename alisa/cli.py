@@ -20,10 +20,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="alisa", description="LLM inference when KV-cache memory is the wall (ALISA runtime)"
     )
+    parser.add_argument("--version", action="version", version=f"alisa {_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, configure, _) in COMMANDS.items():
         configure(subparsers.add_parser(name, help=help_text, description=help_text))
     return parser
+
+
+def _version() -> str:
+    """The installed package's version (a source tree that is not installed says so)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("alisa")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

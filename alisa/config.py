@@ -154,6 +154,7 @@ class AlisaConfig:
         if not 0.0 < self.caching_ratio <= 1.0:
             raise ValueError(f"caching_ratio={self.caching_ratio!r} must be in (0, 1]")
         check_optional_int("budget_tokens", self.budget_tokens, minimum=1)
+        self._check_budget_applies()
         if self.recent_fraction is not None:
             check_number("recent_fraction", self.recent_fraction)
             if not 0.0 <= self.recent_fraction <= 1.0:
@@ -199,6 +200,24 @@ class AlisaConfig:
                 "per_head=True cannot be combined with gpu_memory (tiers are per layer)"
             )
 
+    def _check_budget_applies(self) -> None:
+        """A policy that never evicts keeps every token: a budget for it would be meaningless
+        (and a summary showing it would misdescribe the run)."""
+        if POLICIES[self.policy].evicts:
+            return
+        if self.caching_ratio != 1.0:
+            raise ValueError(
+                f"caching_ratio={self.caching_ratio!r} has no effect with policy="
+                f"{self.policy!r}, which keeps every token; leave it at 1 or choose an evicting "
+                "policy (e.g. swa)"
+            )
+        if self.budget_tokens is not None:
+            raise ValueError(
+                f"budget_tokens={self.budget_tokens!r} has no effect with policy="
+                f"{self.policy!r}, which keeps every token; leave it unset or choose an evicting "
+                "policy (e.g. swa)"
+            )
+
     def _check_history_share(self) -> None:
         if self.history_share is None:
             return
@@ -222,12 +241,17 @@ class AlisaConfig:
     def host_history_share(self) -> float:
         """``history_share``, or its default: 0.5 for an attention-scored policy with
         ``retention="host"``, else 0 (:func:`alisa.settings.resolve_settings` decides)."""
-        return resolve_settings(self, 1).history_share
+        return resolve_settings(self, self._any_layers).history_share
 
     @property
     def selects_per_head(self) -> bool:
         """Whether each KV head keeps its own index set (``per_head``, or the preset's choice)."""
-        return resolve_settings(self, 1).per_head
+        return resolve_settings(self, self._any_layers).per_head
+
+    @property
+    def _any_layers(self) -> int:
+        # A layer count valid for this config, for settings that do not depend on it.
+        return max(1, self.dense_layers)
 
     @property
     def keeps_everything(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 from pathlib import Path
@@ -34,13 +35,13 @@ def parse_bytes(value: str | int | float, *, field: str = "size") -> int:
     Raises
     ------
     ValueError
-        For negative, non-numeric or unknown-unit values, naming ``field`` and the value.
+        For negative, infinite, non-numeric or unknown-unit values, naming ``field`` and the value.
     """
     if isinstance(value, bool):
         raise ValueError(f"{field}={value!r} is not a byte size")
     if isinstance(value, int | float):
-        if value < 0:
-            raise ValueError(f"{field}={value!r} must not be negative")
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{field}={value!r} must be a finite number of bytes >= 0")
         return int(value)
     match = _SIZE.match(str(value))
     if not match or match.group(2).lower() not in _UNITS:

@@ -148,7 +148,7 @@ def resolve_settings(config: ConfigFields, num_layers: int) -> Settings:
     Raises
     ------
     ValueError
-        ``num_layers`` below 1.
+        ``num_layers`` below 1, or ``config.dense_layers`` above it.
     """
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"num_layers={num_layers!r} must be an integer >= 1")
@@ -162,6 +162,22 @@ def resolve_settings(config: ConfigFields, num_layers: int) -> Settings:
     )
 
 
+def check_dense_layers(config: ConfigFields, num_layers: int) -> None:
+    """Refuse more dense layers than the model has: every layer would be dense while the config
+    (and every summary of it) still names a sparse policy.
+
+    Raises
+    ------
+    ValueError
+        Naming ``dense_layers``, its value and the model's layer count.
+    """
+    if config.dense_layers > num_layers:
+        raise ValueError(
+            f"dense_layers={config.dense_layers!r} (--dense-layers) is more than the model's "
+            f"{num_layers} layers"
+        )
+
+
 def layer_settings(config: ConfigFields, layer_idx: int, num_layers: int) -> LayerSettings:
     """One layer's :attr:`Settings.layers` entry without resolving the others."""
     return _layer(config, layer_idx, num_layers)
@@ -171,6 +187,7 @@ def _layer(config: ConfigFields, layer_idx: int, num_layers: int) -> LayerSettin
     """The policy settings of one layer: the first ``dense_layers`` layers run a plain
     :class:`DensePolicy`; the others the config's policy, its unset fields decided by the preset,
     its own options (SWA's window, strided's stride) named by its ``config_fields``."""
+    check_dense_layers(config, num_layers)
     if layer_idx < config.dense_layers:
         dense = DensePolicy()
         return LayerSettings(policy=dense.name, **_shared_fields(dense))

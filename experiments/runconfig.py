@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -24,6 +25,7 @@ TOP_KEYS = ("name", "sweep", "options", "runtime")
 RUNTIME_DEFAULTS = {"dtype": "float32", "threads": 2, "data_dir": None, "results_dir": "results"}
 POINT_KEYS = ("task", "model", "batch", "system", "protocol")
 CONFIG_FIELDS = tuple(f.name for f in fields(AlisaConfig))
+NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
 @dataclass(frozen=True)
@@ -44,13 +46,16 @@ class RunConfig:
         }
 
     def points(self) -> list[dict]:
-        """Every combination of the sweep, dense policies collapsed to r = 1 (one run)."""
+        """Every combination of the sweep, dense policies collapsed to r = 1 and no token
+        budget (one run)."""
         keys = list(self.sweep)
         seen, result = set(), []
         for values in itertools.product(*(self.sweep[k] for k in keys)):
             point = dict(zip(keys, values, strict=True))
-            if point.get("policy") == "dense":
+            if point.get("policy") == "dense":  # keeps every token: a budget means nothing
                 point["caching_ratio"] = 1.0
+                if "budget_tokens" in point:
+                    point["budget_tokens"] = None
             if point["task"] != "perplexity":
                 point.pop("protocol", None)  # only perplexity has protocols: run others once
             key = point_key(point)
@@ -123,9 +128,12 @@ def _validate(raw: dict, file: Path) -> RunConfig:
     if unknown:
         raise ValueError(f"config {file}: unknown key(s) {unknown}; valid: {', '.join(TOP_KEYS)}")
     name = raw.get("name")
-    if not isinstance(name, str) or not name.strip() or "/" in name:
+    # The name is a directory under results_dir: letters, digits, '_', '-', '.' and no leading
+    # '.', so that neither '..' nor a path separator can place a run outside it.
+    if not isinstance(name, str) or not NAME.fullmatch(name):
         raise ValueError(
-            f"config {file}: 'name' must be a non-empty string without '/', got {name!r}"
+            f"config {file}: name={name!r} must be letters, digits, '_', '-' or '.', not "
+            "starting with '.' (it names the run's directory under runtime.results_dir)"
         )
     sweep = raw.get("sweep") or {}
     if not sweep:
@@ -150,15 +158,20 @@ def _validate(raw: dict, file: Path) -> RunConfig:
                 f"config {file}: sweep.protocol {protocol!r} is unknown; "
                 f"valid: {', '.join(PROTOCOLS)}"
             )
-    from experiments.tasks import TASKS
+    from experiments.tasks import TASKS, check_options
 
     for task in sweep["task"]:
         if task not in TASKS:
             raise ValueError(f"config {file}: unknown task {task!r}; valid: {', '.join(TASKS)}")
+    _check_sweep_values(sweep, file)
     options = raw.get("options") or {}
     for task in options:
         if task not in TASKS:
             raise ValueError(f"config {file}: options for unknown task {task!r}")
+        try:
+            check_options(task, options[task])
+        except ValueError as error:
+            raise ValueError(f"config {file}: {error}") from None
     runtime = dict(RUNTIME_DEFAULTS)
     for key, value in (raw.get("runtime") or {}).items():
         if key not in RUNTIME_DEFAULTS:
@@ -171,6 +184,17 @@ def _validate(raw: dict, file: Path) -> RunConfig:
     for point in config.points():
         alisa_config(point)  # every combination must be a valid AlisaConfig
     return config
+
+
+def _check_sweep_values(sweep: dict, file: Path) -> None:
+    """The sweep keys that are not ``AlisaConfig`` fields (those are checked as configs)."""
+    for value in sweep.get("batch", []):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"config {file}: sweep.batch={value!r} must be an integer >= 1")
+    for key in ("model", "system"):
+        for value in sweep.get(key, []):
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"config {file}: sweep.{key}={value!r} must be a string")
 
 
 def _check_runtime(runtime: dict, file: Path) -> None:

@@ -109,6 +109,57 @@ CASES = {
         f"generate '{LONG}' --model {{short}} --max-new-tokens 2 --truncate-prompt", OK
     ),
     "generate-clean": Case("generate hi --model {model} --max-new-tokens 2", OK),
+    "new-tokens-past-context": Case(
+        "generate hi --model {short} --max-new-tokens 63",
+        ERR,
+        ("2 tokens", "max_new_tokens=63", "65", "context of 64", "--max-new-tokens"),
+    ),
+    "max-new-tokens-past-context-alone": Case(
+        "generate hi --max-new-tokens 1000000000",
+        ERR,
+        ("--max-new-tokens=1000000000", "context of 2048"),
+    ),
+    "new-tokens-past-context-truncated": Case(
+        f"generate '{LONG}' --model {{short}} --max-new-tokens 40 --truncate-prompt",
+        OK,
+        ("last 24 tokens",),
+    ),
+    "gguf-truncated": Case(
+        "generate hi --model {tmp}/t.gguf",
+        ERR,
+        ("t.gguf", "cannot read the GGUF file"),
+        {"t.gguf": b"GGUF\x03\x00\x00\x00\x01\x00"},
+    ),
+    "dense-with-caching-ratio": Case(
+        "generate hi --policy dense --caching-ratio 0.2",
+        ERR,
+        ("--caching-ratio", "caching_ratio=0.2", "policy='dense'"),
+    ),
+    "dense-with-budget-tokens": Case(
+        "generate hi --budget-tokens 9", ERR, ("--budget-tokens", "budget_tokens=9", "'dense'")
+    ),
+    "dense-layers-past-the-model": Case(
+        "generate hi --policy swa --caching-ratio 0.5 --dense-layers 1000 --max-new-tokens 2",
+        ERR,
+        ("--dense-layers", "dense_layers=1000", "2 layers"),
+    ),
+    "parallel-decode-without-parallel": Case(
+        "generate hi --parallel-decode sharded", ERR, ("--parallel-decode='sharded'", "--parallel")
+    ),
+    "partition-without-parallel": Case(
+        "generate hi --partition search", ERR, ("--partition='search'", "--parallel")
+    ),
+    "sampling-flags-without-do-sample": Case(
+        "generate hi --temperature 0.7 --seed 3 --max-new-tokens 2",
+        OK,
+        ("--temperature, --seed", "ignored without --do-sample"),
+    ),
+    "temperature-infinite": Case(
+        "generate hi --do-sample --temperature inf", ERR, ("--temperature", "temperature=inf")
+    ),
+    "temperature-nan": Case(
+        "generate hi --do-sample --temperature nan", ERR, ("--temperature", "temperature=nan")
+    ),
     # alisa batch: output files that are not ours are never cut
     "output-is-notes": Case(
         "batch {tmp}/in.jsonl -o {tmp}/notes.txt --model {model}",
@@ -152,6 +203,19 @@ CASES = {
         (),
         {"in.jsonl": ONE + b'{"id": "b", "prompt": "Yo"}\n', "o.jsonl": ROW + b'{"id": "b", "te'},
         changes=("o.jsonl",),
+    ),
+    "output-user-line-starting-like-a-row": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --model {model}",
+        ERR,
+        ("o.jsonl:1", "unterminated", "nothing was changed"),
+        {"in.jsonl": ONE, "o.jsonl": b'{"id": "mine", "note": "keep me"'},
+    ),
+    "failures-file-not-ours": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --model {model} --max-new-tokens 2 --no-progress",
+        ERR,
+        ("o.jsonl.failed", "not a failures list"),
+        {"in.jsonl": ONE, "o.jsonl.failed": b"my own notes\n"},
+        absent=("o.jsonl", "o.jsonl.lock"),
     ),
     "output-is-a-directory": Case(
         "batch {tmp}/in.jsonl -o {tmp} --model {model}",
@@ -236,12 +300,38 @@ CASES = {
     "max-new-tokens-huge": Case(
         "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --model {model} --max-new-tokens 1000000000 "
         "--no-progress",
+        ERR,
+        ("--max-new-tokens=1000000000", "context of 2048"),
+        {"in.jsonl": ONE},
+        absent=("o.jsonl.failed", "o.jsonl.lock"),
+    ),
+    "batch-row-new-tokens-past-context": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --model {short} --max-new-tokens 2 --no-progress",
         FAILED,
-        ("1 row(s) failed", "did_not_fit", "budget"),
+        ("1 row(s) failed", "context_exceeded", "max_new_tokens=63", "context of 64"),
+        {"in.jsonl": b'{"id": "a", "prompt": "Hi", "max_new_tokens": 63}\n'},
+    ),
+    "batch-rank-timeout-nan": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --rank-timeout nan",
+        ERR,
+        ("--rank-timeout=nan",),
+        {"in.jsonl": ONE},
+        absent=("o.jsonl",),
+    ),
+    "batch-rank-timeout-without-torchrun": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --rank-timeout 5 --max-new-tokens 2 --no-progress",
+        OK,
+        ("--rank-timeout ignored", "torchrun"),
         {"in.jsonl": ONE},
     ),
+    "batch-row-sampling-without-do-sample": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --max-new-tokens 2 --no-progress",
+        OK,
+        ("in.jsonl", "1 row(s) set", "do_sample", "greedily", "line 1"),
+        {"in.jsonl": b'{"id": "a", "prompt": "Hi", "temperature": 0.7}\n'},
+    ),
     "batch-prompt-past-context": Case(
-        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --model {short} --no-progress",
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --model {short} --max-new-tokens 2 --no-progress",
         FAILED,
         ("1 row(s) failed", "prompt_too_long", "context of 64"),
         {"in.jsonl": f'{{"id": "long", "prompt": "{LONG}"}}\n'.encode()},
@@ -272,6 +362,17 @@ CASES = {
         ("--output", "not a directory"),
         {"f": b"x"},
     ),
+    "profile-output-exists": Case(
+        "profile --model none --output {tmp}/p.json",
+        ERR,
+        ("--output", "p.json", "--force"),
+        {"p.json": b"my profile"},
+    ),
+    "profile-output-unwritable": Case(
+        "profile --model none --output /proc/alisa-none/p.json",
+        ERR,
+        ("--output", "/proc/alisa-none/p.json", "cannot be written"),
+    ),
     # alisa experiment
     "experiment-threads-zero": Case(
         "experiment --config {repo}/experiments/configs/smoke.toml --set runtime.threads=0",
@@ -292,6 +393,30 @@ CASES = {
         "experiment --config {repo}/experiments/configs/smoke.toml --set threads",
         ERR,
         ("'threads'", "key=value"),
+    ),
+    "experiment-option-typo": Case(
+        "experiment --config {repo}/experiments/configs/smoke.toml "
+        "--set options.perplexity.segment_tokns=64",
+        ERR,
+        ("options.perplexity.segment_tokns", "segment_tokens"),
+    ),
+    "experiment-segment-tokens-negative": Case(
+        "experiment --config {repo}/experiments/configs/smoke.toml "
+        "--set options.perplexity.segment_tokens=-5",
+        ERR,
+        ("options.perplexity.segment_tokens=-5",),
+    ),
+    "experiment-batch-zero": Case(
+        "experiment --config {repo}/experiments/configs/smoke.toml --set sweep.batch=0",
+        ERR,
+        ("sweep.batch=0",),
+    ),
+    "experiment-name-outside-results": Case(
+        "experiment --config {repo}/experiments/configs/smoke.toml --set name=.. "
+        "--set runtime.results_dir='{tmp}/results'",
+        ERR,
+        ("name='..'",),
+        absent=("results",),
     ),
     "experiment-config-missing": Case("experiment --config {tmp}/none.toml", ERR, ("none.toml",)),
     "experiment-data-dir-missing": Case(
@@ -415,3 +540,118 @@ def test_python_api_refuses_the_same_inputs(tmp_path):
     assert source.read_bytes() == ONE
     with pytest.raises(ValueError, match="max_new_tokens=0"):
         BatchJob(input=str(source), output=str(tmp_path / "o.jsonl"), max_new_tokens=0)
+
+
+def test_a_second_writer_of_one_output_is_refused(tmp_path, models, capsys, monkeypatch):
+    from alisa.jobs.io import output_lock
+
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(ONE)
+    argv = ["batch", str(source), "-o", str(target), "--model", models["model"], "--no-progress"]
+    argv += ["--max-new-tokens", "2"]
+    with output_lock(target):  # another run, as far as the command can tell
+        code, _, err = run_cli(argv, capsys, monkeypatch, None)
+    assert code == ERR, err
+    assert "another alisa run" in err and str(target) in err and "Traceback" not in err
+    assert not target.exists()  # refused before anything was written
+    assert run_cli(argv, capsys, monkeypatch, None)[0] == OK  # released: the next run works
+    assert len(target.read_text().splitlines()) == 1
+    assert not (tmp_path / "out.jsonl.lock").exists()
+
+
+def test_a_killed_writer_leaves_no_stuck_lock(tmp_path, models, capsys, monkeypatch):
+    import subprocess
+
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(ONE)
+    lock = tmp_path / "out.jsonl.lock"
+    # A process that takes the lock and is killed holding it: the kernel releases the lock.
+    holder = "import fcntl, os, signal, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+    holder += "fcntl.flock(fd, fcntl.LOCK_EX); os.kill(os.getpid(), signal.SIGKILL)"
+    subprocess.run([sys.executable, "-c", holder, str(lock)], check=False)
+    assert lock.exists()
+    argv = ["batch", str(source), "-o", str(target), "--model", models["model"], "--no-progress"]
+    code, _, err = run_cli(argv + ["--max-new-tokens", "2"], capsys, monkeypatch, None)
+    assert code == OK, err
+    assert not lock.exists()
+
+
+def test_python_api_takes_the_output_lock(tmp_path):
+    from alisa import BatchJob, run_batch
+    from alisa.jobs.io import output_lock
+
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(ONE)
+    job = BatchJob(input=str(source), output=str(target), max_new_tokens=2, progress=False)
+    with output_lock(target), pytest.raises(ValueError, match="another alisa run"):
+        run_batch(tiny_llama(), byte_tokenizer(), job)
+    assert run_batch(tiny_llama(), byte_tokenizer(), job).completed == 1
+
+
+def test_profile_force_overwrites(tmp_path):
+    from alisa.commands.options import check_new_file
+
+    path = tmp_path / "p.json"
+    path.write_bytes(b"old")
+    check_new_file("--output", path, force=True)  # allowed, and the file is not touched
+    assert path.read_bytes() == b"old"
+
+
+@pytest.mark.parametrize(
+    ("build", "needle"),
+    [
+        (lambda: AlisaConfig(policy=None), "policy=None"),
+        (lambda: AlisaConfig(caching_ratio="0.5"), "caching_ratio='0.5'"),
+        (lambda: AlisaConfig(dense_layers=None), "dense_layers=None"),
+        (lambda: AlisaConfig(gpu_memory=float("inf")), "gpu_memory=inf"),
+        (lambda: _sampling(do_sample="no"), "do_sample='no' must be a bool"),
+        (lambda: _sampling(do_sample=None), "do_sample=None"),
+        (lambda: _sampling(seed="x"), "seed='x'"),
+        (lambda: _sampling(top_k=2.5), "top_k=2.5"),
+        (lambda: _sampling(temperature=float("inf")), "temperature=inf"),
+        (lambda: _sampling(temperature="1"), "temperature='1'"),
+        (lambda: _job(input=None), "input=None"),
+        (lambda: _job(output=3), "output=3"),
+        (lambda: _job(config=None), "config=None"),
+        (lambda: _job(config="swa"), "config='swa'"),
+        (lambda: _job(stop_at_eos="no"), "stop_at_eos='no'"),
+        (lambda: _job(kv_memory=float("inf")), "kv_memory=inf"),
+        (lambda: _job(kv_memory=float("nan")), "kv_memory=nan"),
+    ],
+)
+def test_python_api_names_the_field_of_a_bad_argument(build, needle):
+    with pytest.raises(ValueError) as error:
+        build()
+    assert needle in str(error.value)
+
+
+def _sampling(**values):
+    from alisa.runtime.generate import SamplingOptions
+
+    return SamplingOptions(**values)
+
+
+def _job(**values):
+    from alisa import BatchJob
+
+    return BatchJob(**{"input": "in.jsonl", "output": "out.jsonl", **values})
+
+
+def test_python_api_refuses_new_tokens_past_the_context():
+    from alisa import AlisaCache, generate
+
+    model, tokenizer = tiny_llama(max_position_embeddings=64), byte_tokenizer()
+    with pytest.raises(ValueError, match="2 tokens and max_new_tokens=63 .* context of 64"):
+        generate(model, tokenizer, "Hi", max_new_tokens=63)
+    assert len(generate(model, tokenizer, "Hi", max_new_tokens=62).token_ids[0]) <= 62
+    with pytest.raises(ValueError, match="dense_layers=3 .* the model's 2 layers"):
+        AlisaCache(model, AlisaConfig(policy="swa", caching_ratio=0.5, dense_layers=3))
+
+
+def test_version_comes_from_the_package(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"alisa {version('alisa')}"

@@ -19,7 +19,7 @@ CONFIGS = [
     AlisaConfig(policy="streaming", caching_ratio=0.1),  # 4 sinks by default
     AlisaConfig(policy="h2o", caching_ratio=0.4, layer_schedule="pyramid", dense_layers=2),
     AlisaConfig(policy="tova", budget_tokens=9, sink_tokens=3, dense_layers=1),
-    AlisaConfig(policy="dense", caching_ratio=0.2),
+    AlisaConfig(policy="dense"),
 ]
 
 

@@ -161,6 +161,12 @@ def test_numbers_accept_ints_and_byte_sizes_accept_strings():
 
 
 def test_pyramid_and_policies_that_never_evict():
-    assert AlisaConfig(policy="dense", caching_ratio=0.2).keeps_everything
+    assert AlisaConfig(policy="dense").keeps_everything
     assert not AlisaConfig(policy="swa", layer_schedule="pyramid").keeps_everything
     assert not AlisaConfig(policy="swa", caching_ratio=0.5).keeps_everything
+
+
+@pytest.mark.parametrize(("field", "value"), [("caching_ratio", 0.2), ("budget_tokens", 9)])
+def test_a_budget_for_a_policy_that_keeps_everything_is_refused(field, value):
+    with pytest.raises(ValueError, match=f"{field}={value!r} has no effect with policy='dense'"):
+        AlisaConfig(policy="dense", **{field: value})

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from contextlib import ExitStack
 
 from alisa.commands.options import (
     EXIT_ROWS_FAILED,
@@ -40,15 +42,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from alisa.jobs import BatchJob, run_batch
+    from alisa.jobs import BatchJob
     from alisa.jobs.distributed import launched
-    from alisa.jobs.runner import open_job
+    from alisa.jobs.io import output_lock
+    from alisa.jobs.runner import open_job, run_locked_batch
     from alisa.memory import parse_bytes
 
     check_minimum("--max-new-tokens", args.max_new_tokens, 1)
     check_minimum("--max-batch", args.max_batch, 1)
-    if args.rank_timeout is not None and args.rank_timeout <= 0:
-        raise CommandError(f"--rank-timeout={args.rank_timeout} must be > 0")
+    if args.rank_timeout is not None and not 0 < args.rank_timeout < math.inf:
+        raise CommandError(f"--rank-timeout={args.rank_timeout} must be a finite number > 0")
     if args.kv_memory is not None:
         parse_bytes(args.kv_memory, field="--kv-memory")
     config = cache_config_from_args(args)
@@ -66,27 +69,49 @@ def run(args: argparse.Namespace) -> int:
     )
     if launched():
         return _run_ranks(args, job)
-    _, log = open_job(job)  # every file check before loading the model
-    log.close()
-    model, tokenizer = load_for_cli(args.model, args.dtype)
-    return _report(run_batch(model, tokenizer, job), args.output)
+    if args.rank_timeout is not None:
+        print("alisa batch: warning: --rank-timeout ignored: not under torchrun", file=sys.stderr)
+    # One writer per output: held from the file checks to the failures file.
+    with output_lock(job.output):
+        _, log = open_job(job)  # every file check before loading the model
+        log.close()
+        model, tokenizer = load_for_cli(args.model, args.dtype)
+        _check_new_tokens(args.max_new_tokens, model, tokenizer)
+        return _report(run_locked_batch(model, tokenizer, job), args.output)
+
+
+def _check_new_tokens(new_tokens: int, model, tokenizer) -> None:
+    """Refuse a ``--max-new-tokens`` that leaves no room for any prompt in the context (rows
+    that merely do not fit with it fail one by one)."""
+    from alisa.model.loading import context_length
+
+    known = context_length(model, tokenizer)
+    if known is not None and new_tokens >= known[0]:
+        raise CommandError(
+            f"--max-new-tokens={new_tokens} leaves no room for a prompt in the model's context "
+            f"of {known[0]} tokens ({known[1]})"
+        )
 
 
 def _run_ranks(args: argparse.Namespace, job) -> int:
     """The same job over torchrun's ranks; rank 0 reports for all."""
-    from alisa.jobs.distributed import WAIT_TIMEOUT_S, RankError, process_group
+    from alisa.jobs.distributed import WAIT_TIMEOUT_S, RankError, from_rank0, process_group
+    from alisa.jobs.io import output_lock
     from alisa.jobs.ranked import plan_ranks, run_ranked
 
     try:
-        with process_group(args.rank_timeout or WAIT_TIMEOUT_S) as ranks:
+        with ExitStack() as held, process_group(args.rank_timeout or WAIT_TIMEOUT_S) as ranks:
+            # Rank 0 holds the output's lock for the whole run; refused, every rank stops.
+            from_rank0(ranks, lambda: str(held.enter_context(output_lock(job.output))))
             plan = plan_ranks(job, ranks)
             model, tokenizer = load_for_cli(args.model, args.dtype)
+            _check_new_tokens(args.max_new_tokens, model, tokenizer)
             summary = run_ranked(model, tokenizer, job, plan, ranks)
+            if ranks.rank != 0:
+                return EXIT_ROWS_FAILED if summary.failed else 0
+            return _report(summary, args.output)
     except RankError as error:
         raise CommandError(str(error)) from None
-    if ranks.rank != 0:
-        return EXIT_ROWS_FAILED if summary.failed else 0
-    return _report(summary, args.output)
 
 
 SHOWN_FAILURES = 10  # failed rows named on stderr; all of them go to the failures file

@@ -30,6 +30,14 @@ PARALLEL_FLAGS = {
     "table_key": "--partition-key",
 }
 
+# The flags of the parallel group other than --parallel, with their defaults.
+PARALLEL_DEFAULTS = {
+    "partition": "even",
+    "partition_table": None,
+    "partition_key": None,
+    "parallel_decode": "local",
+}
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="?", help="the prompt (else --prompt-file, else stdin)")
@@ -62,12 +70,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--parallel", default="none", help=f"none, {', '.join(MODES)} (default: none)"
     )
     parallel.add_argument(
-        "--partition", default="even", help=f"{', '.join(PARTITIONS)} (default: even)"
+        "--partition",
+        default=PARALLEL_DEFAULTS["partition"],
+        help=f"{', '.join(PARTITIONS)} (default: even)",
     )
     parallel.add_argument("--partition-table", help="JSON table for --partition table")
     parallel.add_argument("--partition-key", help="entry of the table")
     parallel.add_argument(
-        "--parallel-decode", default="local", help=f"{', '.join(DECODES)} (default: local)"
+        "--parallel-decode",
+        default=PARALLEL_DEFAULTS["parallel_decode"],
+        help=f"{', '.join(DECODES)} (default: local)",
     )
 
 
@@ -105,6 +117,7 @@ def parallel_config(args: argparse.Namespace):
     from alisa.parallel import ParallelConfig
 
     if args.parallel == "none":
+        _refuse_parallel_flags(args)
         return None
     if args.parallel not in MODES:
         valid = ", ".join(("none", *MODES))
@@ -120,16 +133,52 @@ def parallel_config(args: argparse.Namespace):
     )
 
 
+def _refuse_parallel_flags(args: argparse.Namespace) -> None:
+    """Without ``--parallel`` the other multi-process flags would be ignored: an error."""
+    for name, default in PARALLEL_DEFAULTS.items():
+        value = getattr(args, name)
+        if value != default:
+            flag = "--" + name.replace("_", "-")
+            raise CommandError(
+                f"{flag}={value!r} has no effect without --parallel (one of {', '.join(MODES)})"
+            )
+
+
+def warn_ignored_sampling(sampling) -> None:
+    """One line on stderr when sampling flags are given but greedy decoding ignores them."""
+    if sampling.ignored:
+        flags = ", ".join("--" + name.replace("_", "-") for name in sampling.ignored)
+        print(
+            f"alisa generate: warning: {flags} ignored without --do-sample (greedy decoding)",
+            file=sys.stderr,
+        )
+
+
 def fit_prompt(model, tokenizer, prompt: str, args: argparse.Namespace) -> str:
-    """The prompt, or with ``--truncate-prompt`` its last tokens that fit the context."""
+    """The prompt, or with ``--truncate-prompt`` its last tokens that fit the context with the
+    ``--max-new-tokens`` to generate; without it, a prompt that does not fit is an error."""
     from alisa.model.loading import check_prompt_length, context_length, keep_last_tokens
 
     tokens = len(tokenizer(prompt)["input_ids"])
     known = context_length(model, tokenizer)
-    if not args.truncate_prompt or known is None or tokens <= known[0]:
-        check_prompt_length(model, tokenizer, tokens, hint="; --truncate-prompt keeps the last")
+    new_tokens = args.max_new_tokens
+    if known is not None and new_tokens >= known[0]:
+        raise CommandError(
+            f"--max-new-tokens={new_tokens} leaves no room for a prompt in the model's context "
+            f"of {known[0]} tokens ({known[1]})"
+        )
+    if not args.truncate_prompt or known is None or tokens + new_tokens <= known[0]:
+        alone = known is not None and tokens > known[0]
+        hint = "; --truncate-prompt keeps the last tokens that fit"
+        check_prompt_length(
+            model,
+            tokenizer,
+            tokens,
+            hint=hint if alone else hint + ", or lower --max-new-tokens",
+            new_tokens=new_tokens,
+        )
         return prompt
-    keep = max(1, known[0] - args.max_new_tokens)  # room for the generated tokens too
+    keep = known[0] - new_tokens  # room for the generated tokens too
     print(f"[alisa] prompt truncated from {tokens} to its last {keep} tokens", file=sys.stderr)
     return keep_last_tokens(tokenizer, prompt, keep)
 
@@ -150,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
     )
+    warn_ignored_sampling(sampling)
     model, tokenizer = load_for_cli(args.model, args.dtype)
     if args.chat:
         prompt = tokenizer.apply_chat_template(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import tempfile
 import types
 import typing
 from collections.abc import Callable
@@ -181,15 +182,29 @@ def check_minimum(flag: str, value: int | None, minimum: int) -> None:
         raise CommandError(f"{flag}={value} must be >= {minimum}")
 
 
-def check_new_file(flag: str, path: Path) -> None:
-    """Fail before slow work when ``path`` cannot be written (a directory, a missing parent)."""
+def check_new_file(flag: str, path: Path, *, force: bool = False) -> None:
+    """Fail before slow work when ``path`` cannot be written (a directory, a missing parent, a
+    read-only place) or exists and ``force`` is not given (an existing file is never replaced
+    without the user's say)."""
     if path.is_dir():
         raise CommandError(f"{flag} {str(path)!r} is a directory")
+    if path.exists() and not force:
+        raise CommandError(f"{flag} {str(path)!r} exists; pass --force to overwrite it")
     parent = path.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
         raise CommandError(f"{flag} {str(path)!r}: {str(parent)!r} is not a directory")
+    # Trying is the only sure test: permissions, a read-only mount, root's exemptions all differ.
+    try:
+        if path.exists():
+            with path.open("ab"):  # opened, not written: the file is unchanged
+                pass
+        else:
+            with tempfile.NamedTemporaryFile(dir=parent, prefix=".alisa-check-"):
+                pass
+    except OSError as error:
+        raise CommandError(f"{flag} {str(path)!r} cannot be written: {error.strerror}") from None
 
 
 def dtype_from_flag(value: str):

@@ -5,13 +5,22 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from alisa.commands.options import add_model_options, check_minimum, check_new_file, load_for_cli
+from alisa.commands.options import (
+    CommandError,
+    add_model_options,
+    check_minimum,
+    check_new_file,
+    load_for_cli,
+)
 
 HELP = "measure the cost-model rates (fitted on a model's real decode steps) and save a profile"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", type=Path, help="where to save (default: the planner's path)")
+    parser.add_argument(
+        "--force", action="store_true", help="overwrite an existing --output file (else an error)"
+    )
     add_model_options(parser, dtype="bfloat16", model_note="; none: no calibration")
     parser.add_argument(
         "--threads", type=int, help="torch threads while measuring (default: torch's choice)"
@@ -34,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     for flag in ("--batch", "--context"):
         check_minimum(flag, getattr(args, flag[2:]), 1)
     if args.output is not None:
-        check_new_file("--output", args.output)  # before measuring, not after
+        check_new_file("--output", args.output, force=args.force)  # before measuring, not after
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model = None
@@ -44,8 +53,11 @@ def run(args: argparse.Namespace) -> int:
     sizes = (args.batch or PLAN_SIZES[0], args.context or PLAN_SIZES[1])
     report = measure_report(model, device, sizes=sizes, progress=True)
     path = args.output or default_profile_path(device or torch.device("cpu"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    report.profile.save(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        report.profile.save(path)
+    except OSError as error:
+        raise CommandError(f"cannot save the profile to {str(path)!r}: {error.strerror}") from None
     print(describe(report))
     print(f"saved to {path}")
     return 0

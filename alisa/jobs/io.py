@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import logging
 import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from alisa.jsonl import iter_jsonl
+
+logger = logging.getLogger(__name__)
 
 ROW_OPTIONS = {
     "max_new_tokens": int,
@@ -61,7 +68,31 @@ def read_requests(path: str | Path) -> list[Request]:
         options = {k: v for k, v in row.items() if k not in ("id", "prompt")}
         _check_options(options, where, f" (id {identifier!r})")
         requests.append(Request(id=identifier, prompt=prompt, options=options, line=number))
+    _warn_ignored_sampling(requests, file)
     return requests
+
+
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed")
+
+
+def _warn_ignored_sampling(requests: list[Request], file: Path) -> None:
+    """One log line for the rows whose sampling options greedy decoding ignores."""
+    greedy = [
+        r
+        for r in requests
+        if not r.options.get("do_sample") and any(k in r.options for k in SAMPLING_KEYS)
+    ]
+    if greedy:
+        first = greedy[0]
+        logger.warning(
+            '%s: %d row(s) set %s without "do_sample": true; they decode greedily and ignore '
+            "them (first: line %d, id %r)",
+            file,
+            len(greedy),
+            "/".join(SAMPLING_KEYS),
+            first.line,
+            first.id,
+        )
 
 
 def _check_options(options: dict, where: str, which: str) -> None:
@@ -103,9 +134,11 @@ class OutputLog:
     Each row is one ``write`` of a whole line on an ``O_APPEND`` descriptor, then ``fsync``: a
     killed process leaves complete lines (a write to a regular file is not interrupted by a
     signal). On reopening, every complete line must be a JSON object with ``keys`` (else the
-    file is not ours and is left untouched); a torn last line (power loss) is cut off only when
-    it provably is our partial row, so resuming never duplicates or corrupts a row and never
-    deletes anything else. Ids of rows without an ``"error"`` are done; failed rows are retried.
+    file is not ours and is left untouched); a torn last line (power loss, a full disk) is cut
+    off only when it provably is our partial row: it starts as our rows do and follows at least
+    one complete row of ours (a file holding only an unterminated line is nobody's proven output:
+    refused, never cut). So resuming never duplicates or corrupts a row and never deletes
+    anything else. Ids of rows without an ``"error"`` are done; failed rows are retried.
     """
 
     def __init__(self, path: str | Path, keys: tuple[str, ...] = ("id",)) -> None:
@@ -129,15 +162,25 @@ class OutputLog:
                 self._add(self._row(line, number))
         if not tail.strip():
             return
+        last = complete.count(b"\n") + 1  # the tail's line number
         if _parses(tail):  # a whole line that only lacks its newline: keep it
-            self._add(self._row(tail, complete.count(b"\n") + 1))
+            self._add(self._row(tail, last))
             with self.path.open("ab") as handle:
                 handle.write(b"\n")
-        elif tail.startswith(ROW_START):  # our torn row: drop it, it will be redone
+        elif tail.startswith(ROW_START) and complete.strip():
+            # Our torn row (the rows before it are ours): drop it, it will be redone.
             with self.path.open("r+b") as handle:
                 handle.truncate(len(complete))
+        elif tail.startswith(ROW_START):
+            # Nothing before it proves the file ours: a user's line may start like our rows.
+            raise ValueError(
+                f"{self.path}:{last}: an unterminated line that is not a "
+                "whole JSON row, and no complete results row before it proves the file is an "
+                "alisa output; if alisa was writing it when it stopped, delete the file "
+                "(nothing was changed)"
+            )
         else:
-            self._row(tail, complete.count(b"\n") + 1)  # raises: not ours, nothing changed
+            self._row(tail, last)  # raises: not ours, nothing changed
 
     def _row(self, line: bytes, number: int) -> dict:
         where = f"{self.path}:{number}"
@@ -159,7 +202,9 @@ class OutputLog:
 
     def append(self, row: dict) -> None:
         """Write one result row durably."""
-        os.write(self.fd, _line(row))
+        data = _line(row)
+        while data:  # a short write (a full disk) must not leave half a row behind silently
+            data = data[os.write(self.fd, data) :]
         os.fsync(self.fd)
         self._add(row)
 
@@ -198,22 +243,133 @@ def failures_path(output: str | Path) -> Path:
     return output.with_name(output.name + ".failed")
 
 
+# Every row of a failures file has these (alisa writes nothing else there).
+FAILURE_KEYS = ("id", "finish_reason", "error")
+
+
+def check_failures_file(output: str | Path) -> None:
+    """Refuse when ``output``'s failures file exists but is not one alisa wrote.
+
+    A run replaces or removes that file; only alisa's own list may be.
+
+    Raises
+    ------
+    ValueError
+        Naming the file: it is not a list of failed rows (nothing was changed).
+    """
+    path = failures_path(output)
+    if not path.exists() or _is_failures_file(path):
+        return
+    raise ValueError(
+        f"{str(path)!r} exists and is not a failures list alisa wrote (a run replaces or removes "
+        "that file); move it away or choose another output (nothing was changed)"
+    )
+
+
+def _is_failures_file(path: Path) -> bool:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return False
+    if not data.endswith(b"\n"):  # written whole, atomically: never torn
+        return False
+    for line in data.split(b"\n")[:-1]:
+        if not _parses(line):
+            return False
+        row = json.loads(line.decode("utf-8"))
+        if not isinstance(row, dict) or any(key not in row for key in FAILURE_KEYS):
+            return False
+    return True
+
+
 def write_failures(output: str | Path, rows: list[dict]) -> Path:
     """Replace the failures file of ``output`` with ``rows`` (atomically); none: remove it.
 
-    The list is of the last run only: the rows a re-run will retry.
+    The list is of the last run only: the rows a re-run will retry. A file of that name that
+    alisa did not write is never replaced nor removed.
+
+    Raises
+    ------
+    ValueError
+        The failures file exists but is not one alisa wrote.
     """
     path = failures_path(output)
+    check_failures_file(output)
     if not rows:
         path.unlink(missing_ok=True)
         return path
-    temporary = path.with_name(path.name + ".tmp")
-    with temporary.open("wb") as handle:
-        handle.write(b"".join(_line(row) for row in rows))
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    # A temporary name of our own: never a user's file that happens to be called OUT.failed.tmp.
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(b"".join(_line(row) for row in rows))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
     return path
+
+
+def lock_path(output: str | Path) -> Path:
+    """The lock file beside ``output`` (``out.jsonl`` -> ``out.jsonl.lock``)."""
+    output = Path(output)
+    return output.with_name(output.name + ".lock")
+
+
+@contextmanager
+def output_lock(output: str | Path) -> Iterator[Path]:
+    """Hold ``output``'s lock for the ``with`` block: one writer per output at a time.
+
+    An exclusive ``flock`` on ``OUT.lock``: the kernel releases it when the process ends, however
+    it ends, so a killed run never leaves the output locked (its lock file stays, unlocked, and
+    the next run takes it over). The file is removed on leaving the block.
+
+    Raises
+    ------
+    ValueError
+        Another process holds the lock (the message names the output), the output is a
+        directory, or the lock file cannot be created.
+    """
+    if Path(output).is_dir():
+        raise ValueError(f"cannot write output {str(output)!r}: it is a directory")
+    path = lock_path(output)
+    descriptor = _take_lock(path, output)
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)  # while still held: a waiting run then sees a new inode
+        os.close(descriptor)  # closing releases the lock
+
+
+def _take_lock(path: Path, output: str | Path) -> int:
+    """A descriptor of ``path`` holding its exclusive lock (retried when the file was replaced)."""
+    for _ in range(10):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            raise ValueError(
+                f"cannot write output {str(output)!r} (its lock {str(path)!r}): {error.strerror}"
+            ) from None
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(descriptor)
+            raise ValueError(
+                f"another alisa run is writing the output {str(output)!r} (it holds "
+                f"{str(path)!r}); wait for it to finish or stop it (nothing was changed)"
+            ) from None
+        try:
+            current = os.stat(path).st_ino
+        except FileNotFoundError:
+            current = None
+        if current == os.fstat(descriptor).st_ino:
+            return descriptor
+        os.close(descriptor)  # the holder removed the file as we locked it: lock the new one
+    raise ValueError(f"cannot lock {str(path)!r}: it keeps being replaced")
 
 
 def _line(row: dict) -> bytes:

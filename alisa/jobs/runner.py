@@ -5,12 +5,21 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
 from tqdm.auto import tqdm
 
+from alisa.checks import check_field_types
 from alisa.config import AlisaConfig
-from alisa.jobs.io import OutputLog, Request, read_requests, same_file
+from alisa.jobs.io import (
+    OutputLog,
+    Request,
+    check_failures_file,
+    output_lock,
+    read_requests,
+    same_file,
+)
 from alisa.jobs.parts import merge_parts
 from alisa.jobs.sizing import BatchMemory, batch_memory, largest_batch
 from alisa.memory import PeakMemory, format_bytes, parse_bytes
@@ -43,8 +52,8 @@ class BatchJob:
         False: every prompt generates exactly its ``max_new_tokens`` (benchmarks).
     """
 
-    input: str
-    output: str
+    input: str | Path
+    output: str | Path
     config: AlisaConfig = field(default_factory=AlisaConfig)
     gpu_memory: int | str | None = None
     kv_memory: int | str | None = None
@@ -54,6 +63,7 @@ class BatchJob:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # None or a wrong type fails here, naming the field
         for name in ("gpu_memory", "kv_memory"):
             if getattr(self, name) is not None:
                 parse_bytes(getattr(self, name), field=name)
@@ -71,7 +81,8 @@ class JobSummary:
     already_done: int = 0
     completed: int = 0
     did_not_fit: list = field(default_factory=list)
-    too_long: list = field(default_factory=list)  # prompts longer than the model's context
+    # Prompts that, with their new tokens, are longer than the model's context.
+    too_long: list = field(default_factory=list)
     batches: list = field(default_factory=list)  # sizes of the batches run
     generated_tokens: int = 0
     seconds: float = 0.0
@@ -122,14 +133,15 @@ def open_job(job: BatchJob) -> tuple[list[Request], OutputLog]:
     Raises
     ------
     ValueError
-        A bad input row (file, line, id), ``output`` naming the input file, or an output that
-        is not a batch output (left untouched) or cannot be written.
+        A bad input row (file, line, id), ``output`` naming the input file, or an output (or
+        its failures file) that alisa did not write (left untouched) or cannot write.
     """
     requests = read_requests(job.input)
     if same_file(job.input, job.output):
         raise ValueError(
             f"the output {job.output!r} is the input file; results go to a file of their own"
         )
+    check_failures_file(job.output)
     log = OutputLog(job.output, keys=RESULT_KEYS)
     try:
         merge_parts(log)
@@ -152,8 +164,18 @@ def run_batch(
     Raises
     ------
     ValueError
-        Bad input rows (file and line), an unwritable output, or a budget below the weights.
+        Bad input rows (file and line), an unwritable output, another run writing the same
+        output (see :func:`alisa.jobs.io.output_lock`), or a budget below the weights.
     """
+    with output_lock(job.output):
+        return run_locked_batch(model, tokenizer, job, cache_factory=cache_factory)
+
+
+def run_locked_batch(
+    model, tokenizer, job: BatchJob, *, cache_factory: Callable | None = None
+) -> JobSummary:
+    """:func:`run_batch` for a caller that already holds ``output_lock(job.output)`` (the CLI
+    holds it from its file checks to its failures file)."""
     requests, log = open_job(job)
     try:
         pending = [r for r in requests if r.id not in log.done]
@@ -220,7 +242,8 @@ def run_requests(
     summary.kv_budget_bytes = budgets.kv
     encoded = tokenizer([r.prompt for r in pending])["input_ids"] if pending else []
     lengths = {r.id: len(ids) for r, ids in zip(pending, encoded, strict=True)}
-    pending = _drop_too_long(pending, lengths, context_length(model, tokenizer), summary)
+    context = context_length(model, tokenizer)
+    pending = _drop_too_long(pending, lengths, context, summary, job.max_new_tokens)
     bar.update(len(summary.too_long))
     started = time.perf_counter()
     with PeakMemory(next(model.parameters()).device) as memory:
@@ -255,15 +278,19 @@ def _generate(model, tokenizer, job: BatchJob, batch: list[Request], new_tokens:
     )
 
 
-def _drop_too_long(pending, lengths, context, summary: JobSummary) -> list:
-    """Record prompts longer than the model's context as failed; return the others."""
+def _drop_too_long(pending, lengths, context, summary: JobSummary, new_tokens: int) -> list:
+    """Record prompts that, with the tokens they are to generate (a row's ``max_new_tokens``,
+    else ``new_tokens``), do not fit the model's context as failed; return the others."""
     kept = []
     for request in pending:
-        error = prompt_length_error(lengths[request.id], context)
+        wanted = request.options.get("max_new_tokens", new_tokens)
+        error = prompt_length_error(lengths[request.id], context, wanted)
         if error is None:
             kept.append(request)
             continue
-        summary.errors[request.id] = _failed_row(request, "prompt_too_long", error)
+        alone = context is not None and lengths[request.id] > context[0]
+        reason = "prompt_too_long" if alone else "context_exceeded"
+        summary.errors[request.id] = _failed_row(request, reason, error)
         summary.too_long.append(request.id)
     return kept
 

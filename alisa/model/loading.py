@@ -100,19 +100,34 @@ def convert_gguf(gguf_path: Path, target: Path | None = None) -> Path:
 
     The conversion writes into a temporary sibling directory and renames it into place, so an
     interrupted conversion never leaves a half-written model behind.
+
+    Raises
+    ------
+    ValueError
+        Naming the file, when it cannot be read (truncated, damaged, an unsupported model).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = target or _gguf_cache_dir(gguf_path)
     if (target / "config.json").is_file():
         return target
-    logger.info(
-        "converting %s to safetensors once (about 30 s); cached in %s", gguf_path.name, target
-    )
-    target.parent.mkdir(parents=True, exist_ok=True)
     folder, name = gguf_path.parent, gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        # Said once the header has been read: a file that is not a GGUF fails before it.
+        logger.info(
+            "converting %s to safetensors once (about 30 s); cached in %s", gguf_path.name, target
+        )
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    except Exception as error:  # noqa: BLE001 - a damaged file fails in any of gguf's parsers
+        kind = type(error)
+        module = "" if kind.__module__ == "builtins" else f"{kind.__module__}."
+        reason = f"{module}{kind.__name__}: {error}".splitlines()[0]
+        raise ValueError(
+            f"cannot read the GGUF file {str(gguf_path)!r} (is it complete, and a model GGUF "
+            f"transformers supports?): {reason}"
+        ) from error
+    target.parent.mkdir(parents=True, exist_ok=True)
     # GGUF-loaded models carry a quantizer that refuses to serialize, although the weights are
     # already plain float tensors; dropping it saves identical weights.
     model.hf_quantizer = None
@@ -246,28 +261,39 @@ def context_length(model, tokenizer=None) -> tuple[int, str] | None:
     return None
 
 
-def check_prompt_length(model, tokenizer, prompt_tokens: int, hint: str = "") -> None:
-    """Refuse a prompt longer than the model's context: past it, positions are garbage.
+def check_prompt_length(
+    model, tokenizer, prompt_tokens: int, hint: str = "", *, new_tokens: int = 0
+) -> None:
+    """Refuse a prompt, plus the ``new_tokens`` to generate after it, longer than the model's
+    context: past it, positions are garbage.
 
     Raises
     ------
     ValueError
-        Naming the prompt length, the limit and where the limit comes from (``hint`` appended).
+        Naming the lengths, the limit and where the limit comes from (``hint`` appended).
     """
-    error = prompt_length_error(prompt_tokens, context_length(model, tokenizer))
+    error = prompt_length_error(prompt_tokens, context_length(model, tokenizer), new_tokens)
     if error is not None:
         raise ValueError(error + hint)
 
 
-def prompt_length_error(prompt_tokens: int, context: tuple[int, str] | None) -> str | None:
-    """Why a prompt of ``prompt_tokens`` does not fit ``context`` (from :func:`context_length`),
-    or None when it fits (or the limit is unknown)."""
-    if context is None or prompt_tokens <= context[0]:
+def prompt_length_error(
+    prompt_tokens: int, context: tuple[int, str] | None, new_tokens: int = 0
+) -> str | None:
+    """Why a prompt of ``prompt_tokens`` followed by ``new_tokens`` generated ones does not fit
+    ``context`` (from :func:`context_length`), or None when it fits (or the limit is unknown)."""
+    if context is None or prompt_tokens + new_tokens <= context[0]:
         return None
     limit, source = context
+    if prompt_tokens > limit:
+        return (
+            f"the prompt has {prompt_tokens} tokens, more than the model's context of {limit} "
+            f"tokens ({source})"
+        )
     return (
-        f"the prompt has {prompt_tokens} tokens, more than the model's context of {limit} "
-        f"tokens ({source})"
+        f"the prompt has {prompt_tokens} tokens and max_new_tokens={new_tokens} asks for "
+        f"{new_tokens} more: {prompt_tokens + new_tokens}, more than the model's context of "
+        f"{limit} tokens ({source})"
     )
 
 

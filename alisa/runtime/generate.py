@@ -55,6 +55,12 @@ def generate(
     -------
     GenerationOutput
         Texts, token ids, TTFT, per-step times, KV bytes and peak memory.
+
+    Raises
+    ------
+    ValueError
+        An empty prompt, a bad ``max_new_tokens``, or the longest prompt plus
+        ``max_new_tokens`` past the model's context (both numbers named).
     """
     prompt_list = _check_prompts(prompts)
     if (
@@ -66,7 +72,7 @@ def generate(
     sampling = sampling or SamplingOptions()
     device = next(model.parameters()).device
     batch = tokenizer(prompt_list, return_tensors="pt", padding=True).to(device)
-    check_prompt_length(model, tokenizer, batch["input_ids"].shape[-1])
+    check_prompt_length(model, tokenizer, batch["input_ids"].shape[-1], new_tokens=max_new_tokens)
     cache = past_key_values
     if cache is None:
         cache = AlisaCache(model, config, max_new_tokens=max_new_tokens)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,8 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+
+from alisa.checks import check_field_types
 
 # HF GenerationConfig defaults, used when the model's own generation config leaves them unset.
 HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
@@ -40,12 +43,21 @@ class SamplingOptions:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature is not None and not self.temperature > 0:
-            raise ValueError(f"temperature={self.temperature!r} must be > 0")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or self.top_k < 0):
+        check_field_types(self)  # do_sample="no" is a string, and a string would sample
+        if self.temperature is not None and not 0 < self.temperature < math.inf:
+            raise ValueError(f"temperature={self.temperature!r} must be a finite number > 0")
+        if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+
+    @property
+    def ignored(self) -> tuple[str, ...]:
+        """The fields set that greedy decoding ignores (all of them unless ``do_sample``)."""
+        if self.do_sample:
+            return ()
+        names = ("temperature", "top_k", "top_p", "seed")
+        return tuple(name for name in names if getattr(self, name) is not None)
 
 
 class TokenPicker:

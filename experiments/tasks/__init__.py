@@ -184,6 +184,72 @@ def _row(index: int, prompt: str) -> str:
     return json.dumps({"id": index, "prompt": prompt}) + "\n"
 
 
+def _count(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an integer >= 1")
+
+
+def _share(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
+        raise ValueError(f"{name}={value!r} must be a number in (0, 1)")
+
+
+def _limit(name: str, value: object) -> None:
+    if value is not None and value != "none":
+        _count(name, value)
+
+
+def _protocol(name: str, value: object) -> None:
+    from experiments.tasks.perplexity import PROTOCOLS
+
+    if value not in PROTOCOLS:
+        raise ValueError(f"{name}={value!r} is unknown; valid: {', '.join(PROTOCOLS)}")
+
+
+def _size(name: str, value: object) -> None:
+    from alisa.memory import parse_bytes
+
+    parse_bytes(value, field=name)
+
+
+# The options each task reads (``[options.<task>]``) and the check of each: a key not listed
+# would be ignored by the task, so it is an error (a typo must not run the defaults silently).
+OPTIONS = {
+    "perplexity": {"segment_tokens": _count, "prefill_share": _share, "protocol": _protocol},
+    "passkey": {"max_prompt_tokens": _count},
+    "niah": {"max_prompt_tokens": _count},
+    "piqa": {"limit": _limit},
+    "copa": {"limit": _limit},
+    "xsum": {"limit": _count, "max_new_tokens": _count},
+    "attention_sparsity": {"segment_tokens": _count, "threshold": _share},
+    "spearman": {"segment_tokens": _count, "ratio": _share, "rows": _count},
+    "throughput": {
+        "prompt_tokens": _count,
+        "waves": _count,
+        "kv_budget": _size,
+        "new_tokens": _count,
+    },
+}
+
+
+def check_options(task: str, options: object) -> None:
+    """Refuse an ``[options.<task>]`` table with a key the task does not read or a bad value.
+
+    Raises
+    ------
+    ValueError
+        Naming ``options.<task>.<key>`` and the value (or the valid keys).
+    """
+    if not isinstance(options, dict):
+        raise ValueError(f"options.{task}={options!r} must be a table of task options")
+    known = OPTIONS[task]
+    for key, value in options.items():
+        if key not in known:
+            valid = ", ".join(known) or "none"
+            raise ValueError(f"options.{task}.{key} is unknown to task {task!r}; valid: {valid}")
+        known[key](f"options.{task}.{key}", value)
+
+
 TASKS = {
     "perplexity": perplexity,
     "passkey": _retrieval(data.load_passkey, "passkey"),
