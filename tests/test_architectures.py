@@ -5,10 +5,10 @@ offload never changes a token, and recomputation either does not either or is re
 import pytest
 import torch
 from conftest import hf_generate, padded_batch
-from tiny_models import EXACT, FAMILIES, build
 
 from alisa import AlisaCache, AlisaConfig
 from alisa.model.adapter import model_shape
+from experiments.architectures import EXACT, FAMILIES, build
 
 NEW = 6
 MODES = {
@@ -127,3 +127,15 @@ def test_batch_sizing_counts_a_sliding_layer_at_its_window():
     config = AlisaConfig(policy="swa", caching_ratio=0.25, min_budget_tokens=4)
     assert kept_tokens(config, 3, 100, spec.windows).tolist() == [8, 8, 25]
     assert kept_tokens(None, 3, 100, spec.windows).tolist() == [8, 8, 100]
+
+
+def test_the_supported_models_report_runs_the_same_rows(capsys):
+    from experiments.architectures import main
+
+    main(["--families", "gpt_neox,bloom"])
+    table = capsys.readouterr().out
+    assert "| gpt_neox | `GPTNeoXForCausalLM` | yes / yes / yes |" in table
+    assert (
+        "| bloom | `BloomForCausalLM` | refused: its modeling code computes attention inline"
+        in table
+    )

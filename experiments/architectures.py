@@ -1,12 +1,18 @@
-"""Tiny seeded random-weight decoder models of many transformers families, built from configs.
+"""Which decoder families alisa runs exactly, and why it refuses the others (README table).
 
-One table entry per family (or per variant of a family's config): the model type, the config
-fields that make it tiny and valid, and what alisa must do with it, ``EXACT`` (token-identical to
-HF at r = 1, drop and host) or the words of its refusal at construction.
+    python -m experiments.architectures            # markdown table, then one JSON line
+
+One entry per family (or per variant of a family's config): the model type, the config fields
+that make a tiny seeded random-weight model of it, and what alisa owes it, ``EXACT``
+(token-identical to HF's greedy ``generate`` at r = 1 in drop, host and INT8 modes) or the words
+of its refusal when the cache is built. ``tests/test_architectures.py`` asserts every row; this
+script runs the same models and reports what happened, refusals quoted.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 from dataclasses import dataclass, field
 
@@ -148,3 +154,68 @@ def build(family: Family, seed: int = 0):
     model.generation_config.eos_token_id = TINY["eos_token_id"]
     model.generation_config.pad_token_id = TINY["pad_token_id"]
     return model
+
+
+MODES = {
+    "drop": {},
+    "host": {"policy": "swa", "caching_ratio": 1.0, "retention": "host"},
+    "int8": {"kv_bits": 8, "residual_tokens": 64},
+}
+
+
+def prompts(seed: int = 1, lengths: tuple[int, ...] = (12, 7)) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, L) left-padded random token ids and their attention mask."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), TINY["pad_token_id"], dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, width - length :] = torch.randint(
+            2, TINY["vocab_size"], (length,), generator=generator
+        )
+        mask[row, width - length :] = 1
+    return ids, mask
+
+
+def outcome(name: str, family: Family, new_tokens: int = 6) -> dict:
+    """Run one family: each mode's exactness, or the refusal's message."""
+    from alisa import AlisaCache, AlisaConfig
+
+    model = build(family)
+    ids, mask = prompts()
+    options = dict(max_new_tokens=new_tokens, do_sample=False, attention_mask=mask)
+    row = {"family": name, "model": type(model).__name__}
+    try:
+        caches = {mode: AlisaCache(model, AlisaConfig(**fields)) for mode, fields in MODES.items()}
+    except ValueError as error:
+        return {**row, "supported": False, "reason": str(error).split(": ", 1)[-1]}
+    with torch.inference_mode():
+        reference = model.generate(ids, **options)
+        exact = {
+            mode: bool(
+                torch.equal(model.generate(ids, past_key_values=cache, **options), reference)
+            )
+            for mode, cache in caches.items()
+        }
+    return {**row, "supported": True, "exact": exact}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", default=None, help="comma list (default: all)")
+    args = parser.parse_args(argv)
+    names = args.families.split(",") if args.families else sorted(FAMILIES)
+    rows = [outcome(name, FAMILIES[name]) for name in names]
+    print("| family | model class | exact at r = 1 (drop / host / INT8) or why refused |")
+    print("|---|---|---|")
+    for row in rows:
+        if row["supported"]:
+            cell = " / ".join("yes" if row["exact"][mode] else "**NO**" for mode in MODES)
+        else:
+            cell = f"refused: {row['reason']}"
+        print(f"| {row['family']} | `{row['model']}` | {cell} |")
+    print(json.dumps({"benchmark": "architectures", "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
