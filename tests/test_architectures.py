@@ -139,3 +139,15 @@ def test_the_supported_models_report_runs_the_same_rows(capsys):
         "| bloom | `BloomForCausalLM` | refused: its modeling code computes attention inline"
         in table
     )
+
+
+def test_a_sliding_layer_allocates_its_window_and_no_more():
+    """After a prompt longer than the window, each sliding layer's buffers shrink to exactly W
+    slots (W - 1 held, one for the new token) and stay there while decoding."""
+    model = build(FAMILIES["mistral"])
+    ids = torch.randint(2, 500, (2, 60), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    reference = hf_generate(model, ids, mask, max_new_tokens=12)
+    cache = AlisaCache(model, AlisaConfig())
+    assert torch.equal(hf_generate(model, ids, mask, cache, max_new_tokens=12), reference)
+    assert all(layer.store.capacity == 8 for layer in cache.layers)

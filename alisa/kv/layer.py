@@ -16,9 +16,9 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from alisa.kv.keeper import Keeper
-from alisa.kv.slots import SlotMap
+from alisa.kv.slots import SlotMap, grown
 from alisa.kv.tiering import CallInputs, Tiering
-from alisa.storage.store import DenseStore, KVStore, Part, StoreFactory, TokenInputs, headroom
+from alisa.storage.store import DenseStore, KVStore, Part, StoreFactory, TokenInputs
 
 
 class AlisaLayer(CacheLayerMixin):
@@ -216,7 +216,7 @@ class AlisaLayer(CacheLayerMixin):
     def _start(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         batch, heads, length, _ = keys.shape
         groups = heads if self.keeper.per_head else 1
-        capacity = length + headroom(length)
+        capacity = grown(length, self.keeper.window)
         self.store = self.store_factory(keys, values, capacity, groups=groups)
         self.slots = SlotMap(batch, groups, length, capacity, self.device)
         self.keeper.start(self.slots, keys, values)
@@ -247,7 +247,7 @@ class AlisaLayer(CacheLayerMixin):
     def _ensure_capacity(self, slots: int) -> None:
         if slots <= self.store.capacity:
             return
-        capacity = slots + headroom(slots)
+        capacity = grown(slots, self.keeper.window)
         self.store.grow(capacity)
         self.slots.grow(capacity)
         self.keeper.grow(capacity)
@@ -277,7 +277,7 @@ class AlisaLayer(CacheLayerMixin):
         """Copy live slots to the front of smaller buffers once over a third of width is empty."""
         if not self.store.compactable:
             return
-        moved = self.slots.compaction()
+        moved = self.slots.compaction(self.keeper.window)
         if moved is None:
             return
         index, capacity = moved

@@ -20,6 +20,15 @@ FREE = -1  # slot holds nothing; may be reused
 PAD = -2  # slot holds a left-padding token; masked, reclaimed at the next compaction
 
 
+def grown(slots: int, limit: int | None = None) -> int:
+    """Capacity to allocate for ``slots``: the growth rule's headroom, but none past ``limit``
+    (a sliding layer never holds more than its window) while ``slots`` fits under it."""
+    capacity = slots + headroom(slots)
+    if limit is not None and slots < limit:
+        capacity = min(capacity, limit)
+    return capacity
+
+
 class SlotMap:
     """Slot positions (B, Hs, capacity) and per-sequence counts of one layer.
 
@@ -180,11 +189,12 @@ class SlotMap:
         self.width = max(self.width, int(target.max()) + 1)
         return rows, groups, target, tokens
 
-    def compaction(self) -> tuple[torch.Tensor, int] | None:
+    def compaction(self, limit: int | None = None) -> tuple[torch.Tensor, int] | None:
         """Move live slots to the front once over a third of width is empty.
 
         Returns (index, capacity): new slot j holds old slot index[b, g, j], for the store and
-        the attention sums to follow; None when not worth a copy.
+        the attention sums to follow; None when not worth a copy. ``limit``: slots the layer
+        never needs more of (a sliding window), so no headroom past it.
         """
         live = int(self.kept.max(initial=0))  # compaction drops padding slots as well
         if self.width - live <= max(32, self.width // 3):
@@ -192,7 +202,7 @@ class SlotMap:
         occupied = self.positions[..., : self.width] >= 0
         order = torch.argsort((~occupied).to(torch.int8), dim=-1, stable=True)
         index = order[..., :live]
-        capacity = live + headroom(live)
+        capacity = grown(live, limit)
         moved = self.positions.gather(-1, index)
         moved = torch.where(occupied.gather(-1, index), moved, FREE)
         self.positions = torch.nn.functional.pad(moved, (0, capacity - live), value=FREE)
