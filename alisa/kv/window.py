@@ -36,7 +36,9 @@ class WindowKeeper(Keeper):
             raise ValueError(f"window={window!r} must be an integer >= 1")
         super().__init__(policy)
         self.window = window
-        self.cutoff = 0  # positions below this have left (padded coordinates)
+        # Positions below this have left (padded coordinates, shared by every sequence, so it
+        # survives batch selection).
+        self.cutoff = 0
 
     @property
     def frees_slots(self) -> bool:
@@ -61,9 +63,6 @@ class WindowKeeper(Keeper):
         slots.free_before(cutoff, leaving)
         self.evicted += int(leaving.sum()) * slots.groups
         self.cutoff = cutoff
-
-    def select_batch(self, indices: torch.Tensor) -> None:
-        """Sequences share the padded coordinates: the cutoff stays."""
 
     def reset(self) -> None:
         super().reset()

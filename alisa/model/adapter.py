@@ -109,23 +109,23 @@ def model_shape(model: nn.Module) -> ModelShape:
 def layer_types(model: nn.Module) -> list[str]:
     """Each layer's attention kind as transformers' own ``DynamicCache`` sees it
     (``full_attention``, ``sliding_attention``, ``linear_attention``, ...)."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
-    text = model.config.get_text_config(decoder=True)
-    return list(get_layer_types_and_kwargs(text)[0])
+    return list(_layer_kinds(model)[0])
 
 
 def layer_windows(model: nn.Module) -> tuple[int | None, ...]:
     """Per layer, the sliding window W of a ``sliding_attention`` layer, else None (as
     transformers' ``DynamicCache`` sizes its ``DynamicSlidingWindowLayer``)."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
-    text = model.config.get_text_config(decoder=True)
-    kinds, options = get_layer_types_and_kwargs(text)
+    kinds, options = _layer_kinds(model)
     return tuple(
         option.get("sliding_window") if kind == "sliding_attention" else None
         for kind, option in zip(kinds, options, strict=True)
     )
+
+
+def _layer_kinds(model: nn.Module) -> tuple[list[str], list[dict]]:
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    return get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
 
 
 def unsupported_reason(model: nn.Module) -> str | None:

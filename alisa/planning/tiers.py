@@ -133,16 +133,19 @@ class TierPlanner:
         attention inputs of a span of its first slots (for the recompute region).
         """
         keys, values = store.read(slots.positions)
-        error = None
-        if self.recompute_enabled and inputs is not None:
-            error = self._recompute_error(layer_idx, keys, values, slots, inputs)
-        if error is not None and self.layout is None and self.config.recompute == "auto":
+        checked = self.layout is None and self.recompute_enabled and inputs is not None
+        if checked:
             # Before the plan: an architecture whose K/V the recomputer cannot rebuild is
-            # planned without the recompute tier.
-            self.recompute_enabled, error = False, None
-        if error is not None:
-            raise ValueError(error)
+            # refused ("always") or planned without the recompute tier ("auto").
+            error = self._recompute_error(layer_idx, keys, values, slots, inputs)
+            if error is not None and self.config.recompute == "always":
+                raise ValueError(error)
+            self.recompute_enabled = error is None
         layout = self.decide(len(slots.kept), slots.seen)
+        if layout.recompute and not checked:  # every layer the plan recomputes is checked
+            error = self._recompute_error(layer_idx, keys, values, slots, inputs)
+            if error is not None:
+                raise ValueError(error)
         context = RegionContext(
             factory=self.region_factory,
             model_device=self.device,
