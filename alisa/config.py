@@ -98,6 +98,11 @@ class AlisaConfig:
         before the key sketch ranks the rest. 0 ranks by the sketch alone; 0.5 fetches
         a third fewer tokens per step for 0.1-0.4 % of perplexity (README). ``None``: 0.5 for
         an attention-scored policy with ``retention="host"``, else 0 (either preset).
+    reselect_every
+        ``retention="host"``: decode steps per selection. In between, each layer attends to
+        its last choice plus the tokens written since (the newest, which every choice keeps),
+        so scoring, ranking and fetching cost once per this many steps. ``None``: the measured
+        default (``alisa.settings.RESELECT_EVERY``) with ``retention="host"``, else 1.
     min_budget_tokens
         Least tokens kept (attended) per sequence, whatever r; ``None``: 64 under the
         ``default`` preset, 0 under ``paper``.
@@ -140,6 +145,7 @@ class AlisaConfig:
     retention: str = "drop"
     host_bits: int = 8
     history_share: float | None = None
+    reselect_every: int | None = None
     min_budget_tokens: int | None = None
     observation_window: int | None = None
     preset: str = "default"
@@ -186,6 +192,12 @@ class AlisaConfig:
         if self.host_bits not in KV_BITS:
             raise ValueError(f"host_bits={self.host_bits!r} must be one of {KV_BITS}")
         self._check_history_share()
+        check_optional_int("reselect_every", self.reselect_every, minimum=1)
+        if self.reselect_every not in (None, 1) and self.retention != "host":
+            raise ValueError(
+                f"reselect_every={self.reselect_every!r} needs retention='host' (with "
+                f"retention={self.retention!r} nothing is selected again)"
+            )
         check_optional_int("min_budget_tokens", self.min_budget_tokens, minimum=0)
         check_optional_int("observation_window", self.observation_window, minimum=0)
         if self.preset not in PRESETS:
@@ -242,6 +254,11 @@ class AlisaConfig:
         """``history_share``, or its default: 0.5 for an attention-scored policy with
         ``retention="host"``, else 0 (:func:`alisa.settings.resolve_settings` decides)."""
         return resolve_settings(self, self._any_layers).history_share
+
+    @property
+    def host_reselect_every(self) -> int:
+        """``reselect_every``, or its default (:func:`alisa.settings.resolve_settings`)."""
+        return resolve_settings(self, self._any_layers).reselect_every
 
     @property
     def selects_per_head(self) -> bool:

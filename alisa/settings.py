@@ -30,6 +30,9 @@ OBSERVATION_WINDOW = 8
 # (README, "Which scoring works": a third fewer tokens fetched per step for 0.1-0.4 % of
 # perplexity against the key sketch alone).
 HISTORY_SHARE = 0.5
+# Decode steps per host selection when ``reselect_every`` is unset (issue 26's measurements,
+# docs/host-speed.md: consecutive steps choose mostly the same tokens).
+RESELECT_EVERY = 4
 # What an unset field that no resolver value replaces means, as shown by describe_settings.
 UNSET_MEANS = {
     "quant_group_size": "head_dim",
@@ -59,6 +62,7 @@ class ConfigFields(Protocol):
     host_memory: int | str | None
     retention: str
     history_share: float | None
+    reselect_every: int | None
     min_budget_tokens: int | None
     observation_window: int | None
     preset: str
@@ -128,6 +132,8 @@ class Settings:
         Whether each KV head keeps its own index set.
     history_share
         ``retention="host"``: the share of the budget chosen by attention history.
+    reselect_every
+        ``retention="host"``: decode steps per selection (1 otherwise).
     gpu_memory_bytes, host_memory_bytes
         Byte budgets; ``None``: no device limit, the host's available memory.
     unset
@@ -137,6 +143,7 @@ class Settings:
     layers: tuple[LayerSettings, ...]
     per_head: bool
     history_share: float
+    reselect_every: int
     gpu_memory_bytes: int | None
     host_memory_bytes: int | None
     unset: frozenset[str]
@@ -156,6 +163,7 @@ def resolve_settings(config: ConfigFields, num_layers: int) -> Settings:
         layers=tuple(_layer(config, index, num_layers) for index in range(num_layers)),
         per_head=_per_head(config),
         history_share=_history_share(config),
+        reselect_every=_reselect_every(config),
         gpu_memory_bytes=_bytes(config.gpu_memory, "gpu_memory"),
         host_memory_bytes=_bytes(config.host_memory, "host_memory"),
         unset=frozenset(name for name, value in vars(config).items() if value is None),
@@ -253,6 +261,13 @@ def _history_share(config: ConfigFields) -> float:
     return HISTORY_SHARE if scored else 0.0
 
 
+def _reselect_every(config: ConfigFields) -> int:
+    """``reselect_every``, or RESELECT_EVERY with ``retention="host"`` (1 otherwise)."""
+    if config.reselect_every is not None:
+        return config.reselect_every
+    return RESELECT_EVERY if config.retention == "host" else 1
+
+
 def _bytes(value: int | str | None, name: str) -> int | None:
     return None if value is None else parse_bytes(value, field=name)
 
@@ -272,6 +287,7 @@ def effective_values(config: ConfigFields, num_layers: int) -> dict[str, str]:
     resolved = {
         "per_head": settings.per_head,
         "history_share": settings.history_share,
+        "reselect_every": settings.reselect_every,
         "gpu_memory": settings.gpu_memory_bytes,
         "host_memory": settings.host_memory_bytes,
     }

@@ -78,7 +78,7 @@ def test_cleared_slots_start_from_zero():
     windows = np.array([3])
     for _ in range(5):
         acc.add(torch.ones(1, 1, 4), windows)
-    acc.clear_slots(torch.tensor([0]), torch.tensor([0]), torch.tensor([1]))
+    acc.clear_slots(torch.tensor([[[1, 3]]]), torch.tensor([[[True, False]]]))
     acc.add(torch.ones(1, 1, 4), windows)
     got = acc.window_sum(windows, 4)[0, 0]
     assert got[1] == 1.0  # only the step after the slot was cleared

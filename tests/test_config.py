@@ -90,6 +90,7 @@ WRONG_TYPES = {
     "retention": 1,
     "host_bits": 8.0,
     "history_share": "half",
+    "reselect_every": 2.5,
     "min_budget_tokens": 64.0,
     "observation_window": 32.0,
     "preset": 1,

@@ -27,8 +27,7 @@ class NewestKeeper(Keeper):
         positions = slots.positions  # (B, 1, S); empty and padding slots are negative
         oldest = with_protections(positions.to(torch.float32), positions < 0)
         victims, taken = top_k(oldest, excess, largest=False)
-        rows, groups, ranks = taken.nonzero(as_tuple=True)
-        slots.free(rows, groups, victims[rows, groups, ranks], excess)
+        slots.free(victims, taken, excess)
         self.evicted += int(excess.sum())
 
 

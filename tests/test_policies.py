@@ -154,10 +154,10 @@ def test_the_observation_window_vote_is_pooled_and_ranks_the_first_eviction():
     vote[0, 0, 10] = 1.0  # head 0's question looks at token 10, head 1's at token 20
     vote[0, 1, 20] = 1.0
     eviction.account(vote.view(1, 2, 1, 1, 48), slots, vote=True)
-    rows, groups, chosen, excess = eviction.victims(slots)
+    chosen, taken, excess = eviction.victims(slots)
     assert excess.tolist() == [30]  # budget 10: 5 recent + 5 by the vote
     for group, spike in ((0, 10), (1, 20)):
-        gone = set(chosen[groups == group].tolist())
+        gone = set(chosen[0, group][taken[0, group]].tolist())
         kept = set(range(40)) - gone
         # The pooled vote keeps the spike's neighbours (kernel 5) with it; the recent half stays.
         assert kept == set(range(spike - 2, spike + 3)) | set(range(35, 40))

@@ -74,7 +74,10 @@ def decoded_cache(config, lengths=(120, 100, 60), steps=20, model=None):
 
 
 def test_every_token_stays_on_the_host_and_the_device_holds_the_budget_per_head():
-    config = AlisaConfig(policy="swa", caching_ratio=0.2, min_budget_tokens=16, **HOST)
+    # Selecting at every step: the device holds exactly the budget after each one.
+    config = AlisaConfig(
+        policy="swa", caching_ratio=0.2, min_budget_tokens=16, reselect_every=1, **HOST
+    )
     cache, mask = decoded_cache(config)
     lengths = mask.sum(1).numpy() + 20 - 1  # the last token is not yet written
     for layer in cache.layers:
@@ -240,6 +243,8 @@ def _probabilities(query, parts, dim):
         ({"retention": "host", "policy": "swa", "history_share": 1.5}, "history_share=1.5"),
         ({"policy": "swa", "history_share": 0.5}, "history_share=0.5 needs retention='host'"),
         ({"retention": "host", "policy": "streaming", "history_share": 0.5}, "policy='streaming'"),
+        ({"retention": "host", "policy": "swa", "reselect_every": 0}, "reselect_every=0"),
+        ({"policy": "swa", "reselect_every": 2}, "reselect_every=2 needs retention='host'"),
     ],
 )
 def test_bad_retention_settings_name_the_field(options, message):
@@ -255,6 +260,38 @@ def test_the_history_share_defaults_to_half_for_attention_scored_host_retention(
     assert AlisaConfig(policy="swa").host_history_share == 0.0  # drop: scores rank every token
     cache = AlisaCache(tiny_llama(), AlisaConfig(policy="swa", caching_ratio=0.2, **HOST))
     assert all(layer.keeper.history_share == 0.5 for layer in cache.layers)
+
+
+def test_reselect_every_defaults_for_host_retention_only():
+    from alisa.settings import RESELECT_EVERY, describe_settings
+
+    assert AlisaConfig(policy="swa", **HOST).host_reselect_every == RESELECT_EVERY
+    assert AlisaConfig(policy="swa", reselect_every=1, **HOST).host_reselect_every == 1
+    assert AlisaConfig(policy="swa").host_reselect_every == 1  # dropping never selects again
+    shown = describe_settings(AlisaConfig(policy="swa", **HOST), 2).splitlines()
+    assert f"reselect_every {RESELECT_EVERY} *" in [" ".join(line.split()) for line in shown]
+
+
+@torch.inference_mode()
+def test_between_selections_the_last_choice_and_the_new_tokens_are_attended():
+    model = tiny_llama()
+    ids, mask = padded_batch(lengths=(60, 60))
+    config = AlisaConfig(
+        policy="swa", budget_tokens=24, min_budget_tokens=0, reselect_every=3, **HOST
+    )
+    cache = AlisaCache(model, config)
+    output = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    layer = cache.layers[0]
+    held = []
+    for _ in range(7):
+        token = output.logits[:, -1:].argmax(-1)
+        mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
+        output = model(input_ids=token, attention_mask=mask, past_key_values=cache)
+        held.append(int(layer.slots.kept[0]))
+        assert (layer.slots.positions >= 0).sum(-1).eq(held[-1]).all()  # every KV head
+    # The prefill chooses 24; steps 3 and 6 choose again; the others add their new token.
+    assert held == [25, 26, 24, 25, 26, 24, 25]
+    assert layer.keeper.steps == 3
 
 
 def test_the_floor_keeps_small_budgets_useful():

@@ -155,11 +155,16 @@ class AttentionAccumulator:
         if self.total.shape[-1] < width:
             self.grow(width + headroom(width))
 
-    def clear_slots(self, rows: torch.Tensor, groups: torch.Tensor, slots: torch.Tensor) -> None:
-        """Zero the sums of evicted slots (flat index triples) so a reused slot starts afresh."""
-        self.total[rows, groups, slots] = 0.0
+    def clear_slots(self, slots: torch.Tensor, taken: torch.Tensor) -> None:
+        """Zero the sums of evicted slots so a reused slot starts afresh: (B, Hs, k) distinct
+        slots per row, only where ``taken`` (a masked scatter: no host round trip)."""
+        self.total.scatter_(-1, slots, torch.where(taken, 0.0, self.total.gather(-1, slots)))
         if self.windowed:
-            self.snapshots[:, rows, groups, slots] = 0.0
+            ring = self.snapshots.shape[0]
+            index, mask = slots.expand(ring, *slots.shape), taken.expand(ring, *taken.shape)
+            self.snapshots.scatter_(
+                -1, index, torch.where(mask, 0.0, self.snapshots.gather(-1, index))
+            )
 
     def reindex(self, index: torch.Tensor, vacated: torch.Tensor | None = None) -> None:
         """Move slots as the cache does: new slot j takes old slot index[b, h, j] (B, Hs, S').

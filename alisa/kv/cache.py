@@ -155,7 +155,9 @@ def default_keeper(config: AlisaConfig, policy: KVPolicy) -> Keeper:
     """Host retention when ``retention="host"`` and the policy can leave tokens out, else
     dropping (which never drops under a budget that covers every token)."""
     if config.retention == "host" and policy.can_evict():
-        return HostKeeper(policy, config.host_bits, config.host_history_share)
+        return HostKeeper(
+            policy, config.host_bits, config.host_history_share, config.host_reselect_every
+        )
     return DropKeeper(policy, per_head=config.selects_per_head)
 
 

@@ -116,14 +116,15 @@ class DropKeeper(Keeper):
         chosen = self.victims(slots)
         if chosen is None:
             return
-        rows, groups, victims, excess = chosen
-        slots.free(rows, groups, victims, excess)
+        victims, taken, excess = chosen
+        slots.free(victims, taken, excess)
         if self.scores is not None:
-            self.scores.clear_slots(rows, groups, victims)  # a reused slot starts afresh
+            self.scores.clear_slots(victims, taken)  # a reused slot starts afresh
         self.evicted += int(excess.sum()) * slots.groups
 
     def victims(self, slots: SlotMap):
-        """Slots to evict now, as flat (rows, groups, slots) and the (B,) excess; None if none."""
+        """Slots to evict now: (B, Hs, k) slots, a bool of the same shape False past a
+        sequence's excess, and the (B,) excess; None if none."""
         if not self.policy.can_evict():
             return None
         budget = self.budget(slots)
@@ -142,8 +143,7 @@ class DropKeeper(Keeper):
         priority = with_protections(score, protected)
         # Every group (KV head, when selecting per head) of a sequence drops its excess.
         chosen, taken = top_k(priority, excess, largest=False, ordered=True)
-        rows, groups, ranks = taken.nonzero(as_tuple=True)
-        return rows, groups, chosen[rows, groups, ranks], excess
+        return chosen, taken, excess
 
     def grow(self, capacity: int) -> None:
         if self.scores is not None:

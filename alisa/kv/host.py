@@ -55,17 +55,28 @@ class HostKeeper(Keeper):
         Share of the budget left after the protections that goes to the tokens with the most
         attention received (the policy's own signal, ALISA's "globally dynamic" tokens), ahead
         of the key sketch's estimate; 0 ranks by the sketch alone.
+    reselect_every
+        Decode steps per selection: in between, the device keeps the last chosen set and the
+        new tokens join it (they are the newest, which every selection keeps anyway), so the
+        scoring, ranking and fetching of a step is paid once per ``reselect_every`` steps.
     """
 
     # New tokens go to the frontier: the selection itself refills freed slots with what it
     # fetches, and compaction returns the rest.
     reuses_free_slots = False
 
-    def __init__(self, policy: KVPolicy, host_bits: int, history_share: float = 0.0) -> None:
+    def __init__(
+        self,
+        policy: KVPolicy,
+        host_bits: int,
+        history_share: float = 0.0,
+        reselect_every: int = 1,
+    ) -> None:
         super().__init__(policy, per_head=True)
         self.host_bits = host_bits
         self.sinks = policy.sink_tokens
         self.history_share = history_share
+        self.reselect_every = reselect_every
         self.reset()
 
     def reset(self) -> None:
@@ -83,6 +94,7 @@ class HostKeeper(Keeper):
         # over the policy's score window (decayed: a window of w steps keeps 1 - 1/w a step).
         self.history: AttentionAccumulator | None = None
         self.steps = 0  # decode steps that selected (budget below the tokens seen)
+        self.unselected = 0  # decode steps since the last selection
 
     # ---- the keeper's hooks -----------------------------------------------------------------
 
@@ -101,7 +113,12 @@ class HostKeeper(Keeper):
         query: torch.Tensor,
         reserve: Callable[[int], None],
     ) -> None:
-        """Make the device slots this step's chosen tokens (fetching what the device lacks)."""
+        """Make the device slots this step's chosen tokens (fetching what the device lacks),
+        once every ``reselect_every`` steps; the steps between attend to the last choice and
+        the tokens written since."""
+        self.unselected += 1
+        if self.unselected < self.reselect_every:
+            return
         budget = self.budget(slots)
         reserve(int(budget.max()) + int(slots.dead.max(initial=0)) + 1)
         self.select(slots, store, query, budget)
@@ -192,6 +209,7 @@ class HostKeeper(Keeper):
         budget
             (B,) the policy's budget for the current lengths (the slots are sized for it).
         """
+        self.unselected = 0
         if (budget >= slots.lengths()).all():  # budgets only fall behind n: nothing has left yet
             return
         recent = np.maximum(self.policy.recent(budget), 1)  # the new token is always attended

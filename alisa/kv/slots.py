@@ -124,9 +124,15 @@ class SlotMap:
         extra = capacity - self.capacity
         self.positions = torch.nn.functional.pad(self.positions, (0, extra), value=FREE)
 
-    def free(self, rows: torch.Tensor, groups: torch.Tensor, slots: torch.Tensor, excess) -> None:
-        """Empty evicted slots (flat index triples); ``excess`` (B,) tokens per sequence."""
-        self.positions[rows, groups, slots] = FREE
+    def free(self, slots: torch.Tensor, taken: torch.Tensor, excess: np.ndarray) -> None:
+        """Empty evicted slots: (B, Hs, k) distinct slots per row, ``taken`` (B, Hs, k) False
+        past a sequence's ``excess`` (B,) tokens (those slots are left as they are).
+
+        A masked scatter, not a flat index of the taken entries: finding those would read the
+        mask on the host, a device round trip per layer and step.
+        """
+        kept = self.positions.gather(-1, slots)
+        self.positions.scatter_(-1, slots, torch.where(taken, FREE, kept))
         self.kept -= excess
 
     def free_before(self, cutoff: int, leaving: np.ndarray) -> None:
@@ -186,7 +192,10 @@ class SlotMap:
         target = free_slot[rows, groups, rank]
         tokens = chosen[rows, groups, entries]
         positions[rows, groups, target] = tokens
-        self.width = max(self.width, int(target.max()) + 1)
+        # A target at or past the old width means every free slot below it was taken, so the
+        # slots below it are all occupied: it is below kept + dead. The bound needs no read of
+        # the targets (a second device round trip; the fetch list above is the one allowed).
+        self.width = max(self.width, int((self.kept + self.dead).max()))
         return rows, groups, target, tokens
 
     def compaction(self, limit: int | None = None) -> tuple[torch.Tensor, int] | None:

@@ -160,9 +160,7 @@ class QuantizedStore(DeviceResident):
         if self.residual:
             slots = self.ring_slots.clamp(min=0)
             live = (self.ring_slots >= 0) & (positions.gather(-1, slots) == self.ring_positions)
-            rows, groups, entries = live.nonzero(as_tuple=True)
-            if rows.numel():
-                self._overwrite(keys, values, rows, groups, entries)
+            self._overwrite(keys, values, slots, live)
         return keys, values
 
     def write_range(
@@ -234,12 +232,13 @@ class QuantizedStore(DeviceResident):
     def reindex(self, index: torch.Tensor, capacity: int) -> None:
         """New slot j holds old slot index[b, g, j]; grow to ``capacity``; remap the ring."""
         rows, heads, slots = slot_indices(index, self.codes.data.shape[2])
+        old_capacity = self.capacity  # index < old_capacity: no read of its values needed
         self.codes.replace(
             tuple(with_capacity(t[:, rows, heads, slots], capacity) for t in self.codes.tensors())
         )
         if self.residual:
             old_to_new = torch.full(
-                (*index.shape[:2], int(index.max()) + 2), -1, dtype=torch.long, device=index.device
+                (*index.shape[:2], old_capacity + 1), -1, dtype=torch.long, device=index.device
             )
             new = torch.arange(index.shape[-1], device=index.device).expand_as(index)
             old_to_new.scatter_(-1, index, new)
@@ -276,12 +275,22 @@ class QuantizedStore(DeviceResident):
         self.ring_slots[:, :, entry] = slots[..., 0]
         self.ring_positions[entry] = position
 
-    def _overwrite(self, keys, values, rows, groups, entries) -> None:
-        slots = self.ring_slots[rows, groups, entries]
-        if self.ring_slots.shape[1] == 1:  # one slot map for all heads of a sequence
-            heads = torch.arange(keys.shape[1], device=keys.device).view(1, -1)
-            rows, slots, entries = rows.view(-1, 1), slots.view(-1, 1), entries.view(-1, 1)
-        else:
-            heads = groups
-        keys[rows, heads, slots] = self.ring_keys[rows, heads, entries]
-        values[rows, heads, slots] = self.ring_values[rows, heads, entries]
+    def _overwrite(self, keys, values, slots: torch.Tensor, live: torch.Tensor) -> None:
+        """Put the full-precision ring's live entries into dequantized (B, H_kv, S, D) keys and
+        values: ``slots``/``live`` (B, Hs, R) are each entry's slot and whether it still holds
+        the entry's token.
+
+        Every entry is written, so no host round trip finds the live ones: a stale entry writes
+        what its slot should hold (the live entry's token there if any, else the slot's own
+        value), so entries sharing a slot write equal values and the scatter is deterministic.
+        """
+        batch, heads, _, head_dim = keys.shape
+        slots, live = slots.expand(batch, heads, -1), live.expand(batch, heads, -1)
+        # same[b, h, e, f]: entry f is live at entry e's slot (at most one f per slot).
+        same = (slots.unsqueeze(-1) == slots.unsqueeze(-2)) & live.unsqueeze(-2)
+        covered = same.any(-1, keepdim=True)  # (B, H, R, 1)
+        source = same.to(torch.int8).argmax(-1, keepdim=True).expand(-1, -1, -1, head_dim)
+        index = slots.unsqueeze(-1).expand(-1, -1, -1, head_dim)
+        for region, ring in ((keys, self.ring_keys), (values, self.ring_values)):
+            wanted = torch.where(covered, ring.gather(2, source), region.gather(2, index))
+            region.scatter_(2, index, wanted)
