@@ -9,7 +9,7 @@ Timing the model's own steps at two batch sizes and two context lengths identifi
 terms (one column each in a least-squares system); micro-benchmarks of a square matmul or a
 memory sweep can be several times off on another CPU because their shape, dtype and kernel path
 differ from the model's. ``retention="host"`` steps at two context lengths identify, on top
-of that, the selection's per-step constant and the rate at which it goes over the key sketch
+of that, the selection's constant and the rate at which it goes over the key sketch
 (:func:`fit_selection`).
 """
 
@@ -164,7 +164,7 @@ def _slopes(
 class SelectionFit:
     """The selection cost of ``retention="host"`` fitted from real host steps.
 
-    ``overhead_s``: fixed seconds per step; ``bytes_per_s``: key-sketch bytes selected over per
+    ``overhead_s``: fixed seconds per selection; ``bytes_per_s``: key-sketch bytes selected over per
     second (``select_bytes_per_s``); ``worst_miss``: the largest relative miss on a sample.
     """
 
@@ -180,17 +180,17 @@ def fit_selection(
     pick: str = "median",
     device_type: str = "",
 ) -> SelectionFit:
-    """Least-squares fit of the selection's per-step constant and sketch rate to host steps.
+    """Least-squares fit of the selection's constant and sketch rate to host steps.
 
-    A ``retention="host"`` step costs what the cost model charges without the selection
+    A ``retention="host"`` step that selects costs what the cost model charges without the selection
     (``base_seconds``) plus ``overhead + batch * context * sketch_bytes_per_token / rate``:
     scoring every seen token's sketch, the top-k and the slot swaps grow with the tokens seen.
 
     Parameters
     ----------
     samples
-        Timed retention="host" steps spanning two context lengths (``context``: tokens seen per
-        sequence).
+        Timed retention="host" steps, each selecting, spanning two context lengths
+        (``context``: tokens seen per sequence).
     base_seconds
         The cost model's time of each sample without the selection (overhead, weights,
         attention over the kept tokens, the fetch), in the order of ``samples``.

@@ -55,14 +55,15 @@ class HardwareProfile:
         Fixed time per decode step not explained by bytes and FLOPs (kernel launches, Python),
         fitted by ``alisa profile``; 0 for published presets.
     select_bytes_per_s
-        ``retention="host"``: key-sketch bytes per second at which a decode step selects its
+        ``retention="host"``: key-sketch bytes per second at which a selection chooses its
         tokens (scores every seen token's sketch, takes the top-k, frees and fills slots), fitted
-        by ``alisa profile`` on real retention="host" steps; the selection of a step costs
-        ``seen tokens * sketch bytes per token / select_bytes_per_s``. None (presets, older
-        profiles): the sketch is costed as read at ``kv_bytes_per_s``.
+        by ``alisa profile`` on real retention="host" steps that each select; a selection costs
+        ``seen tokens * sketch bytes per token / select_bytes_per_s`` and comes once every
+        ``Workload.reselect_every`` steps. None (presets, older profiles): the sketch is costed
+        as read at ``kv_bytes_per_s``.
     select_overhead_s
-        ``retention="host"``: fixed time per decode step of the selection (its per-layer small
-        ops), fitted with ``select_bytes_per_s``; 0 when not measured.
+        ``retention="host"``: fixed time per selection (its per-layer small ops), fitted with
+        ``select_bytes_per_s``; 0 when not measured.
     simulated
         True for presets built from published figures rather than measured here.
     device_type, cpu_model, torch_version, dtype

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from scheduler.workload import Workload
+from scheduler.workload import Workload, fetch_growth
 
 EPSILON = 1e-6
 
@@ -39,7 +39,9 @@ class Plan:
     simulated
         True when the hardware figures are published ones, not measured here.
     fetch_bytes_per_step
-        retention="host": most bytes fetched from the host region in one decode step.
+        retention="host": most bytes fetched from the host region per decode step, a bucket's
+        mean (with ``reselect_every`` = s, a selecting step fetches s times that, the others
+        nothing).
     """
 
     hardware: str
@@ -85,10 +87,14 @@ class Plan:
     def _retention_lines(self) -> list[str]:
         if self.workload.retention != "host":
             return []
+        workload = self.workload
+        every = workload.reselect_every
+        interval = "every step" if every == 1 else f"every {every} steps"
+        share = workload.fetch_share * fetch_growth(every)
         return [
-            f"  retention host: every token kept on the host at {self.workload.host_bits} bits; "
-            f"fetched per step {self.fetch_bytes_per_step / 2**20:.2f} MiB "
-            f"({self.workload.fetch_share:g} of the budget); the device holds the budget and "
+            f"  retention host: every token kept on the host at {workload.host_bits} bits; "
+            f"fetched per step {self.fetch_bytes_per_step / 2**20:.2f} MiB (a selection "
+            f"{interval} fetches {share:.2g} of the budget); the device holds the budget and "
             "a sketch of every key (half its channels, bfloat16)"
         ]
 

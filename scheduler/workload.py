@@ -8,11 +8,30 @@ import numpy as np
 
 from scheduler.budget import KeepRule, mean_kept
 
-# Share of the budget fetched from the host per step and KV head with retention="host": tokens
-# chosen this step that were not chosen the step before, measured 0.27 on SmolLM2 / WikiText-2
-# at r = 0.1-0.2 (docs/retention-selection-study.md). The paper bounds it by the whole budget.
+# Share of the budget fetched from the host per selection and KV head with retention="host",
+# selecting every step: tokens chosen this step that were not chosen the step before, measured
+# 0.27 on SmolLM2 / WikiText-2 at r = 0.1-0.2 (docs/retention-selection-study.md). The paper
+# bounds it by the whole budget.
 FETCH_SHARE = 0.27
+# Tokens fetched per selection when selecting every s steps, relative to every step (s = 1), as
+# (log2 s, growth): a selection after s steps moves what changed over s steps, but much of a
+# step's change is the same tokens trading places again, so it levels off by s = 4. Measured:
+# 26.2, 31.0, 33.1, 32.7 tokens per selection and (layer, sequence, KV head) at s = 1, 2, 4, 8
+# (sum of keeper.fetched / sum of keeper.steps over cache.layers, prefill excluded), SmolLM2-135M
+# float32, one thread, 64 greedy decode steps after 4 WikiText-2 prompts of 1024 tokens
+# (experiments.worker.prompts_of_length), AlisaConfig(policy="swa", caching_ratio=0.2,
+# retention="host", reselect_every=s). (At s = 1 that is 0.124 of the budget with the default
+# history share, below FETCH_SHARE's sketch-only 0.27.) Linear in log2 s between the points,
+# the last one past s = 8.
+FETCH_GROWTH = ((0.0, 1.0), (1.0, 1.18), (2.0, 1.26), (3.0, 1.25))
 RETENTIONS = ("drop", "host")
+
+
+def fetch_growth(reselect_every: int) -> float:
+    """Tokens fetched per selection every ``reselect_every`` steps over those of every step
+    (:data:`FETCH_GROWTH`)."""
+    points, growth = zip(*FETCH_GROWTH, strict=True)
+    return float(np.interp(np.log2(reselect_every), points, growth))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,10 +55,15 @@ class Workload:
     retention
         ``drop``: tokens outside the budget are deleted. ``host``: every token stays in a host
         region (``host_bits``), the device holds the chosen budget plus a key sketch of every
-        token, and each step fetches ``fetch_share`` of the budget from the host (ALISA's
+        token, and each selection fetches ``fetch_share`` of the budget from the host (ALISA's
         theta^g term).
     host_bits, fetch_share
-        Host-region precision and the share of the budget fetched per step (retention host).
+        Host-region precision and the share of the budget fetched per selection when selecting
+        every step (retention host).
+    reselect_every
+        Decode steps per selection (retention host; ignored with ``drop``): the steps between
+        attend to the last chosen set plus the new tokens, so the selection and its fetch are
+        paid once per ``reselect_every`` steps.
     """
 
     batch: int
@@ -53,9 +77,10 @@ class Workload:
     retention: str = "drop"
     host_bits: int = 8
     fetch_share: float = FETCH_SHARE
+    reselect_every: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("batch", "prompt_len", "gen_len"):
+        for name in ("batch", "prompt_len", "gen_len", "reselect_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")

@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -19,6 +20,7 @@ from scheduler import (
     preset,
     solve,
 )
+from scheduler.workload import FETCH_GROWTH, fetch_growth
 
 GIB = 1024**3
 
@@ -197,6 +199,12 @@ def test_bad_workloads_name_the_field(field, value):
         Workload(**options)
 
 
+@pytest.mark.parametrize("value", [0, 1.5, True])
+def test_the_reselect_interval_is_a_positive_integer(value):
+    with pytest.raises(ValueError, match=re.escape(f"reselect_every={value!r}")):
+        Workload(batch=1, prompt_len=8, gen_len=8, retention="host", reselect_every=value)
+
+
 def test_bad_hardware_names_the_field():
     with pytest.raises(ValueError, match="h2d_bytes_per_s"):
         HardwareProfile(
@@ -249,4 +257,47 @@ def test_host_retention_selection_uses_the_calibrated_rate_when_the_profile_has_
     # Without overlapping copies (a CPU) the selection and the fetch add to the step.
     assert cost.step_time(bucket, {"g": 1.0}) - drop.step_time(bucket, {"g": 1.0}) == (
         pytest.approx(terms["scoring_s"] + terms["fetch_bytes"] / 1e9)
+    )
+
+
+def test_host_selection_and_fetch_are_spread_over_the_reselect_interval():
+    """A selection every s steps: its time per step is 1/s of a selection's; its fetch per step
+    is 1/s of one that moves fetch_growth(s) times the every-step tokens; the steps between
+    attend to (s - 1) / 2 tokens per sequence beyond the budget on average."""
+    workload = Workload(batch=4, prompt_len=1000, gen_len=1, caching_ratio=0.2, retention="host")
+    profile = replace(
+        machine(16 * GIB, overlap=False), select_bytes_per_s=2e9, select_overhead_s=0.003
+    )
+    bucket = make_buckets(workload, 1)[0]
+    every_step = CostModel(profile, TINY_MHA, workload)
+    every_four = CostModel(profile, TINY_MHA, replace(workload, reselect_every=4))
+    one, four = every_step.retention_terms(bucket), every_four.retention_terms(bucket)
+    assert four["scoring_s"] == pytest.approx(one["scoring_s"] / 4)
+    assert fetch_growth(1) == 1.0 and 1.0 < fetch_growth(4) < 2.0
+    assert four["fetch_bytes"] == pytest.approx(one["fetch_bytes"] * fetch_growth(4) / 4)
+    assert (one["extra_kept"], four["extra_kept"]) == (0.0, 4 * 1.5)
+    for held in ("sketch_bytes", "region_bytes"):  # every token stays held either way
+        assert four[held] == one[held]
+    # Without overlapping copies: the step saves 3/4 of the selection and about 2/3 of the
+    # fetch, and pays for reading the extra tokens.
+    saved_s = (
+        one["scoring_s"] - four["scoring_s"] + (one["fetch_bytes"] - four["fetch_bytes"]) / 1e9
+    )
+    extra_s = 4 * 1.5 * TINY_MHA.kv_bytes_per_token() / profile.device_bytes_per_s
+    step = every_step.step_time(bucket, {"g": 1.0}) - every_four.step_time(bucket, {"g": 1.0})
+    assert step == pytest.approx(saved_s - extra_s)
+    assert fetch_growth(64) == fetch_growth(8)  # levels off past the last measured interval
+    assert FETCH_GROWTH[0] == (0.0, 1.0)
+
+
+def test_a_host_plan_names_its_reselect_interval():
+    options = {"batch": 4, "prompt_len": 1000, "gen_len": 8, "caching_ratio": 0.2}
+    workload = Workload(**options, retention="host", reselect_every=4)
+    plan = solve(machine(16 * GIB), TINY_MHA, workload)
+    assert "a selection every 4 steps" in plan.describe()
+    assert plan.to_dict()["workload"]["reselect_every"] == 4
+    every_step = solve(machine(16 * GIB), TINY_MHA, replace(workload, reselect_every=1))
+    assert "a selection every step" in every_step.describe()
+    assert plan.fetch_bytes_per_step == pytest.approx(
+        every_step.fetch_bytes_per_step * fetch_growth(4) / 4
     )

@@ -100,6 +100,22 @@ def test_the_workload_keeps_what_the_cache_keeps():
     assert dense.caching_ratio == 1.0 and dense.kept_tokens(0) == 8
 
 
+def test_the_workload_selects_as_often_as_the_cache():
+    from alisa.calibration.steps import SELECTION_CONFIG
+    from alisa.planning.spec import config_workload
+    from alisa.settings import RESELECT_EVERY
+
+    def interval(config):
+        return config_workload(config, 3, batch=1, prompt_len=8, gen_len=1).reselect_every
+
+    host = AlisaConfig(policy="swa", caching_ratio=0.2, retention="host")
+    assert interval(host) == RESELECT_EVERY == 4
+    assert interval(AlisaConfig(policy="swa", retention="host", reselect_every=2)) == 2
+    assert interval(AlisaConfig(policy="swa")) == 1
+    # The calibration times steps that each select: its fit is per selection.
+    assert SELECTION_CONFIG.host_reselect_every == interval(SELECTION_CONFIG) == 1
+
+
 def test_the_selection_calibration_workload_is_unchanged():
     from dataclasses import replace
 

@@ -3,7 +3,7 @@
 With a model, the terms the LP uses come from the model's own work at the plan's sizes
 (:mod:`alisa.calibration.steps`): decode steps at two batch sizes and two context lengths fit the
 step overhead, FLOP rate and KV read rate; tiered steps give the host-read and recompute rates;
-retention="host" steps give the selection's sketch rate and per-step constant.
+retention="host" steps (each selecting) give the selection's sketch rate and constant.
 Micro-benchmarks (a square matmul, a memory sweep, a pool-to-pool copy) fill the terms that no
 step identifies, and stand in, labelled as fallbacks, when a fit fails twice.
 """

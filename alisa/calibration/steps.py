@@ -27,9 +27,11 @@ PICKS = ("min", "median", "max")  # fastest, median, slowest repeats: the spread
 FITTED = "fitted from real decode steps"
 TIERED = "real tiered decode step"
 SELECTED = "fitted from real retention='host' steps"
-# retention="host" as a typical plan runs it. The selection's cost per seen token hardly depends
-# on the ratio: every seen token's sketch is scored whatever the budget.
-SELECTION_CONFIG = AlisaConfig(policy="swa", caching_ratio=0.2, retention="host")
+# retention="host" as a typical plan runs it, but selecting at every step: each timed step pays
+# for one selection, so the fit is per selection (the cost model divides it by the plan's
+# reselect_every). The selection's cost per seen token hardly depends on the ratio: every seen
+# token's sketch is scored whatever the budget.
+SELECTION_CONFIG = AlisaConfig(policy="swa", caching_ratio=0.2, retention="host", reselect_every=1)
 # Contexts the selection is timed at, evenly spaced: three for its two unknowns, a least-squares
 # fit, so one noisy point (another job on the machine, a page being coded) bends the line
 # instead of setting it.
@@ -205,7 +207,7 @@ def calibrate_selection(
     """The selection cost of ``retention="host"``: ``select_bytes_per_s`` and
     ``select_overhead_s`` with their spreads, from real host steps.
 
-    :data:`SELECTION_CONFIG` steps of ``batch`` sequences are timed at
+    :data:`SELECTION_CONFIG` steps (each one selects) of ``batch`` sequences are timed at
     :data:`SELECTION_CONTEXTS` evenly spaced contexts; what the cost model charges them without
     the selection (``profile``'s fitted terms over the kept tokens, the bytes really fetched over
     ``h2d_bytes_per_s``) is subtracted and the rest fitted by
@@ -216,7 +218,8 @@ def calibrate_selection(
     """
     spec = model_spec(model, model_shape(model))
     # Both contexts past the budget floor (twice it when the plan's context allows): a step
-    # that keeps every token it has seen does not select, and would hide the per-step constant.
+    # that keeps every token it has seen does not select, and would hide the selection's
+    # constant.
     floor = max(rule.floor for rule in SELECTION_CONFIG.keep_rules(spec.num_layers))
     short = min(max(small_context(context), 2 * floor), context // 2)
     steps = SELECTION_CONTEXTS - 1
@@ -224,7 +227,8 @@ def calibrate_selection(
     for tokens in (short + (context - short) * i // steps for i in range(steps + 1)):
         seconds, cache = decode_step(model, device, batch, tokens, SELECTION_CONFIG)
         samples.append(StepSample(batch=batch, context=tokens, seconds=tuple(seconds)))
-        # Decode steps fetched: the warm-up and the timed ones (the prefill holds its tokens).
+        # Per selection: every decode step selected and fetched, the warm-up and the timed ones
+        # (the prefill's selection holds its tokens and fetches none).
         fetched = fetched_bytes(cache, spec) / (len(seconds) + 1)
         bases.append(unselected_seconds(profile, spec, batch, tokens, fetched))
         tick()

@@ -26,8 +26,8 @@ def config_workload(
 
     Every layer's budget rule is the cache's own (:meth:`AlisaConfig.keep_rules`: sinks, floor,
     token budget, pyramid scales, dense layers, sliding ``windows``), r is 1 when nothing can be
-    evicted, and no recent window is pinned to the device (the runtime places kept tokens by
-    slot, not by age).
+    evicted, no recent window is pinned to the device (the runtime places kept tokens by slot,
+    not by age), and ``retention="host"`` selects every ``config.host_reselect_every`` steps.
 
     Raises
     ------
@@ -44,6 +44,7 @@ def config_workload(
         recent_fraction=0.0,
         retention=config.retention,
         host_bits=config.host_bits,
+        reselect_every=config.host_reselect_every,
     )
 
 
