@@ -101,8 +101,8 @@ class AlisaConfig:
     reselect_every
         ``retention="host"``: decode steps per selection. In between, each layer attends to
         its last choice plus the tokens written since (the newest, which every choice keeps),
-        so scoring, ranking and fetching cost once per this many steps. ``None``: the measured
-        default (``alisa.settings.RESELECT_EVERY``) with ``retention="host"``, else 1.
+        so scoring, ranking and fetching cost once per this many steps, for a measured loss of
+        accuracy (docs/host-speed.md). ``None``: ``alisa.settings.RESELECT_EVERY`` (1).
     min_budget_tokens
         Least tokens kept (attended) per sequence, whatever r; ``None``: 64 under the
         ``default`` preset, 0 under ``paper``.

@@ -30,9 +30,10 @@ OBSERVATION_WINDOW = 8
 # (README, "Which scoring works": a third fewer tokens fetched per step for 0.1-0.4 % of
 # perplexity against the key sketch alone).
 HISTORY_SHARE = 0.5
-# Decode steps per host selection when ``reselect_every`` is unset (issue 26's measurements,
-# docs/host-speed.md: consecutive steps choose mostly the same tokens).
-RESELECT_EVERY = 4
+# Decode steps per host selection when ``reselect_every`` is unset: every step. Consecutive steps
+# share 87 % of their choice, but what changes is what the current query needs: selecting every
+# 2 / 4 steps cost +7.8 / +20 % perplexity on WikiText-2 (SWA r = 0.2, docs/host-speed.md).
+RESELECT_EVERY = 1
 # What an unset field that no resolver value replaces means, as shown by describe_settings.
 UNSET_MEANS = {
     "quant_group_size": "head_dim",

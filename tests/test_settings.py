@@ -109,7 +109,7 @@ def test_the_workload_selects_as_often_as_the_cache():
         return config_workload(config, 3, batch=1, prompt_len=8, gen_len=1).reselect_every
 
     host = AlisaConfig(policy="swa", caching_ratio=0.2, retention="host")
-    assert interval(host) == RESELECT_EVERY == 4
+    assert interval(host) == RESELECT_EVERY == 1
     assert interval(AlisaConfig(policy="swa", retention="host", reselect_every=2)) == 2
     assert interval(AlisaConfig(policy="swa")) == 1
     # The calibration times steps that each select: its fit is per selection.
