@@ -95,9 +95,9 @@ class AlisaConfig:
         ``retention="host"`` with an attention-scored policy (swa, h2o, tova): the share of the
         budget left after sinks and the recent window that goes to the tokens with the most
         attention summed over the policy's score window (ALISA's "globally dynamic" tokens)
-        before the key sketch ranks the rest. 0 ranks by the sketch alone; 0.5 fetches
-        a third fewer tokens per step for 0.1-0.4 % of perplexity (README). ``None``: 0.5 for
-        an attention-scored policy with ``retention="host"``, else 0 (either preset).
+        before the key sketch ranks the rest. 0 ranks by the sketch alone; 0.5 fetches a third
+        fewer tokens per step for 0.1-0.4 % of perplexity (docs/results.md). ``None``: 0.5 for an
+        attention-scored policy with ``retention="host"``, else 0 (either preset).
     reselect_every
         ``retention="host"``: decode steps per selection. In between, each layer attends to
         its last choice plus the tokens written since (the newest, which every choice keeps),

@@ -27,7 +27,7 @@ SINK_TOKENS = 4
 OBSERVATION_WINDOW = 8
 # retention="host" with an attention-scored policy: half of the budget left after sinks and the
 # recent window goes to the tokens with the most attention summed over the policy's window
-# (README, "Which scoring works": a third fewer tokens fetched per step for 0.1-0.4 % of
+# (docs/results.md, "Which scoring works": a third fewer tokens fetched per step for 0.1-0.4 % of
 # perplexity against the key sketch alone).
 HISTORY_SHARE = 0.5
 # Decode steps per host selection when ``reselect_every`` is unset: every step. Consecutive steps
