@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     from experiments.worker import prompts_of_length
 
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_benchmark_model(args.model, args.dtype)
+    model, tokenizer = load_benchmark_model(args.model, dtype=args.dtype)
     text = load_wikitext2(data_dir(args.data_dir))
     prompts = prompts_of_length(tokenizer, text, args.prompt_tokens, args.batch)
     batch = tokenizer(prompts, return_tensors="pt", padding=True)

@@ -1,6 +1,7 @@
 """experiments.bench_reselect: the fetch and step figures per re-selection interval."""
 
 import pytest
+import torch
 from conftest import padded_batch, tiny_llama
 
 from alisa import AlisaConfig
@@ -46,3 +47,28 @@ def test_table_and_arguments(capsys):
         parse_args(["--steps", "0"])
     with pytest.raises(SystemExit):
         parse_args(["--intervals", "0,2"])
+
+
+def test_main_prints_a_row_per_interval(monkeypatch, capsys):
+    import json
+    from pathlib import Path
+
+    from conftest import byte_tokenizer
+
+    import experiments.data
+    import experiments.shapes
+    from experiments.bench_reselect import main
+
+    text = (Path(__file__).parent / "fixtures" / "prose.txt").read_text(encoding="utf-8")
+    monkeypatch.setattr(
+        experiments.shapes,
+        "load_benchmark_model",
+        lambda spec, dtype: (tiny_llama(), byte_tokenizer()),
+    )
+    monkeypatch.setattr(experiments.data, "data_dir", lambda path: Path("."))
+    monkeypatch.setattr(experiments.data, "load_wikitext2", lambda root: text * 4)
+    args = ["--batch", "2", "--prompt-tokens", "200", "--steps", "4", "--intervals", "1,2"]
+    assert main([*args, "--threads", str(torch.get_num_threads())]) == 0  # leaves it as it was
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [row["reselect_every"] for row in report["rows"]] == [1, 2]
+    assert all(0 < row["changed_share"] <= 1 for row in report["rows"])
