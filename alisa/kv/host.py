@@ -58,7 +58,9 @@ class HostKeeper(Keeper):
     reselect_every
         Decode steps per selection: in between, the device keeps the last chosen set and the
         new tokens join it (they are the newest, which every selection keeps anyway), so the
-        scoring, ranking and fetching of a step is paid once per ``reselect_every`` steps.
+        scoring, ranking and fetching of a step is paid once per ``reselect_every`` steps. What
+        changes between steps is what the current query needs: every 4 steps cost +15-20 %
+        perplexity on WikiText-2 (docs/host-speed.md), so the default is 1.
     """
 
     # New tokens go to the frontier: the selection itself refills freed slots with what it
