@@ -45,6 +45,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--ratio", type=float, default=0.2)
     parser.add_argument("--intervals", type=positive_ints, default=[1, 2, 4, 8])
+    parser.add_argument(
+        "--history-share",
+        type=float,
+        default=None,
+        help="AlisaConfig.history_share (default: the config's, 0.5 for SWA)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--data-dir", default=None)
     args = parser.parse_args(argv)
@@ -111,7 +117,10 @@ def main(argv=None) -> int:
     warm = tokenizer([p[: max(1, len(p) // 8)] for p in prompts], return_tensors="pt", padding=True)
     rows = []
     for interval in args.intervals:
-        config = parse_alisa(SYSTEM.format(ratio=args.ratio, interval=interval))
+        name = SYSTEM.format(ratio=args.ratio, interval=interval)
+        if args.history_share is not None:
+            name += f",history_share={args.history_share}"
+        config = parse_alisa(name)
         decode(model, warm, config, 4)  # warm-up: kernels, allocator
         seconds, layers = decode(model, batch, config, args.steps)
         rows.append(
@@ -125,7 +134,8 @@ def main(argv=None) -> int:
         print(f"reselect_every={interval}: {rows[-1]['mean_step_ms']:.0f} ms", file=sys.stderr)
     print_table(rows)
     options = {key: getattr(args, key) for key in ("model", "dtype", "batch", "prompt_tokens")}
-    print(json.dumps({"benchmark": "reselect", **options, "ratio": args.ratio, "rows": rows}))
+    report = {"benchmark": "reselect", **options, "ratio": args.ratio, "rows": rows}
+    print(json.dumps({**report, "history_share": args.history_share}))
     return 0
 
 

@@ -9,10 +9,14 @@ import numpy as np
 from scheduler.budget import KeepRule, mean_kept
 
 # Share of the budget fetched from the host per selection and KV head with retention="host",
-# selecting every step: tokens chosen this step that were not chosen the step before, measured
-# 0.27 on SmolLM2 / WikiText-2 at r = 0.1-0.2 (docs/retention-selection-study.md). The paper
-# bounds it by the whole budget.
-FETCH_SHARE = 0.27
+# selecting every step (tokens chosen now that the device did not hold), by the share of the
+# selectable budget ranked by attention history: `python -m experiments.bench_reselect --intervals
+# 1 [--history-share 0]` (SmolLM2-135M float32, 4 WikiText-2 prompts of 1024 tokens, SWA r = 0.2,
+# 32 steps) measured 0.174 with the key sketch alone and 0.124 with the default share of 0.5 (the
+# history favours tokens already held). Linear in the share between the two, flat past 0.5. The
+# paper bounds it by the whole budget.
+FETCH_SHARES = ((0.0, 0.174), (0.5, 0.124))
+FETCH_SHARE = FETCH_SHARES[-1][1]  # the default configuration's
 # Tokens fetched per selection when selecting every s steps, relative to every step (s = 1), as
 # (log2 s, growth): a selection after s steps moves what changed over s steps, but much of a
 # step's change is the same tokens trading places again, so it levels off by s = 4. Measured:
@@ -21,10 +25,17 @@ FETCH_SHARE = 0.27
 # float32, one thread, 64 greedy decode steps after 4 WikiText-2 prompts of 1024 tokens
 # (experiments.worker.prompts_of_length), AlisaConfig(policy="swa", caching_ratio=0.2,
 # retention="host", reselect_every=s). (At s = 1 that is 0.124 of the budget with the default
-# history share, below FETCH_SHARE's sketch-only 0.27.) Linear in log2 s between the points,
+# history share.) Linear in log2 s between the points,
 # the last one past s = 8.
 FETCH_GROWTH = ((0.0, 1.0), (1.0, 1.18), (2.0, 1.26), (3.0, 1.25))
 RETENTIONS = ("drop", "host")
+
+
+def fetch_share(history_share: float) -> float:
+    """Share of the budget a selection at every step fetches, for a ``history_share`` in [0, 1]
+    (``FETCH_SHARES``)."""
+    points, shares = zip(*FETCH_SHARES, strict=True)
+    return float(np.interp(history_share, points, shares))
 
 
 def fetch_growth(reselect_every: int) -> float:

@@ -11,6 +11,7 @@ from torch import nn
 from alisa.config import AlisaConfig
 from alisa.model.adapter import ModelShape
 from scheduler import ModelSpec, Workload
+from scheduler.workload import fetch_share
 
 
 def config_workload(
@@ -45,6 +46,7 @@ def config_workload(
         retention=config.retention,
         host_bits=config.host_bits,
         reselect_every=config.host_reselect_every,
+        fetch_share=fetch_share(config.host_history_share),
     )
 
 
