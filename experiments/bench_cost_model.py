@@ -36,7 +36,7 @@ from alisa import AlisaConfig, load_model
 from alisa.calibration.profile import measure_report
 from alisa.calibration.steps import SELECTION_CONFIG, half_offload_budget
 from alisa.model.adapter import model_shape
-from alisa.planning.spec import model_spec
+from alisa.planning.spec import config_workload, model_spec
 from experiments.bench_speed import environment, worker_options
 from experiments.systems import system_name
 from experiments.worker import run_in_subprocess
@@ -75,17 +75,17 @@ def bench_dtype(args: argparse.Namespace, dtype: str) -> dict:
     workloads = dict.fromkeys(configs, workload)
     # retention="host" as `alisa profile` calibrates it (every token on the host, the budget,
     # the per-layer keep rules, on the device) but re-selecting at the default interval, as a
-    # user runs it: the profile's per-selection cost is spread over the interval.
+    # user runs it: the profile's per-selection cost is spread over the interval. Its workload
+    # is the one `alisa plan` builds for that config (no window pinned to the device).
     host = replace(SELECTION_CONFIG, reselect_every=None)
     configs[HOST_ROW] = host
-    workloads[HOST_ROW] = replace(
-        workload,
-        caching_ratio=host.caching_ratio,
-        recent_fraction=0.0,  # as `alisa plan`: no window pinned to the device
-        keep=host.keep_rules(spec.num_layers),
-        retention="host",
-        host_bits=host.host_bits,
-        reselect_every=host.host_reselect_every,
+    workloads[HOST_ROW] = config_workload(
+        host,
+        spec.num_layers,
+        batch=args.batch,
+        prompt_len=args.prompt_tokens,
+        gen_len=args.new_tokens,
+        windows=spec.windows,
     )
     options = {**worker_options(args), "dtype": dtype}
     rows = []

@@ -125,10 +125,10 @@ class CostModel:
         step's compute. Between selections a layer attends to its last choice plus the tokens
         written since: on average (s - 1) / 2 tokens per sequence (in every layer and KV head)
         beyond the budget, an upper bound (the budget itself grows r a step, and layers that
-        keep everything never select). Small at the default s = 4 (1.5 tokens against a budget
-        of at least 64, under 1 % of the attention read at 1024 tokens and r = 0.2) but not for
-        long intervals on small budgets, so the read is charged; the few slots it holds are
-        left out of the memory.
+        keep everything never select). None at the default s = 1 and small at s = 4 (1.5 tokens
+        against a budget of at least 64, under 1 % of the attention read at 1024 tokens and
+        r = 0.2) but not for long intervals on small budgets, so the read is charged; the few
+        slots it holds are left out of the memory.
         """
         if not self.host_retention:
             return dict.fromkeys(

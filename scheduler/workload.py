@@ -24,25 +24,29 @@ FETCH_SHARE = FETCH_SHARES[-1][1]  # the default configuration's
 # (sum of keeper.fetched / sum of keeper.steps over cache.layers, prefill excluded), SmolLM2-135M
 # float32, one thread, 64 greedy decode steps after 4 WikiText-2 prompts of 1024 tokens
 # (experiments.worker.prompts_of_length), AlisaConfig(policy="swa", caching_ratio=0.2,
-# retention="host", reselect_every=s). (At s = 1 that is 0.124 of the budget with the default
-# history share.) Linear in log2 s between the points,
-# the last one past s = 8.
+# retention="host", reselect_every=s); `python -m experiments.bench_reselect --steps 64`
+# reproduces it. (At s = 1 that is 0.124 of the budget with the default history share.) Linear in
+# log2 s between the points, the last one past s = 8.
 FETCH_GROWTH = ((0.0, 1.0), (1.0, 1.18), (2.0, 1.26), (3.0, 1.25))
 RETENTIONS = ("drop", "host")
 
 
 def fetch_share(history_share: float) -> float:
     """Share of the budget a selection at every step fetches, for a ``history_share`` in [0, 1]
-    (``FETCH_SHARES``)."""
-    points, shares = zip(*FETCH_SHARES, strict=True)
-    return float(np.interp(history_share, points, shares))
+    (:data:`FETCH_SHARES`)."""
+    return _measured(FETCH_SHARES, history_share)
 
 
 def fetch_growth(reselect_every: int) -> float:
     """Tokens fetched per selection every ``reselect_every`` steps over those of every step
     (:data:`FETCH_GROWTH`)."""
-    points, growth = zip(*FETCH_GROWTH, strict=True)
-    return float(np.interp(np.log2(reselect_every), points, growth))
+    return _measured(FETCH_GROWTH, float(np.log2(reselect_every)))
+
+
+def _measured(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """A measured (x, y) table read at ``x``: linear between points, flat past the ends."""
+    xs, ys = zip(*points, strict=True)
+    return float(np.interp(x, xs, ys))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,6 +19,7 @@ import math
 import numpy as np
 import torch
 
+from alisa.kv.selection import put_taken
 from alisa.storage.store import headroom
 
 NO_STAMP = -(2**62)
@@ -158,12 +159,14 @@ class AttentionAccumulator:
     def clear_slots(self, slots: torch.Tensor, taken: torch.Tensor) -> None:
         """Zero the sums of evicted slots so a reused slot starts afresh: (B, Hs, k) distinct
         slots per row, only where ``taken`` (a masked scatter: no host round trip)."""
-        self.total.scatter_(-1, slots, torch.where(taken, 0.0, self.total.gather(-1, slots)))
+        put_taken(self.total, slots, taken, 0.0)
         if self.windowed:
             ring = self.snapshots.shape[0]
-            index, mask = slots.expand(ring, *slots.shape), taken.expand(ring, *taken.shape)
-            self.snapshots.scatter_(
-                -1, index, torch.where(mask, 0.0, self.snapshots.gather(-1, index))
+            put_taken(
+                self.snapshots,
+                slots.expand(ring, *slots.shape),
+                taken.expand(ring, *taken.shape),
+                0.0,
             )
 
     def reindex(self, index: torch.Tensor, vacated: torch.Tensor | None = None) -> None:

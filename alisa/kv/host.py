@@ -33,7 +33,7 @@ import torch
 
 from alisa.kv.accumulator import AttentionAccumulator
 from alisa.kv.keeper import Keeper
-from alisa.kv.selection import top_k, with_protections
+from alisa.kv.selection import put_taken, top_k, with_protections
 from alisa.kv.slots import SlotMap
 from alisa.policies import KVPolicy
 from alisa.storage.pages import PAGE_TOKENS, HostPages
@@ -274,9 +274,7 @@ class HostKeeper(Keeper):
             top, taken = top_k(history, shares)
             taken &= history.gather(-1, top) > 0  # never attended: the sketch decides
             chosen = column.gather(-1, top)
-            priority.scatter_(
-                -1, chosen, torch.where(taken, torch.inf, priority.gather(-1, chosen))
-            )
+            put_taken(priority, chosen, taken, torch.inf)
         if not sliced:
             return top_k(priority, budget)
         middle, _ = top_k(priority[..., sinks:newest], budget[:1] - sinks - recent[:1])

@@ -44,6 +44,18 @@ def with_protections(
     return priority
 
 
+def put_taken(target: torch.Tensor, index: torch.Tensor, taken: torch.Tensor, value: float) -> None:
+    """Write ``value`` into ``target`` at ``index`` along the last dimension where ``taken``
+    (as :func:`top_k` returns them: False past a row's count), in place. An index taken in a
+    row must not appear again in that row (both writes would race).
+
+    A masked scatter: the entries not taken write back what they read. Indexing only the taken
+    entries would first read the mask on the host (``nonzero``), a device round trip per layer
+    and step.
+    """
+    target.scatter_(-1, index, torch.where(taken, value, target.gather(-1, index)))
+
+
 def top_k(
     priority: torch.Tensor, counts: np.ndarray, *, largest: bool = True, ordered: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from alisa.kv.selection import put_taken
 from alisa.storage.store import headroom
 
 FREE = -1  # slot holds nothing; may be reused
@@ -128,11 +129,9 @@ class SlotMap:
         """Empty evicted slots: (B, Hs, k) distinct slots per row, ``taken`` (B, Hs, k) False
         past a sequence's ``excess`` (B,) tokens (those slots are left as they are).
 
-        A masked scatter, not a flat index of the taken entries: finding those would read the
-        mask on the host, a device round trip per layer and step.
+        No host round trip (:func:`~alisa.kv.selection.put_taken`).
         """
-        kept = self.positions.gather(-1, slots)
-        self.positions.scatter_(-1, slots, torch.where(taken, FREE, kept))
+        put_taken(self.positions, slots, taken, FREE)
         self.kept -= excess
 
     def free_before(self, cutoff: int, leaving: np.ndarray) -> None:
