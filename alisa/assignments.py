@@ -1,7 +1,7 @@
 """``key=value`` text -> typed dataclass field values: the one parser of every ``--set``.
 
 The value is read by the annotation of the field it sets: ``None``/``none``/``null`` for an
-optional field, a byte size (``2GiB``, ``512MB``, via :func:`alisa.memory.parse_bytes`) for a
+optional field, a byte size (``2GiB``, ``512MB``, via :func:`alisa.sizes.parse_bytes`) for a
 field that takes ``int | str`` sizes, ``true``/``false`` for a flag, else an int, a float or the
 text. ``alisa:`` system names, run configs' ``--set`` and ``experiments.fidelity --set`` use it.
 """
@@ -13,7 +13,7 @@ import typing
 from dataclasses import fields
 from functools import cache
 
-from alisa.memory import parse_bytes
+from alisa.sizes import parse_bytes
 
 NONE_WORDS = ("none", "null")
 TRUE_WORDS = ("true", "yes", "on", "1")

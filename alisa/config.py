@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
 
+from alisa import policies  # loads the policy classes (and torch) on first use
 from alisa.checks import check_field_types, check_number, check_optional_int
-from alisa.memory import parse_bytes
-from alisa.policies import POLICIES, KVPolicy
 from alisa.settings import layer_settings, resolve_settings
+from alisa.sizes import parse_bytes
 from scheduler.budget import KeepRule
+
+if TYPE_CHECKING:
+    from alisa.policies import KVPolicy
 
 LAYER_SCHEDULES = ("uniform", "pyramid")
 KV_BITS = (16, 8, 4)
@@ -152,9 +156,9 @@ class AlisaConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        if self.policy not in POLICIES:
+        if self.policy not in policies.POLICIES:
             raise ValueError(
-                f"policy={self.policy!r} is unknown; valid: {', '.join(sorted(POLICIES))}"
+                f"policy={self.policy!r} is unknown; valid: {', '.join(sorted(policies.POLICIES))}"
             )
         check_number("caching_ratio", self.caching_ratio)
         if not 0.0 < self.caching_ratio <= 1.0:
@@ -215,7 +219,7 @@ class AlisaConfig:
     def _check_budget_applies(self) -> None:
         """A policy that never evicts keeps every token: a budget for it would be meaningless
         (and a summary showing it would misdescribe the run)."""
-        if POLICIES[self.policy].evicts:
+        if policies.POLICIES[self.policy].evicts:
             return
         if self.caching_ratio != 1.0:
             raise ValueError(
@@ -243,7 +247,7 @@ class AlisaConfig:
                 f"history_share={self.history_share!r} needs retention='host' (with "
                 f"retention={self.retention!r} the policy's own scores already rank every token)"
             )
-        if not POLICIES[self.policy].needs_attention:
+        if not policies.POLICIES[self.policy].needs_attention:
             raise ValueError(
                 f"history_share={self.history_share!r} needs an attention-scored policy; "
                 f"policy={self.policy!r} keeps no attention history"
@@ -275,7 +279,7 @@ class AlisaConfig:
         """True when no token can ever be evicted (a policy that never evicts, or r = 1 with no
         token budget and a uniform schedule)."""
         uniform = self.caching_ratio == 1.0 and self.layer_schedule == "uniform"
-        return not POLICIES[self.policy].evicts or (uniform and self.budget_tokens is None)
+        return not policies.POLICIES[self.policy].evicts or (uniform and self.budget_tokens is None)
 
     def keep_rules(
         self, num_layers: int, windows: Sequence[int | None] = ()

@@ -1,65 +1,12 @@
-"""Memory measurement and byte-size parsing."""
+"""Memory measurement: tensor bytes and peak memory (sizes as text: :mod:`alisa.sizes`)."""
 
 from __future__ import annotations
 
-import math
-import re
 import threading
 from pathlib import Path
 
 import psutil
 import torch
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_bytes(value: str | int | float, *, field: str = "size") -> int:
-    """Parse ``"16GiB"``, ``"512MB"``, ``"1.5g"`` or a plain number into bytes.
-
-    Raises
-    ------
-    ValueError
-        For negative, infinite, non-numeric or unknown-unit values, naming ``field`` and the value.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"{field}={value!r} is not a byte size")
-    if isinstance(value, int | float):
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"{field}={value!r} must be a finite number of bytes >= 0")
-        return int(value)
-    match = _SIZE.match(str(value))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(
-            f"{field}={value!r} is not a byte size; use a number with an optional unit "
-            "such as 512MB, 2GiB or 1.5G"
-        )
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-def format_bytes(count: int | float) -> str:
-    """Human-readable binary size, e.g. ``1.5 GiB``."""
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def tensor_bytes(tensors) -> int:

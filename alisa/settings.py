@@ -12,10 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from alisa.memory import format_bytes, parse_bytes
-from alisa.policies import POLICIES, DensePolicy, KVPolicy, layer_budget_scale
+from alisa import policies  # loads the policy classes (and torch) on first use
+from alisa.policies.layer_schedule import layer_budget_scale
+from alisa.sizes import format_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    from alisa.policies import KVPolicy
 
 # Defaults of the "default" preset (docs/drop-quality.md, docs/retention-selection-study.md): a
 # floor of 64 tokens keeps small budgets early in a sequence from losing what later steps need;
@@ -104,7 +108,7 @@ class LayerSettings:
     def dense(self) -> bool:
         """True when the layer keeps every token whatever its budget (a policy that never
         evicts)."""
-        return not POLICIES[self.policy].evicts
+        return not policies.POLICIES[self.policy].evicts
 
     def values(self) -> dict[str, object]:
         """Setting name -> value, the policy's own options included."""
@@ -114,7 +118,7 @@ class LayerSettings:
 
     def build(self) -> KVPolicy:
         """The policy object of this layer."""
-        cls = POLICIES[self.policy]
+        cls = policies.POLICIES[self.policy]
         own = cls.own_options(dict(self.options))
         shared = {item.name: getattr(self, item.name) for item in fields(self)}
         del shared["policy"], shared["options"]
@@ -198,9 +202,9 @@ def _layer(config: ConfigFields, layer_idx: int, num_layers: int) -> LayerSettin
     its own options (SWA's window, strided's stride) named by its ``config_fields``."""
     check_dense_layers(config, num_layers)
     if layer_idx < config.dense_layers:
-        dense = DensePolicy()
+        dense = policies.DensePolicy()
         return LayerSettings(policy=dense.name, **_shared_fields(dense))
-    cls = POLICIES[config.policy]
+    cls = policies.POLICIES[config.policy]
     recent = config.recent_fraction
     settings: Mapping[str, object] = vars(config)
     return LayerSettings(
@@ -218,7 +222,7 @@ def _layer(config: ConfigFields, layer_idx: int, num_layers: int) -> LayerSettin
 
 def _shared_fields(policy: KVPolicy) -> dict[str, object]:
     """The base-class fields of a policy (those every layer has)."""
-    return {item.name: getattr(policy, item.name) for item in fields(KVPolicy)}
+    return {item.name: getattr(policy, item.name) for item in fields(policies.KVPolicy)}
 
 
 def _preset_options(config: ConfigFields, cls: type[KVPolicy]) -> dict[str, object]:
@@ -251,14 +255,14 @@ def _per_head(config: ConfigFields) -> bool:
     if config.per_head is not None:
         return config.per_head
     default = config.preset == "default" and config.gpu_memory is None
-    return default and POLICIES[config.policy].per_head_by_default
+    return default and policies.POLICIES[config.policy].per_head_by_default
 
 
 def _history_share(config: ConfigFields) -> float:
     """``history_share``, or 0.5 for an attention-scored policy with ``retention="host"``."""
     if config.history_share is not None:
         return config.history_share
-    scored = config.retention == "host" and POLICIES[config.policy].needs_attention
+    scored = config.retention == "host" and policies.POLICIES[config.policy].needs_attention
     return HISTORY_SHARE if scored else 0.0
 
 
@@ -284,7 +288,7 @@ def effective_values(config: ConfigFields, num_layers: int) -> dict[str, str]:
     settings = resolve_settings(config, num_layers)
     layers = [layer.values() for layer in settings.layers]
     layer_names = {name for values in layers for name in values} - {"policy"}
-    options = {name for cls in POLICIES.values() for name in cls.config_fields}
+    options = {name for cls in policies.POLICIES.values() for name in cls.config_fields}
     resolved = {
         "per_head": settings.per_head,
         "history_share": settings.history_share,

@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from alisa import AlisaConfig, BatchJob, load_model, run_batch
-from alisa.memory import format_bytes, parse_bytes
+from alisa.sizes import format_bytes, parse_bytes
 from experiments.data import data_dir, data_file, read_jsonl
 
 

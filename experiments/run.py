@@ -36,6 +36,7 @@ from alisa.jobs.distributed import (
 from alisa.jobs.io import OutputLog
 from alisa.jobs.parts import merge_parts, part_path, parts_dir, share
 from alisa.logs import log_to_stderr
+from alisa.threads import use_threads
 from experiments.data import REPO_ROOT, data_dir
 from experiments.runconfig import (
     RunConfig,
@@ -100,7 +101,7 @@ def run_directory(config: RunConfig) -> tuple[Path, bool]:
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps(resolved, indent=2) + "\n")
         (folder / "env.json").write_text(
-            json.dumps(environment(config.runtime["threads"]), indent=2) + "\n"
+            json.dumps(environment(torch.get_num_threads()), indent=2) + "\n"
         )
     except OSError as error:
         raise ValueError(
@@ -119,6 +120,9 @@ def run(config: RunConfig, progress: bool = True) -> Path:
     ``results.jsonl.parts/rank-K.jsonl``; rank 0 merges them into ``results.jsonl`` at the end.
     """
     root = data_dir(config.runtime["data_dir"])  # before any directory is made
+    warning = use_threads(config.runtime["threads"]).warning()
+    if warning is not None:
+        print(f"experiments.run: {warning}", file=sys.stderr)
     if launched():
         with process_group() as ranks:
             return _run_ranks(config, progress, root, ranks)
@@ -185,7 +189,6 @@ def _run_points(config: RunConfig, points: list[dict], log: OutputLog, root: Pat
     from alisa import load_model
     from experiments.tasks import TASKS, Context
 
-    torch.set_num_threads(config.runtime["threads"])
     models: dict = {}
     for point in points:
         spec = point.get("model", "smollm2-135m")

@@ -19,10 +19,10 @@ import tomllib
 
 from alisa import AlisaConfig
 from alisa.assignments import parse_field
-from experiments.tasks.perplexity import PROTOCOLS
 
 TOP_KEYS = ("name", "sweep", "options", "runtime")
-RUNTIME_DEFAULTS = {"dtype": "float32", "threads": 2, "data_dir": None, "results_dir": "results"}
+# threads None: alisa.threads picks (the CPUs this process may use, less the busy ones).
+RUNTIME_DEFAULTS = {"dtype": "float32", "threads": None, "data_dir": None, "results_dir": "results"}
 POINT_KEYS = ("task", "model", "batch", "system", "protocol")
 CONFIG_FIELDS = tuple(f.name for f in fields(AlisaConfig))
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -152,6 +152,9 @@ def _validate(raw: dict, file: Path) -> RunConfig:
         sweep[key] = [None if v == "none" else v for v in values]
     if "task" not in sweep:
         raise ValueError(f"config {file}: the sweep needs 'task'")
+    # Tasks import torch: read here, not when the CLI's parser is built.
+    from experiments.tasks.perplexity import PROTOCOLS
+
     for protocol in sweep.get("protocol", []):
         if protocol not in PROTOCOLS:
             raise ValueError(
@@ -199,10 +202,11 @@ def _check_sweep_values(sweep: dict, file: Path) -> None:
 
 def _check_runtime(runtime: dict, file: Path) -> None:
     """Types and ranges of the ``[runtime]`` values, each error naming ``runtime.KEY``."""
-    from alisa.model.loading import DTYPES
+    from alisa.model.dtypes import DTYPES
 
     threads = runtime["threads"]
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+    wrong = isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+    if threads is not None and wrong:
         raise ValueError(f"config {file}: runtime.threads={threads!r} must be an integer >= 1")
     if runtime["dtype"] not in DTYPES:
         raise ValueError(

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 import psutil
 import torch
 
-from alisa.memory import format_bytes
 from alisa.model.loading import default_device, load_model, resolve_dtype
+from alisa.sizes import format_bytes
 
 if TYPE_CHECKING:
     from transformers import (

@@ -21,6 +21,15 @@ from transformers import (  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
+
+@pytest.fixture(autouse=True)
+def steady_threads(monkeypatch):
+    """Commands run in-process keep the suite's thread count and see an idle machine: their
+    oversubscription warning (alisa.threads) would otherwise depend on whatever else runs."""
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+
+
 VOCAB = 512
 PAD, EOS = 0, 1
 

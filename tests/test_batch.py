@@ -31,7 +31,8 @@ def write_prompts(path: Path, count: int = 12, long_every: int = 0, words: int =
 
 
 def read_rows(path: Path) -> list:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    # Rows end at "\n" only: a completion may hold U+0085 or U+2028, which splitlines() splits.
+    return [json.loads(line) for line in path.read_text().split("\n") if line]
 
 
 def test_every_prompt_gets_one_row_and_reruns_skip_finished(tmp_path):
@@ -236,3 +237,31 @@ def test_cli_reports_bad_input_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code != 0 and "in.jsonl:1" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_chat_wraps_prompts_in_the_template_and_a_row_can_opt_out(tmp_path):
+    from alisa import generate
+
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}[user]{{ m['content'] }}{% endfor %}[bot]"
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [{"id": "a", "prompt": "hello"}, {"id": "b", "prompt": "hello", "chat": False}]
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    job = BatchJob(input=source, output=target, max_new_tokens=5, progress=False, chat=True)
+    run_batch(model, tokenizer, job)
+    texts = {r["id"]: r["text"] for r in read_rows(target)}
+    for key, prompt in (("a", "[user]hello[bot]"), ("b", "hello")):
+        alone = generate(model, tokenizer, prompt, AlisaConfig(), max_new_tokens=5)
+        assert texts[key] == alone.texts[0]
+
+
+def test_chat_needs_a_template_and_a_boolean(tmp_path):
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text('{"id": "a", "prompt": "hi", "chat": true}\n')
+    job = BatchJob(input=source, output=target, max_new_tokens=2, progress=False)
+    with pytest.raises(ValueError, match="no chat template"):
+        run_batch(model, tokenizer, job)
+    source.write_text('{"id": "a", "prompt": "hi", "chat": "yes"}\n')
+    with pytest.raises(ValueError, match=r"in.jsonl:1: 'chat' must be true or false"):
+        run_batch(model, tokenizer, job)

@@ -117,7 +117,17 @@ def test_graph_sees_late_imports(module):
 # from its own floor or below, so the floors read bottom-up are the architecture.
 FLOORS = (
     ("leaves", ("quant", "scheduler")),
-    ("basics", ("alisa.checks", "alisa.memory", "alisa.jsonl", "alisa.logs", "alisa.assignments")),
+    (
+        "basics",
+        (
+            "alisa.checks",
+            "alisa.memory",
+            "alisa.sizes",
+            "alisa.jsonl",
+            "alisa.logs",
+            "alisa.assignments",
+        ),
+    ),
     ("settings", ("alisa.policies", "alisa.settings", "alisa.config")),
     ("model", ("alisa.model",)),
     ("storage", ("alisa.storage",)),

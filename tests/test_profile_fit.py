@@ -274,3 +274,21 @@ def test_selection_calibration_keeps_the_picks_that_fit(monkeypatch):
     rate, overhead = calibration.calibrate_selection(model, device, measured, batch=1, context=256)
     assert rate.median == 5e9 and overhead.median == 0.0
     assert "fallback" in rate.source
+
+
+def test_the_time_estimate_covers_every_run_and_grows_with_the_work():
+    from alisa.calibration.profile import calibration_estimate
+    from alisa.calibration.steps import SELECTION_CONTEXTS, decode_points
+    from scheduler.calibrate import Spread
+
+    model = tiny_llama()
+    micro = {
+        "device_flops": Spread.of("device_flops", [1e10], "test"),
+        "device_bytes_per_s": Spread.of("device_bytes_per_s", [1e10], "test"),
+    }
+    decode, later = calibration_estimate(model, micro, (4, 256))
+    assert len(decode) == len(decode_points(4, 256))
+    assert len(later) == 2 + SELECTION_CONTEXTS
+    assert all(isinstance(ms, int) and ms >= 0 for ms in decode + later)
+    bigger, _ = calibration_estimate(model, micro, (8, 1024))
+    assert sum(bigger) > sum(decode)

@@ -5,7 +5,7 @@ import torch
 from conftest import hf_generate, padded_batch, tiny_gpt2, tiny_llama
 
 from alisa import AlisaCache, AlisaConfig, generate
-from alisa.memory import parse_bytes
+from alisa.sizes import parse_bytes
 
 NEW = 24
 

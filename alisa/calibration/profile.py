@@ -10,6 +10,7 @@ step identifies, and stand in, labelled as fallbacks, when a fit fails twice.
 
 from __future__ import annotations
 
+import itertools
 import platform
 import statistics
 from collections.abc import Callable
@@ -20,12 +21,13 @@ import torch
 from tqdm.auto import tqdm
 
 from alisa.calibration.steps import (
-    LATER_TICKS,
     calibrate_selection,
     calibrate_tiers,
     decode_points,
     decode_samples,
+    estimated_seconds,
     fit_decode_terms,
+    selection_contexts,
     timings,
 )
 from alisa.model.adapter import model_shape
@@ -107,7 +109,7 @@ def measure_report(
     sizes
         (batch, context tokens) of the largest calibration step: the plan's sizes.
     progress
-        Show a progress bar (calibration takes a minute or so on a small CPU).
+        Show a progress bar and the estimated time (from the micro-benchmarks).
     """
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if model is not None:
@@ -128,13 +130,34 @@ def _calibrated_terms(
     model, device: torch.device, micro: dict[str, Spread], sizes: tuple[int, int], progress: bool
 ) -> dict[str, Spread]:
     """The terms real steps give: the fitted decode terms, the tiered rates, then the selection
-    cost of retention="host" (costed on top of the others)."""
+    cost of retention="host" (costed on top of the others).
+
+    The progress bar counts estimated seconds (:func:`calibration_estimate`), so its remaining
+    time is right as soon as the first steps show how fast this machine really is.
+    """
+    decode, later = calibration_estimate(model, micro, sizes)
     bar = tqdm(
-        total=2 * len(decode_points(*sizes)) + LATER_TICKS, unit="step", disable=not progress
+        total=sum(decode) + sum(later),
+        disable=not progress,
+        bar_format="{desc}{percentage:3.0f}%|{bar}| [{elapsed}<{remaining}]",
+    )
+    bar.write(
+        f"alisa profile: timing {len(decode) + len(later)} calibration runs of up to "
+        f"{sizes[0]} x {sizes[1]} tokens: about {(sum(decode) + sum(later)) / 1000:.0f} s at "
+        "this machine's measured peak FLOP rate and bandwidth; the bar's remaining time "
+        "follows the runs as they finish"
     )
     bar.set_description("alisa profile: decode steps")
-    terms, resident = _fit_decode_twice(model, device, micro, sizes, bar.update)
-    bar.total = bar.n + LATER_TICKS  # a first fit that held skips the second round
+    decode_units = itertools.cycle(decode)  # a second round (a fit that missed) repeats them
+    terms, resident = _fit_decode_twice(
+        model, device, micro, sizes, lambda: bar.update(next(decode_units))
+    )
+    bar.total = bar.n + sum(later)  # a first fit that held skips the second round
+    later_units = iter(later)
+
+    def tick() -> None:
+        bar.update(next(later_units))
+
     bar.set_description("alisa profile: tiered steps")
     reads, rebuilds = calibrate_tiers(
         model,
@@ -143,16 +166,36 @@ def _calibrated_terms(
         micro_recompute(model, device),
         *sizes,
         resident=resident,
-        tick=bar.update,
+        tick=tick,
     )
     terms = {**micro, **terms, "h2d_bytes_per_s": reads, "recompute_flops": rebuilds}
     bar.set_description("alisa profile: retention='host' steps")
     dtype = next(model.parameters()).dtype
     selection = calibrate_selection(
-        model, device, _profile(device, dtype, terms), *sizes, tick=bar.update
+        model, device, _profile(device, dtype, terms), *sizes, tick=tick
     )
     bar.close()
     return {**terms, **{term.field: term for term in selection}}
+
+
+def calibration_estimate(
+    model, micro: dict[str, Spread], sizes: tuple[int, int]
+) -> tuple[list[int], list[int]]:
+    """Estimated milliseconds of each calibration run, (decode fit's runs, tiered and selection
+    runs), in the order they run, from the micro-benchmarks' FLOP rate and bandwidth
+    (:func:`alisa.calibration.steps.estimated_seconds`). The decode fit runs twice when its
+    first fit misses; the first list is one round."""
+    spec = model_spec(model, model_shape(model))
+    rates = (micro["device_flops"].median, micro["device_bytes_per_s"].median)
+    batch, context = sizes
+    decode = [estimated_seconds(spec, *rates, b, n) for b, n in decode_points(batch, context)]
+    tiered = [estimated_seconds(spec, *rates, batch, context)] * 2
+    selection = [
+        estimated_seconds(spec, *rates, batch, n)
+        for n in selection_contexts(spec.num_layers, context)
+    ]
+    # Whole milliseconds: the bar's counts add up exactly to its total.
+    return [round(1000 * s) for s in decode], [round(1000 * s) for s in tiered + selection]
 
 
 def _fit_decode_twice(

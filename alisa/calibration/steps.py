@@ -36,8 +36,6 @@ SELECTION_CONFIG = AlisaConfig(policy="swa", caching_ratio=0.2, retention="host"
 # fit, so one noisy point (another job on the machine, a page being coded) bends the line
 # instead of setting it.
 SELECTION_CONTEXTS = 3
-# Progress ticks after the decode fit: calibrate_tiers' two tiered steps, then the selection's.
-LATER_TICKS = 2 + SELECTION_CONTEXTS
 
 
 def timings(work: Callable[[], object], device: torch.device, repeats: int = 5) -> list[float]:
@@ -220,11 +218,8 @@ def calibrate_selection(
     # Both contexts past the budget floor (twice it when the plan's context allows): a step
     # that keeps every token it has seen does not select, and would hide the selection's
     # constant.
-    floor = max(rule.floor for rule in SELECTION_CONFIG.keep_rules(spec.num_layers))
-    short = min(max(small_context(context), 2 * floor), context // 2)
-    steps = SELECTION_CONTEXTS - 1
     samples, bases = [], []
-    for tokens in (short + (context - short) * i // steps for i in range(steps + 1)):
+    for tokens in selection_contexts(spec.num_layers, context):
         seconds, cache = decode_step(model, device, batch, tokens, SELECTION_CONFIG)
         samples.append(StepSample(batch=batch, context=tokens, seconds=tuple(seconds)))
         # Per selection: every decode step selected and fetched, the warm-up and the timed ones
@@ -252,6 +247,31 @@ def calibrate_selection(
         Spread.of("select_bytes_per_s", [f.bytes_per_s for f in fits], SELECTED),
         Spread.of("select_overhead_s", [f.overhead_s for f in fits], SELECTED),
     )
+
+
+def selection_contexts(num_layers: int, context: int) -> list[int]:
+    """The contexts (tokens) :func:`calibrate_selection` times, evenly spaced up to ``context``.
+
+    Both ends lie past the budget floor (twice it when the plan's context allows): a step that
+    keeps every token it has seen does not select, and would hide the selection's constant.
+    """
+    floor = max(rule.floor for rule in SELECTION_CONFIG.keep_rules(num_layers))
+    short = min(max(small_context(context), 2 * floor), context // 2)
+    steps = SELECTION_CONTEXTS - 1
+    return [short + (context - short) * i // steps for i in range(steps + 1)]
+
+
+def estimated_seconds(
+    spec: ModelSpec, flops: float, bytes_per_s: float, batch: int, context: int, repeats: int = 7
+) -> float:
+    """Rough seconds of one :func:`decode_step` call: the prefill's matmuls (and its causal
+    attention) at ``flops``, then ``repeats`` + 1 steps reading the weights and the KV at
+    ``bytes_per_s``. Only the ratios between calls need to be right: a progress bar weighted by
+    them shows a remaining time that corrects itself as steps finish."""
+    attention = 2.0 * spec.num_layers * spec.num_heads * spec.head_dim * context  # per token
+    prefill = batch * context * (spec.decode_flops_per_token() + attention) / flops
+    read = spec.total_weight_bytes + batch * context * spec.kv_bytes_per_token()
+    return prefill + (repeats + 1) * read / bytes_per_s
 
 
 def fetched_bytes(cache: AlisaCache, spec: ModelSpec) -> float:

@@ -12,6 +12,8 @@ from alisa.commands.options import (
     CommandError,
     add_cache_options,
     add_model_options,
+    add_threads_option,
+    apply_threads,
     cache_config_from_args,
     check_minimum,
     load_for_cli,
@@ -21,13 +23,21 @@ HELP = "generate for every prompt of a JSONL file under a memory budget (resumab
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    parser.usage = "%(prog)s INPUT -o OUTPUT [options]   (common options first)"
     parser.add_argument("input", help='JSONL rows {"id": ..., "prompt": ...} (+ options)')
     parser.add_argument(
         "-o", "--output", required=True, help="JSONL results, appended (a re-run resumes)"
     )
     add_model_options(parser)
+    add_threads_option(parser)
     parser.add_argument(
         "--max-new-tokens", type=int, default=64, help="tokens per prompt unless a row says"
+    )
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="send every prompt as a user turn in the model's chat template (instruct models; "
+        'a row\'s "chat": true/false overrides it)',
     )
     parser.add_argument("--kv-memory", help="byte budget of the KV cache alone, e.g. 256MiB")
     parser.add_argument("--max-batch", type=int, default=64, help="upper bound on the batch size")
@@ -46,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from alisa.jobs.distributed import launched
     from alisa.jobs.io import output_lock
     from alisa.jobs.runner import open_job, run_locked_batch
-    from alisa.memory import parse_bytes
+    from alisa.sizes import parse_bytes
 
     check_minimum("--max-new-tokens", args.max_new_tokens, 1)
     check_minimum("--max-batch", args.max_batch, 1)
@@ -66,7 +76,9 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         max_batch=args.max_batch,
         progress=not args.no_progress,
+        chat=args.chat,
     )
+    apply_threads("batch", args.threads)
     if launched():
         return _run_ranks(args, job)
     if args.rank_timeout is not None:

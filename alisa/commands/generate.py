@@ -10,14 +10,15 @@ from alisa.commands.options import (
     CommandError,
     add_cache_options,
     add_model_options,
+    add_threads_option,
+    apply_threads,
     build_from_flags,
     cache_config_from_args,
     check_minimum,
     load_for_cli,
 )
 from alisa.config import AlisaConfig
-from alisa.model.adapter import model_shape
-from alisa.parallel.generate import DECODES, MODES, PARTITIONS
+from alisa.parallel.config import DECODES, MODES, PARTITIONS
 from alisa.settings import describe_settings, effective_values
 
 HELP = "generate a completion for one prompt"
@@ -40,13 +41,19 @@ PARALLEL_DEFAULTS = {
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    parser.usage = "%(prog)s [options] [prompt]   (common options first; -h lists them all)"
     parser.add_argument("prompt", nargs="?", help="the prompt (else --prompt-file, else stdin)")
     parser.add_argument("--prompt-file", type=Path, help="read the prompt from this file (UTF-8)")
     add_model_options(parser)
+    add_threads_option(parser)
     parser.add_argument(
         "--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)"
     )
-    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user turn in the model's chat template (for instruct models)",
+    )
     parser.add_argument(
         "--truncate-prompt",
         action="store_true",
@@ -184,6 +191,8 @@ def fit_prompt(model, tokenizer, prompt: str, args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from alisa.model.adapter import model_shape
+    from alisa.model.loading import chat_prompt
     from alisa.runtime.generate import SamplingOptions, generate
 
     check_minimum("--max-new-tokens", args.max_new_tokens, 0)
@@ -200,11 +209,10 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     warn_ignored_sampling(sampling)
+    apply_threads("generate", args.threads)
     model, tokenizer = load_for_cli(args.model, args.dtype)
     if args.chat:
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
+        prompt = chat_prompt(tokenizer, prompt)
     prompt = fit_prompt(model, tokenizer, prompt, args)
     shape = model_shape(model)
     num_layers = shape.num_layers
@@ -219,7 +227,8 @@ def run(args: argparse.Namespace) -> int:
             model, tokenizer, prompt, config, max_new_tokens=args.max_new_tokens, sampling=sampling
         )
     print(result.texts[0])
-    print(stats_line(result, config, num_layers, window_note(shape)), file=sys.stderr)
+    notes = [note for note in (window_note(shape), spare_note(result, model, config)) if note]
+    print(stats_line(result, config, num_layers, " | ".join(notes)), file=sys.stderr)
     return 0
 
 
@@ -245,11 +254,36 @@ def window_note(shape) -> str:
     )
 
 
+def spare_note(result, model, config: AlisaConfig) -> str:
+    """Why the KV held exceeds what a dense cache of the same tokens would hold, when it does
+    (short prompts: a sparse cache that has evicted nothing yet still holds its preallocated
+    room, and INT8 its full-precision ring too); empty otherwise."""
+    from alisa.model.adapter import model_shape
+    from alisa.planning.spec import model_spec
+    from alisa.sizes import format_bytes
+
+    tokens = sum(result.prompt_tokens) + result.generated_tokens
+    dense = model_spec(model, model_shape(model)).kv_bytes_per_token() * tokens
+    if result.kv_bytes <= dense:
+        return ""
+    reasons = ["slots are allocated up front for the prompt and --max-new-tokens"]
+    if config.kv_bits < 16:
+        reasons.append(
+            f"INT{config.kv_bits} also keeps the last {config.residual_tokens} tokens in full "
+            "precision"
+        )
+    return (
+        f"kv held exceeds a dense cache of these {tokens} tokens ({format_bytes(dense)}): "
+        + "; ".join(reasons)
+        + " (the saving shows on long prompts)"
+    )
+
+
 def stats_line(result, config: AlisaConfig, num_layers: int | None = None, note: str = "") -> str:
     """The one ``[alisa]`` line on stderr: lengths, speed, KV and memory, and (given the
     model's ``num_layers``) the effective settings that differ from the defaults; ``note``
     (e.g. :func:`window_note`) is appended."""
-    from alisa.memory import format_bytes
+    from alisa.sizes import format_bytes
 
     changed = changed_settings(config, num_layers) if num_layers else {}
     for name in ("policy", "caching_ratio", "layer_policy"):  # policy and r are shown anyway
@@ -272,7 +306,7 @@ def stats_line(result, config: AlisaConfig, num_layers: int | None = None, note:
 
 def tiers_text(tiers: dict[str, int]) -> str:
     """``device 1.2 MiB, host 3.4 MiB`` (tiers that hold nothing left out, device always)."""
-    from alisa.memory import format_bytes
+    from alisa.sizes import format_bytes
 
     shown = [(name, count) for name, count in tiers.items() if count or name == "device"]
     return ", ".join(f"{name} {format_bytes(count)}" for name, count in shown)

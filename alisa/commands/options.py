@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 import tempfile
 import types
 import typing
@@ -17,8 +18,8 @@ from dataclasses import MISSING, Field, fields
 from pathlib import Path
 
 from alisa.config import AlisaConfig
-from alisa.model.builtin import BUILTIN_MODELS
-from alisa.model.loading import DEFAULT_MODEL, DTYPES
+from alisa.model.builtin import BUILTIN_MODELS, DEFAULT_MODEL
+from alisa.model.dtypes import DTYPES
 
 T = typing.TypeVar("T")
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_ROWS_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -82,36 +83,82 @@ def _default(item: Field):
     return item.default_factory() if item.default is MISSING else item.default
 
 
+# The AlisaConfig fields by what they decide, in the order ``--help`` shows them; a new field
+# belongs in one group (tests/test_cli.py checks that every field is in exactly one).
+CACHE_GROUPS = {
+    "which tokens each sequence keeps": (
+        "policy",
+        "caching_ratio",
+        "budget_tokens",
+        "min_budget_tokens",
+        "recent_fraction",
+        "sink_tokens",
+        "dense_layers",
+        "layer_schedule",
+        "preset",
+    ),
+    "how the policy ranks tokens": (
+        "score_window",
+        "score_decay",
+        "head_max",
+        "per_head",
+        "observation_window",
+        "stride",
+    ),
+    "how kept tokens are stored": (
+        "kv_bits",
+        "quant_group_size",
+        "residual_tokens",
+        "retention",
+        "host_bits",
+        "history_share",
+        "reselect_every",
+    ),
+    "memory budgets and tiers": ("gpu_memory", "host_memory", "recompute", "profile"),
+}
+
+
 def add_cache_options(
     parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None, title: str = "KV cache"
 ) -> None:
-    """One flag per ``AlisaConfig`` field (or per field in ``only``), typed, defaulted, helped.
+    """One flag per ``AlisaConfig`` field (or per field in ``only``), typed, defaulted, helped,
+    in the argument groups of :data:`CACHE_GROUPS`.
 
     A field without a docstring entry still gets a flag (its help then only names the field);
     ``tests/test_bad_input.py`` fails until the entry is written.
     """
-    group = parser.add_argument_group(f"{title} (AlisaConfig fields)")
     docs = field_docs(AlisaConfig)
     hints = typing.get_type_hints(AlisaConfig)
-    for item in _settable_fields(only):
-        default = _default(item)
-        # A field left at None is a flag not given: say so in the flag's words.
-        text = docs.get(item.name) or f"AlisaConfig.{item.name}"
-        help_text = re.sub(r"\bNone\b", "unset", text).replace("%", "%%")
-        if default is not None and default is not False:
-            help_text += f" (default: {default})"
-        kind, metavar = _flag_type(hints[item.name])
-        if kind is bool:
-            group.add_argument(
-                flag_name(item.name),
-                action=argparse.BooleanOptionalAction,
-                default=default,
-                help=help_text,
-            )
-        else:
-            group.add_argument(
-                flag_name(item.name), type=kind, default=default, metavar=metavar, help=help_text
-            )
+    settable = {item.name: item for item in _settable_fields(only)}
+    for group_title, names in CACHE_GROUPS.items():
+        chosen = [settable[name] for name in names if name in settable]
+        if not chosen:
+            continue
+        group = parser.add_argument_group(f"{title}: {group_title} (AlisaConfig fields)")
+        for item in chosen:
+            _add_field_flag(group, item, docs.get(item.name), hints[item.name])
+
+
+def _add_field_flag(group, item: Field, doc: str | None, annotation) -> None:
+    """The flag of one config field in ``group``."""
+    default = _default(item)
+    # A field left at None is a flag not given: say so in the flag's words.
+    text = doc or f"AlisaConfig.{item.name}"
+    help_text = re.sub(r"\bNone\b", "unset", text).replace("%", "%%")
+    if default is not None and default is not False:
+        help_text += f" (default: {default})"
+    kind, metavar = _flag_type(annotation)
+    if kind is bool:
+        group.add_argument(
+            flag_name(item.name),
+            action=argparse.BooleanOptionalAction,
+            default=default,
+            help=help_text,
+        )
+    else:
+        group.add_argument(
+            flag_name(item.name), type=kind, default=default, metavar=metavar, help=help_text
+        )
 
 
 def cache_config_from_args(
@@ -230,3 +277,28 @@ def load_for_cli(spec: str, dtype: str):
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     return load_model(path, dtype=dtype)
+
+
+def add_threads_option(parser: argparse.ArgumentParser) -> None:
+    """``--threads``, for every command that computes."""
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads (default: OMP_NUM_THREADS if set, else the CPUs this process may "
+        "use, per affinity and cgroup quota, less those other work keeps busy)",
+    )
+
+
+def apply_threads(command: str, threads: int | None) -> None:
+    """Set torch's threads for ``--threads`` (:func:`alisa.threads.use_threads`); one warning
+    line on stderr when the machine is oversubscribed."""
+    from alisa.threads import use_threads
+
+    check_minimum("--threads", threads, 1)
+    try:
+        choice = use_threads(threads)
+    except ValueError as error:  # a bad OMP_NUM_THREADS
+        raise CommandError(str(error)) from None
+    warning = choice.warning()
+    if warning is not None:
+        print(f"alisa {command}: {warning}", file=sys.stderr)

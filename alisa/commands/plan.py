@@ -13,7 +13,7 @@ from alisa.commands.options import (
     check_minimum,
     dtype_from_flag,
 )
-from alisa.model.loading import DTYPES
+from alisa.model.dtypes import DTYPES
 
 HELP = "print the three-phase plan (weights, KV tiers, p1/p2, alpha/beta, memory, tokens/s)"
 # The AlisaConfig fields the runtime's tier planner reads (alisa.planning.tiers.TierPlanner.decide).
@@ -99,8 +99,8 @@ def _hardware(args: argparse.Namespace, config):
 
     import torch
 
-    from alisa.memory import parse_bytes
     from alisa.planning.hardware import machine_profile
+    from alisa.sizes import parse_bytes
     from scheduler import preset
 
     if args.hardware and config.profile:

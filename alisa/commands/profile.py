@@ -8,6 +8,8 @@ from pathlib import Path
 from alisa.commands.options import (
     CommandError,
     add_model_options,
+    add_threads_option,
+    apply_threads,
     check_minimum,
     check_new_file,
     load_for_cli,
@@ -22,9 +24,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--force", action="store_true", help="overwrite an existing --output file (else an error)"
     )
     add_model_options(parser, dtype="bfloat16", model_note="; none: no calibration")
-    parser.add_argument(
-        "--threads", type=int, help="torch threads while measuring (default: torch's choice)"
-    )
+    add_threads_option(parser)
     parser.add_argument(
         "--batch", type=int, help="largest calibration batch: the plan's (default 8)"
     )
@@ -39,13 +39,11 @@ def run(args: argparse.Namespace) -> int:
     from alisa.calibration.profile import PLAN_SIZES, measure_report
     from alisa.planning.hardware import default_profile_path
 
-    check_minimum("--threads", args.threads, 1)
     for flag in ("--batch", "--context"):
         check_minimum(flag, getattr(args, flag[2:]), 1)
     if args.output is not None:
         check_new_file("--output", args.output, force=args.force)  # before measuring, not after
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    apply_threads("profile", args.threads)
     model = None
     if args.model.lower() != "none":
         model, _ = load_for_cli(args.model, args.dtype)

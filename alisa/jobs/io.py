@@ -34,6 +34,7 @@ class Request:
     prompt: str
     options: dict = field(default_factory=dict)
     line: int = 0
+    chat: bool | None = None  # the row's "chat": wrap in the chat template; None: the job's choice
 
 
 def read_requests(path: str | Path) -> list[Request]:
@@ -43,8 +44,9 @@ def read_requests(path: str | Path) -> list[Request]:
     ------
     ValueError
         Malformed JSON, a row that is not an object, a ``prompt`` that is not a non-empty
-        string, an ``id`` that is not a string or integer, a duplicate ``id``, an unknown,
-        mistyped or out-of-range option (same rules as the matching flag).
+        string, a ``chat`` that is not a boolean, an ``id`` that is not a string or integer,
+        a duplicate ``id``, an unknown, mistyped or out-of-range option (same rules as the
+        matching flag).
     """
     file = Path(path)
     requests, seen = [], {}
@@ -65,9 +67,16 @@ def read_requests(path: str | Path) -> list[Request]:
             )
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError(f"{where}: missing or empty 'prompt' for id {identifier!r}")
-        options = {k: v for k, v in row.items() if k not in ("id", "prompt")}
+        chat = row.get("chat")
+        if chat is not None and not isinstance(chat, bool):
+            raise ValueError(
+                f"{where}: 'chat' must be true or false, got {chat!r} (id {identifier!r})"
+            )
+        options = {k: v for k, v in row.items() if k not in ("id", "prompt", "chat")}
         _check_options(options, where, f" (id {identifier!r})")
-        requests.append(Request(id=identifier, prompt=prompt, options=options, line=number))
+        requests.append(
+            Request(id=identifier, prompt=prompt, options=options, line=number, chat=chat)
+        )
     _warn_ignored_sampling(requests, file)
     return requests
 
@@ -102,7 +111,8 @@ def _check_options(options: dict, where: str, which: str) -> None:
     for key, value in options.items():
         if key not in ROW_OPTIONS:
             raise ValueError(
-                f"{where}: unknown option {key!r}{which}; known: {', '.join(ROW_OPTIONS)}"
+                f"{where}: unknown option {key!r}{which}; known: "
+                f"{', '.join(('chat', *ROW_OPTIONS))}"
             )
         kind = ROW_OPTIONS[key]
         if not _is_kind(value, kind):

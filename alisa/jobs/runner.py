@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import psutil
@@ -22,11 +22,12 @@ from alisa.jobs.io import (
 )
 from alisa.jobs.parts import merge_parts
 from alisa.jobs.sizing import BatchMemory, batch_memory, largest_batch
-from alisa.memory import PeakMemory, format_bytes, parse_bytes
+from alisa.memory import PeakMemory
 from alisa.model.adapter import model_shape
-from alisa.model.loading import context_length, prompt_length_error
+from alisa.model.loading import chat_prompt, context_length, prompt_length_error
 from alisa.planning.spec import model_spec
 from alisa.runtime.generate import SamplingOptions, generate
+from alisa.sizes import format_bytes, parse_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +51,9 @@ class BatchJob:
         Upper bound on the batch size whatever the budget allows.
     stop_at_eos
         False: every prompt generates exactly its ``max_new_tokens`` (benchmarks).
+    chat
+        Send each prompt as a user turn in the model's chat template (a row's ``"chat"``
+        overrides it).
     """
 
     input: str | Path
@@ -61,6 +65,7 @@ class BatchJob:
     max_batch: int = 64
     stop_at_eos: bool = True
     progress: bool = True
+    chat: bool = False
 
     def __post_init__(self) -> None:
         check_field_types(self)  # None or a wrong type fails here, naming the field
@@ -187,6 +192,12 @@ def run_locked_batch(
         log.close()
 
 
+def _in_template(request: Request, tokenizer, chat: bool) -> Request:
+    """``request`` with its prompt in the chat template when it (or else the job) asks."""
+    wanted = chat if request.chat is None else request.chat
+    return replace(request, prompt=chat_prompt(tokenizer, request.prompt)) if wanted else request
+
+
 @dataclass(frozen=True, kw_only=True)
 class _Budgets:
     """The byte limits batches are sized under, and how to name each in a message."""
@@ -240,6 +251,7 @@ def run_requests(
     budgets = _budgets(model, job, spec, host_share)
     summary = JobSummary(prompts=len(pending), budget_bytes=budgets.device)
     summary.kv_budget_bytes = budgets.kv
+    pending = [_in_template(request, tokenizer, job.chat) for request in pending]
     encoded = tokenizer([r.prompt for r in pending])["input_ids"] if pending else []
     lengths = {r.id: len(ids) for r, ids in zip(pending, encoded, strict=True)}
     context = context_length(model, tokenizer)

@@ -81,6 +81,8 @@ BUILTIN_MODELS = {
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     ),
 }
+# What every command loads when no --model is given.
+DEFAULT_MODEL = "smollm2-135m"
 
 
 def package_dir(package: str) -> Path | None:

@@ -18,20 +18,15 @@ from pathlib import Path
 
 import torch
 
-from alisa.model.builtin import BUILTIN_MODELS, locate_builtin_gguf, missing_packages
+from alisa.model.builtin import (
+    BUILTIN_MODELS,
+    DEFAULT_MODEL,
+    locate_builtin_gguf,
+    missing_packages,
+)
+from alisa.model.dtypes import DTYPES
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MODEL = "smollm2-135m"
-DTYPES = {
-    "auto": None,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
 
 
 def cache_root() -> Path:
@@ -49,7 +44,8 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
         return dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
+    name = DTYPES[dtype]
+    return None if name is None else getattr(torch, name)
 
 
 def default_device() -> torch.device:
@@ -268,6 +264,25 @@ def prompt_length_error(
         f"the prompt has {prompt_tokens} tokens and max_new_tokens={new_tokens} asks for "
         f"{new_tokens} more: {prompt_tokens + new_tokens}, more than the model's context of "
         f"{limit} tokens ({source})"
+    )
+
+
+def chat_prompt(tokenizer, text: str) -> str:
+    """``text`` as one user turn in the model's chat template, ready for the assistant's answer
+    (an instruct model given a plain prompt tends to continue it instead of answering).
+
+    Raises
+    ------
+    ValueError
+        The tokenizer has no chat template (a base model).
+    """
+    if not tokenizer.chat_template:
+        raise ValueError(
+            "chat: this model's tokenizer has no chat template (a base model?); give plain "
+            'prompts instead (no --chat, or "chat": false)'
+        )
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
     )
 
 

@@ -1,13 +1,16 @@
-"""Scale-out on torch.distributed: KV-Runahead prefill, TSP baseline, sharded decode."""
+"""Scale-out on torch.distributed: KV-Runahead prefill, TSP baseline, sharded decode.
 
-from alisa.parallel.generate import ParallelConfig, parallel_generate, prefill
-from alisa.parallel.partition import PartitionTable, even_split, grid_search
+Loaded on first use (``lazy_loader``), so that :mod:`.config` (the choices the CLI lists) is
+importable without torch.
+"""
 
-__all__ = [
-    "ParallelConfig",
-    "PartitionTable",
-    "even_split",
-    "grid_search",
-    "parallel_generate",
-    "prefill",
-]
+import lazy_loader
+
+__getattr__, __dir__, __all__ = lazy_loader.attach(
+    __name__,
+    submod_attrs={
+        "config": ["ParallelConfig"],
+        "generate": ["parallel_generate", "prefill"],
+        "partition": ["PartitionTable", "even_split", "grid_search"],
+    },
+)

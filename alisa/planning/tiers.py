@@ -16,9 +16,9 @@ import psutil
 import torch
 
 from alisa.config import AlisaConfig
-from alisa.memory import parse_bytes
 from alisa.planning.hardware import machine_profile
 from alisa.planning.spec import config_workload, model_spec
+from alisa.sizes import parse_bytes
 from alisa.storage.regions import RegionContext, TierStats
 from alisa.storage.store import KVStore, TokenInputs
 from alisa.storage.tiers import TieredStore, TierLayout, split_prefill

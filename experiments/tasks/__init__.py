@@ -132,7 +132,7 @@ def throughput(context: Context, point: dict, options: dict) -> dict:
     from transformers import DynamicCache, QuantizedCache
 
     from alisa import BatchJob, run_batch
-    from alisa.memory import parse_bytes
+    from alisa.sizes import parse_bytes
     from experiments.worker import prompts_of_length
 
     batch = point.get("batch", 8)
@@ -207,7 +207,7 @@ def _protocol(name: str, value: object) -> None:
 
 
 def _size(name: str, value: object) -> None:
-    from alisa.memory import parse_bytes
+    from alisa.sizes import parse_bytes
 
     parse_bytes(value, field=name)
 
