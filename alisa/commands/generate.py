@@ -272,10 +272,11 @@ def spare_note(result, model, config: AlisaConfig) -> str:
             f"INT{config.kv_bits} also keeps the last {config.residual_tokens} tokens in full "
             "precision"
         )
+    saves = not config.keeps_everything or config.kv_bits < 16
     return (
         f"kv held exceeds a dense cache of these {tokens} tokens ({format_bytes(dense)}): "
         + "; ".join(reasons)
-        + " (the saving shows on long prompts)"
+        + (" (the saving shows on long prompts)" if saves else "")
     )
 
 
