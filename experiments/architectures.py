@@ -102,11 +102,6 @@ FAMILIES = {
             **MOE,
         },
     ),
-    "gemma2-all-full": Family("gemma2", "soft-capping", {"layer_types": ["full_attention"] * 2}),
-    "gemma2": Family("gemma2", "soft-capping", WINDOW),
-    "gpt_oss": Family(
-        "gpt_oss", "attention sinks", {"num_local_experts": 2, "num_experts_per_tok": 1, **WINDOW}
-    ),
     # Sliding-window layers keep HF's window exactly (8 tokens: prompts and answers outgrow it).
     "mistral": Family("mistral", fields=WINDOW),
     "ministral": Family("ministral", fields=WINDOW),
@@ -122,6 +117,12 @@ FAMILIES = {
         },
     ),
     "cohere2": Family("cohere2", fields=WINDOW),
+    # Gemma 2's logit soft-capping and GPT-OSS's learned sinks, applied by alisa's attention.
+    "gemma2-all-full": Family("gemma2", fields={"layer_types": ["full_attention"] * 2}),
+    "gemma2": Family("gemma2", fields=WINDOW),
+    "gpt_oss": Family(
+        "gpt_oss", fields={"num_local_experts": 2, "num_experts_per_tok": 1, **WINDOW}
+    ),
     "olmo3": Family("olmo3", fields=WINDOW),
     "exaone4": Family("exaone4", fields=WINDOW),
     "jamba": Family(

@@ -151,3 +151,48 @@ def test_a_sliding_layer_allocates_its_window_and_no_more():
     cache = AlisaCache(model, AlisaConfig())
     assert torch.equal(hf_generate(model, ids, mask, cache, max_new_tokens=12), reference)
     assert all(layer.store.capacity == 8 for layer in cache.layers)
+
+
+@pytest.mark.parametrize(
+    ("name", "knob", "strong", "off"),
+    [
+        ("gemma2", "attn_logit_softcapping", 0.5, None),  # caps every logit to +-0.5
+        ("gpt_oss", "sinks", 4.0, -1e4),  # a sink that takes most of the mass, or none
+    ],
+)
+def test_soft_capping_and_sinks_change_the_tokens_and_alisa_applies_them(name, knob, strong, off):
+    """A strong cap or sink changes HF's own tokens, and alisa matches HF with it: the rows
+    above would pass even if alisa ignored a knob too weak to matter on a tiny model."""
+
+    def with_knob(value):
+        model = build(FAMILIES[name])
+        for module in model.modules():
+            if knob == "sinks" and isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                module.sinks.data.fill_(value)
+            if knob == "attn_logit_softcapping" and hasattr(module, knob):
+                setattr(module, knob, value)
+                module.q_proj.weight.data *= 500  # logits of tens of units: the cap bites
+        return model
+
+    ids, mask = padded_batch(lengths=(12, 7))
+    strong_model = with_knob(strong)
+    reference = hf_generate(strong_model, ids, mask, max_new_tokens=NEW)
+    plain = hf_generate(with_knob(off), ids, mask, max_new_tokens=NEW)
+    assert not torch.equal(reference, plain), f"{knob}={strong} changes nothing: a weak test"
+    for mode, config in MODES.items():
+        cache = AlisaCache(strong_model, config)
+        ours = hf_generate(strong_model, ids, mask, cache, max_new_tokens=NEW)
+        assert torch.equal(ours, reference), f"{name} with {knob}={strong} differs in {mode}"
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [("gemma3", "sliding-window layers"), ("gemma2-all-full", "soft-capping"), ("gpt_oss", "")],
+)
+def test_parallel_paths_refuse_what_their_own_attention_does_not_apply(name, reason):
+    from conftest import byte_tokenizer
+
+    from alisa.parallel import parallel_generate
+
+    with pytest.raises(ValueError, match=reason or "sliding-window layers"):
+        parallel_generate(build(FAMILIES[name]), byte_tokenizer(), "hello")

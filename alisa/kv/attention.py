@@ -15,6 +15,8 @@ through to attention.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from transformers import AttentionInterface
@@ -29,7 +31,38 @@ from alisa.storage.store import Part
 ATTENTION_NAME = "alisa"
 # Score rows are computed in query chunks of about this many float32 values (32 MiB).
 SEED_CHUNK_VALUES = 1 << 23
-UNSUPPORTED_KWARGS = ("softcap", "s_aux")
+
+
+@dataclass(frozen=True)
+class LogitOptions:
+    """What a model adds to softmax(q k^T * scale), from the attention call's keywords.
+
+    Attributes
+    ----------
+    softcap
+        Gemma 2's logit soft-capping: logits become ``softcap * tanh(logits / softcap)`` before
+        the mask (``softcap``; https://arxiv.org/abs/2408.00118).
+    sinks
+        (H,) GPT-OSS's learned sink logit per query head (``s_aux``): one extra softmax column
+        that takes probability mass and contributes no value
+        (https://arxiv.org/abs/2508.10925).
+    """
+
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+    @classmethod
+    def take(cls, kwargs: dict) -> LogitOptions:
+        """The options in an attention call's ``kwargs``, removed from them."""
+        return cls(softcap=kwargs.pop("softcap", None), sinks=kwargs.pop("s_aux", None))
+
+    @property
+    def plain(self) -> bool:
+        """True when the softmax is the plain one (HF's SDPA path computes it)."""
+        return self.softcap is None and self.sinks is None
+
+
+PLAIN = LogitOptions()
 
 
 def alisa_attention(
@@ -59,38 +92,99 @@ def alisa_attention(
         ((B, q, H, D) output, None).
     """
     layer: AlisaLayer | None = kwargs.pop("alisa_layer", None)
-    if layer is not None:  # HF's SDPA would ignore some of them: refuse, never run wrong
-        for name in UNSUPPORTED_KWARGS:
-            if kwargs.get(name) is not None:
-                raise ValueError(
-                    f"attention option {name}={kwargs[name]!r} is not supported by alisa"
-                )
-        window = kwargs.get("sliding_window")
-        if window is not None and window != layer.keeper.window:
-            raise ValueError(
-                f"layer {layer.layer_idx} attends with sliding_window={window!r} but its cache "
-                f"keeps window={layer.keeper.window!r}"
-            )
-    if layer is None or layer.prefilling:
-        output, _ = sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+    options = LogitOptions.take(kwargs)  # HF's SDPA refuses or ignores them: applied here
+    window = kwargs.get("sliding_window")
+    if layer is not None and window is not None and window != layer.keeper.window:
+        raise ValueError(
+            f"layer {layer.layer_idx} attends with sliding_window={window!r} but its cache "
+            f"keeps window={layer.keeper.window!r}"
         )
+    if layer is None or layer.prefilling:
+        if options.plain:
+            output, _ = sdpa_attention_forward(
+                module,
+                query,
+                key,
+                value,
+                attention_mask,
+                dropout=dropout,
+                scaling=scaling,
+                **kwargs,
+            )
+        else:
+            scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+            output = _prefill_attention(query, key, value, attention_mask, scaling, options, window)
         if layer is not None:
             scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-            _account_prompt(layer, query, key, attention_mask, scaling)
+            _account_prompt(layer, query, key, attention_mask, scaling, options)
             layer.after_attention(query, None)
         return output, None
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     layer.before_attention(query)
     parts = layer.parts(query)
     visible = _visible(parts, layer.get_seq_length(), query.shape[2], layer.keeper.window)
-    output, probabilities = grouped_attention_parts(query, parts, visible, scaling)
+    output, probabilities = grouped_attention_parts(query, parts, visible, scaling, options)
     layer.after_attention(query, probabilities)
     return output, None
 
 
+def _prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    options: LogitOptions,
+    window: int | None,
+) -> torch.Tensor:
+    """Prefill attention with soft-capping or sinks, which SDPA cannot apply: the grouped
+    softmax in query chunks of about :data:`SEED_CHUNK_VALUES` scores (B, q, H, D).
+
+    A padding query sees no key: its row is zero instead of NaN, so no NaN reaches a later
+    layer's values (HF's eager path gives such rows a uniform softmax; both are masked out).
+    """
+    batch, heads, queries, head_dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    visible = _prefill_visible(attention_mask, queries, length, window, key.device)
+    chunk = max(1, SEED_CHUNK_VALUES // max(1, batch * heads * length))
+    outputs = []
+    for start in range(0, queries, chunk):
+        stop = min(start + chunk, queries)
+        probabilities = grouped_probabilities(
+            query[:, :, start:stop], key, visible[:, :, start:stop], scaling, options
+        )
+        probabilities = torch.nan_to_num(probabilities, nan=0.0).to(value.dtype)
+        flat = probabilities.view(batch, kv_heads, -1, length)  # (B, Hkv, G*q, S)
+        outputs.append(torch.matmul(flat, value).view(batch, heads, stop - start, head_dim))
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+
+
+def _prefill_visible(
+    attention_mask: torch.Tensor | None,
+    queries: int,
+    length: int,
+    window: int | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """(B or 1, 1, q, S) bool: HF's boolean mask, or (None: no padding, plain causal) the
+    causal pattern of the last ``queries`` of ``length`` positions, windowed in a sliding
+    layer."""
+    if attention_mask is not None:
+        return attention_mask[..., -length:].bool()
+    keys = torch.arange(length, device=device).view(1, -1)
+    rows = torch.arange(length - queries, length, device=device).view(-1, 1)
+    visible = keys <= rows
+    if window is not None:
+        visible &= keys > rows - window
+    return visible.view(1, 1, queries, length)
+
+
 def grouped_probabilities(
-    query: torch.Tensor, key: torch.Tensor, visible: torch.Tensor, scaling: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    visible: torch.Tensor,
+    scaling: float,
+    options: LogitOptions = PLAIN,
 ) -> torch.Tensor:
     """Attention probabilities with H query heads sharing H_kv key heads, no ``repeat_kv``.
 
@@ -109,13 +203,24 @@ def grouped_probabilities(
         (B, H_kv, G, q, S) float32 probabilities, G = H / H_kv (query head h uses KV head h // G,
         as ``repeat_kv``).
     """
-    return _masked_softmax(grouped_logits(query, key, scaling), visible)
+    return _masked_softmax(grouped_logits(query, key, scaling), visible, options)
 
 
-def _masked_softmax(logits: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """Softmax of (B, H_kv, G, q, S) logits over the slots ``visible`` (B, 1 or H_kv, q, S)."""
+def _masked_softmax(
+    logits: torch.Tensor, visible: torch.Tensor, options: LogitOptions = PLAIN
+) -> torch.Tensor:
+    """Softmax of (B, H_kv, G, q, S) logits over the slots ``visible`` (B, 1 or H_kv, q, S),
+    soft-capped and with a sink column when ``options`` say so (the sink's share dropped)."""
+    if options.softcap is not None:  # before the mask, as Gemma 2's eager attention
+        logits = torch.tanh(logits / options.softcap) * options.softcap
     logits = logits.masked_fill(~visible.unsqueeze(2), float("-inf"))
-    return logits.softmax(dim=-1, dtype=torch.float32)
+    if options.sinks is None:
+        return logits.softmax(dim=-1, dtype=torch.float32)
+    batch, kv_heads, groups, queries, _ = logits.shape
+    # Query head h = kv * G + g, as grouped_logits lays them out.
+    sink = options.sinks.float().view(1, kv_heads, groups, 1, 1)
+    combined = torch.cat([logits, sink.expand(batch, -1, -1, queries, 1)], dim=-1)
+    return combined.softmax(dim=-1, dtype=torch.float32)[..., :-1]
 
 
 def grouped_attention_parts(
@@ -123,6 +228,7 @@ def grouped_attention_parts(
     parts: list[Part],
     visible: torch.Tensor,
     scaling: float,
+    options: LogitOptions = PLAIN,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over keys/values split in slot order (device, host, recomputed parts).
 
@@ -132,7 +238,7 @@ def grouped_attention_parts(
     batch, heads, length, head_dim = query.shape
     logits = [grouped_logits(query, part.keys, scaling) for part in parts]
     logits = logits[0] if len(logits) == 1 else torch.cat(logits, dim=-1)  # one slot order
-    probabilities = _masked_softmax(logits, visible)
+    probabilities = _masked_softmax(logits, visible, options)
     kv_heads = probabilities.shape[1]
     flat = probabilities.view(batch, kv_heads, -1, probabilities.shape[-1])
     output, offset = None, 0
@@ -166,6 +272,7 @@ def _account_prompt(
     key: torch.Tensor,
     attention_mask: torch.Tensor | None,
     scaling: float,
+    options: LogitOptions = PLAIN,
 ) -> None:
     """Mark the prompt's padding and seed the policy with the last prompt queries' attention."""
     valid = _prompt_validity(attention_mask, key)
@@ -173,7 +280,7 @@ def _account_prompt(
         layer.mark_padding(valid)
     rows_wanted = layer.scored_rows_wanted()
     if rows_wanted != 0:
-        _seed_scores(layer, query, key, valid, scaling, rows_wanted)
+        _seed_scores(layer, query, key, valid, scaling, rows_wanted, options)
 
 
 def _prompt_validity(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor | None:
@@ -192,6 +299,7 @@ def _seed_scores(
     valid: torch.Tensor | None,
     scaling: float,
     rows_wanted: int | None,
+    options: LogitOptions = PLAIN,
 ) -> None:
     """Feed the policy the attention rows of the last ``rows_wanted`` prompt queries (all: None).
 
@@ -214,7 +322,9 @@ def _seed_scores(
         query_positions = torch.arange(start + offset, stop + offset, device=query.device)
         causal = positions.view(1, -1) <= query_positions.view(-1, 1)
         visible = (keys_valid.unsqueeze(1) & causal.unsqueeze(0)).unsqueeze(1)  # (B, 1, q, S)
-        probabilities = grouped_probabilities(query[:, :, start:stop], key, visible, scaling)
+        probabilities = grouped_probabilities(
+            query[:, :, start:stop], key, visible, scaling, options
+        )
         # Padding queries see nothing: their softmax is NaN; they contribute no attention.
         probabilities = torch.nan_to_num(probabilities, nan=0.0)
         if not layer.observes_prompt:

@@ -27,6 +27,9 @@ class ModelShape:
     windows
         Per layer, the sliding window W of a ``sliding_attention`` layer, None for a full one
         (empty: every layer full).
+    extras
+        What the attention adds to a plain softmax (:func:`attention_extras`), e.g.
+        ``("soft-capping",)``.
     """
 
     num_layers: int
@@ -35,6 +38,7 @@ class ModelShape:
     head_dim: int
     hidden_size: int
     windows: tuple[int | None, ...] = ()
+    extras: tuple[str, ...] = ()
 
     def window(self, layer_idx: int) -> int | None:
         """Layer ``layer_idx``'s sliding window W (None: full attention)."""
@@ -103,6 +107,7 @@ def model_shape(model: nn.Module) -> ModelShape:
         head_dim=head_dim,
         hidden_size=hidden,
         windows=windows if any(window is not None for window in windows) else (),
+        extras=attention_extras(attention_modules(model)[0]),
     )
 
 
@@ -135,8 +140,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
     attention must go through transformers' attention interface (the ``alisa`` function then
     sees every query), every layer must be full or sliding-window attention, the cache must
     receive per-head keys and values (not multi-head latent attention's latents), each attention
-    module must be handed the cache, and no attention option alisa does not apply (logit
-    soft-capping, learned sinks) may be in use.
+    module must be handed the cache.
     """
     config = model.config.get_text_config(decoder=True)
     if not type(model)._can_set_attn_implementation():
@@ -174,15 +178,23 @@ def _module_reason(module: nn.Module) -> str | None:
             f"{type(module).__name__}.forward takes no cache argument "
             f"({' / '.join(CACHE_KWARGS)}), so the attention function could not reach the cache"
         )
-    source = inspect.getsource(type(module).forward)
-    if "softcap=" in source and getattr(module, "attn_logit_softcapping", None) is not None:
-        return (
-            f"attention logit soft-capping (attn_logit_softcapping="
-            f"{module.attn_logit_softcapping}) is not applied by alisa's attention"
-        )
-    if "s_aux=" in source and getattr(module, "sinks", None) is not None:
-        return "learned attention sinks (s_aux) are not applied by alisa's attention"
     return None
+
+
+def attention_extras(module: nn.Module) -> tuple[str, ...]:
+    """What an attention module's call adds to softmax(q k^T * scale): ``"soft-capping"``
+    (Gemma 2: ``softcap``) and ``"learned sinks"`` (GPT-OSS: ``s_aux``, one logit per query head).
+
+    alisa's attention applies both (the keyword arguments reach it); the multi-process paths,
+    which compute attention themselves, refuse models that use them.
+    """
+    source = inspect.getsource(type(module).forward)
+    extras = []
+    if "softcap=" in source and getattr(module, "attn_logit_softcapping", None) is not None:
+        extras.append("soft-capping")
+    if "s_aux=" in source and getattr(module, "sinks", None) is not None:
+        extras.append("learned sinks")
+    return tuple(extras)
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:

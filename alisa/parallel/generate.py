@@ -143,11 +143,17 @@ def parallel_generate(
         sliding-window layers.
     """
     config, parallel = config or AlisaConfig(), parallel or ParallelConfig()
-    if ModelAdapter.of(model).shape.hybrid:
+    shape = ModelAdapter.of(model).shape
+    if shape.hybrid:
         # The chunked prefill's masks and the shards' attention are full causal attention.
         raise ValueError(
             f"{type(model).__name__} has sliding-window layers; parallel prefill and sharded "
             "decode support full-attention models only"
+        )
+    if shape.extras:
+        raise ValueError(
+            f"{type(model).__name__}'s attention uses {' and '.join(shape.extras)}, which "
+            "parallel prefill and sharded decode do not apply (one process does)"
         )
     if parallel.decode == "sharded" and config.retention == "host":
         # Shards evict within their own chunk; a host region per shard is not built.
