@@ -81,7 +81,10 @@ class AlisaConfig:
         (``"2GiB"``, ``"512MB"`` or bytes); KV beyond it goes to the host tier or is recomputed,
         as the scheduler plans. ``None``: no limit.
     host_memory
-        Byte budget of the host tier; ``None``: what psutil reports available.
+        Byte budget of the host memory KV may take: the host tier of ``gpu_memory``, or the host
+        region of ``retention="host"``, which the prompt and ``max_new_tokens`` must fit (else a
+        ``ValueError`` before the prefill; never exceeded silently); ``None``: what psutil
+        reports available. Set without either, it would limit nothing: an error.
     recompute
         ``auto`` (the plan decides), ``never`` (offload only) or ``always`` (no host KV tier).
     profile
@@ -183,8 +186,9 @@ class AlisaConfig:
         check_optional_int("quant_group_size", self.quant_group_size, minimum=1)
         check_optional_int("residual_tokens", self.residual_tokens, minimum=0)
         for name in ("gpu_memory", "host_memory"):
-            if getattr(self, name) is not None:
-                parse_bytes(getattr(self, name), field=name)
+            value = getattr(self, name)
+            if value is not None and parse_bytes(value, field=name) == 0:
+                raise ValueError(f"{name}={value!r} must be a byte size > 0")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(
                 f"recompute={self.recompute!r} is unknown; valid: {', '.join(RECOMPUTE_MODES)}"

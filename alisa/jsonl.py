@@ -20,7 +20,9 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise ValueError(f"cannot read {str(file)!r}: {error}") from None
-    for number, line in enumerate(text.splitlines(), start=1):
+    # Lines end at "\n" only: str.splitlines() would also split inside a JSON string at U+2028,
+    # U+0085 or a form feed, which JSON allows unescaped there.
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:

@@ -277,6 +277,35 @@ def _bytes(value: int | str | None, name: str) -> int | None:
     return None if value is None else parse_bytes(value, field=name)
 
 
+def evicts_nothing_note(config: ConfigFields, num_layers: int, tokens: int) -> str | None:
+    """Why an evicting policy keeps all ``tokens`` tokens of each sequence, or None.
+
+    When the floor (``min_budget_tokens``) or ``budget_tokens`` covers every token of a run
+    that short, the policy evicts nothing and the run is dense attention under another name
+    (a 64-token sweep under the default 64-token floor). The note names the setting to lower.
+    """
+    if not policies.POLICIES[config.policy].evicts:
+        return None
+    rules = [layer.build().keep_rule for layer in resolve_settings(config, num_layers).layers]
+    evicting = [rule for rule in rules if not rule.keeps_everything]
+    if not evicting or any(int(rule.kept(tokens)) < tokens for rule in evicting):
+        return None
+    floor = min(rule.floor for rule in evicting)
+    if floor >= tokens:
+        setting, lower = f"min_budget_tokens={floor}", "lower it (0: no floor)"
+        if config.min_budget_tokens is None:
+            setting += f" (the {config.preset} preset's floor)"
+    elif config.budget_tokens is not None:
+        setting, lower = f"budget_tokens={config.budget_tokens}", "lower it"
+    else:  # round(n * r) rounds up to every token: nothing to blame but r itself
+        return None
+    return (
+        f"{setting} keeps all {tokens} tokens of each sequence, so policy "
+        f"{config.policy!r} at r={config.caching_ratio:g} evicts nothing and runs as dense; "
+        f"{lower} or give more tokens to measure it"
+    )
+
+
 def effective_values(config: ConfigFields, num_layers: int) -> dict[str, str]:
     """Every effective setting of ``config`` as text, by name, in the config's field order.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 GIB = 1024**3
@@ -152,13 +152,22 @@ def load_profile(path: str | Path) -> HardwareProfile:
         data = json.loads(file.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"profile file {str(file)!r} is not valid JSON: {error.msg}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"profile file {str(file)!r} is not a JSON object")
     known = {f.name for f in fields(HardwareProfile)}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"profile file {str(file)!r} has unknown fields {unknown}")
+    required = [f.name for f in fields(HardwareProfile) if f.default is MISSING]
+    missing = [name for name in required if name not in data]
+    if missing:
+        raise ValueError(
+            f"profile file {str(file)!r} lacks the field(s) {', '.join(missing)} (an incomplete "
+            "or hand-edited file?); re-run `alisa profile` to write a whole one"
+        )
     try:
         return HardwareProfile(**data)
-    except TypeError as error:
+    except ValueError as error:
         raise ValueError(f"profile file {str(file)!r}: {error}") from None
 
 

@@ -237,7 +237,7 @@ def _check_device(cost: CostModel, buckets: list[Bucket], options: Options) -> N
         what = "one streamed layer of weights" if options.allow_weight_offload else "the weights"
         short = need - cost.hardware.device_bytes
         raise ValueError(
-            f"device budget of {cost.hardware.device_bytes} bytes cannot hold {what} "
+            f"device_bytes={cost.hardware.device_bytes} cannot hold {what} "
             f"({resident_weights:.0f} B), activations ({cost.activation_bytes:.0f} B) and the "
             f"recent window ({recent + streamed:.0f} B): short by {short:.0f} bytes"
         )
@@ -250,6 +250,6 @@ def _raise_host_shortfall(cost: CostModel, buckets: list[Bucket], options: Optio
     needed = pulp.value(problem.objective)
     short = needed - cost.hardware.host_bytes
     raise ValueError(
-        f"host budget of {cost.hardware.host_bytes} bytes is too small: the KV that cannot stay "
+        f"host_bytes={cost.hardware.host_bytes} is too small: the KV that cannot stay "
         f"on the device needs {needed:.0f} bytes, short by {short:.0f} bytes"
     )

@@ -24,6 +24,9 @@ class ModelSpec:
     windows
         Per layer, the sliding window W of a sliding-window layer (it attends to at most W
         tokens), None for a full-attention one; empty: every layer full.
+    context_tokens
+        The longest sequence (prompt + generated) the model was trained for
+        (``max_position_embeddings``); ``None``: unknown.
     """
 
     name: str
@@ -38,6 +41,7 @@ class ModelSpec:
     weight_bytes: int | None = None
     gated_mlp: bool = False
     windows: tuple[int | None, ...] = ()
+    context_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -53,6 +57,12 @@ class ModelSpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.context_tokens is not None and (
+            isinstance(self.context_tokens, bool)
+            or not isinstance(self.context_tokens, int)
+            or self.context_tokens < 1
+        ):
+            raise ValueError(f"context_tokens={self.context_tokens!r} must be a positive integer")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
@@ -112,6 +122,7 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     for spec in (
         ModelSpec(
             name="opt-6.7b",
+            context_tokens=2048,
             num_layers=32,
             hidden_size=4096,
             num_heads=32,
@@ -122,6 +133,7 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         ),
         ModelSpec(
             name="opt-13b",
+            context_tokens=2048,
             num_layers=40,
             hidden_size=5120,
             num_heads=40,
@@ -132,6 +144,7 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         ),
         ModelSpec(
             name="opt-30b",
+            context_tokens=2048,
             num_layers=48,
             hidden_size=7168,
             num_heads=56,
@@ -142,6 +155,7 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         ),
         ModelSpec(
             name="llama-2-7b",
+            context_tokens=4096,
             num_layers=32,
             hidden_size=4096,
             num_heads=32,
@@ -153,6 +167,7 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         ),
         ModelSpec(
             name="llama-2-13b",
+            context_tokens=4096,
             num_layers=40,
             hidden_size=5120,
             num_heads=40,
@@ -164,6 +179,7 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         ),
         ModelSpec(
             name="smollm2-135m",
+            context_tokens=8192,
             num_layers=30,
             hidden_size=576,
             num_heads=9,

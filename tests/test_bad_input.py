@@ -45,6 +45,7 @@ class Case:
     stdin: bytes | None = None
     changes: tuple[str, ...] = ()  # pre-existing files the command may rewrite
     absent: tuple[str, ...] = ()  # paths that must not exist afterwards
+    unsaid: tuple[str, ...] = ()  # words that must not be in anything the command printed
 
 
 CASES = {
@@ -160,6 +161,60 @@ CASES = {
     "temperature-nan": Case(
         "generate hi --do-sample --temperature nan", ERR, ("--temperature", "temperature=nan")
     ),
+    "gpu-memory-zero": Case("generate hi --gpu-memory 0", ERR, ("--gpu-memory", "'0'", "> 0")),
+    "gpu-memory-below-weights": Case(
+        "generate hi --gpu-memory 1B --max-new-tokens 2",
+        ERR,
+        ("--gpu-memory", "gpu_memory='1B'", "cannot hold the weights"),
+        unsaid=("device_bytes",),
+    ),
+    "host-memory-without-host-kv": Case(
+        "generate hi --host-memory 1KiB --max-new-tokens 2",
+        ERR,
+        ("--host-memory", "host_memory='1KiB'", "no effect", "retention='host'"),
+    ),
+    "host-memory-below-host-region": Case(
+        f"generate '{LONG}' --policy swa --caching-ratio 0.5 --retention host "
+        "--host-memory 1KiB --max-new-tokens 2",
+        ERR,
+        ("--host-memory", "host_memory='1KiB'", "1024 bytes", "200 prompt tokens"),
+    ),
+    "host-memory-below-host-tier": Case(
+        f"generate '{LONG}' --gpu-memory 650KB --host-memory 1KiB --max-new-tokens 8",
+        ERR,
+        ("--host-memory", "host_memory='1KiB'", "too small"),
+        unsaid=("host_bytes",),
+    ),
+    "floor-keeps-every-token": Case(
+        "generate hi --policy swa --caching-ratio 0.2 --max-new-tokens 2",
+        OK,
+        ("--min-budget-tokens", "min_budget_tokens=64", "evicts nothing", "lower it"),
+    ),
+    "floor-below-the-tokens": Case(
+        "generate hi --policy swa --caching-ratio 0.2 --max-new-tokens 2 --min-budget-tokens 0",
+        OK,
+        unsaid=("evicts nothing",),
+    ),
+    "model-dir-without-config": Case(
+        "generate hi --model {tmp}/empty",
+        ERR,
+        ("empty", "holds no model", "no config.json"),
+        {"empty/README.md": b"notes"},
+        unsaid=("tokenizer",),
+    ),
+    "model-inline-attention": Case(
+        "generate hi --model {falcon} --max-new-tokens 2",
+        ERR,
+        ("FalconForCausalLM", "is not supported", "computes attention inline"),
+        unsaid=("scaled_dot_product", "sdpa"),
+    ),
+    "profile-partial": Case(
+        "generate hi --profile {tmp}/p.json",
+        ERR,
+        ("--profile", "p.json", "lacks", "device_bytes, host_bytes"),
+        {"p.json": b'{"name": "mine", "overlap": true}'},
+        unsaid=("__init__",),
+    ),
     # alisa batch: output files that are not ours are never cut
     "output-is-notes": Case(
         "batch {tmp}/in.jsonl -o {tmp}/notes.txt --model {model}",
@@ -217,6 +272,13 @@ CASES = {
         {"in.jsonl": ONE, "o.jsonl.failed": b"my own notes\n"},
         absent=("o.jsonl", "o.jsonl.lock"),
     ),
+    "output-is-dev-null": Case(
+        "batch {tmp}/in.jsonl -o /dev/null --model {model}",
+        ERR,
+        ("/dev/null", "not a regular file"),
+        {"in.jsonl": ONE},
+        unsaid=("Errno",),
+    ),
     "output-is-a-directory": Case(
         "batch {tmp}/in.jsonl -o {tmp} --model {model}",
         ERR,
@@ -261,6 +323,19 @@ CASES = {
         ("in.jsonl:2", "malformed"),
         {"in.jsonl": ONE + b"{x\n"},
     ),
+    "row-line-separator-in-a-string": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --max-new-tokens 2 --no-progress",
+        OK,
+        (),
+        {"in.jsonl": '{"id": "a", "prompt": "Hi\u2028there\u2029and\u0085more"}\n'.encode()},
+    ),
+    "batch-host-memory-without-retention": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --host-memory 1GB",
+        ERR,
+        ("--host-memory", "1GB", "no effect"),
+        {"in.jsonl": ONE},
+        absent=("o.jsonl",),
+    ),
     "row-not-object": Case(
         "batch {tmp}/in.jsonl -o {tmp}/o.jsonl",
         ERR,
@@ -294,7 +369,7 @@ CASES = {
     "kv-budget-1-byte": Case(
         "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --model {model} --kv-memory 1B --no-progress",
         FAILED,
-        ("1 row(s) failed", "did_not_fit", "KV budget --kv-memory 1B"),
+        ("1 row(s) failed", "did_not_fit", "KV budget --kv-memory 1B", "in.jsonl:1: id 'a'"),
         {"in.jsonl": ONE},
     ),
     "max-new-tokens-huge": Case(
@@ -333,8 +408,9 @@ CASES = {
     "batch-prompt-past-context": Case(
         "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --model {short} --max-new-tokens 2 --no-progress",
         FAILED,
-        ("1 row(s) failed", "prompt_too_long", "context of 64"),
-        {"in.jsonl": f'{{"id": "long", "prompt": "{LONG}"}}\n'.encode()},
+        ("1 row(s) failed", "prompt_too_long", "context of 64", "in.jsonl:2: id 'long'"),
+        {"in.jsonl": ONE + f'{{"id": "long", "prompt": "{LONG}"}}\n'.encode()},
+        unsaid=("larger budget", "larger one"),
     ),
     # alisa plan
     "plan-dtype-int3": Case("plan --dtype int3", ERR, ("--dtype", "int3")),
@@ -350,6 +426,39 @@ CASES = {
     "plan-kv-bits-3": Case("plan --hardware v100-32gb --kv-bits 3", ERR, ("--kv-bits", "3")),
     "plan-recent-fraction-gone": Case("plan --recent-fraction 0.5", USAGE, ("--recent-fraction",)),
     "plan-clean": Case("plan --model opt-13b --hardware v100-32gb --batch 4", OK),
+    "plan-gpu-memory-past-the-device": Case(
+        "plan --model opt-13b --hardware v100-32gb --gpu-memory 100TB --batch 16 --prompt-len 1024",
+        OK,
+        ("--gpu-memory 100TB", "more than the 32.0 GiB", "device 32.00 GiB"),
+    ),
+    "plan-prompt-past-context": Case(
+        "plan --model opt-13b --hardware v100-32gb --prompt-len 100000",
+        ERR,
+        ("--prompt-len=100000", "context of 2048"),
+    ),
+    "plan-new-tokens-past-context": Case(
+        "plan --model {short} --prompt-len 60 --gen-len 8",
+        ERR,
+        ("--gen-len=8", "68 tokens", "context of 64"),
+    ),
+    "plan-gpu-memory-below-weights": Case(
+        "plan --model opt-13b --hardware v100-32gb --gpu-memory 100MB",
+        ERR,
+        ("--gpu-memory", "gpu_memory='100MB'", "cannot hold"),
+        unsaid=("device_bytes",),
+    ),
+    "plan-weights-streamed-under-a-larger-budget": Case(
+        "plan --model smollm2-135m --hardware v100-32gb --gpu-memory 1GB --batch 64 "
+        "--prompt-len 4096",
+        OK,
+        ("all layers on the host", "would fit the 0.93 GiB budget", "gives that room to KV"),
+    ),
+    "plan-profile-partial": Case(
+        "plan --profile {tmp}/p.json",
+        ERR,
+        ("--profile", "p.json", "lacks", "h2d_bytes_per_s"),
+        {"p.json": b'{"name": "mine"}'},
+    ),
     # alisa profile: every check before measuring
     "profile-threads-negative": Case("profile --threads -1 --model none", ERR, ("--threads=-1",)),
     "profile-threads-zero": Case("profile --threads 0 --model none", ERR, ("--threads=0",)),
@@ -440,10 +549,28 @@ CASES = {
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("models")
-    for name, model in (("tiny", tiny_llama()), ("short", tiny_llama(max_position_embeddings=64))):
+    built = (
+        ("tiny", tiny_llama()),
+        ("short", tiny_llama(max_position_embeddings=64)),
+        ("falcon", _tiny_falcon()),  # an architecture alisa refuses
+    )
+    for name, model in built:
         model.save_pretrained(root / name)
         byte_tokenizer().save_pretrained(root / name)
-    return {"model": str(root / "tiny"), "short": str(root / "short")}
+    return {
+        "model": str(root / "tiny"),
+        "short": str(root / "short"),
+        "falcon": str(root / "falcon"),
+    }
+
+
+def _tiny_falcon():
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(
+        vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, pad_token_id=0
+    )
+    return FalconForCausalLM(config).eval()
 
 
 def run_cli(argv: list[str], capsys, monkeypatch, stdin: bytes | None) -> tuple[int, str, str]:
@@ -460,19 +587,22 @@ def run_cli(argv: list[str], capsys, monkeypatch, stdin: bytes | None) -> tuple[
 def test_bad_input(name, tmp_path, models, capsys, monkeypatch):
     case = CASES[name]
     for file, data in case.files.items():
+        (tmp_path / file).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / file).write_bytes(data)
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     values = {"tmp": str(tmp_path), "repo": str(REPO), **models}
     argv = shlex.split(case.argv.format(**values))
     if "--model" not in argv and argv[0] in ("generate", "batch"):
         argv += ["--model", models["model"]]
-    code, _, err = run_cli(argv, capsys, monkeypatch, case.stdin)
+    code, out, err = run_cli(argv, capsys, monkeypatch, case.stdin)
     created = [p for p in tmp_path.rglob("*") if p.is_file() and p not in before]
-    seen = err + "".join(p.read_text(errors="replace") for p in created)
+    seen = err + out + "".join(p.read_text(errors="replace") for p in created)
     assert code == case.code, err
     assert "Traceback" not in err
     for needle in case.needles:
         assert needle in seen, f"{needle!r} not in {seen!r}"
+    for word in case.unsaid:
+        assert word not in err + out, f"{word!r} in {err + out!r}"
     if code != OK:
         assert err.strip(), "a failure must say why"
     for path, data in before.items():
@@ -543,7 +673,7 @@ def test_python_api_refuses_the_same_inputs(tmp_path):
 
 
 def test_a_second_writer_of_one_output_is_refused(tmp_path, models, capsys, monkeypatch):
-    from alisa.jobs.io import output_lock
+    from alisa.jobs.lock import output_lock
 
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_bytes(ONE)
@@ -578,7 +708,7 @@ def test_a_killed_writer_leaves_no_stuck_lock(tmp_path, models, capsys, monkeypa
 
 def test_python_api_takes_the_output_lock(tmp_path):
     from alisa import BatchJob, run_batch
-    from alisa.jobs.io import output_lock
+    from alisa.jobs.lock import output_lock
 
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_bytes(ONE)
@@ -655,3 +785,72 @@ def test_version_comes_from_the_package(capsys):
         main(["--version"])
     assert exit_.value.code == 0
     assert capsys.readouterr().out.strip() == f"alisa {version('alisa')}"
+
+
+def test_a_relative_directory_without_a_model_is_not_a_hub_id(tmp_path, capsys, monkeypatch):
+    (tmp_path / "models" / "mine").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)  # "models/mine" reads like owner/name
+    code, _, err = run_cli(["generate", "hi", "--model", "models/mine"], capsys, monkeypatch, None)
+    assert code == ERR and "'models/mine' holds no model (no config.json)" in err
+    assert "tokenizer" not in err
+
+
+def test_profile_default_output_is_checked_before_measuring(capsys, monkeypatch):
+    monkeypatch.setenv("ALISA_CACHE_DIR", "/proc/alisa-none")  # nowhere anyone can write
+    code, _, err = run_cli(["profile", "--model", "none"], capsys, monkeypatch, None)
+    assert code == ERR and "/proc/alisa-none/profile-" in err and "cannot be written" in err
+
+
+def test_a_failed_write_names_the_output(tmp_path, monkeypatch):
+    import errno
+
+    from alisa.jobs import io as job_io
+
+    log = job_io.OutputLog(tmp_path / "o.jsonl")
+
+    def full(descriptor, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(job_io.os, "write", full)
+    with pytest.raises(ValueError, match=r"o\.jsonl'?: No space left on device; the complete rows"):
+        log.append({"id": "a"})
+    log.close()
+
+
+def test_plan_keeps_the_budget_floor(capsys, monkeypatch):
+    argv = ["plan", "--model", "opt-13b", "--hardware", "v100-32gb", "--json", "--policy", "swa"]
+    argv += ["--caching-ratio", "0.01", "--prompt-len", "512"]
+    for flags, floor in (([], 64), (["--min-budget-tokens", "300"], 300)):
+        code, out, _ = run_cli(argv + flags, capsys, monkeypatch, None)
+        assert code == OK
+        assert min(bucket["kept_tokens"] for bucket in json.loads(out)["buckets"]) == floor
+
+
+def test_perplexity_says_when_the_floor_evicts_nothing(capsys):
+    import torch
+
+    from experiments.tasks.perplexity import decode_perplexity
+
+    segments = torch.arange(2, 18).view(1, 16)
+    config = AlisaConfig(policy="swa", caching_ratio=0.5)
+    decode_perplexity(tiny_llama(), segments, config, progress=False)
+    err = capsys.readouterr().err
+    assert "min_budget_tokens=64 (the default preset's floor) keeps all 16 tokens" in err
+    assert len(err.strip().splitlines()) == 1
+    decode_perplexity(tiny_llama(), segments, config.with_overrides(min_budget_tokens=4))
+    assert "evicts nothing" not in capsys.readouterr().err
+
+
+def test_host_memory_is_a_limit_of_retention_host():
+    from alisa import generate
+
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    config = AlisaConfig(policy="swa", caching_ratio=0.5, retention="host")
+    result = generate(model, tokenizer, LONG, config, max_new_tokens=8)
+    held = result.kv_tier_bytes["host"]
+    # The check's bound is what the host region grows to: exactly enough passes, a byte less not.
+    generate(model, tokenizer, LONG, config.with_overrides(host_memory=held), max_new_tokens=8)
+    with pytest.raises(ValueError, match=f"host_memory={held - 1} .* need up to {held} bytes"):
+        generate(
+            model, tokenizer, LONG, config.with_overrides(host_memory=held - 1), max_new_tokens=8
+        )

@@ -157,7 +157,7 @@ def test_host_shortfall_is_named_in_bytes():
     hardware = machine(
         TINY_MHA.total_weight_bytes + kv_total(TINY_MHA, workload) // 3, host_bytes=1000
     )
-    with pytest.raises(ValueError, match=r"host budget .* short by \d+ bytes"):
+    with pytest.raises(ValueError, match=r"host_bytes=1000 is too small: .* short by \d+ bytes"):
         solve(hardware, TINY_MHA, workload)
 
 

@@ -54,7 +54,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from alisa.jobs import BatchJob
     from alisa.jobs.distributed import launched
-    from alisa.jobs.io import output_lock
+    from alisa.jobs.lock import output_lock
     from alisa.jobs.runner import open_job, run_locked_batch
     from alisa.sizes import parse_bytes
 
@@ -65,6 +65,12 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_memory is not None:
         parse_bytes(args.kv_memory, field="--kv-memory")
     config = cache_config_from_args(args)
+    if config.host_memory is not None and config.retention != "host":
+        # Batches are sized to fit the device; their caches are never tiered to the host.
+        raise CommandError(
+            f"--host-memory {config.host_memory} has no effect in alisa batch without "
+            "--retention host (batches are sized to --gpu-memory and --kv-memory)"
+        )
     # The job's budget sizes whole batches; the cache itself is not tiered per batch.
     budget, config = config.gpu_memory, config.with_overrides(gpu_memory=None)
     job = BatchJob(
@@ -89,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         log.close()
         model, tokenizer = load_for_cli(args.model, args.dtype)
         _check_new_tokens(args.max_new_tokens, model, tokenizer)
-        return _report(run_locked_batch(model, tokenizer, job), args.output)
+        return _report(run_locked_batch(model, tokenizer, job), job)
 
 
 def _check_new_tokens(new_tokens: int, model, tokenizer) -> None:
@@ -108,7 +114,7 @@ def _check_new_tokens(new_tokens: int, model, tokenizer) -> None:
 def _run_ranks(args: argparse.Namespace, job) -> int:
     """The same job over torchrun's ranks; rank 0 reports for all."""
     from alisa.jobs.distributed import WAIT_TIMEOUT_S, RankError, from_rank0, process_group
-    from alisa.jobs.io import output_lock
+    from alisa.jobs.lock import output_lock
     from alisa.jobs.ranked import plan_ranks, run_ranked
 
     try:
@@ -121,7 +127,7 @@ def _run_ranks(args: argparse.Namespace, job) -> int:
             summary = run_ranked(model, tokenizer, job, plan, ranks)
             if ranks.rank != 0:
                 return EXIT_ROWS_FAILED if summary.failed else 0
-            return _report(summary, args.output)
+            return _report(summary, job)
     except RankError as error:
         raise CommandError(str(error)) from None
 
@@ -129,19 +135,36 @@ def _run_ranks(args: argparse.Namespace, job) -> int:
 SHOWN_FAILURES = 10  # failed rows named on stderr; all of them go to the failures file
 
 
-def _report(summary, output: str) -> int:
-    """Print the summary and the failed rows; write the failures file; the exit code."""
+def _report(summary, job) -> int:
+    """Print the summary and the failed rows (input file:line and id); write the failures file;
+    the exit code."""
     from alisa.jobs.io import write_failures
 
     print(f"[alisa batch] {summary.describe()}", file=sys.stderr)
-    failures = write_failures(output, list(summary.errors.values()))
+    failures = write_failures(job.output, list(summary.errors.values()))
     if not summary.failed:
         return 0
     for row in list(summary.errors.values())[:SHOWN_FAILURES]:
-        print(f"alisa batch: {row['id']!r} {row['finish_reason']}: {row['error']}", file=sys.stderr)
+        print(
+            f"alisa batch: {job.input}:{row.get('line', '?')}: id {row['id']!r} "
+            f"{row['finish_reason']}: {row['error']}",
+            file=sys.stderr,
+        )
+    # Only a row that did not fit the budget can succeed with a larger one.
+    remedies = []
+    if summary.did_not_fit:
+        remedies.append(
+            f"{len(summary.did_not_fit)} did not fit the budget: re-run with a larger one to "
+            "retry them"
+        )
+    if summary.too_long:
+        remedies.append(
+            f"{len(summary.too_long)} longer than the model's context, which no budget changes: "
+            "shorten them or lower their max_new_tokens"
+        )
     print(
         f"alisa batch: {len(summary.failed)} row(s) failed (listed in {failures}); they are not "
-        f"in {output}: re-run with a larger budget to retry them",
+        f"in {job.output}: {'; '.join(remedies)}",
         file=sys.stderr,
     )
     return EXIT_ROWS_FAILED

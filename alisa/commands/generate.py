@@ -16,10 +16,11 @@ from alisa.commands.options import (
     cache_config_from_args,
     check_minimum,
     load_for_cli,
+    with_flag,
 )
 from alisa.config import AlisaConfig
 from alisa.parallel.config import DECODES, MODES, PARTITIONS
-from alisa.settings import describe_settings, effective_values
+from alisa.settings import describe_settings, effective_values, evicts_nothing_note
 
 HELP = "generate a completion for one prompt"
 # ParallelConfig field -> the flag that sets it, so its errors name the flag.
@@ -30,6 +31,9 @@ PARALLEL_FLAGS = {
     "table_path": "--partition-table",
     "table_key": "--partition-key",
 }
+
+# The settings an evicts-nothing warning may name, as flags.
+FLOOR_FLAGS = dict.fromkeys(("min_budget_tokens", "budget_tokens"))
 
 # The flags of the parallel group other than --parallel, with their defaults.
 PARALLEL_DEFAULTS = {
@@ -227,6 +231,11 @@ def run(args: argparse.Namespace) -> int:
             model, tokenizer, prompt, config, max_new_tokens=args.max_new_tokens, sampling=sampling
         )
     print(result.texts[0])
+    floor = evicts_nothing_note(
+        config, num_layers, result.prompt_tokens[0] + len(result.token_ids[0])
+    )
+    if floor is not None:
+        print(f"alisa generate: warning: {with_flag(floor, FLOOR_FLAGS)}", file=sys.stderr)
     notes = [note for note in (window_note(shape), spare_note(result, model, config)) if note]
     print(stats_line(result, config, num_layers, " | ".join(notes)), file=sys.stderr)
     return 0

@@ -12,8 +12,11 @@ from alisa.commands.options import (
     cache_config_from_args,
     check_minimum,
     dtype_from_flag,
+    flag_name,
 )
 from alisa.model.dtypes import DTYPES
+
+GIB = 1024**3
 
 HELP = "print the three-phase plan (weights, KV tiers, p1/p2, alpha/beta, memory, tokens/s)"
 # The AlisaConfig fields the runtime's tier planner reads (alisa.planning.tiers.TierPlanner.decide).
@@ -59,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
 
     from alisa.planning.hardware import cpu_model
     from alisa.planning.spec import config_workload, empty_model_spec
+    from alisa.planning.tiers import in_config_terms
     from scheduler import MODEL_PRESETS, Options, solve
     from scheduler.hardware import mismatches
 
@@ -75,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"{error}; plan presets: {', '.join(MODEL_PRESETS)}") from None
     if args.model.lower() in MODEL_PRESETS:  # a preset's bytes follow --dtype too
         spec = replace(spec, bytes_per_element=torch_dtype.itemsize)
+    _check_context(spec, args.prompt_len, args.gen_len)
     workload = config_workload(
         config,
         spec.num_layers,
@@ -84,13 +89,27 @@ def run(args: argparse.Namespace) -> int:
         windows=spec.windows,
     )
     options = Options(allow_recompute=recomputable and config.recompute != "never")
-    plan = solve(profile, spec, workload, options)
+    try:
+        plan = solve(profile, spec, workload, options)
+    except ValueError as error:  # the scheduler names the profile's budgets: say the flags
+        raise CommandError(in_config_terms(str(error), config)) from None
     if args.json:
         print(json.dumps(plan.to_dict(), default=str))
     else:
         print(plan.describe())
-        print(weight_placement(spec, plan.weight_host_fraction))
+        print(weight_placement(spec, plan.weight_host_fraction, profile.device_bytes))
     return 0
+
+
+def _check_context(spec, prompt_len: int, gen_len: int) -> None:
+    """Refuse a workload past the model's context: the runtime refuses such a prompt."""
+    limit = spec.context_tokens
+    if limit is None or prompt_len + gen_len <= limit:
+        return
+    raise CommandError(
+        f"--prompt-len={prompt_len} plus --gen-len={gen_len} is {prompt_len + gen_len} "
+        f"tokens, past {spec.name}'s context of {limit} tokens (max_position_embeddings)"
+    )
 
 
 def _hardware(args: argparse.Namespace, config):
@@ -100,7 +119,8 @@ def _hardware(args: argparse.Namespace, config):
     import torch
 
     from alisa.planning.hardware import machine_profile
-    from alisa.sizes import parse_bytes
+    from alisa.planning.tiers import BUDGET_FIELDS
+    from alisa.sizes import format_bytes, parse_bytes
     from scheduler import preset
 
     if args.hardware and config.profile:
@@ -110,29 +130,45 @@ def _hardware(args: argparse.Namespace, config):
     else:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         profile = machine_profile(device, config.profile)
-    for flag, value, name in (
-        ("--gpu-memory", config.gpu_memory, "device_bytes"),
-        ("--host-memory", config.host_memory, "host_bytes"),
-    ):
-        if value is not None:
-            size = parse_bytes(value, field=flag)
-            if size <= 0:
-                raise CommandError(f"{flag}={value!r} must be positive")
-            profile = replace(profile, **{name: size})
+    for name, field in BUDGET_FIELDS.items():
+        value, flag = getattr(config, field), flag_name(field)
+        if value is None:
+            continue
+        size = parse_bytes(value, field=flag)
+        if name == "device_bytes" and size > profile.device_bytes:
+            # A budget the device cannot hold would plan KV into memory that is not there.
+            print(
+                f"alisa plan: warning: {flag} {value} is more than the "
+                f"{format_bytes(profile.device_bytes)} of {profile.name}; planning with "
+                f"{format_bytes(profile.device_bytes)}",
+                file=sys.stderr,
+            )
+            size = profile.device_bytes
+        profile = replace(profile, **{name: size})
     return profile
 
 
-def weight_placement(spec, host_fraction: float) -> str:
-    """Which decoder layers' weights sit on the host (streamed each step)."""
+def weight_placement(spec, host_fraction: float, device_bytes: int | None = None) -> str:
+    """Which decoder layers' weights sit on the host (streamed each step), and why when the
+    weights alone would fit the ``device_bytes`` budget."""
     layers = spec.num_layers
     on_host = round(host_fraction * layers)
     if on_host == 0:
         return "  weights: every layer resident on the device"
+    why = ""
+    if device_bytes is not None and spec.total_weight_bytes < device_bytes:
+        # The LP's choice, not a mistake: streaming a layer's weights moves fewer bytes per
+        # step than moving the KV that would have to leave the device to make room for them.
+        why = (
+            f" (the {spec.total_weight_bytes / GIB:.2f} GiB of weights would fit the "
+            f"{device_bytes / GIB:.2f} GiB budget, but the plan gives that room to KV: streaming "
+            "weights moves fewer bytes per step than moving that KV)"
+        )
     if on_host == layers:
-        return "  weights: all layers on the host, streamed to the device layer by layer"
+        return "  weights: all layers on the host, streamed to the device layer by layer" + why
     first_host = layers - on_host
     return (
         f"  weights: layers 0-{first_host - 1} on the device, {first_host}-{layers - 1} on the "
         "host (load with accelerate: device_map='auto', max_memory={0: <gpu-memory>, "
-        "'cpu': <host-memory>})"
+        "'cpu': <host-memory>})" + why
     )

@@ -48,9 +48,11 @@ def run(args: argparse.Namespace) -> int:
     if args.model.lower() != "none":
         model, _ = load_for_cli(args.model, args.dtype)
     device = next(model.parameters()).device if model is not None else None
+    path = args.output or default_profile_path(device or torch.device("cpu"))
+    if args.output is None:  # the saved profile is replaced, but its place must be writable
+        check_new_file("the default --output", path, force=True)  # before measuring
     sizes = (args.batch or PLAN_SIZES[0], args.context or PLAN_SIZES[1])
     report = measure_report(model, device, sizes=sizes, progress=True)
-    path = args.output or default_profile_path(device or torch.device("cpu"))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         report.profile.save(path)

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -155,6 +152,7 @@ class OutputLog:
         self.path = Path(path)
         self.keys = keys
         self.done: set = set()
+        check_output_file(self.path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._repair()
@@ -211,12 +209,20 @@ class OutputLog:
             self.done.add(row["id"])
 
     def append(self, row: dict) -> None:
-        """Write one result row durably."""
-        data = _line(row)
-        while data:  # a short write (a full disk) must not leave half a row behind silently
-            data = data[os.write(self.fd, data) :]
-        os.fsync(self.fd)
+        """Write one result row durably (``ValueError`` naming the path when it fails)."""
+        self._write(_line(row))
         self._add(row)
+
+    def _write(self, data: bytes) -> None:
+        try:
+            while data:  # a short write (a full disk) must not leave half a row behind silently
+                data = data[os.write(self.fd, data) :]
+            os.fsync(self.fd)
+        except OSError as error:
+            raise ValueError(
+                f"cannot write output {str(self.path)!r}: {error.strerror}; the complete rows "
+                "already there are kept and a re-run resumes after them"
+            ) from None
 
     def extend(self, rows: list[dict], chunk_bytes: int = 1 << 20) -> None:
         """Write many rows durably, a chunk of whole lines per ``write`` + ``fsync``.
@@ -230,10 +236,7 @@ class OutputLog:
             end, size = start, 0
             while end < len(lines) and (end == start or size < chunk_bytes):
                 size, end = size + len(lines[end]), end + 1
-            data = b"".join(lines[start:end])
-            while data:  # a regular file takes it all; loop in case it does not
-                data = data[os.write(self.fd, data) :]
-            os.fsync(self.fd)
+            self._write(b"".join(lines[start:end]))
             for row in rows[start:end]:
                 self._add(row)
             start = end
@@ -323,63 +326,17 @@ def write_failures(output: str | Path, rows: list[dict]) -> Path:
     return path
 
 
-def lock_path(output: str | Path) -> Path:
-    """The lock file beside ``output`` (``out.jsonl`` -> ``out.jsonl.lock``)."""
-    output = Path(output)
-    return output.with_name(output.name + ".lock")
-
-
-@contextmanager
-def output_lock(output: str | Path) -> Iterator[Path]:
-    """Hold ``output``'s lock for the ``with`` block: one writer per output at a time.
-
-    An exclusive ``flock`` on ``OUT.lock``: the kernel releases it when the process ends, however
-    it ends, so a killed run never leaves the output locked (its lock file stays, unlocked, and
-    the next run takes it over). The file is removed on leaving the block.
-
-    Raises
-    ------
-    ValueError
-        Another process holds the lock (the message names the output), the output is a
-        directory, or the lock file cannot be created.
-    """
-    if Path(output).is_dir():
+def check_output_file(output: str | Path) -> None:
+    """Refuse (``ValueError`` naming the path) an output that is not a regular file: results are
+    appended, synced and re-read to resume, which a directory or ``/dev/null`` cannot do."""
+    path = Path(output)
+    if path.is_dir():
         raise ValueError(f"cannot write output {str(output)!r}: it is a directory")
-    path = lock_path(output)
-    descriptor = _take_lock(path, output)
-    try:
-        yield path
-    finally:
-        path.unlink(missing_ok=True)  # while still held: a waiting run then sees a new inode
-        os.close(descriptor)  # closing releases the lock
-
-
-def _take_lock(path: Path, output: str | Path) -> int:
-    """A descriptor of ``path`` holding its exclusive lock (retried when the file was replaced)."""
-    for _ in range(10):
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as error:
-            raise ValueError(
-                f"cannot write output {str(output)!r} (its lock {str(path)!r}): {error.strerror}"
-            ) from None
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(descriptor)
-            raise ValueError(
-                f"another alisa run is writing the output {str(output)!r} (it holds "
-                f"{str(path)!r}); wait for it to finish or stop it (nothing was changed)"
-            ) from None
-        try:
-            current = os.stat(path).st_ino
-        except FileNotFoundError:
-            current = None
-        if current == os.fstat(descriptor).st_ino:
-            return descriptor
-        os.close(descriptor)  # the holder removed the file as we locked it: lock the new one
-    raise ValueError(f"cannot lock {str(path)!r}: it keeps being replaced")
+    if path.exists() and not path.is_file():
+        raise ValueError(
+            f"cannot write output {str(output)!r}: not a regular file (results are appended, "
+            "synced and re-read to resume); give a file path"
+        )
 
 
 def _line(row: dict) -> bytes:

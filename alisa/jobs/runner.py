@@ -16,10 +16,10 @@ from alisa.jobs.io import (
     OutputLog,
     Request,
     check_failures_file,
-    output_lock,
     read_requests,
     same_file,
 )
+from alisa.jobs.lock import output_lock
 from alisa.jobs.parts import merge_parts
 from alisa.jobs.sizing import BatchMemory, batch_memory, largest_batch
 from alisa.memory import PeakMemory
@@ -170,7 +170,7 @@ def run_batch(
     ------
     ValueError
         Bad input rows (file and line), an unwritable output, another run writing the same
-        output (see :func:`alisa.jobs.io.output_lock`), or a budget below the weights.
+        output (see :func:`alisa.jobs.lock.output_lock`), or a budget below the weights.
     """
     with output_lock(job.output):
         return run_locked_batch(model, tokenizer, job, cache_factory=cache_factory)
@@ -354,7 +354,8 @@ def _sampling(options: dict) -> SamplingOptions:
 
 
 def _failed_row(request: Request, reason: str, error: str) -> dict:
-    return {"id": request.id, "text": None, "tokens": 0, "finish_reason": reason, "error": error}
+    row = {"id": request.id, "text": None, "tokens": 0, "finish_reason": reason, "error": error}
+    return {**row, "line": request.line}  # where the row is in the input file
 
 
 def _too_large(request: Request, need: BatchMemory, budgets: _Budgets) -> dict:

@@ -19,6 +19,7 @@ from alisa.kv.window import WindowKeeper
 from alisa.model.adapter import ModelAdapter, ModelShape
 from alisa.planning.tiers import TierPlanner
 from alisa.policies import DensePolicy, KVPolicy
+from alisa.sizes import parse_bytes
 from alisa.storage.quantized import QuantizedStore
 from alisa.storage.recompute import KVRecomputer
 from alisa.storage.store import DenseStore, StoreFactory
@@ -50,7 +51,8 @@ class AlisaCache(Cache):
     config
         Policy, caching ratio and storage options.
     max_new_tokens
-        Generation length the tier planner assumes (``gpu_memory`` only).
+        Generation length the tier planner (``gpu_memory``) and the ``host_memory`` check of
+        ``retention="host"`` assume.
     keeper
         Builds each full-attention layer's :class:`~alisa.kv.keeper.Keeper` from the config and
         the layer's policy; None: :func:`default_keeper` (dropping, or host retention).
@@ -68,6 +70,8 @@ class AlisaCache(Cache):
         keeper: KeeperFactory | None = None,
     ) -> None:
         self.config = config or AlisaConfig()
+        _check_host_memory_applies(self.config)
+        self.max_new_tokens = max_new_tokens
         adapter = ModelAdapter.of(model)
         self.shape: ModelShape = adapter.shape
         factory = store_factory(self.config, self.shape)
@@ -102,6 +106,8 @@ class AlisaCache(Cache):
                 f"attn_implementation={self._model_config._attn_implementation!r} is incompatible "
                 f"with AlisaCache, which needs {ATTENTION_NAME!r} (set when the cache is built)"
             )
+        if layer_idx == 0 and not self._started():  # the prefill: lengths are known now
+            self._check_host_budget(key_states)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def kv_bytes(self, tier: str | None = None) -> int:
@@ -149,6 +155,35 @@ class AlisaCache(Cache):
 
     def _started(self) -> list[AlisaLayer]:
         return [layer for layer in self.layers if layer.store is not None]
+
+    def _check_host_budget(self, keys) -> None:
+        """Refuse, before anything is stored, a prefill of (B, H_kv, n, D) ``keys`` whose host
+        memory would outgrow ``host_memory`` by the end of ``max_new_tokens``: a budget is a
+        limit, never exceeded silently (the tier planner checks its own host tier)."""
+        if self.config.host_memory is None or self.planner is not None:
+            return
+        budget = parse_bytes(self.config.host_memory, field="host_memory")
+        tokens = keys.shape[2] + self.max_new_tokens
+        need = sum(layer.keeper.host_bytes(keys, tokens) for layer in self.layers)
+        if need > budget:
+            raise ValueError(
+                f"host_memory={self.config.host_memory!r} (--host-memory, {budget} bytes) cannot "
+                f"hold the host region of retention='host': {keys.shape[0]} sequence(s) of "
+                f"{keys.shape[2]} prompt tokens + max_new_tokens={self.max_new_tokens} need up to "
+                f"{need} bytes at host_bits={self.config.host_bits}; raise host_memory, lower "
+                "host_bits or generate fewer tokens"
+            )
+
+
+def _check_host_memory_applies(config: AlisaConfig) -> None:
+    """A ``host_memory`` that nothing would put KV under is refused rather than ignored."""
+    if config.host_memory is None or config.gpu_memory is not None or config.retention == "host":
+        return
+    raise ValueError(
+        f"host_memory={config.host_memory!r} (--host-memory) has no effect: KV goes to host "
+        "memory only with gpu_memory (the host tier) or retention='host'; set one of them or "
+        "leave host_memory unset"
+    )
 
 
 def default_keeper(config: AlisaConfig, policy: KVPolicy) -> Keeper:

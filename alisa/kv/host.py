@@ -36,7 +36,7 @@ from alisa.kv.keeper import Keeper
 from alisa.kv.selection import put_taken, top_k, with_protections
 from alisa.kv.slots import SlotMap
 from alisa.policies import KVPolicy
-from alisa.storage.pages import PAGE_TOKENS, HostPages
+from alisa.storage.pages import PAGE_TOKENS, HostPages, host_region_bytes
 from alisa.storage.sketch import KeySketch
 from alisa.storage.store import KVStore
 
@@ -304,6 +304,13 @@ class HostKeeper(Keeper):
         )
 
     # ---- bookkeeping ----------------------------------------------------------------------
+
+    def host_bytes(self, keys: torch.Tensor, tokens: int) -> int:
+        """The host region's most bytes for ``tokens`` positions: every token is kept."""
+        batch, heads, _, head_dim = keys.shape
+        return host_region_bytes(
+            batch, heads, head_dim, tokens, bits=self.host_bits, dtype=keys.dtype
+        )
 
     def tier_bytes(self) -> dict[str, int]:
         """Bytes per tier: the sketch counts on the device, the pages on the host."""

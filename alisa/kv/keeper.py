@@ -112,6 +112,11 @@ class Keeper:
         """KV bytes per tier held by the keeper itself, besides the layer's store."""
         return {}
 
+    def host_bytes(self, keys: torch.Tensor, tokens: int) -> int:
+        """The most host memory the keeper takes for ``tokens`` positions of the sequences of a
+        prefill's (B, H_kv, n, D) ``keys`` (0: it keeps nothing on the host)."""
+        return 0
+
     def state_bytes(self) -> int:
         """Bytes of bookkeeping (attention sums)."""
         return 0

@@ -60,6 +60,10 @@ class ModelShape:
 CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
 # Layer kinds (transformers' ``layer_types``) whose attention the ALISA cache reproduces exactly.
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+INLINE_ATTENTION = (
+    "its modeling code computes attention inline instead of through transformers' attention "
+    "interface (ALL_ATTENTION_FUNCTIONS), so the kept tokens could not be the ones attended"
+)
 
 
 def model_shape(model: nn.Module) -> ModelShape:
@@ -144,11 +148,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
     """
     config = model.config.get_text_config(decoder=True)
     if not type(model)._can_set_attn_implementation():
-        return (
-            "its modeling code computes attention inline instead of through transformers' "
-            "attention interface (ALL_ATTENTION_FUNCTIONS), so the kept tokens could not be the "
-            "ones attended"
-        )
+        return INLINE_ATTENTION
     kinds = sorted({kind for kind in layer_types(model) if kind not in SUPPORTED_LAYER_TYPES})
     if kinds:
         return (

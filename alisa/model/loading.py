@@ -137,7 +137,11 @@ def resolve_model_path(spec: str) -> str:
     if path.is_dir():
         if (path / "config.json").is_file():
             return str(path)
-        tried.append(f"local model directory {str(path)!r} (no config.json)")
+        # A directory that exists is what the user meant, even when it reads like a hub id.
+        raise ValueError(
+            f"model={spec!r}: the directory {str(path)!r} holds no model (no config.json); "
+            "give a directory saved by save_pretrained, a .gguf file or a hub id"
+        )
     else:
         tried.append(f"local model directory {str(path)!r} (missing)")
     if _looks_like_hub_id(spec):
@@ -191,6 +195,7 @@ def load_model(
     torch_dtype = resolve_dtype(dtype)
     path = resolve_model_path(spec)
     try:
+        _refuse_inline_attention(spec, path)  # before its tokenizer, weights or attention fail
         tokenizer = AutoTokenizer.from_pretrained(path)
         placement = {"device_map": "auto", "max_memory": max_memory} if max_memory else {}
         model = AutoModelForCausalLM.from_pretrained(
@@ -203,6 +208,24 @@ def load_model(
     model.eval()
     prepare_tokenizer(tokenizer)
     return model, tokenizer
+
+
+def _refuse_inline_attention(spec: str, path: str) -> None:
+    """Refuse, from its config alone, an architecture whose attention alisa cannot reach
+    (Falcon, Bloom, MPT, GPT-J, ...): loading it would fail later, or on SDPA, for another
+    reason than the true one."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from alisa.model.adapter import INLINE_ATTENTION
+
+    config = AutoConfig.from_pretrained(path)
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:  # not a causal LM transformers knows: from_pretrained says so
+        return
+    if not cls._can_set_attn_implementation():
+        raise ValueError(f"model={spec!r} ({cls.__name__}) is not supported: {INLINE_ATTENTION}")
 
 
 def prepare_tokenizer(tokenizer) -> None:

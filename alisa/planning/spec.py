@@ -10,6 +10,7 @@ from torch import nn
 
 from alisa.config import AlisaConfig
 from alisa.model.adapter import ModelShape
+from alisa.model.loading import context_length
 from scheduler import ModelSpec, Workload
 from scheduler.workload import fetch_share
 
@@ -53,6 +54,7 @@ def config_workload(
 def model_spec(model: nn.Module, shape: ModelShape, name: str | None = None) -> ModelSpec:
     """The scheduler's view of a loaded (or empty-weights) model."""
     config = model.config
+    known = context_length(model)
     parameters = list({id(p): p for p in model.parameters()}.values())  # tied weights once
     element = parameters[0].element_size() if parameters else 2
     return ModelSpec(
@@ -67,6 +69,7 @@ def model_spec(model: nn.Module, shape: ModelShape, name: str | None = None) -> 
         bytes_per_element=element,
         weight_bytes=sum(p.numel() * p.element_size() for p in parameters),
         windows=shape.windows,
+        context_tokens=known[0] if known is not None else None,
     )
 
 

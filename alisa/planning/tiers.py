@@ -92,12 +92,15 @@ class TierPlanner:
             prompt_len=prompt_len,
             gen_len=max(1, self.max_new_tokens),
         )
-        self.plan = solve(
-            profile,
-            self.spec,
-            workload,
-            Options(allow_recompute=self.recompute_enabled, allow_weight_offload=False),
-        )
+        try:
+            self.plan = solve(
+                profile,
+                self.spec,
+                workload,
+                Options(allow_recompute=self.recompute_enabled, allow_weight_offload=False),
+            )
+        except ValueError as error:
+            raise ValueError(in_config_terms(str(error), config)) from None
         slot_bytes = self.spec.kv_bytes_per_token(config.kv_bits) * batch  # all layers
         resident = device_bytes - self.spec.total_weight_bytes - activation_bytes(self.spec, batch)
         # Besides the resident slots, the device briefly holds the off-device KV of two layers
@@ -202,6 +205,25 @@ class TierPlanner:
         following = self.stores.get((layer_idx + 1) % self.shape.num_layers)
         if following is not None:
             following.prefetch()
+
+
+# The scheduler names the profile's budgets; the user set them as these config fields.
+BUDGET_FIELDS = {"device_bytes": "gpu_memory", "host_bytes": "host_memory"}
+
+
+def in_config_terms(message: str, config: AlisaConfig) -> str:
+    """A scheduler message that starts ``device_bytes=N`` / ``host_bytes=N``, restated with the
+    config field (and flag) that set that budget, so the user sees what to change."""
+    name, _, rest = message.partition("=")
+    field = BUDGET_FIELDS.get(name)
+    if field is None:
+        return message
+    count, _, rest = rest.partition(" ")
+    value = getattr(config, field)
+    flag = "--" + field.replace("_", "-")
+    if value is None:  # the budget came from the hardware profile (or psutil's available)
+        return f"{field} unset ({flag}; {count} bytes from the hardware profile) {rest}"
+    return f"{field}={value!r} ({flag}, {count} bytes) {rest}"
 
 
 def _mapping(store: TieredStore, counts: list[int]) -> tuple[torch.Tensor, int]:

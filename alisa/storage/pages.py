@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from alisa.config import KV_BITS
-from alisa.storage.quantized import QuantizedPair
+from alisa.storage.quantized import SCALE_DTYPE, QuantizedPair
 from alisa.storage.store import with_capacity
 
 
@@ -47,6 +47,26 @@ class FetchedRows:
 
 
 PAGE_TOKENS = 16
+
+
+def grown_capacity(length: int) -> int:
+    """Positions a host region holds after growing to fit ``length``: whole pages, with 1/64
+    of the length (a page at least) to spare, so growth copies amortise."""
+    wanted = length + max(PAGE_TOKENS, length // 64)
+    return -(-wanted // PAGE_TOKENS) * PAGE_TOKENS
+
+
+def host_region_bytes(
+    batch: int, heads: int, head_dim: int, tokens: int, *, bits: int, dtype: torch.dtype
+) -> int:
+    """The most bytes one layer's :class:`HostPages` holds for ``tokens`` positions of
+    ``batch`` sequences (spare room included): 16-bit values in ``dtype``, or ``bits``-bit codes
+    with a float16 scale and zero point per token and KV head."""
+    if bits >= 16:
+        per_slot = 2 * head_dim * dtype.itemsize
+    else:
+        per_slot = 2 * (head_dim * bits // 8 + 2 * SCALE_DTYPE.itemsize)
+    return batch * heads * grown_capacity(tokens) * per_slot
 
 
 class HostPages:
@@ -140,6 +160,5 @@ class HostPages:
         buffer, so spare room stays under 2 % while growth copies still amortise."""
         if length <= self.capacity:
             return
-        wanted = length + max(PAGE_TOKENS, length // 64)
-        pages = -(-wanted // PAGE_TOKENS)
-        self._replace(tuple(with_capacity(t, pages * PAGE_TOKENS) for t in self._tensors()))
+        capacity = grown_capacity(length)
+        self._replace(tuple(with_capacity(t, capacity) for t in self._tensors()))

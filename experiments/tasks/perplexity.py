@@ -10,12 +10,15 @@ the policy, since prefill attention is dense.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
 from alisa import AlisaCache, AlisaConfig
+from alisa.model.adapter import model_shape
+from alisa.settings import evicts_nothing_note
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +95,9 @@ def decode_perplexity(
     batch, length = segments.shape
     if not 1 <= prefill_tokens < length:
         raise ValueError(f"prefill_tokens={prefill_tokens!r} must be in [1, {length - 1}]")
+    note = evicts_nothing_note(config, model_shape(model).num_layers, length)
+    if note is not None:  # a result equal to dense must not pass for the policy's
+        print(f"experiments: warning: {note}", file=sys.stderr)
     cache = AlisaCache(model, config)
     total = torch.zeros((), dtype=torch.float64, device=device)
     starts = [0, *range(prefill_tokens, length - 1)]
