@@ -174,7 +174,7 @@ class AlisaCache(Cache):
                 f"gpu_memory={self.config.gpu_memory!r}: tiered caches cannot take rows into a "
                 "running batch (their tier sizes are planned per batch)"
             )
-        if not self._started() or len(self._started()) != len(self.layers):
+        if any(len(cache._started()) != len(cache.layers) for cache in (self, other)):
             raise ValueError("both caches must be prefilled before rows join")
         delta = other.get_seq_length() - self.get_seq_length()
         (self if delta > 0 else other).shift_positions(abs(delta))
