@@ -12,6 +12,7 @@ from alisa.planning.spec import model_spec
 from alisa.runtime.continuous import ContinuousScheduler, RowLimit, RowShape, StreamRequest
 from alisa.runtime.engine import DecodeState, Engine
 from alisa.storage.store import headroom
+from experiments.architectures import FAMILIES, build
 
 # Prompts of different lengths and lengths to generate: rows finish at different steps and
 # waiting ones join a batch whose rows are longer, shorter, older and younger than they are.
@@ -63,16 +64,23 @@ EXACT_DENSE = {
     "host unreached": AlisaConfig(
         policy="swa", caching_ratio=0.2, retention="host", min_budget_tokens=128
     ),
-    "drop r=1 int8": None,  # placeholder removed below (INT8 is not dense)
 }
-EXACT_DENSE.pop("drop r=1 int8")
+MODELS = {
+    "llama": tiny_llama,
+    "gpt2": tiny_gpt2,
+    # Sliding-window layers (window 8) next to full ones, and a model of window layers only.
+    "gemma3-hybrid": lambda: build(FAMILIES["gemma3"]),
+    "mistral-window": lambda: build(FAMILIES["mistral"]),
+}
 
 
 @pytest.mark.parametrize("name", sorted(EXACT_DENSE))
-@pytest.mark.parametrize("build", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
-@pytest.mark.parametrize("prefill_rows", [1, 2])
-def test_each_row_is_token_identical_to_hf_generate_alone(name, build, prefill_rows):
-    model = build()
+@pytest.mark.parametrize(
+    ("model_name", "prefill_rows"),
+    [("llama", 1), ("llama", 2), ("gpt2", 2), ("gemma3-hybrid", 2), ("mistral-window", 2)],
+)
+def test_each_row_is_token_identical_to_hf_generate_alone(name, model_name, prefill_rows):
+    model = MODELS[model_name]()
     ids = prompts()
     tokens = continuous(model, EXACT_DENSE[name], ids, prefill_rows=prefill_rows)
     for index, prompt in enumerate(ids):

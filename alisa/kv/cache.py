@@ -192,7 +192,9 @@ class AlisaCache(Cache):
         layers = self._started()
         if not layers or len(indices) == 0:
             return
-        unused = int(layers[0].slots.first.min())  # the same in every layer
+        # A sliding layer counts what its window no longer reaches as padding (its ``first``
+        # is later), so the positions no layer uses end at the smallest ``first`` of all.
+        unused = min(int(layer.slots.first.min()) for layer in layers)
         self.shift_positions(-unused)
         for layer in layers:
             layer.trim()
