@@ -120,6 +120,7 @@ class SchedulerStats:
     """Where the scheduler stands (for progress lines)."""
 
     running: int = 0
+    peak_rows: int = 0  # the most rows that ran one step together
     queued: int = 0
     finished: int = 0
     generated_tokens: int = 0
@@ -218,6 +219,7 @@ class ContinuousScheduler:
         """One iteration: admit and prefill newcomers, one decode step, finished rows leave."""
         done = self._admit()
         if self.rows:
+            self.stats.peak_rows = max(self.stats.peak_rows, len(self.rows))
             tokens = self.engine.step(self.state, self.cache)
             self.state.advance(tokens)
             done += self._leave(self._append(tokens, 0))
