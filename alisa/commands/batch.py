@@ -40,7 +40,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         'a row\'s "chat": true/false overrides it)',
     )
     parser.add_argument("--kv-memory", help="byte budget of the KV cache alone, e.g. 256MiB")
-    parser.add_argument("--max-batch", type=int, default=64, help="upper bound on the batch size")
+    parser.add_argument(
+        "--max-batch", type=int, default=64, help="upper bound on the rows run together"
+    )
+    parser.add_argument(
+        "--static",
+        action="store_true",
+        help="static batches (sorted by length, each run until its last row finishes) instead "
+        "of continuous batching (rows join as others finish)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--rank-timeout",
@@ -83,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         progress=not args.no_progress,
         chat=args.chat,
+        static=args.static,
     )
     apply_threads("batch", args.threads)
     if launched():

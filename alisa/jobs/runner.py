@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from alisa.checks import check_field_types
 from alisa.config import AlisaConfig
+from alisa.jobs.continuous import continuous_results, recorded
 from alisa.jobs.io import (
     OutputLog,
     Request,
@@ -21,7 +22,7 @@ from alisa.jobs.io import (
 )
 from alisa.jobs.lock import output_lock
 from alisa.jobs.parts import merge_parts
-from alisa.jobs.sizing import BatchMemory, batch_memory, largest_batch
+from alisa.jobs.sizing import BatchMemory, batch_memory, largest_batch, running_memory
 from alisa.memory import PeakMemory
 from alisa.model.adapter import model_shape
 from alisa.model.loading import chat_prompt, context_length, prompt_length_error
@@ -54,6 +55,9 @@ class BatchJob:
     chat
         Send each prompt as a user turn in the model's chat template (a row's ``"chat"``
         overrides it).
+    static
+        Static batches (sorted by length, each run until its last row finishes) instead of
+        continuous batching (rows join as others finish; :mod:`alisa.runtime.continuous`).
     """
 
     input: str | Path
@@ -66,6 +70,7 @@ class BatchJob:
     stop_at_eos: bool = True
     progress: bool = True
     chat: bool = False
+    static: bool = False
 
     def __post_init__(self) -> None:
         check_field_types(self)  # None or a wrong type fails here, naming the field
@@ -97,6 +102,8 @@ class JobSummary:
     kv_budget_bytes: int | None = None
     ttfts_s: list = field(default_factory=list)  # time to first token of each batch
     errors: dict = field(default_factory=dict)  # id -> error row of every failed prompt
+    max_rows: int = 0  # continuous batching: the most rows that ran together
+    progress: dict = field(default_factory=dict)  # continuous batching: the progress bar's
 
     @property
     def failed(self) -> list:
@@ -115,12 +122,14 @@ class JobSummary:
         budget = format_bytes(self.budget_bytes) if self.budget_bytes else "unlimited"
         if self.kv_budget_bytes is not None:
             budget += f", KV budget {format_bytes(self.kv_budget_bytes)}"
+        batching = f"{len(self.batches)} batches (sizes {min(self.batches, default=0)}-"
+        batching += f"{max(self.batches, default=0)})"
+        if self.max_rows:
+            batching = f"continuous batching, up to {self.max_rows} rows"
         return (
             f"{self.completed} prompts done ({self.already_done} already done before), "
             f"{len(self.did_not_fit)} did not fit, {len(self.too_long)} longer than the context, "
-            f"{len(self.batches)} batches "
-            f"(sizes {min(self.batches, default=0)}-{max(self.batches, default=0)}); "
-            f"{self.generated_tokens} tokens in {self.seconds:.1f} s = "
+            f"{batching}; {self.generated_tokens} tokens in {self.seconds:.1f} s = "
             f"{self.tokens_per_s:.1f} tok/s; "
             f"peak KV {format_bytes(self.peak_kv_bytes)}, peak memory "
             f"{format_bytes(self.peak_memory_bytes)} (budget {budget})"
@@ -253,22 +262,33 @@ def run_requests(
     summary.kv_budget_bytes = budgets.kv
     pending = [_in_template(request, tokenizer, job.chat) for request in pending]
     encoded = tokenizer([r.prompt for r in pending])["input_ids"] if pending else []
-    lengths = {r.id: len(ids) for r, ids in zip(pending, encoded, strict=True)}
+    prompt_ids = {r.id: list(ids) for r, ids in zip(pending, encoded, strict=True)}
+    lengths = {key: len(ids) for key, ids in prompt_ids.items()}
     context = context_length(model, tokenizer)
     pending = _drop_too_long(pending, lengths, context, summary, job.max_new_tokens)
     bar.update(len(summary.too_long))
     started = time.perf_counter()
     with PeakMemory(next(model.parameters()).device) as memory:
-        for batch, new_tokens in _batches(pending, lengths, job, spec, sizing, budgets):
+        if job.static or cache_factory is not None:
+            batches = _batches(pending, lengths, job, spec, sizing, budgets)
+        else:
+            limits = (budgets.device, budgets.kv)
+            rows = continuous_results(
+                model, tokenizer, job, pending, prompt_ids, spec, limits, _sampling
+            )
+            batches = recorded(
+                rows, log, summary, lambda r: _refused(r, lengths[r.id], spec, job, budgets)
+            )
+        for batch, new_tokens in batches:
             if len(batch) == 1 and isinstance(batch[0], dict):  # did not fit even alone
                 summary.errors[batch[0]["id"]] = batch[0]
                 summary.did_not_fit.append(batch[0]["id"])
-            else:
+            elif new_tokens:
                 result = _generate(model, tokenizer, job, batch, new_tokens, cache_factory)
                 _record(log, summary, batch, result)
             bar.update(len(batch))
             rate = summary.generated_tokens / (time.perf_counter() - started)
-            bar.set_postfix(tok_s=f"{rate:.1f}", batch=len(batch))
+            bar.set_postfix(tok_s=f"{rate:.1f}", **(summary.progress or {"batch": len(batch)}))
     bar.close()
     summary.seconds = time.perf_counter() - started
     summary.peak_memory_bytes = memory.peak_bytes
@@ -356,6 +376,13 @@ def _sampling(options: dict) -> SamplingOptions:
 def _failed_row(request: Request, reason: str, error: str) -> dict:
     row = {"id": request.id, "text": None, "tokens": 0, "finish_reason": reason, "error": error}
     return {**row, "line": request.line}  # where the row is in the input file
+
+
+def _refused(request: Request, length: int, spec, job: BatchJob, budgets: _Budgets) -> dict:
+    """The error row of a request (``length`` prompt tokens) that continuous batching could not
+    admit even alone."""
+    shape = (length, request.options.get("max_new_tokens", job.max_new_tokens))
+    return _too_large(request, running_memory(spec, job.config, [shape]), budgets)
 
 
 def _too_large(request: Request, need: BatchMemory, budgets: _Budgets) -> dict:

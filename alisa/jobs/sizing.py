@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from alisa.config import AlisaConfig
+from alisa.storage.pages import PAGE_TOKENS
 from alisa.storage.store import headroom
 from scheduler import ModelSpec, layers_kept
 
@@ -110,3 +111,61 @@ def largest_batch(
         else:
             high = middle - 1
     return low
+
+
+def row_slots(spec: ModelSpec, config: AlisaConfig, prompt_len: int, new_tokens: int) -> np.ndarray:
+    """(num_layers,) slots one row of a running batch may occupy in each layer, at any time.
+
+    A row keeps at most ``kept(prompt_len + new_tokens)`` tokens (budgets only grow with the
+    tokens seen; a joining row's cache is compacted to its kept prompt before it joins), plus
+    the step's new token before eviction. Dropping refills its freed slots first; host
+    retention appends at the frontier and compacts once a third of the slots (at least 32) are
+    empty, so it may span that much more.
+    """
+    kept = kept_tokens(config, spec.num_layers, prompt_len + new_tokens, spec.windows) + 1
+    if config.retention == "host":
+        kept = np.maximum(kept + 33, 3 * kept // 2 + 2)
+    return kept
+
+
+def running_memory(
+    spec: ModelSpec,
+    config: AlisaConfig,
+    running: Sequence[tuple[int, int]],
+    joining: Sequence[tuple[int, int]] = (),
+) -> BatchMemory:
+    """Peak bytes of a continuous batch: ``running`` rows and ``joining`` ones prefilled together,
+    each a (prompt tokens, new tokens at most) pair.
+
+    Slots are rectangular: every row of a layer has the widest row's capacity
+    (:func:`row_slots` plus the growth headroom), so the KV is rows x that. With
+    ``retention="host"`` the key sketch spans the longest row and the tokens waiting for a host
+    page stay on the device. The transient is the newcomers' prefill (as :func:`batch_memory`,
+    plus their own cache before it is compacted into the batch: their prompts with headroom),
+    one layer copied while it merges, and a decode step's activations and logits.
+    """
+    rows = [*running, *joining]
+    if not rows:
+        return BatchMemory(weights=spec.total_weight_bytes, kv=0, transient=0)
+    layers, count = spec.num_layers, len(rows)
+    widest = np.max([row_slots(spec, config, p, n) for p, n in rows], axis=0)
+    capacity = [int(slots) + headroom(int(slots)) for slots in widest]
+    slot_bytes = spec.kv_bytes_per_token(config.kv_bits) / layers
+    layer_full = spec.kv_bytes_per_token(16) / layers
+    kv = count * sum(capacity) * slot_bytes
+    if config.kv_bits < 16:  # the full-precision ring of the newest tokens
+        kv += count * layers * config.residual_tokens * layer_full
+    if config.retention == "host":
+        span = max(p + n for p, n in rows)
+        kv += count * (span + 2 * headroom(span)) * spec.sketch_bytes_per_token()
+        kv += count * PAGE_TOKENS * spec.kv_bytes_per_token(16)
+    transient = max(capacity) * count * slot_bytes  # the layer being merged
+    if joining:
+        longest = max(p for p, _ in joining)
+        prefill = batch_memory(spec, config, len(joining), longest, 0).transient
+        prompts = len(joining) * layers * (longest + headroom(longest)) * slot_bytes
+        transient += prefill + prompts
+    element = spec.bytes_per_element
+    step = count * ((4 * spec.hidden_size + 2 * spec.intermediate_size) * element)
+    transient += int(SAFETY * (step + count * spec.vocab_size * 4))
+    return BatchMemory(weights=spec.total_weight_bytes, kv=int(kv), transient=int(transient))

@@ -63,7 +63,9 @@ class AttentionAccumulator:
         self.snapshots = torch.zeros(
             ring, batch, groups, capacity, dtype=torch.float32, device=device
         )
-        self.stamps = np.full(ring, NO_STAMP, dtype=np.int64)
+        # (B, ring) step of each snapshot, per sequence: a sequence that joins a running batch
+        # brings its own history (see :meth:`extend_rows`).
+        self.stamps = np.full((batch, ring), NO_STAMP, dtype=np.int64)
         self.step = 0
         self.last_snapshot = 0
         self.next_slot = 0
@@ -130,12 +132,12 @@ class AttentionAccumulator:
         # For each sequence, the newest snapshot taken at least window[b] steps ago. With no such
         # snapshot, either the history is shorter than the window (sum everything) or the ring
         # has already recycled it (use the oldest snapshot: a slightly shorter window).
-        taken = self.stamps > NO_STAMP
+        taken = self.stamps > NO_STAMP  # (B, ring)
         cutoff = self.step - window  # (B,)
-        eligible = taken[None, :] & (self.stamps[None, :] <= cutoff[:, None])  # (B, ring)
-        newest_eligible = np.where(eligible, self.stamps[None, :], NO_STAMP).argmax(axis=1)
-        oldest = int(np.where(taken, self.stamps, np.iinfo(np.int64).max).argmin())
-        ring_full = bool(taken.all())
+        eligible = taken & (self.stamps <= cutoff[:, None])  # (B, ring)
+        newest_eligible = np.where(eligible, self.stamps, NO_STAMP).argmax(axis=1)
+        oldest = np.where(taken, self.stamps, np.iinfo(np.int64).max).argmin(axis=1)
+        ring_full = taken.all(axis=1)
         has_snapshot = eligible.any(axis=1) | ring_full
         choice = np.where(eligible.any(axis=1), newest_eligible, oldest)
         if not has_snapshot.any():
@@ -186,14 +188,48 @@ class AttentionAccumulator:
 
     def grow(self, capacity: int) -> None:
         """Extend the slot space to ``capacity`` slots, new ones zero."""
-        extra = capacity - self.total.shape[-1]
-        self.total = torch.nn.functional.pad(self.total, (0, extra))
-        self.snapshots = torch.nn.functional.pad(self.snapshots, (0, extra))
+        self.total = torch.nn.functional.pad(self.total, (0, capacity - self.total.shape[-1]))
+        self.snapshots = torch.nn.functional.pad(
+            self.snapshots, (0, capacity - self.snapshots.shape[-1])
+        )
 
     def select_batch(self, indices: torch.Tensor) -> None:
         """Keep only some sequences (finished ones dropped, beams reordered)."""
         self.total = self.total.index_select(0, indices)
         self.snapshots = self.snapshots.index_select(1, indices)
+        self.stamps = self.stamps[indices.cpu().numpy()]
+
+    def extend_rows(self, other: AttentionAccumulator) -> None:
+        """Append ``other``'s sequences (same kind, ring and slot space) after these.
+
+        Whole-history and decayed sums simply concatenate. Windowed ones bring their snapshots:
+        stamps move to this accumulator's step count and the ring rotates so that their oldest
+        snapshot is the next one overwritten, as it would have been alone. Snapshots are then
+        taken at this batch's cadence: exact while that is every step (windows up to
+        ``blocks``), otherwise within one snapshot interval of the window, as always.
+        """
+        if (other.windowed, other.decayed, other.snapshots.shape[0]) != (
+            self.windowed,
+            self.decayed,
+            self.snapshots.shape[0],
+        ):
+            raise ValueError("attention sums of different kinds cannot share a batch")
+        rotation = self.next_slot - other.next_slot
+        stamps = np.where(other.stamps > NO_STAMP, other.stamps + self.step - other.step, NO_STAMP)
+        self.stamps = np.concatenate([self.stamps, np.roll(stamps, rotation, axis=1)])
+        snapshots = torch.roll(other.snapshots, rotation, 0) if self.windowed else other.snapshots
+        self.snapshots = torch.cat([self.snapshots, snapshots], dim=1)
+        self.total = torch.cat([self.total, other.total])
+
+    def shift_columns(self, delta: int) -> None:
+        """Sums kept per token position (not per slot): every position moved by ``delta``
+        (new columns on the left are zero; columns moved below 0 are dropped)."""
+        if delta >= 0:
+            self.total = torch.nn.functional.pad(self.total, (delta, 0))
+            self.snapshots = torch.nn.functional.pad(self.snapshots, (delta, 0))
+        else:
+            self.total = self.total[..., -delta:].contiguous()
+            self.snapshots = self.snapshots[..., -delta:].contiguous()
 
     def _fade(self, window: np.ndarray | None, age: int | torch.Tensor) -> torch.Tensor:
         """(B, 1, A) weights (1 - 1/w[b]) ** age of rows ``age`` steps old (A = 1 for an int)."""
@@ -216,6 +252,6 @@ class AttentionAccumulator:
         slot = self.next_slot
         self.snapshots[slot].zero_()
         self.snapshots[slot, ..., :width] = values[..., :width]
-        self.stamps[slot] = stamp
+        self.stamps[:, slot] = stamp
         self.next_slot = (slot + 1) % self.snapshots.shape[0]
         self.last_snapshot = stamp

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
+import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
@@ -152,6 +153,63 @@ class AlisaCache(Cache):
     def evicted_tokens(self) -> int:
         """Tokens evicted so far over all layers and sequences."""
         return sum(layer.keeper.evicted for layer in self.layers)
+
+    # ---- continuous batching: rows leave and join ------------------------------------------
+
+    def extend(self, other: AlisaCache) -> None:
+        """Append the sequences of ``other`` (prefilled, same model and config) after these.
+
+        Their timelines are aligned as virtual left padding: the batch that has seen fewer
+        tokens moves later by the difference (:meth:`AlisaLayer.shift_positions`, an integer
+        add on the slot map; with ``retention="host"`` its position-indexed host region,
+        sketch and history are padded on the left), so the newest token of every row sits at
+        the same position, as in a left-padded batch. No running row is re-padded or copied
+        beyond the concatenation itself. Every layer then concatenates its own state
+        (:meth:`AlisaLayer.extend_rows`); ``other`` must not be used afterwards.
+
+        Raises
+        ------
+        ValueError
+            Caches of different configs or models, a cache not prefilled yet, or device tiers
+            (``gpu_memory``), whose region sizes are planned per batch.
+        """
+        if other.config != self.config or len(other.layers) != len(self.layers):
+            raise ValueError("caches of different configs or models cannot share a batch")
+        if self.planner is not None or other.planner is not None:
+            raise ValueError(
+                f"gpu_memory={self.config.gpu_memory!r}: tiered caches cannot take rows into a "
+                "running batch (their tier sizes are planned per batch)"
+            )
+        if any(len(cache._started()) != len(cache.layers) for cache in (self, other)):
+            raise ValueError("both caches must be prefilled before rows join")
+        delta = other.get_seq_length() - self.get_seq_length()
+        (self if delta > 0 else other).shift_positions(abs(delta))
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            mine.extend_rows(theirs)
+
+    def keep_rows(self, indices: torch.Tensor) -> None:
+        """Keep only the sequences ``indices`` (in that order) and return what they no longer
+        need: the positions before every kept sequence's first token (the whole batch moves
+        earlier by their count) and every empty slot (:meth:`AlisaLayer.trim`).
+
+        So the padded span stays the longest row's length, not the age of the running batch.
+        """
+        self.batch_select_indices(indices)
+        layers = self._started()
+        if not layers or len(indices) == 0:
+            return
+        # A sliding layer counts what its window no longer reaches as padding (its ``first``
+        # is later), so the positions no layer uses end at the smallest ``first`` of all.
+        unused = min(int(layer.slots.first.min()) for layer in layers)
+        self.shift_positions(-unused)
+        for layer in layers:
+            layer.trim()
+
+    def shift_positions(self, delta: int) -> None:
+        """Move every sequence ``delta`` positions in the padded coordinates (see
+        :meth:`AlisaLayer.shift_positions`)."""
+        for layer in self.layers:
+            layer.shift_positions(delta)
 
     def _started(self) -> list[AlisaLayer]:
         return [layer for layer in self.layers if layer.store is not None]

@@ -164,6 +164,14 @@ class DropKeeper(Keeper):
         if self.scores is not None:
             self.scores.select_batch(indices)
 
+    def extend_rows(self, other: Keeper, slots: SlotMap, other_slots: SlotMap) -> None:
+        """Append ``other``'s sequences: their attention sums follow their slots."""
+        super().extend_rows(other, slots, other_slots)
+        if (self.scores is None) != (other.scores is None):
+            raise ValueError("keepers with and without attention sums cannot share a batch")
+        if self.scores is not None:
+            self.scores.extend_rows(other.scores)
+
     def reset(self) -> None:
         super().reset()
         self.scores = None

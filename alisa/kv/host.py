@@ -323,6 +323,52 @@ class HostKeeper(Keeper):
         """Bytes of bookkeeping on the device: the attention history."""
         return 0 if self.history is None else self.history.nbytes()
 
+    def shift_positions(self, delta: int, slots: SlotMap) -> None:
+        """Move the host region, the sketch and the history with the tokens (``delta < 0``:
+        positions below ``-delta`` hold no sequence's token and are dropped)."""
+        if self.pages is None:
+            return
+        if self.flushed < -delta:  # pending tokens would land below position 0
+            self._flush(slots)
+        self.pages.shift(delta)
+        self.sketch.shift(delta)
+        if self.history is not None:
+            self.history.shift_columns(delta)
+        self.flushed += delta
+
+    def extend_rows(self, other: Keeper, slots: SlotMap, other_slots: SlotMap) -> None:
+        """Append ``other``'s sequences (same ``seen``): both write their pending tokens, then
+        the host regions, sketches and histories concatenate.
+
+        Writing early changes nothing a selection sees (pending tokens are in the recent
+        window), except the sketch's channels when a batch has not chosen them yet: a prompt
+        under ``PAGE_TOKENS`` tokens chooses them from the prompt alone rather than from its
+        first page.
+        """
+        super().extend_rows(other, slots, other_slots)
+        self._flush(slots)
+        other._flush(other_slots)
+        self.pages.extend_rows(other.pages)
+        self.sketch.extend_rows(other.sketch)
+        if self.history is not None or other.history is not None:
+            mine, theirs = self._history_like(other), other._history_like(self)
+            width = max(mine.total.shape[-1], theirs.total.shape[-1])
+            mine.grow(width)
+            theirs.grow(width)
+            mine.extend_rows(theirs)
+            self.history = mine
+        self.steps = max(self.steps, other.steps)
+
+    def _history_like(self, other: HostKeeper) -> AttentionAccumulator:
+        """This keeper's history, or zeros shaped as ``other``'s (no attention yet)."""
+        if self.history is not None:
+            return self.history
+        shape = self.sketch.keys.shape[:2]
+        width = other.history.total.shape[-1]
+        return AttentionAccumulator(
+            *shape, width, self.sketch.keys.device, windowed=False, decayed=other.history.decayed
+        )
+
     def select_batch(self, indices: torch.Tensor) -> None:
         if self.history is not None:
             self.history.select_batch(indices)

@@ -12,7 +12,8 @@ for every later write; at prefill :meth:`Keeper.rows_wanted` and :meth:`Keeper.a
 attention function seeds scores from the last prompt queries); :meth:`Keeper.before_attention`
 at each decode step; :meth:`Keeper.after_attention` after every attention call. When the slots
 move (growth, compaction, the tier split) it calls :meth:`Keeper.grow` and :meth:`Keeper.moved`
-so that per-slot state follows.
+so that per-slot state follows; when sequences leave or join a running batch,
+:meth:`Keeper.select_batch`, :meth:`Keeper.shift_positions` and :meth:`Keeper.extend_rows`.
 """
 
 from __future__ import annotations
@@ -123,6 +124,17 @@ class Keeper:
 
     def select_batch(self, indices: torch.Tensor) -> None:
         """Keep (and reorder) sequences."""
+
+    def shift_positions(self, delta: int, slots: SlotMap) -> None:
+        """Every token is about to move ``delta`` positions (``slots`` not moved yet): state
+        kept per position follows (continuous batching aligns a joining batch's timeline)."""
+
+    def extend_rows(self, other: Keeper, slots: SlotMap, other_slots: SlotMap) -> None:
+        """Append the sequences of ``other`` (a keeper of the same kind and config, slot space
+        of the same capacity and timeline) after these; ``slots`` and ``other_slots`` are the
+        two slot maps, not merged yet."""
+        self.evicted += other.evicted
+        self.fetched += other.fetched
 
     def reset(self) -> None:
         """Forget everything; the next write is a new prefill."""

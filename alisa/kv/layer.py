@@ -121,6 +121,44 @@ class AlisaLayer(CacheLayerMixin):
         self.slots.select_batch(indices, indices.cpu().numpy())
         self.keeper.select_batch(indices)
 
+    def shift_positions(self, delta: int) -> None:
+        """Move every sequence ``delta`` positions later (earlier when negative), as if it had
+        that much more (less) left padding: the same tokens, budgets and RoPE (rotary angles
+        come from the caller's ``position_ids``, never from slot positions)."""
+        if self.store is None or delta == 0:
+            return
+        self.keeper.shift_positions(delta, self.slots)
+        self.store.shift_positions(delta)
+        self.slots.shift(delta)
+
+    def extend_rows(self, other: AlisaLayer) -> None:
+        """Append the sequences of ``other`` (this layer of another cache of the same config,
+        prefilled, on the same timeline: equal ``seen``) after these.
+
+        ``other`` is compacted first, then both slot spaces take the larger capacity (new slots
+        empty) and each part (slot map, store, keeper) concatenates its own state.
+        """
+        if self.store is None:
+            raise ValueError("a layer takes rows only once it holds some (after its prefill)")
+        if other.slots.seen != self.slots.seen:
+            raise ValueError(
+                f"layers at {other.slots.seen} and {self.slots.seen} tokens seen cannot share a "
+                "batch: shift one first"
+            )
+        other.trim()
+        capacity = max(self.store.capacity, other.store.capacity)
+        for layer in (self, other):
+            layer._resize(capacity)
+        self.keeper.extend_rows(other.keeper, self.slots, other.slots)
+        self.store.extend_rows(other.store)
+        self.slots.extend_rows(other.slots)
+
+    def trim(self) -> None:
+        """Return the memory of every empty slot now (compaction, whatever it would save): after
+        sequences left or before they join another batch, the capacity follows the rows held."""
+        if self.store is not None and self.store.compactable:
+            self._compact(force=True)
+
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(
             "AlisaCache cannot be cropped (evicted tokens cannot be restored); assisted and "
@@ -247,10 +285,14 @@ class AlisaLayer(CacheLayerMixin):
     def _ensure_capacity(self, slots: int) -> None:
         if slots <= self.store.capacity:
             return
-        capacity = grown(slots, self.keeper.window)
-        self.store.grow(capacity)
-        self.slots.grow(capacity)
-        self.keeper.grow(capacity)
+        self._resize(grown(slots, self.keeper.window))
+
+    def _resize(self, capacity: int) -> None:
+        """Grow the slot space to ``capacity`` slots (no-op when it has them)."""
+        if capacity > self.store.capacity:
+            self.store.grow(capacity)
+            self.slots.grow(capacity)
+            self.keeper.grow(capacity)
 
     def _inputs(self, length: int) -> TokenInputs | None:
         """Attention inputs and RoPE positions of the new tokens, for stores that recompute."""
@@ -275,9 +317,11 @@ class AlisaLayer(CacheLayerMixin):
 
     def _maybe_compact(self) -> None:
         """Copy live slots to the front of smaller buffers once over a third of width is empty."""
-        if not self.store.compactable:
-            return
-        moved = self.slots.compaction(self.keeper.window)
+        if self.store.compactable:
+            self._compact(force=False)
+
+    def _compact(self, *, force: bool) -> None:
+        moved = self.slots.compaction(self.keeper.window, force=force)
         if moved is None:
             return
         index, capacity = moved

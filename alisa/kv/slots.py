@@ -6,7 +6,11 @@ compacted only when much of them is empty (after prefill eviction, or a long shr
 amortised copy.
 
 Coordinates: ``seen`` counts tokens of the padded batch (left padding included), so a token's
-position is its index in the padded sequence, the same for every sequence of the batch.
+position is its index in the padded sequence, the same for every sequence of the batch. A
+sequence that joins a running batch (continuous batching) is placed in these coordinates as if it
+had been left-padded: :meth:`SlotMap.shift` moves its positions so that its newest token is the
+batch's newest, and :meth:`SlotMap.extend_rows` appends its rows. The padding is virtual (no slot
+holds it; ``first`` records it), so joining costs an integer add, not a copy of the running rows.
 """
 
 from __future__ import annotations
@@ -197,15 +201,21 @@ class SlotMap:
         self.width = max(self.width, int((self.kept + self.dead).max()))
         return rows, groups, target, tokens
 
-    def compaction(self, limit: int | None = None) -> tuple[torch.Tensor, int] | None:
-        """Move live slots to the front once over a third of width is empty.
+    def compaction(
+        self, limit: int | None = None, *, force: bool = False
+    ) -> tuple[torch.Tensor, int] | None:
+        """Move live slots to the front once over a third of width is empty (``force``: as
+        soon as any slot below width is empty or the capacity exceeds the growth rule's).
 
         Returns (index, capacity): new slot j holds old slot index[b, g, j], for the store and
         the attention sums to follow; None when not worth a copy. ``limit``: slots the layer
         never needs more of (a sliding window), so no headroom past it.
         """
         live = int(self.kept.max(initial=0))  # compaction drops padding slots as well
-        if self.width - live <= max(32, self.width // 3):
+        if force:
+            if self.width == live and self.capacity <= grown(live, limit):
+                return None
+        elif self.width - live <= max(32, self.width // 3):
             return None
         occupied = self.positions[..., : self.width] >= 0
         order = torch.argsort((~occupied).to(torch.int8), dim=-1, stable=True)
@@ -228,6 +238,28 @@ class SlotMap:
         self.positions = torch.where(mapping >= 0, moved, FREE).contiguous()
         self.width = width
         return taken
+
+    def shift(self, delta: int) -> None:
+        """Move every sequence ``delta`` positions later (earlier when negative) in the padded
+        coordinates: the same tokens, as if each had ``delta`` more (fewer) padding tokens on
+        its left. Empty and padding slots keep their markers; lengths and budgets are unchanged.
+        """
+        self.positions = torch.where(self.positions >= 0, self.positions + delta, self.positions)
+        self.seen += delta
+        self.first = self.first + delta
+
+    def extend_rows(self, other: SlotMap) -> None:
+        """Append ``other``'s sequences after these (same ``seen``, groups and capacity)."""
+        if (other.seen, other.groups, other.capacity) != (self.seen, self.groups, self.capacity):
+            raise ValueError(
+                f"slot maps of seen/groups/capacity {(other.seen, other.groups, other.capacity)} "
+                f"and {(self.seen, self.groups, self.capacity)} cannot share a batch"
+            )
+        self.positions = torch.cat([self.positions, other.positions])
+        self.width = max(self.width, other.width)
+        self.first = np.concatenate([self.first, other.first])
+        self.kept = np.concatenate([self.kept, other.kept])
+        self.dead = np.concatenate([self.dead, other.dead])
 
     def select_batch(self, indices: torch.Tensor, host: np.ndarray) -> None:
         """Keep (and reorder) sequences; ``host`` is ``indices`` as a numpy array."""

@@ -64,6 +64,16 @@ class WindowKeeper(Keeper):
         self.evicted += int(leaving.sum()) * slots.groups
         self.cutoff = cutoff
 
+    def shift_positions(self, delta: int, slots: SlotMap) -> None:
+        self.cutoff = max(self.cutoff + delta, 0)
+
+    def extend_rows(self, other: Keeper, slots: SlotMap, other_slots: SlotMap) -> None:
+        """Append ``other``'s sequences. The earlier cutoff serves both: a sequence's real
+        tokens start at its ``first``, and a batch that was shifted later to join has its
+        cutoff at or below its sequences' ``first``, so no token is counted as leaving twice."""
+        super().extend_rows(other, slots, other_slots)
+        self.cutoff = min(self.cutoff, other.cutoff)
+
     def reset(self) -> None:
         super().reset()
         self.cutoff = 0

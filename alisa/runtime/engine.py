@@ -177,8 +177,29 @@ class DecodeState:
         """Keep only ``rows`` (indices into the current rows)."""
         self.prompt_ids, self.positions = self.prompt_ids[rows], self.positions[rows]
         self.active, self.finished = self.active[rows], self.finished[rows]
+        self.feed = self.feed[rows]
         if self.attention_mask is not None:
             self.attention_mask = self.attention_mask[rows]
+
+    def extend(self, other: DecodeState, pad: int = 0) -> None:
+        """Append ``other``'s rows (both past their prefill, one token to feed each).
+
+        The merged state carries no padding mask: after prefill the ALISA attention masks by
+        slot positions alone (each row's cache knows where its tokens are), and RoPE reads each
+        row's own ``positions``, so rows of different lengths need no common width. Prompts
+        are left-padded with ``pad`` to a common width (sampling processors read them).
+        """
+        width = max(self.prompt_ids.shape[1], other.prompt_ids.shape[1])
+        prompts = [
+            torch.nn.functional.pad(ids, (width - ids.shape[1], 0), value=pad)
+            for ids in (self.prompt_ids, other.prompt_ids)
+        ]
+        self.prompt_ids = torch.cat(prompts)
+        self.attention_mask = None
+        self.feed = torch.cat([self.feed, other.feed])
+        self.positions = torch.cat([self.positions, other.positions])
+        self.active = torch.cat([self.active, other.active])
+        self.finished = torch.cat([self.finished, other.finished])
 
 
 class Engine:

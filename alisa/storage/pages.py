@@ -142,6 +142,27 @@ class HostPages:
         host = indices.to(self.host)
         self._replace(tuple(t.index_select(1, host) for t in self._tensors()))
 
+    def extend_rows(self, other: HostPages) -> None:
+        """Append ``other``'s sequences (same positions, heads and format) after these."""
+        capacity = max(self.capacity, other.capacity)
+        self._replace(
+            tuple(
+                torch.cat([with_capacity3(mine, capacity), with_capacity3(theirs, capacity)], 1)
+                for mine, theirs in zip(self._tensors(), other._tensors(), strict=True)
+            )
+        )
+        self.length = max(self.length, other.length)
+
+    def shift(self, delta: int) -> None:
+        """Move every token ``delta`` positions (new positions on the left are empty; positions
+        moved below 0 are dropped)."""
+        if delta >= 0:
+            moved = tuple(torch.nn.functional.pad(t, (0, 0, delta, 0)) for t in self._tensors())
+        else:
+            moved = tuple(t[:, :, :, -delta:].contiguous() for t in self._tensors())
+        self._replace(moved)
+        self.length = max(self.length + delta, 0)
+
     # ---- internals -----------------------------------------------------------------------
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
@@ -162,3 +183,9 @@ class HostPages:
             return
         capacity = grown_capacity(length)
         self._replace(tuple(with_capacity(t, capacity) for t in self._tensors()))
+
+
+def with_capacity3(tensor: torch.Tensor, capacity: int) -> torch.Tensor:
+    """A (2, B, H, positions, ·) buffer with ``capacity`` positions (zero-padded or as is)."""
+    extra = capacity - tensor.shape[3]
+    return torch.nn.functional.pad(tensor, (0, 0, 0, extra)) if extra else tensor

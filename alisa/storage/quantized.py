@@ -255,6 +255,37 @@ class QuantizedStore(DeviceResident):
         self.ring_values = self.ring_values.index_select(0, indices)
         self.ring_slots = self.ring_slots.index_select(0, indices)
 
+    def extend_rows(self, other: QuantizedStore) -> None:
+        """Append ``other``'s sequences (same capacity and format) after these.
+
+        Both rings hold the same positions at the same entries (position % R, the batches'
+        timelines aligned by the caller); an entry one side never wrote (-1) takes the other's.
+        """
+        scale_dtype = torch.promote_types(self.codes.scale.dtype, other.codes.scale.dtype)
+        self.codes.replace(
+            tuple(
+                torch.cat([mine, theirs], dim=1).to(mine.dtype if index == 0 else scale_dtype)
+                for index, (mine, theirs) in enumerate(
+                    zip(self.codes.tensors(), other.codes.tensors(), strict=True)
+                )
+            )
+        )
+        self.ring_keys = torch.cat([self.ring_keys, other.ring_keys])
+        self.ring_values = torch.cat([self.ring_values, other.ring_values])
+        self.ring_slots = torch.cat([self.ring_slots, other.ring_slots])
+        self.ring_positions = torch.maximum(self.ring_positions, other.ring_positions)
+
+    def shift_positions(self, delta: int) -> None:
+        """Tokens moved ``delta`` positions: the ring's entries (position % R) rotate with them."""
+        if not self.residual:
+            return
+        moved = self.ring_positions + delta
+        gone = (self.ring_positions < 0) | (moved < 0)  # no sequence holds such a position
+        self.ring_positions = torch.roll(moved.masked_fill(gone, -1), delta, 0)
+        self.ring_slots = torch.roll(self.ring_slots.masked_fill(gone, -1), delta, 2)
+        self.ring_keys = torch.roll(self.ring_keys, delta, 2)
+        self.ring_values = torch.roll(self.ring_values, delta, 2)
+
     def pin_memory(self) -> None:
         """Page-lock the codes and the ring (host regions, CUDA only)."""
         self.codes.pin_memory()

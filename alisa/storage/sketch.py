@@ -112,6 +112,24 @@ class KeySketch:
         logits = torch.matmul(picked, self.keys.mT)  # (B, H, G, capacity)
         return out.copy_(logits.amax(dim=-2)[..., :length])
 
+    def extend_rows(self, other: KeySketch) -> None:
+        """Append ``other``'s sequences (same positions; both have chosen their channels)."""
+        if self.channels is None or other.channels is None:
+            raise ValueError("sketches join a batch once their channels are chosen")
+        extra = self.capacity - other.capacity
+        mine = torch.nn.functional.pad(self.keys, (0, 0, 0, max(-extra, 0)))
+        theirs = torch.nn.functional.pad(other.keys, (0, 0, 0, max(extra, 0)))
+        self.keys = torch.cat([mine, theirs])
+        self.channels = torch.cat([self.channels, other.channels])
+
+    def shift(self, delta: int) -> None:
+        """Move every key ``delta`` positions (new ones on the left are zero; positions moved
+        below 0 are dropped)."""
+        if delta >= 0:
+            self.keys = torch.nn.functional.pad(self.keys, (0, 0, delta, 0))
+        else:
+            self.keys = self.keys[:, :, -delta:].contiguous()
+
     def select_batch(self, indices: torch.Tensor) -> None:
         self.keys = self.keys.index_select(0, indices)
         if self.channels is not None:

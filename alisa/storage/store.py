@@ -142,6 +142,15 @@ class KVStore(Protocol):
 
     def select_batch(self, indices: torch.Tensor) -> None: ...
 
+    def extend_rows(self, other: KVStore) -> None:
+        """Append ``other``'s sequences (a store of the same kind and capacity) after these."""
+        ...
+
+    def shift_positions(self, delta: int) -> None:
+        """The layer's slot map moved every token ``delta`` positions (state kept per position
+        follows; the slots do not move)."""
+        ...
+
     def prefetch(self) -> None: ...
 
     def pin_memory(self) -> None: ...
@@ -185,6 +194,9 @@ class DeviceResident:
 
     def prefetch(self) -> None:
         """Nothing to fetch: the buffers are already where attention reads them."""
+
+    def shift_positions(self, delta: int) -> None:
+        """Nothing is kept per position: slots hold the bytes wherever their token sits."""
 
 
 def slot_indices(
@@ -297,6 +309,11 @@ class DenseStore(DeviceResident):
         """Keep (and reorder) sequences: finished ones dropped, beams reordered."""
         self.keys = self.keys.index_select(0, indices)
         self.values = self.values.index_select(0, indices)
+
+    def extend_rows(self, other: DenseStore) -> None:
+        """Append ``other``'s sequences (same capacity) after these: one concatenation."""
+        self.keys = torch.cat([self.keys, other.keys])
+        self.values = torch.cat([self.values, other.values])
 
     def pin_memory(self) -> None:
         """Page-lock host buffers so host-to-device copies run asynchronously (CUDA only)."""

@@ -173,6 +173,14 @@ class TieredStore:
     def reindex(self, index: torch.Tensor, capacity: int) -> None:
         raise NotImplementedError("tiered stores are not compacted; holes are reused")
 
+    def extend_rows(self, other: TieredStore) -> None:
+        """Tiers are laid out per batch (region sizes from one plan): rows cannot join."""
+        raise ValueError("gpu_memory tiers cannot take rows into a running batch")
+
+    def shift_positions(self, delta: int) -> None:
+        """Recompute regions keep RoPE positions as written: rows cannot move in time."""
+        raise ValueError("gpu_memory tiers cannot take rows into a running batch")
+
     def select_batch(self, indices: torch.Tensor) -> None:
         for region in self._regions:
             region.select_batch(indices)

@@ -1,0 +1,107 @@
+"""Batch jobs by continuous batching: one scheduler per sampling setting, rows join as others
+finish, each result handed back the step it completes (so a killed job loses no finished row)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+from alisa.jobs.io import OutputLog, Request
+from alisa.jobs.stream import ByteBudget
+from alisa.kv.cache import AlisaCache
+from alisa.runtime.continuous import (
+    ContinuousScheduler,
+    SchedulerStats,
+    StreamRequest,
+    StreamResult,
+)
+from alisa.runtime.engine import Engine
+from alisa.runtime.sampling import SamplingOptions
+from alisa.sizes import format_bytes
+from scheduler import ModelSpec
+
+SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "seed")
+
+
+def continuous_results(
+    model,
+    tokenizer,
+    job,
+    requests: Sequence[Request],
+    prompt_ids: dict,
+    spec: ModelSpec,
+    budgets: tuple[int | None, int | None],
+    sampling: Callable[[dict], SamplingOptions],
+) -> Iterator[tuple[Request, StreamResult, SchedulerStats]]:
+    """(request, result, scheduler stats) of every request, in completion order.
+
+    Parameters
+    ----------
+    job
+        The :class:`~alisa.jobs.runner.BatchJob` (config, ``max_new_tokens``, ``max_batch``,
+        ``stop_at_eos``).
+    prompt_ids
+        Token ids of each request's prompt, by request id.
+    budgets
+        (device bytes, KV bytes), either None for no limit.
+    sampling
+        A request's options -> its sampling (requests sharing one share a scheduler).
+    """
+    groups: dict[tuple, list[Request]] = {}
+    for request in requests:
+        key = tuple((k, request.options.get(k)) for k in SAMPLING_KEYS)
+        groups.setdefault(key, []).append(request)
+    admission = ByteBudget(
+        spec=spec,
+        config=job.config,
+        device_bytes=budgets[0],
+        kv_bytes=budgets[1],
+        max_rows=job.max_batch,
+    )
+    for group in groups.values():
+        engine = Engine(model, tokenizer, sampling(group[0].options), stop_at_eos=job.stop_at_eos)
+        scheduler = ContinuousScheduler(engine, lambda: AlisaCache(model, job.config), admission)
+        by_id = {request.id: request for request in group}
+        stream = (
+            StreamRequest(
+                prompt_ids=prompt_ids[r.id],
+                max_new_tokens=r.options.get("max_new_tokens", job.max_new_tokens),
+                id=r.id,
+            )
+            for r in group
+        )
+        for result in scheduler.run(stream, lookahead=job.max_batch):
+            yield by_id[result.id], result, scheduler.stats
+
+
+def recorded(
+    rows: Iterator[tuple[Request, StreamResult, SchedulerStats]],
+    log: OutputLog,
+    summary,
+    refused: Callable[[Request], dict],
+) -> Iterator[tuple[list, int]]:
+    """Append each result to ``log`` the moment it comes (a killed job keeps every finished
+    row) and count it in ``summary`` (a :class:`~alisa.jobs.runner.JobSummary`).
+
+    Yields what the static path yields per batch, for its progress loop: ([request], 0), or
+    ([error row], 0) from ``refused`` for a request no budget admits even alone.
+    """
+    for request, result, stats in rows:
+        summary.progress = {"rows": stats.running, "queued": stats.queued}
+        summary.progress["kv"] = format_bytes(stats.kv_bytes)
+        summary.peak_kv_bytes = max(summary.peak_kv_bytes, stats.peak_kv_bytes)
+        summary.max_rows = max(summary.max_rows, stats.peak_rows)
+        if result.finish_reason == "did_not_fit":
+            yield [refused(request)], 0
+            continue
+        log.append(
+            {
+                "id": request.id,
+                "text": result.text,
+                "tokens": len(result.token_ids),
+                "finish_reason": result.finish_reason,
+            }
+        )
+        summary.completed += 1
+        summary.generated_tokens += len(result.token_ids)
+        summary.ttfts_s.append(result.ttft_s)
+        yield [request], 0

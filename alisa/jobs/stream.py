@@ -1,0 +1,137 @@
+"""A stream of prompts through continuous batching under a byte budget: results as they finish."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from alisa.config import AlisaConfig
+from alisa.jobs.sizing import fits, running_memory
+from alisa.kv.cache import AlisaCache
+from alisa.kv.hooks import attached
+from alisa.model.adapter import model_shape
+from alisa.planning.spec import model_spec
+from alisa.runtime.continuous import (
+    ContinuousScheduler,
+    RowShape,
+    StreamRequest,
+    StreamResult,
+)
+from alisa.runtime.engine import Engine
+from alisa.runtime.sampling import SamplingOptions
+from alisa.sizes import parse_bytes
+from scheduler import ModelSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class ByteBudget:
+    """Admits rows while the batch's predicted peak fits the budgets
+    (:func:`alisa.jobs.sizing.running_memory`: each row's device KV at its bounded size,
+    rectangular slots, the newcomers' prefill).
+
+    Parameters
+    ----------
+    spec, config
+        The model's sizes and the cache's config.
+    device_bytes
+        Budget for weights, KV and activations; None: no limit.
+    kv_bytes
+        Budget for the KV alone; None: no limit.
+    max_rows
+        Rows at most, whatever the budgets allow.
+    """
+
+    spec: ModelSpec
+    config: AlisaConfig
+    device_bytes: int | None = None
+    kv_bytes: int | None = None
+    max_rows: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("device_bytes", "kv_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name}={value!r} must be a positive byte count or None")
+        if isinstance(self.max_rows, bool) or self.max_rows < 1:
+            raise ValueError(f"max_rows={self.max_rows!r} must be an integer >= 1")
+
+    def admits(self, running: Sequence[RowShape], joining: Sequence[RowShape]) -> bool:
+        if len(running) + len(joining) > self.max_rows:
+            return False
+        memory = running_memory(
+            self.spec,
+            self.config,
+            [(row.prompt_tokens, row.new_tokens) for row in running],
+            [(row.prompt_tokens, row.new_tokens) for row in joining],
+        )
+        return fits(memory, self.device_bytes, self.kv_bytes)
+
+
+def stream_generate(
+    model,
+    tokenizer,
+    prompts: Iterable[str | StreamRequest],
+    config: AlisaConfig | None = None,
+    *,
+    max_new_tokens: int = 64,
+    sampling: SamplingOptions | None = None,
+    gpu_memory: int | str | None = None,
+    kv_memory: int | str | None = None,
+    max_rows: int = 64,
+    prefill_rows: int = 8,
+    stop_at_eos: bool = True,
+) -> Iterator[StreamResult]:
+    """Complete a stream of prompts with continuous batching; results in completion order.
+
+    Rows leave the batch the step they finish and waiting prompts join while the predicted
+    memory fits ``gpu_memory`` / ``kv_memory`` (:class:`ByteBudget`). Each result carries its
+    own TTFT (from when the prompt was read) and finish reason.
+
+    Parameters
+    ----------
+    prompts
+        Strings (``max_new_tokens`` each) or :class:`StreamRequest` (token ids, own length and
+        id); read lazily, a few rows ahead, so an endless iterator is fine.
+    config
+        The cache's KV policy and storage (device tiers, ``gpu_memory`` in the config, are not
+        supported: their layout is planned per batch).
+    gpu_memory, kv_memory
+        Byte budgets (``"8GiB"``) for weights + KV + activations, and for the KV alone.
+    max_rows, prefill_rows
+        Rows running at most; newcomers prefilled together at most.
+
+    Yields
+    ------
+    StreamResult
+        One per prompt; ``finish_reason="did_not_fit"`` for a prompt the budget refuses alone.
+    """
+    config = config or AlisaConfig()
+    if config.gpu_memory is not None:
+        raise ValueError(
+            f"gpu_memory={config.gpu_memory!r} in the config plans device tiers per batch; "
+            "continuous batching takes the budget as stream_generate(gpu_memory=...) instead"
+        )
+    spec = model_spec(model, model_shape(model))
+    admission = ByteBudget(
+        spec=spec,
+        config=config,
+        device_bytes=None if gpu_memory is None else parse_bytes(gpu_memory, field="gpu_memory"),
+        kv_bytes=None if kv_memory is None else parse_bytes(kv_memory, field="kv_memory"),
+        max_rows=max_rows,
+    )
+    engine = Engine(model, tokenizer, sampling, stop_at_eos=stop_at_eos)
+    scheduler = ContinuousScheduler(
+        engine, lambda: AlisaCache(model, config), admission, prefill_rows=prefill_rows
+    )
+    requests = (_request(tokenizer, prompt, max_new_tokens) for prompt in prompts)
+    with attached(model):  # the model's attention is restored when the stream ends
+        yield from scheduler.run(requests, lookahead=max_rows)
+
+
+def _request(tokenizer, prompt: str | StreamRequest, max_new_tokens: int) -> StreamRequest:
+    if isinstance(prompt, StreamRequest):
+        return prompt
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(f"prompt {prompt!r} is empty or not a string")
+    ids = tokenizer(prompt)["input_ids"]
+    return StreamRequest(prompt_ids=ids, max_new_tokens=max_new_tokens)
