@@ -126,6 +126,7 @@ FLOORS = (
             "alisa.jsonl",
             "alisa.logs",
             "alisa.assignments",
+            "alisa.threads",
         ),
     ),
     ("settings", ("alisa.policies", "alisa.settings", "alisa.config")),
