@@ -117,26 +117,3 @@ def test_decayed_seeding_rows_equals_adding_them_one_by_one():
 def test_an_accumulator_is_not_both_windowed_and_decayed():
     with pytest.raises(ValueError, match="not both"):
         AttentionAccumulator(1, 1, 2, torch.device("cpu"), windowed=True, decayed=True)
-
-
-def test_sums_by_column_fade_then_add_at_each_column():
-    """add_at (sums per token position, retention="host") fades like add, then adds each value
-    at its own column; values aimed at the same column add up."""
-    acc = AttentionAccumulator(1, 1, 6, torch.device("cpu"), windowed=False, decayed=True)
-    window = np.array([4])
-    acc.add_at(torch.tensor([[[5, 0, 2]]]), torch.tensor([[[1.0, 2.0, 3.0]]]), window, width=6)
-    acc.add_at(torch.tensor([[[2, 2, 1]]]), torch.tensor([[[1.0, 0.5, 4.0]]]), window, width=6)
-    keep = 0.75
-    expected = torch.tensor([2.0 * keep, 4.0, 3.0 * keep + 1.5, 0.0, 0.0, 1.0 * keep])
-    assert torch.allclose(acc.total[0, 0], expected)
-
-
-def test_sums_by_column_grow_themselves_to_the_width_asked():
-    """Positions past the allocation (a longer sequence) are added after the sums grow, the old
-    values kept and the new columns zero."""
-    acc = AttentionAccumulator(1, 1, 4, torch.device("cpu"), windowed=False)
-    acc.add_at(torch.tensor([[[1]]]), torch.tensor([[[2.0]]]), None, width=4)
-    acc.add_at(torch.tensor([[[9]]]), torch.tensor([[[3.0]]]), None, width=10)
-    totals = acc.totals(12)
-    assert totals.shape == (1, 1, 12)
-    assert totals[0, 0].tolist() == [0.0, 2.0] + [0.0] * 7 + [3.0, 0.0, 0.0]

@@ -352,8 +352,8 @@ def test_each_step_holds_the_protections_and_the_best_estimates_per_head():
         seen = layer.slots.seen
         budget = int(layer.keeper.policy.budget(layer.slots.lengths())[0])
         recent = int(layer.keeper.policy.recent(np.array([budget]))[0])
-        estimate = torch.empty(batch, kv_heads, layer.keeper.flushed)
-        layer.keeper.sketch.scores(query.view(batch, kv_heads, group, dim), estimate)
+        logits = layer.keeper.sketch.logits(query.view(batch, kv_heads, group, dim))
+        estimate = logits.float().amax(dim=2)[..., : layer.keeper.flushed]
         middle = estimate[..., 4 : seen - recent]
         best = middle.topk(budget - 4 - recent, dim=-1).indices + 4
         for row in range(batch):

@@ -5,7 +5,8 @@ A data-dependent read of a device tensor (``.item()``, ``int(t)``, ``bool(t)``: 
 values) stalls a CUDA device until its queue drains. The budget (issue 26): at most one per layer
 and decode step with ``retention="host"`` (its fetch list), none when dropping, beyond what
 Hugging Face's own loop does with a ``DynamicCache``. Host configs here select at every step
-(``reselect_every=1``), so each counted step pays for a selection.
+(``reselect_every=1``), so each counted step pays for a selection, through the PyTorch ops a
+CUDA device runs (``compiled=False``).
 
 On a CPU these ops still go through the dispatcher, so a
 :class:`~torch.utils._python_dispatch.TorchDispatchMode` counts them; under inference mode it
@@ -14,6 +15,7 @@ levels are counted.
 """
 
 from collections import Counter
+from functools import partial
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 from alisa import AlisaCache, AlisaConfig
+from alisa.kv.cache import default_keeper
 from alisa.storage.pages import PAGE_TOKENS
 
 # Ops that make the host wait for the device's values.
@@ -138,7 +141,10 @@ def test_round_trips_per_layer_and_step(config, allowed, lengths):
     layers = model.config.num_hidden_layers
     ids, mask = padded_batch(lengths=lengths)
     baseline = decode_round_trips(model, DynamicCache(), ids, mask)
-    counts = decode_round_trips(model, AlisaCache(model, config), ids, mask)
+    # The PyTorch path is the one a CUDA device runs (on a CPU host retention's choice, slot
+    # swap and history are compiled kernels, which read host memory and never wait).
+    cache = AlisaCache(model, config, keeper=partial(default_keeper, compiled=False))
+    counts = decode_round_trips(model, cache, ids, mask)
     extra = counts.total() - baseline.total()
     # Gap: coding a page of new tokens into an INT8/INT4 host region checks, once per layer
     # and page, that the quantizer's zero points fit their dtype.

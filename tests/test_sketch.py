@@ -43,7 +43,7 @@ def test_the_sketch_keeps_the_pairs_with_the_largest_key_norms_and_ignores_sinks
     assert sketch.width == dim // 2
 
 
-def test_scores_are_the_partial_logits_max_over_the_query_heads():
+def test_logits_are_the_partial_logits_of_each_query_head():
     keys = keys_with_strong_pairs()
     batch, heads, length, dim = keys.shape
     sketch = KeySketch(batch, heads, dim, 8, keys.device)  # grows as keys come
@@ -52,12 +52,16 @@ def test_scores_are_the_partial_logits_max_over_the_query_heads():
     sketch.write(0, keys[:, :, :24], counted)
     sketch.write(24, keys[:, :, 24:], None)  # later writes need no `counted`
     query = torch.randn(batch, heads, 2, dim)
-    out = sketch.scores(query, torch.empty(batch, heads, length))
+    logits = sketch.logits(query)
+    assert logits.dtype == SKETCH_DTYPE and logits.shape[-1] == sketch.capacity >= length
+    out = logits.float()[..., :length]
     index = sketch.channels.unsqueeze(2)
     q = query.gather(-1, index.expand(-1, -1, 2, -1)).to(SKETCH_DTYPE).float()
     k = keys.gather(-1, index.expand(-1, -1, length, -1)).to(SKETCH_DTYPE).float()
-    expected = (q @ k.transpose(-1, -2)).amax(dim=2)
+    expected = q @ k.transpose(-1, -2)
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+    assert not logits[..., length:].any()  # positions not written score 0
+    out = out.amax(dim=2)
     # Past the sinks (always attended), the ranking follows the full logits: the dropped
     # channels are weak.
     full = (query @ keys.transpose(-1, -2)).amax(dim=2)[..., 2:]
@@ -87,6 +91,6 @@ def test_an_odd_head_dim_sketches_its_pairs_and_a_single_channel_is_refused():
     sketch.write(0, keys, torch.ones(1, 12, dtype=torch.bool))
     assert sketch.width == 4 and int(sketch.channels.max()) < 6  # channel 6 has no partner
     query = torch.randn(1, 2, 1, 7)
-    assert torch.isfinite(sketch.scores(query, torch.empty(1, 2, 12))).all()
+    assert torch.isfinite(sketch.logits(query)).all()
     with pytest.raises(ValueError, match="head_dim=1"):
         KeySketch(1, 1, 1, 4, torch.device("cpu"))

@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from alisa.kv.selection import put_taken
-from alisa.storage.store import headroom
 
 NO_STAMP = -(2**62)
 
@@ -85,21 +84,6 @@ class AttentionAccumulator:
         self.total[..., : row.shape[-1]] += row
         self._advance(1, window)
 
-    def add_at(
-        self, columns: torch.Tensor, row: torch.Tensor, window: np.ndarray | None, width: int
-    ) -> None:
-        """Add one step's attention ``row`` (B, Hs, S) to the sums at ``columns`` (B, Hs, S).
-
-        For sums kept per token position rather than per slot (``retention="host"``: ``columns``
-        are the positions the slots hold, all below ``width``; a slot's zero attention may go
-        anywhere). The sums grow to ``width`` first.
-        """
-        self.reserve(width)
-        if self.decayed:
-            self.total *= self._fade(window, 1)
-        self.total.scatter_add_(-1, columns, row)
-        self._advance(1, window)
-
     def add_rows(self, rows: torch.Tensor, window: np.ndarray | None) -> None:
         """Add several consecutive steps at once (prefill seeding): rows is (B, Hs, R, S')."""
         width = rows.shape[-1]
@@ -147,16 +131,6 @@ class AttentionAccumulator:
         older = self.snapshots[index, batch, :, :width]  # (B, Hs, width)
         keep = torch.as_tensor(has_snapshot, device=total.device).view(-1, 1, 1)
         return torch.where(keep, total - older, total)
-
-    def totals(self, width: int) -> torch.Tensor:
-        """(B, Hs, width) running totals (whole-history or decayed), grown as needed."""
-        self.reserve(width)
-        return self.total[..., :width]
-
-    def reserve(self, width: int) -> None:
-        """Grow (with headroom) so that the first ``width`` slots exist; new ones are zero."""
-        if self.total.shape[-1] < width:
-            self.grow(width + headroom(width))
 
     def clear_slots(self, slots: torch.Tensor, taken: torch.Tensor) -> None:
         """Zero the sums of evicted slots so a reused slot starts afresh: (B, Hs, k) distinct
@@ -220,16 +194,6 @@ class AttentionAccumulator:
         snapshots = torch.roll(other.snapshots, rotation, 0) if self.windowed else other.snapshots
         self.snapshots = torch.cat([self.snapshots, snapshots], dim=1)
         self.total = torch.cat([self.total, other.total])
-
-    def shift_columns(self, delta: int) -> None:
-        """Sums kept per token position (not per slot): every position moved by ``delta``
-        (new columns on the left are zero; columns moved below 0 are dropped)."""
-        if delta >= 0:
-            self.total = torch.nn.functional.pad(self.total, (delta, 0))
-            self.snapshots = torch.nn.functional.pad(self.snapshots, (delta, 0))
-        else:
-            self.total = self.total[..., -delta:].contiguous()
-            self.snapshots = self.snapshots[..., -delta:].contiguous()
 
     def _fade(self, window: np.ndarray | None, age: int | torch.Tensor) -> torch.Tensor:
         """(B, 1, A) weights (1 - 1/w[b]) ** age of rows ``age`` steps old (A = 1 for an int)."""

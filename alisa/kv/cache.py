@@ -244,12 +244,19 @@ def _check_host_memory_applies(config: AlisaConfig) -> None:
     )
 
 
-def default_keeper(config: AlisaConfig, policy: KVPolicy) -> Keeper:
+def default_keeper(
+    config: AlisaConfig, policy: KVPolicy, *, compiled: bool | None = None
+) -> Keeper:
     """Host retention when ``retention="host"`` and the policy can leave tokens out, else
-    dropping (which never drops under a budget that covers every token)."""
+    dropping (which never drops under a budget that covers every token). ``compiled``: host
+    retention's choice of kernels (None: compiled on a CPU; False: PyTorch ops, CUDA's path)."""
     if config.retention == "host" and policy.can_evict():
         return HostKeeper(
-            policy, config.host_bits, config.host_history_share, config.host_reselect_every
+            policy,
+            config.host_bits,
+            config.host_history_share,
+            config.host_reselect_every,
+            compiled=compiled,
         )
     return DropKeeper(policy, per_head=config.selects_per_head)
 

@@ -31,9 +31,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from alisa.kv.accumulator import AttentionAccumulator
+from alisa.kv.choice import ChoiceInputs, choose
+from alisa.kv.history import PositionHistory
 from alisa.kv.keeper import Keeper
-from alisa.kv.selection import put_taken, top_k, with_protections
 from alisa.kv.slots import SlotMap
 from alisa.policies import KVPolicy
 from alisa.storage.pages import PAGE_TOKENS, HostPages, host_region_bytes
@@ -61,6 +61,10 @@ class HostKeeper(Keeper):
         scoring, ranking and fetching of a step is paid once per ``reselect_every`` steps. What
         changes between steps is what the current query needs: every 4 steps cost +15-20 %
         perplexity on WikiText-2 (docs/host-speed.md), so the default is 1.
+    compiled
+        Choose, swap slots and account attention with the compiled CPU kernels
+        (:mod:`alisa.kv.kernels`); None: on a CPU. False: PyTorch ops (CUDA's path, and the
+        reference the kernels are tested against).
     """
 
     # New tokens go to the frontier: the selection itself refills freed slots with what it
@@ -73,8 +77,10 @@ class HostKeeper(Keeper):
         host_bits: int,
         history_share: float = 0.0,
         reselect_every: int = 1,
+        compiled: bool | None = None,
     ) -> None:
         super().__init__(policy, per_head=True)
+        self.compiled_option = compiled
         self.host_bits = host_bits
         self.sinks = policy.sink_tokens
         self.history_share = history_share
@@ -92,9 +98,9 @@ class HostKeeper(Keeper):
         # They are all in the recent window, so always on the device (see :meth:`select`).
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.flushed = 0  # positions [0, flushed) are in the host region and the sketch
-        # Per position (B, H_kv, positions): attention each token received while chosen, summed
-        # over the policy's score window (decayed: a window of w steps keeps 1 - 1/w a step).
-        self.history: AttentionAccumulator | None = None
+        # Attention each position received while chosen, over the policy's score window.
+        self.history: PositionHistory | None = None
+        self.compiled = False  # decided by the device at the first write
         self.steps = 0  # decode steps that selected (budget below the tokens seen)
         self.unselected = 0  # decode steps since the last selection
 
@@ -143,9 +149,8 @@ class HostKeeper(Keeper):
                 self.prompt = None
             self.select(slots, store, query[:, :, -1:], self.budget(slots))
         elif probabilities is not None:
-            # The policy's own combination of query heads (sum, or SWA's max by default).
-            rows = self.policy.combine_heads(probabilities[..., : slots.capacity], slots.groups)
-            self.account_history(rows[:, :, 0], slots, self.policy.steps_scored(self.budget(slots)))
+            window = self.policy.steps_scored(self.budget(slots))
+            self.account_history(probabilities[:, :, :, 0, : slots.capacity], slots, window)
 
     # ---- writes --------------------------------------------------------------------------
 
@@ -158,6 +163,9 @@ class HostKeeper(Keeper):
         """
         batch, heads, length, head_dim = keys.shape
         if self.pages is None:
+            self.compiled = (
+                keys.device.type == "cpu" if self.compiled_option is None else self.compiled_option
+            )
             self.pages = HostPages(
                 batch, heads, head_dim, bits=self.host_bits, dtype=keys.dtype, device=keys.device
             )
@@ -220,7 +228,7 @@ class HostKeeper(Keeper):
         batch, kv_heads = slots.positions.shape[:2]
         grouped = query[:, :, -1].reshape(batch, kv_heads, -1, query.shape[-1])
         chosen, taken = self._choose(slots, budget, recent, grouped)
-        fetch = slots.swap(chosen, taken, budget)
+        fetch = slots.swap(chosen, taken, budget, compiled=self.compiled)
         if fetch is not None:
             rows, heads, targets, tokens = fetch
             store.write_heads(rows, heads, targets, self.pages.fetch(rows, heads, tokens))
@@ -230,78 +238,49 @@ class HostKeeper(Keeper):
     def _choose(
         self, slots: SlotMap, budget: np.ndarray, recent: np.ndarray, query: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The chosen positions: protected tokens first, then the best estimated logits.
+        """The chosen positions (:func:`alisa.kv.choice.choose`): protected tokens, the
+        history's share, then the best estimated logits.
 
         ``recent`` (B,) newest tokens per sequence are protected; they include every pending
-        (not yet coded) token, whose score is never read. Returns (B, H_kv, max budget)
-        positions and a bool of the same shape, False past a sequence's budget.
+        (not yet coded) token, whose logit is never read. Returns (B, H_kv, max budget)
+        ascending positions and a bool of the same shape, False past a sequence's budget.
         """
-        seen, device, policy = slots.seen, query.device, self.policy
-        priority = torch.empty(*query.shape[:2], seen, device=device)  # float32, as the sketch
-        self.sketch.scores(query, priority[..., : self.flushed])
-        sinks, newest = policy.sink_tokens, seen - int(recent[0])
-        # No padding, one window, one budget: the protections are two slices (the common case),
-        # and only the positions between them are ranked.
-        sliced = (
-            (recent == recent[0]).all()
-            and (budget == budget[0]).all()
-            and not slots.first.any()
-            and 0 < budget[0] - sinks - recent[0] < newest - sinks
-        )
-        if sliced:
-            priority[..., :sinks] = torch.inf
-            priority[..., newest:] = torch.inf
-        else:
-            positions = torch.arange(seen, device=device).view(1, 1, -1)
-            first = torch.as_tensor(slots.first, device=device)
-            protected = policy.protected(
-                positions, first, seen, torch.as_tensor(recent, device=device)
-            )
-            padding = positions < first.view(-1, 1, 1)
-            with_protections(priority, protected, padding, inplace=True)
+        sinks = self.policy.sink_tokens
+        history = None
+        shares = np.zeros(len(budget), dtype=np.int64)
         if self.history is not None and self.history_share > 0:
-            shares = np.rint(
-                np.maximum(budget - recent - policy.sink_tokens, 0) * self.history_share
-            ).astype(np.int64)
-            # Only held tokens are candidates: a token earns attention only while held, so one
-            # that left was outranked then and has decayed since like every other. Ranking the
-            # slots instead of every position makes this top-k several times cheaper.
-            column = slots.positions.clamp(min=0)
-            history = self.history.totals(seen).gather(-1, column)
-            history.masked_fill_(
-                (slots.positions < 0) | priority.gather(-1, column).isinf(), -torch.inf
-            )
-            top, taken = top_k(history, shares)
-            taken &= history.gather(-1, top) > 0  # never attended: the sketch decides
-            chosen = column.gather(-1, top)
-            put_taken(priority, chosen, taken, torch.inf)
-        if not sliced:
-            return top_k(priority, budget)
-        middle, _ = top_k(priority[..., sinks:newest], budget[:1] - sinks - recent[:1])
-        shape = (*middle.shape[:2], -1)
-        protected = torch.arange(seen, device=device)
-        chosen = torch.cat(
-            [protected[:sinks].expand(shape), middle + sinks, protected[newest:].expand(shape)], -1
+            history = self.history.ranked(slots.seen)
+            shares = np.rint(np.maximum(budget - recent - sinks, 0) * self.history_share)
+        inputs = ChoiceInputs(
+            logits=self.sketch.logits(query),
+            history=history,
+            shares=shares.astype(np.int64),
+            positions=slots.positions,
+            first=slots.first,
+            budget=budget,
+            recent=recent,
+            sinks=sinks,
+            seen=slots.seen,
         )
-        return chosen, torch.ones_like(chosen, dtype=torch.bool)
+        return choose(inputs, compiled=self.compiled)
 
     def account_history(
-        self, rows: torch.Tensor, slots: SlotMap, window: np.ndarray | None
+        self, probabilities: torch.Tensor, slots: SlotMap, window: np.ndarray | None
     ) -> None:
-        """Add a decode step's attention (B, H_kv, S) over the device slots (query heads
-        combined as the policy scores them) to the history of the tokens they hold (only with a
-        ``history_share``); ``window`` (B,) is the policy's score window, None: every step."""
+        """Add a decode step's attention (B, H_kv, G, S) over the device slots to the history
+        of the tokens they hold (only with a ``history_share``); ``window`` (B,) is the
+        policy's score window, None: every step counts alike."""
         if self.history_share == 0 or self.pages is None:
             return
         if self.history is None:
-            self.history = AttentionAccumulator(
-                *rows.shape[:2], slots.seen, rows.device, windowed=False, decayed=window is not None
+            self.history = PositionHistory(
+                *probabilities.shape[:2],
+                slots.seen,
+                probabilities.device,
+                decayed=window is not None,
+                head_max=self.policy.head_max,  # the policy's combine_heads at decode steps
             )
-        positions = slots.positions[..., : rows.shape[-1]]
-        held = positions >= 0
-        self.history.add_at(
-            positions.clamp(min=0), rows.masked_fill(~held, 0.0), window, width=slots.seen
-        )
+        self.history.add(probabilities, slots.positions, window, slots.seen, compiled=self.compiled)
 
     # ---- bookkeeping ----------------------------------------------------------------------
 
@@ -351,23 +330,11 @@ class HostKeeper(Keeper):
         self.pages.extend_rows(other.pages)
         self.sketch.extend_rows(other.sketch)
         if self.history is not None or other.history is not None:
-            mine, theirs = self._history_like(other), other._history_like(self)
-            width = max(mine.total.shape[-1], theirs.total.shape[-1])
-            mine.grow(width)
-            theirs.grow(width)
+            mine = self.history or other.history.empty_like(len(slots.first))
+            theirs = other.history or self.history.empty_like(len(other_slots.first))
             mine.extend_rows(theirs)
             self.history = mine
         self.steps = max(self.steps, other.steps)
-
-    def _history_like(self, other: HostKeeper) -> AttentionAccumulator:
-        """This keeper's history, or zeros shaped as ``other``'s (no attention yet)."""
-        if self.history is not None:
-            return self.history
-        shape = self.sketch.keys.shape[:2]
-        width = other.history.total.shape[-1]
-        return AttentionAccumulator(
-            *shape, width, self.sketch.keys.device, windowed=False, decayed=other.history.decayed
-        )
 
     def select_batch(self, indices: torch.Tensor) -> None:
         if self.history is not None:

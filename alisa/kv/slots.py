@@ -18,10 +18,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from alisa.kv import kernels
+from alisa.kv.kernels import FREE  # slot holds nothing; may be reused
 from alisa.kv.selection import put_taken
 from alisa.storage.store import headroom
 
-FREE = -1  # slot holds nothing; may be reused
 PAD = -2  # slot holds a left-padding token; masked, reclaimed at the next compaction
 
 
@@ -146,21 +147,25 @@ class SlotMap:
         self.kept -= leaving
 
     def swap(
-        self, chosen: torch.Tensor, taken: torch.Tensor, kept: np.ndarray
+        self, chosen: torch.Tensor, taken: torch.Tensor, kept: np.ndarray, *, compiled: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Make each (sequence, group)'s slots exactly its ``chosen`` positions.
 
-        Slots whose token was not chosen are freed; each chosen token not held is given a free
-        slot, lowest first. Work is over the slots and the K chosen, not every position seen.
+        Slots whose token was not chosen are freed; the chosen tokens not held, in the order
+        given, take the free slots lowest first. Work is over the slots and the K chosen, not
+        every position seen.
 
         Parameters
         ----------
         chosen
-            (B, Hs, K) positions to hold.
+            (B, Hs, K) positions to hold, ascending where ``taken``.
         taken
             (B, Hs, K) bool: which of them count (False past a sequence's budget).
         kept
             (B,) tokens each sequence holds per group afterwards (its budget).
+        compiled
+            Use the CPU kernel (:func:`alisa.kv.kernels.swap`); else PyTorch ops (the
+            reference, and CUDA's path).
 
         Returns
         -------
@@ -168,6 +173,8 @@ class SlotMap:
             Flat (rows, groups, slots, positions) of the tokens that must be brought in (the
             caller fills those slots), or None when every chosen token was already held.
         """
+        if compiled:
+            return self._swap_compiled(chosen, kept)
         positions = self.positions  # (B, Hs, capacity)
         seen, device = self.seen, chosen.device
         held = positions >= 0
@@ -200,6 +207,19 @@ class SlotMap:
         # the targets (a second device round trip; the fetch list above is the one allowed).
         self.width = max(self.width, int((self.kept + self.dead).max()))
         return rows, groups, target, tokens
+
+    def _swap_compiled(
+        self, chosen: torch.Tensor, kept: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """:meth:`swap` by the CPU kernel: the same slots, in one pass per row."""
+        fetch = np.empty((4, chosen.numel()), dtype=np.int64)
+        count = kernels.swap(self.positions.numpy(), chosen.numpy(), kept, self.seen, fetch)
+        self.kept = kept.copy()
+        self.width = max(self.width, int((self.kept + self.dead).max()))
+        if count == 0:
+            return None
+        rows, groups, targets, tokens = torch.from_numpy(fetch[:, :count])
+        return rows, groups, targets, tokens
 
     def compaction(
         self, limit: int | None = None, *, force: bool = False

@@ -54,7 +54,7 @@ class KeySketch:
         # An odd head_dim's last channel has no partner and is never kept.
         self.width = min(head_dim // 2 * 2, max(2, 2 * round(head_dim * KEPT_FRACTION / 2)))
         # Token-major, (B, H, capacity, width): the score is (G, width) @ (capacity, width)^T, one
-        # product per (sequence, KV head) over the whole allocation (see :meth:`scores`).
+        # product per (sequence, KV head) over the whole allocation (see :meth:`logits`).
         self.keys = torch.zeros(batch, heads, 0, self.width, dtype=SKETCH_DTYPE, device=device)
         self.grow(capacity)  # with room to spare: the first page after a prompt needs no copy
         self.channels: torch.Tensor | None = None  # (B, H, width) long, fixed at the first write
@@ -93,24 +93,23 @@ class KeySketch:
         index = self.channels.unsqueeze(2).expand(*keys.shape[:3], self.width)
         self.keys[:, :, start : start + keys.shape[2]] = keys.gather(-1, index)
 
-    def scores(self, query: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Estimated logit of positions [0, L), max over each KV head's queries, into ``out``.
+    def logits(self, query: torch.Tensor) -> torch.Tensor:
+        """Estimated logits of every allocated position, (B, H, G, capacity) bfloat16.
 
         Parameters
         ----------
         query
             (B, H, G, D) this step's queries grouped by KV head (G query heads per KV head).
-        out
-            (B, H, L) float32, filled and returned; L at most the positions written.
+
+        Positions not written yet score 0 (their rows are zeros); callers rank only written
+        ones.
         """
-        length = out.shape[-1]
         if self.channels is None:
-            return out.zero_()
+            return self.keys.new_zeros(*query.shape[:3], self.capacity)
         index = self.channels.unsqueeze(2).expand(*query.shape[:3], self.width)
         picked = query.gather(-1, index).to(SKETCH_DTYPE)  # (B, H, G, width)
         # Over the whole allocation, not the first L rows (see the module's note): no copy.
-        logits = torch.matmul(picked, self.keys.mT)  # (B, H, G, capacity)
-        return out.copy_(logits.amax(dim=-2)[..., :length])
+        return torch.matmul(picked, self.keys.mT)
 
     def extend_rows(self, other: KeySketch) -> None:
         """Append ``other``'s sequences (same positions; both have chosen their channels)."""

@@ -1,0 +1,131 @@
+"""Which tokens each (sequence, KV head) attends to at a host-retention decode step.
+
+The chosen set is, in order: the policy's protections (the first ``sinks`` real tokens and the
+``recent`` newest), up to ``shares[b]`` held tokens in between with the most attention history
+(> 0; ALISA's "globally dynamic" tokens, https://arxiv.org/abs/2403.17312), then the rest of
+the budget by the key sketch's logit (the max over the KV head's query heads; InfiniGen's
+partial-channel estimate, https://arxiv.org/abs/2406.19707). Ranking is by integer keys, the
+value's order with the position as the tie rule (equal values: the newer position first), so
+the result is defined exactly: on a CPU the compiled kernel (:func:`alisa.kv.kernels.choose`)
+computes it in one pass per row; elsewhere (CUDA) the PyTorch ops below, which tests compare
+against the kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from alisa.kv import kernels
+from alisa.kv.selection import top_k
+
+# Keys: value level << 32 | position. Protected positions above every ranked one, padding below.
+_TOP = 1 << 62
+_BOTTOM = -(1 << 62)
+
+
+@dataclass(frozen=True)
+class ChoiceInputs:
+    """What a step's choice reads.
+
+    Attributes
+    ----------
+    logits
+        (B, H_kv, G, C) bfloat16 sketch logits of positions [0, C); every ranked position is
+        below C.
+    history
+        (B, H_kv, W) float32 attention sums in each sequence's own scale (W >= seen), or None.
+    shares
+        (B,) int64 history picks at most.
+    positions
+        (B, H_kv, S) position each device slot holds (negative: none).
+    first, budget, recent
+        (B,) int64: first real position, tokens to choose, newest tokens protected.
+    sinks
+        Leading real tokens protected.
+    seen
+        Positions so far (padded coordinates).
+    """
+
+    logits: torch.Tensor
+    history: torch.Tensor | None
+    shares: np.ndarray
+    positions: torch.Tensor
+    first: np.ndarray
+    budget: np.ndarray
+    recent: np.ndarray
+    sinks: int
+    seen: int
+
+
+def choose(inputs: ChoiceInputs, *, compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chosen positions, (B, H_kv, K) ascending with K = max budget, and a bool of the
+    same shape, False past a sequence's budget (those entries hold ``seen``)."""
+    batch, heads = inputs.logits.shape[:2]
+    count = int(inputs.budget.max())
+    wanted = np.arange(count) < inputs.budget.reshape(-1, 1, 1)  # (B, 1, K)
+    taken = torch.from_numpy(wanted).to(inputs.logits.device).expand(batch, heads, -1)
+    if not compiled:
+        return _choose_with_torch(inputs, count), taken
+    chosen = np.empty((batch, heads, count), dtype=np.int64)
+    history = inputs.history
+    history_bits = (
+        np.zeros((batch, heads, 0), dtype=np.int32)
+        if history is None
+        else history.view(torch.int32).numpy()
+    )
+    kernels.choose(
+        inputs.logits.view(torch.int16).numpy(),
+        history_bits,
+        inputs.shares,
+        inputs.positions.numpy(),
+        inputs.first,
+        inputs.budget,
+        inputs.recent,
+        inputs.sinks,
+        inputs.seen,
+        chosen,
+    )
+    return torch.from_numpy(chosen), taken
+
+
+def ordered_key(values: torch.Tensor) -> torch.Tensor:
+    """int64 integers in the order of ``values`` (bfloat16 or float32): the bits, with those of
+    negative values flipped (as the kernels' ``_bf16_key`` / ``_f32_key``)."""
+    if values.dtype == torch.bfloat16:
+        bits = values.view(torch.int16)
+        return torch.where(bits < 0, bits ^ 0x7FFF, bits).to(torch.int64)
+    bits = values.view(torch.int32)
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+
+
+def _choose_with_torch(inputs: ChoiceInputs, count: int) -> torch.Tensor:
+    """The PyTorch reference of :func:`alisa.kv.kernels.choose` (same keys, same result)."""
+    logits, seen = inputs.logits, inputs.seen
+    device = logits.device
+    every = torch.arange(seen, device=device)
+    first = torch.as_tensor(inputs.first, device=device).view(-1, 1, 1)
+    low = (first + inputs.sinks).clamp(max=seen)
+    high = torch.maximum(seen - torch.as_tensor(inputs.recent, device=device).view(-1, 1, 1), low)
+    width = min(logits.shape[-1], seen)
+    level = ordered_key(logits[..., :width].amax(dim=2)) + 32768  # (B, H, width)
+    level = torch.nn.functional.pad(level, (0, seen - width))  # past C: never ranked
+    key = (level << 32) | every
+    ranked = (every >= low) & (every < high)
+    key = torch.where(ranked, key, torch.where(every >= first, _TOP, _BOTTOM))
+    if inputs.history is not None and int(inputs.shares.max()) > 0:
+        slots = inputs.positions
+        column = slots.clamp(min=0)
+        sums = inputs.history.gather(-1, column)
+        candidate = (slots >= low) & (slots < high) & (sums > 0)
+        history_key = torch.where(candidate, (ordered_key(sums) << 32) | column, _BOTTOM)
+        top, taken = top_k(history_key, np.minimum(inputs.shares, slots.shape[-1]))
+        taken &= history_key.gather(-1, top) > _BOTTOM
+        # Picks not taken go to an extra column (an empty slot's clamped 0 could name a taken
+        # position, and two writes to one index would race).
+        picked = torch.where(taken, column.gather(-1, top), seen)
+        key = torch.nn.functional.pad(key, (0, 1)).scatter_(-1, picked, _TOP)[..., :seen]
+    top, taken = top_k(key, inputs.budget)
+    return torch.where(taken, top, seen).sort(dim=-1).values

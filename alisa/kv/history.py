@@ -1,0 +1,165 @@
+"""Attention each token position received while held on the device (``retention="host"``).
+
+Host retention gives part of each step's budget to the held tokens with the most attention
+summed over the policy's score window (ALISA's "globally dynamic" tokens,
+https://arxiv.org/abs/2403.17312, Alg. 1). The sums are kept per token position, so they
+survive a token leaving and returning, and faded by ``1 - 1/w`` per step (a soft window of w
+steps, A2SF https://arxiv.org/abs/2407.20485) when the policy has a window.
+
+The fade is lazy: instead of multiplying every position's sum each step (a pass over every
+token seen, per layer and step), each sequence keeps a scale that grows by ``1 / (1 - 1/w)`` a
+step and new attention is added multiplied by it, so the stored sum is the true one times the
+scale. Within a sequence the order of the stored sums is the order of the true ones, which is
+all a selection reads; the sums are brought back to scale 1 when the scale grows large.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from alisa.kv import kernels
+from alisa.storage.store import headroom
+
+# Stored sums are rescaled to the true ones once a scale passes this (float32 holds up to 3e38,
+# and a step adds at most a probability times the scale).
+RESCALE_AT = 2.0**64
+
+
+class PositionHistory:
+    """Per-position attention sums of one layer, (B, H_kv, positions), lazily faded.
+
+    Parameters
+    ----------
+    batch, heads, width
+        Sequences, KV heads and positions allocated (grows as needed).
+    device
+        Where the sums live (the model's device).
+    decayed
+        Fade by the policy's window each step (else sum every step, as H2O).
+    head_max
+        Combine a KV head's query heads by their max (SWA's default), else their sum.
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        heads: int,
+        width: int,
+        device: torch.device,
+        *,
+        decayed: bool,
+        head_max: bool,
+    ) -> None:
+        self.total = torch.zeros(batch, heads, width, dtype=torch.float32, device=device)
+        self.scale = np.ones(batch, dtype=np.float64)  # (B,) stored sum = true sum * scale
+        self.decayed = decayed
+        self.head_max = head_max
+
+    def nbytes(self) -> int:
+        return self.total.nbytes
+
+    def ranked(self, width: int) -> torch.Tensor:
+        """(B, H_kv, width) stored sums: within a sequence, in the order of the true sums."""
+        self.reserve(width)
+        return self.total[..., :width]
+
+    def true_sums(self, width: int) -> torch.Tensor:
+        """(B, H_kv, width) the sums themselves (scale removed)."""
+        scale = torch.as_tensor(self.scale, dtype=torch.float32, device=self.total.device)
+        return self.ranked(width) / scale.view(-1, 1, 1)
+
+    def add(
+        self,
+        probabilities: torch.Tensor,
+        positions: torch.Tensor,
+        window: np.ndarray | None,
+        width: int,
+        *,
+        compiled: bool,
+    ) -> None:
+        """Fade, then add one decode step's attention to the positions the slots hold.
+
+        Parameters
+        ----------
+        probabilities
+            (B, H_kv, G, S') float32 attention of each KV head's G query heads over the first
+            S' slots.
+        positions
+            (B, H_kv, S) position each slot holds (negative: none), S >= S'; all below ``width``.
+        window
+            (B,) the policy's score window per sequence (None: no fading).
+        width
+            Positions seen (the sums grow to it).
+        compiled
+            Use the CPU kernel (:func:`alisa.kv.kernels.accumulate`); else PyTorch ops.
+        """
+        self.reserve(width)
+        if self.decayed:
+            if window is None:
+                raise ValueError("a decayed history needs the window w of each sequence")
+            keep = 1.0 - 1.0 / np.maximum(window, 1)
+            erased = keep == 0  # a one-step window (TOVA): only this step's attention counts
+            if erased.any():
+                self.total[torch.as_tensor(erased, device=self.total.device)] = 0.0
+                self.scale[erased] = 1.0
+            self.scale[~erased] /= keep[~erased]
+            if self.scale.max() > RESCALE_AT:
+                self._rescale()
+        scale = self.scale.astype(np.float32)
+        slots = positions[..., : probabilities.shape[-1]]
+        if compiled:
+            kernels.accumulate(
+                probabilities.numpy(), slots.numpy(), self.total.numpy(), scale, self.head_max
+            )
+            return
+        rows = probabilities.amax(dim=2) if self.head_max else probabilities.sum(dim=2)
+        rows = rows * torch.as_tensor(scale, device=rows.device).view(-1, 1, 1)
+        rows = rows.masked_fill(slots < 0, 0.0)
+        self.total.scatter_add_(-1, slots.clamp(min=0), rows)
+
+    def reserve(self, width: int) -> None:
+        """Grow (with headroom) so that positions [0, width) exist; new ones are zero."""
+        if self.total.shape[-1] < width:
+            extra = width + headroom(width) - self.total.shape[-1]
+            self.total = torch.nn.functional.pad(self.total, (0, extra))
+
+    def shift_columns(self, delta: int) -> None:
+        """Every position moved by ``delta`` (new ones on the left are zero; positions moved
+        below 0 are dropped)."""
+        if delta >= 0:
+            self.total = torch.nn.functional.pad(self.total, (delta, 0))
+        else:
+            self.total = self.total[..., -delta:].contiguous()
+
+    def extend_rows(self, other: PositionHistory) -> None:
+        """Append ``other``'s sequences (each keeps its own scale)."""
+        if (other.decayed, other.head_max) != (self.decayed, self.head_max):
+            raise ValueError("attention histories of different kinds cannot share a batch")
+        width = max(self.total.shape[-1], other.total.shape[-1])
+        mine = torch.nn.functional.pad(self.total, (0, width - self.total.shape[-1]))
+        theirs = torch.nn.functional.pad(other.total, (0, width - other.total.shape[-1]))
+        self.total = torch.cat([mine, theirs])
+        self.scale = np.concatenate([self.scale, other.scale])
+
+    def select_batch(self, indices: torch.Tensor) -> None:
+        """Keep (and reorder) sequences."""
+        self.total = self.total.index_select(0, indices)
+        self.scale = self.scale[indices.cpu().numpy()]
+
+    def empty_like(self, batch: int) -> PositionHistory:
+        """A history of the same kind and width for ``batch`` sequences that have none yet."""
+        return PositionHistory(
+            batch,
+            self.total.shape[1],
+            self.total.shape[-1],
+            self.total.device,
+            decayed=self.decayed,
+            head_max=self.head_max,
+        )
+
+    def _rescale(self) -> None:
+        """Divide the stored sums by their scale: back to the true sums, scale 1."""
+        inverse = torch.as_tensor(1.0 / self.scale, dtype=torch.float32, device=self.total.device)
+        self.total *= inverse.view(-1, 1, 1)
+        self.scale[:] = 1.0

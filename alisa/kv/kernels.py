@@ -1,0 +1,306 @@
+"""Compiled CPU kernels for ``retention="host"``'s decode step (numba).
+
+On a CPU a host step written as PyTorch ops is dozens of small passes over (B, H_kv, n) arrays
+per layer (score, protect, rank, diff against the held slots, find free slots, fetch lists),
+each dominated by its fixed cost: at B = 16 x 2,048 tokens that was 130 ms of a 310 ms step
+(``docs/host-speed.md``). Each kernel here does one job in one pass per (sequence, KV head) row
+and writes only what its caller owns:
+
+* :func:`choose` (for :class:`~alisa.kv.host.HostKeeper`): this step's chosen positions:
+  protections, the history's picks, then the best sketch logits, found by a radix select;
+* :func:`swap` (for :class:`~alisa.kv.slots.SlotMap`): free the slots of tokens not chosen, give
+  each chosen token the device lacks a free slot, list what to fetch;
+* :func:`accumulate` (for :class:`~alisa.kv.history.PositionHistory`): add a step's attention to
+  the history of the positions the slots hold.
+
+Each has a PyTorch reference next to its caller (the path CUDA takes, where those ops are cheap)
+and tests compare the two exactly (``tests/test_kernels.py``): ranking is by integer keys with a
+defined tie rule (equal scores: the newer position first), so both choose the same tokens.
+ALISA, https://arxiv.org/abs/2403.17312 (§IV, phase II); the radix select follows
+https://doi.org/10.1145/3458817.3476141 (top-k by radix selection).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+FREE = -1  # an empty slot (alisa.kv.slots names it; this module imports nothing of alisa)
+_RADIX = 8
+
+
+@numba.njit(inline="always")
+def _bf16_level(bits: np.int16) -> np.int32:
+    """A bfloat16's order as an integer in [0, 65535] (its bits, negative floats flipped;
+    branch-free so that a scan vectorises)."""
+    value = np.int32(bits)
+    return (value ^ ((value >> 15) & 0x7FFF)) + 32768
+
+
+@numba.njit(inline="always")
+def _f32_key(bits: np.int32) -> np.int64:
+    """Order-preserving integer of a float32's bits (negative floats flipped)."""
+    value = np.int64(bits)
+    return value ^ 0x7FFFFFFF if value < 0 else value
+
+
+@numba.njit(cache=True, nogil=True)
+def _threshold(keys: np.ndarray, count: int, bits: int) -> tuple[int, int, int]:
+    """The ``count``-th largest of the non-negative ``keys`` (all below ``2**bits``; negative
+    ones are not counted) by radix selection, one byte per pass.
+
+    Returns (threshold, taken, equal): the value, how many keys equal to it belong to the top
+    ``count`` (every key above it does) and how many keys equal it.
+    """
+    prefix, mask, wanted = 0, 0, count
+    histogram = np.zeros(1 << _RADIX, dtype=np.int64)
+    for shift in range(bits - _RADIX, -1, -_RADIX):
+        histogram[:] = 0
+        for key in keys:
+            if key >= 0 and (key & mask) == prefix:
+                histogram[(key >> shift) & 0xFF] += 1
+        above = 0
+        digit = 0xFF
+        while above + histogram[digit] < wanted:
+            above += histogram[digit]
+            digit -= 1
+        wanted -= above
+        prefix |= digit << shift
+        mask |= 0xFF << shift
+    return prefix, wanted, histogram[prefix & 0xFF]
+
+
+@numba.njit(cache=True, nogil=True)
+def _pick_history(
+    history: np.ndarray, slots: np.ndarray, low: int, share: int, levels: np.ndarray
+) -> int:
+    """Flag (level -1) the ``share`` held positions of the ranked span with the most attention
+    (> 0); equal sums: the newer first. ``levels[p - low]`` covers the span. Returns how many."""
+    keys = np.empty(slots.shape[0], dtype=np.int64)
+    found = 0
+    for position in slots:
+        if low <= position < low + levels.shape[0]:
+            key = _f32_key(history[position])
+            if key > 0:
+                keys[found] = (key << 32) | position  # distinct: the position breaks ties
+                found += 1
+    cut = 0
+    if found > share:
+        cut = _threshold(keys[:found], share, 64)[0]
+    picked = 0
+    for entry in keys[:found]:
+        if entry >= cut:
+            levels[(entry & 0xFFFFFFFF) - low] = -1
+            picked += 1
+    return picked
+
+
+@numba.njit(cache=True, nogil=True)
+def _choose_row(
+    logits: np.ndarray,
+    history: np.ndarray,
+    slots: np.ndarray,
+    share: int,
+    first: int,
+    low: int,
+    high: int,
+    seen: int,
+    budget: int,
+    levels: np.ndarray,
+    chosen: np.ndarray,
+) -> None:
+    """One (sequence, KV head) of :func:`choose`: ``logits`` (G, C), ``history`` (W,) or
+    empty, ``slots`` (S,), ``levels`` scratch of at least high - low, ``chosen`` (K,)."""
+    span = levels[: high - low]
+    # The logit's order over the ranked span, max over the query heads; 0 is below every
+    # ordered bfloat16 (only a negative NaN maps there), so the span is counted as > 0. One
+    # loop per query head: each is a straight pass over contiguous logits, so it vectorises.
+    head = logits[0, low:high]
+    for index in range(high - low):
+        span[index] = max(_bf16_level(head[index]), 1)
+    for g in range(1, logits.shape[0]):
+        head = logits[g, low:high]
+        for index in range(high - low):
+            span[index] = max(span[index], _bf16_level(head[index]))
+    wanted = budget - (low - first) - (seen - high)
+    candidates = high - low
+    if history.shape[0] > 0 and share > 0:
+        picked = _pick_history(history, slots, low, share, span)
+        wanted -= picked
+        candidates -= picked
+    cut, ties, equal = 0, 0, 0  # every ranked position above level 0: all of them
+    if 0 < wanted < candidates:
+        cut, ties, equal = _threshold(span, wanted, 16)  # history picks (-1) are not counted
+    elif wanted <= 0:
+        cut = 1 << 16  # none ranked
+    written = 0
+    for position in range(first, low):
+        chosen[written] = position
+        written += 1
+    # Ties at the cut: the newest ``ties`` of the ``equal`` ones, so skip the older. Written
+    # without branches on the data (each entry is stored, and kept by advancing ``written``).
+    skip = equal - ties
+    ties_seen = 0
+    last = chosen.shape[0]
+    for index in range(high - low):
+        level = span[index]
+        tie = level == cut
+        if written < last:  # always, unless a row has no recent window and is full
+            chosen[written] = low + index
+        written += (level < 0) | (level > cut) | (tie & (ties_seen >= skip))
+        ties_seen += tie
+    for position in range(high, seen):
+        chosen[written] = position
+        written += 1
+    chosen[written:] = seen
+
+
+@numba.njit(cache=True, nogil=True)
+def choose(
+    logits: np.ndarray,
+    history: np.ndarray,
+    shares: np.ndarray,
+    positions: np.ndarray,
+    first: np.ndarray,
+    budget: np.ndarray,
+    recent: np.ndarray,
+    sinks: int,
+    seen: int,
+    chosen: np.ndarray,
+) -> None:
+    """Each (sequence, KV head)'s chosen positions for this step, ascending.
+
+    Chosen are, in order: the protections (the first ``sinks`` real tokens, the ``recent[b]``
+    newest), up to ``shares[b]`` held tokens in between with the most attention history (> 0),
+    then the rest of ``budget[b]`` by the sketch logit (the max over the KV head's query
+    heads); equal logits: the newer position first.
+
+    Parameters
+    ----------
+    logits, history, shares, positions, first, budget, recent, sinks, seen
+        As :class:`alisa.kv.choice.ChoiceInputs` holds them, as numpy arrays: ``logits`` as
+        the int16 bits of the bfloat16 logits, ``history`` as the int32 bits of the float32
+        sums, or (B, H, 0) for none. Every row has ``recent[b] >= 1``.
+    chosen
+        (B, H, K) int64 output, K >= budget.max(): row entries [0, budget[b]) ascending, the rest
+        ``seen``.
+    """
+    batch, heads = logits.shape[:2]
+    levels = np.empty(seen, dtype=np.int32)
+    for b in range(batch):
+        low = min(first[b] + sinks, seen)  # the ranked span [low, high): no sink, no recent
+        high = max(seen - recent[b], low)
+        for h in range(heads):
+            _choose_row(
+                logits[b, h],
+                history[b, h],
+                positions[b, h],
+                shares[b],
+                first[b],
+                low,
+                high,
+                seen,
+                budget[b],
+                levels,
+                chosen[b, h],
+            )
+
+
+@numba.njit(cache=True, nogil=True)
+def swap(
+    positions: np.ndarray,
+    chosen: np.ndarray,
+    budget: np.ndarray,
+    seen: int,
+    fetch: np.ndarray,
+) -> int:
+    """Make each row's slots exactly its chosen positions (``positions`` rewritten in place).
+
+    Slots whose token is not chosen are freed; the chosen tokens not held, in ascending
+    position, take the free slots in ascending order.
+
+    Parameters
+    ----------
+    positions
+        (B, H, S) int64 slot positions (negative: empty or padding), updated.
+    chosen
+        (B, H, K) int64 ascending positions, the first ``budget[b]`` of each row count.
+    budget
+        (B,) int64.
+    seen
+        Positions so far.
+    fetch
+        (4, B * H * K) int64 output: the sequence, KV head, slot and position of each token to
+        bring in, row by row, in the first E columns.
+
+    Returns
+    -------
+    int
+        E, the tokens to bring in.
+    """
+    batch, heads, capacity = positions.shape
+    wanted = np.zeros(seen, dtype=np.uint8)
+    count = 0
+    for b in range(batch):
+        for h in range(heads):
+            row = positions[b, h]
+            for index in range(budget[b]):
+                wanted[chosen[b, h, index]] = 1
+            for slot in range(capacity):
+                position = row[slot]
+                if position >= 0:
+                    if wanted[position]:
+                        wanted[position] = 2  # held already
+                    else:
+                        row[slot] = FREE
+            slot = 0
+            for index in range(budget[b]):
+                position = chosen[b, h, index]
+                if wanted[position] == 1:
+                    while row[slot] != FREE:
+                        slot += 1
+                    row[slot] = position
+                    fetch[0, count] = b
+                    fetch[1, count] = h
+                    fetch[2, count] = slot
+                    fetch[3, count] = position
+                    count += 1
+                wanted[position] = 0
+    return count
+
+
+@numba.njit(cache=True, nogil=True)
+def accumulate(
+    probabilities: np.ndarray,
+    positions: np.ndarray,
+    total: np.ndarray,
+    scale: np.ndarray,
+    head_max: bool,
+) -> None:
+    """Add a step's attention over the slots to the history of the positions they hold.
+
+    Parameters
+    ----------
+    probabilities
+        (B, H, G, S') float32 attention of the G query heads of each KV head over the slots.
+    positions
+        (B, H, S) int64 slot positions (negative: none), S >= S'.
+    total
+        (B, H, W) float32 sums per position, updated: ``total[p] += combined * scale[b]``.
+    scale
+        (B,) float32 the history's lazy fading scale.
+    head_max
+        Combine a KV head's query heads by their max (else their sum, in head order).
+    """
+    batch, heads, groups, width = probabilities.shape
+    for b in range(batch):
+        for h in range(heads):
+            for slot in range(width):
+                position = positions[b, h, slot]
+                if position < 0:
+                    continue
+                combined = probabilities[b, h, 0, slot]
+                for g in range(1, groups):
+                    value = probabilities[b, h, g, slot]
+                    combined = max(combined, value) if head_max else combined + value
+                total[b, h, position] += combined * scale[b]

@@ -1,0 +1,242 @@
+"""The compiled CPU kernels of host retention equal their PyTorch references, exactly.
+
+Host retention's choice, slot swap and history run as numba kernels on a CPU and as PyTorch
+ops elsewhere (``compiled=False``, CUDA's path). Both rank by the same integer keys with the
+same tie rule, so they must choose the same tokens, put them in the same slots and keep the same
+sums, bit for bit: checked here on random inputs with many ties, and end to end on generations.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+from conftest import hf_generate, padded_batch, tiny_llama
+
+from alisa import AlisaCache, AlisaConfig
+from alisa.kv.cache import default_keeper
+from alisa.kv.choice import ChoiceInputs, choose, ordered_key
+from alisa.kv.history import PositionHistory
+from alisa.kv.slots import FREE, SlotMap
+
+
+def random_choice(rng: np.random.Generator, *, ties: bool) -> ChoiceInputs:
+    """A step's inputs as a keeper builds them: budgets from a ratio, sinks covered, a recent
+    window, padding on the left, held slots, a history over some of them."""
+    batch, heads, groups = (int(v) for v in rng.integers(1, 4, size=3))
+    seen = int(rng.integers(6, 300))
+    first = rng.integers(0, min(seen - 1, 20), size=batch).astype(np.int64)
+    length = seen - first
+    sinks = int(rng.integers(0, 5))
+    ratio = rng.uniform(0.05, 1.1)
+    budget = np.minimum(length, np.maximum((length * ratio).astype(int), sinks + 1))
+    recent = np.maximum(np.minimum(np.rint(budget * 0.5), np.maximum(budget - sinks, 0)), 1)
+    recent = recent.astype(np.int64)
+    capacity = seen + int(rng.integers(0, 8))
+    if ties:  # few distinct values: many equal logits and sums
+        values = torch.from_numpy(rng.integers(-8, 8, size=(batch, heads, groups, capacity)) / 4)
+    else:
+        values = torch.randn(batch, heads, groups, capacity, dtype=torch.float64)
+    slots = int(budget.max()) + 6
+    positions = torch.full((batch, heads, slots), FREE, dtype=torch.int64)
+    for b in range(batch):
+        for h in range(heads):
+            held = int(rng.integers(0, min(slots, length[b]) + 1))
+            positions[b, h, :held] = torch.from_numpy(
+                rng.choice(np.arange(first[b], seen), held, replace=False)
+            )
+    history = torch.from_numpy(rng.integers(0, 5, size=(batch, heads, seen + 3)) / 2).float()
+    shares = np.rint(np.maximum(budget - recent - sinks, 0) * rng.uniform(0, 1, size=batch))
+    return ChoiceInputs(
+        logits=values.to(torch.bfloat16),
+        history=history if rng.uniform() < 0.7 else None,
+        shares=shares.astype(np.int64),
+        positions=positions,
+        first=first,
+        budget=budget.astype(np.int64),
+        recent=recent,
+        sinks=sinks,
+        seen=seen,
+    )
+
+
+def brute_force(inputs: ChoiceInputs) -> list[list[list[int]]]:
+    """The rule in plain Python: protections, the history's share, then the best logits
+    (equal values: the newer position first)."""
+    logits = inputs.logits.float().amax(dim=2)
+    rows = []
+    for b in range(len(inputs.budget)):
+        low = min(int(inputs.first[b]) + inputs.sinks, inputs.seen)
+        high = max(inputs.seen - int(inputs.recent[b]), low)
+        heads = []
+        for h in range(logits.shape[1]):
+            chosen = set(range(int(inputs.first[b]), low)) | set(range(high, inputs.seen))
+            if inputs.history is not None:
+                held = [p for p in inputs.positions[b, h].tolist() if low <= p < high]
+                ranked = sorted(((float(inputs.history[b, h, p]), p) for p in held), reverse=True)
+                chosen |= {p for v, p in ranked[: int(inputs.shares[b])] if v > 0}
+            rest = sorted(
+                ((float(logits[b, h, p]), p) for p in range(low, high) if p not in chosen),
+                reverse=True,
+            )
+            chosen |= {p for _, p in rest[: int(inputs.budget[b]) - len(chosen)]}
+            heads.append(sorted(chosen))
+        rows.append(heads)
+    return rows
+
+
+@pytest.mark.parametrize("ties", [True, False], ids=["ties", "distinct"])
+def test_choose_compiled_equals_torch_and_the_rule(ties):
+    rng = np.random.default_rng(0 if ties else 1)
+    for _ in range(60):
+        inputs = random_choice(rng, ties=ties)
+        compiled, taken = choose(inputs, compiled=True)
+        reference, reference_taken = choose(inputs, compiled=False)
+        assert torch.equal(compiled, reference) and torch.equal(taken, reference_taken)
+        expected = brute_force(inputs)
+        for b, heads in enumerate(expected):
+            for h, positions in enumerate(heads):
+                count = int(inputs.budget[b])
+                assert len(positions) == count
+                assert compiled[b, h, :count].tolist() == positions
+                assert (compiled[b, h, count:] == inputs.seen).all()
+
+
+def test_ordered_key_sorts_like_the_values():
+    values = torch.tensor([-3.5, -1.0, -0.0, 0.0, 1e-30, 2.0, 7.25, float("inf")])
+    for dtype in (torch.bfloat16, torch.float32):
+        keys = ordered_key(values.to(dtype))
+        assert keys.tolist() == sorted(keys.tolist())
+        assert keys[2] <= keys[3]  # -0 ranks with (just below) +0
+
+
+def slot_map(inputs: ChoiceInputs) -> SlotMap:
+    batch, heads, slots = inputs.positions.shape
+    slots_map = SlotMap(batch, heads, 0, slots, torch.device("cpu"))
+    slots_map.positions = inputs.positions.clone()
+    slots_map.seen = inputs.seen
+    slots_map.first = inputs.first.copy()
+    slots_map.kept = (inputs.positions >= 0).sum(-1).amax(-1).numpy()
+    slots_map.width = slots
+    return slots_map
+
+
+def test_swap_compiled_equals_torch():
+    rng = np.random.default_rng(2)
+    for _ in range(60):
+        inputs = random_choice(rng, ties=True)
+        chosen, taken = choose(inputs, compiled=True)
+        maps = [slot_map(inputs), slot_map(inputs)]
+        fetched = [
+            slots.swap(chosen, taken, inputs.budget, compiled=flag)
+            for slots, flag in zip(maps, (True, False), strict=True)
+        ]
+        assert torch.equal(maps[0].positions, maps[1].positions)
+        assert (maps[0].width, maps[0].kept.tolist()) == (maps[1].width, maps[1].kept.tolist())
+        if fetched[0] is None:
+            assert fetched[1] is None
+            continue
+        for mine, theirs in zip(*fetched, strict=True):
+            assert torch.equal(mine, theirs)
+        # Every row holds exactly its chosen positions, each once.
+        for b in range(len(inputs.budget)):
+            for h in range(chosen.shape[1]):
+                held = maps[0].positions[b, h]
+                count = int(inputs.budget[b])
+                assert sorted(held[held >= 0].tolist()) == chosen[b, h, :count].tolist()
+
+
+@pytest.mark.parametrize("head_max", [True, False])
+def test_accumulate_compiled_equals_torch_and_fades(head_max):
+    torch.manual_seed(0)
+    batch, heads, groups, slots, width = 3, 2, 3, 20, 50
+    positions = torch.stack([torch.randperm(width)[:slots] for _ in range(batch * heads)])
+    positions = positions.view(batch, heads, slots)
+    positions[:, :, -4:] = FREE
+    histories = [
+        PositionHistory(batch, heads, 8, torch.device("cpu"), decayed=True, head_max=head_max)
+        for _ in range(2)
+    ]
+    window = np.array([3, 1, 40])  # w = 1: only the last step counts
+    keep = torch.tensor(1 - 1 / window, dtype=torch.float64).view(-1, 1, 1)
+    expected = torch.zeros(batch, heads, width, dtype=torch.float64)
+    for _ in range(200):  # the scale of w = 3 passes RESCALE_AT: sums are rescaled on the way
+        probabilities = torch.rand(batch, heads, groups, slots - 2)
+        for history, flag in zip(histories, (True, False), strict=True):
+            history.add(probabilities, positions, window, width, compiled=flag)
+        rows = probabilities.amax(2) if head_max else probabilities.sum(2)
+        held = positions[..., : slots - 2]
+        rows = rows.double().masked_fill(held < 0, 0.0)
+        expected = expected * keep
+        expected.scatter_add_(-1, held.clamp(min=0), rows)
+    assert torch.equal(histories[0].total, histories[1].total)
+    assert histories[0].scale.max() < 2.0**64
+    torch.testing.assert_close(
+        histories[0].true_sums(width).double(), expected, rtol=1e-4, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(policy="swa", caching_ratio=0.3),
+        dict(policy="swa", caching_ratio=0.3, history_share=0.0),
+        dict(policy="h2o", budget_tokens=20),
+        dict(policy="tova", caching_ratio=0.25),
+        dict(policy="swa", caching_ratio=0.3, host_bits=8, kv_bits=8),
+        dict(policy="swa", caching_ratio=0.3, reselect_every=2),
+    ],
+    ids=["swa", "swa-no-history", "h2o", "tova", "int8", "every-2"],
+)
+def test_generation_compiled_equals_torch(settings):
+    """Same tokens and the same cache state, layer by layer, with either implementation."""
+    model = tiny_llama()
+    ids, mask = padded_batch()
+    config = AlisaConfig(retention="host", min_budget_tokens=0, **settings)
+    outputs, caches = [], []
+    for flag in (True, False):
+        cache = AlisaCache(model, config, keeper=partial(default_keeper, compiled=flag))
+        outputs.append(hf_generate(model, ids, mask, cache, max_new_tokens=40))
+        caches.append(cache)
+    assert torch.equal(outputs[0], outputs[1])
+    fetched = 0
+    for mine, theirs in zip(caches[0].layers, caches[1].layers, strict=True):
+        assert torch.equal(mine.slots.positions, theirs.slots.positions)
+        for a, b in zip(
+            mine.store.read(mine.slots.positions),
+            theirs.store.read(theirs.slots.positions),
+            strict=True,
+        ):
+            assert torch.equal(a, b)
+        if mine.keeper.history is not None:
+            assert torch.equal(mine.keeper.history.total, theirs.keeper.history.total)
+        assert mine.keeper.fetched == theirs.keeper.fetched
+        fetched += mine.keeper.fetched
+    assert fetched > 0  # the budget was reached: tokens moved
+
+
+def test_a_history_grows_moves_and_joins_with_its_scales():
+    """Positions past the allocation are added after the sums grow; shifting moves columns;
+    sequences that join keep their own scale, so their true sums are unchanged; histories of
+    different kinds are refused."""
+    cpu = torch.device("cpu")
+    history = PositionHistory(1, 1, 4, cpu, decayed=False, head_max=False)
+    history.add(torch.tensor([[[[2.0, 3.0]]]]), torch.tensor([[[1, 9]]]), None, 10, compiled=True)
+    assert history.true_sums(12)[0, 0].tolist() == [0.0, 2.0] + [0.0] * 7 + [3.0, 0.0, 0.0]
+    history.shift_columns(2)
+    assert history.true_sums(4)[0, 0].tolist() == [0.0, 0.0, 0.0, 2.0]
+    faded = PositionHistory(1, 1, 4, cpu, decayed=True, head_max=True)
+    for _ in range(3):
+        faded.add(torch.ones(1, 1, 2, 1), torch.tensor([[[0]]]), np.array([2]), 4, compiled=False)
+    assert faded.scale[0] == 8.0  # (1 - 1/2) ** -3
+    assert faded.true_sums(1)[0, 0, 0] == 1.75  # 1 + 1/2 + 1/4
+    with pytest.raises(ValueError, match="different kinds"):
+        history.extend_rows(faded)
+    joined = faded.empty_like(2)
+    joined.extend_rows(faded)
+    assert joined.scale.tolist() == [1.0, 1.0, 8.0]
+    assert joined.true_sums(1)[:, 0, 0].tolist() == [0.0, 0.0, 1.75]
+    joined.select_batch(torch.tensor([2, 0]))
+    assert joined.scale.tolist() == [8.0, 1.0] and joined.true_sums(1)[0, 0, 0] == 1.75
