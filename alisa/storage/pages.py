@@ -20,7 +20,7 @@ import torch
 
 from alisa.config import KV_BITS
 from alisa.storage.quantized import SCALE_DTYPE, QuantizedPair
-from alisa.storage.store import with_capacity
+from alisa.storage.store import flat_rows, with_capacity
 
 
 @dataclass(frozen=True)
@@ -127,9 +127,7 @@ class HostPages:
         nothing else of the history is touched.
         """
         _, batch, heads_, capacity = self._tensors()[0].shape[:4]
-        # One flat row index into (2, B * H_kv * capacity, ·) views: index_select copies just
-        # those rows (advanced indexing over three dimensions is several times slower on CPU).
-        flat = ((rows * heads_ + heads) * capacity + positions).to(self.host)
+        flat = flat_rows(rows, heads, positions, heads_, capacity).to(self.host)
         picked = [
             t.view(2, batch * heads_ * capacity, -1).index_select(1, flat) for t in self._tensors()
         ]
