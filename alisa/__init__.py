@@ -21,5 +21,6 @@ __getattr__, __dir__, __all__ = lazy_loader.attach(
         "model.loading": ["load_model"],
         "policies": ["POLICIES", "KVPolicy", "get_policy"],
         "runtime.generate": ["GenerationOutput", "SamplingOptions", "generate"],
+        "threads": ["use_threads"],
     },
 )

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from alisa import policies  # loads the policy classes (and torch) on first use
 from alisa.checks import check_field_types, check_number, check_optional_int
 from alisa.settings import layer_settings, resolve_settings
-from alisa.sizes import parse_bytes
+from alisa.sizes import parse_budget
 from scheduler.budget import KeepRule
 
 if TYPE_CHECKING:
@@ -39,7 +39,8 @@ class AlisaConfig:
         round(n*r/2) recent plus as many attention-selected tokens
         (https://arxiv.org/abs/2403.17312, Alg. 1).
     budget_tokens
-        A fixed number of tokens to keep per sequence instead of a ratio (>= 1).
+        A fixed number of tokens to keep per sequence instead of a ratio (>= 1; with
+        caching_ratio left at 1).
     recent_fraction
         Share of the budget reserved for the most recent tokens; ``None`` takes the policy's own
         default (one half for SWA and H2O, as the papers).
@@ -168,6 +169,12 @@ class AlisaConfig:
             raise ValueError(f"caching_ratio={self.caching_ratio!r} must be in (0, 1]")
         check_optional_int("budget_tokens", self.budget_tokens, minimum=1)
         self._check_budget_applies()
+        if self.budget_tokens is not None and self.caching_ratio != 1.0:
+            raise ValueError(
+                f"budget_tokens={self.budget_tokens!r} replaces caching_ratio="
+                f"{self.caching_ratio!r} (a sequence keeps budget_tokens whatever r); set one "
+                "of the two"
+            )
         if self.recent_fraction is not None:
             check_number("recent_fraction", self.recent_fraction)
             if not 0.0 <= self.recent_fraction <= 1.0:
@@ -186,9 +193,8 @@ class AlisaConfig:
         check_optional_int("quant_group_size", self.quant_group_size, minimum=1)
         check_optional_int("residual_tokens", self.residual_tokens, minimum=0)
         for name in ("gpu_memory", "host_memory"):
-            value = getattr(self, name)
-            if value is not None and parse_bytes(value, field=name) == 0:
-                raise ValueError(f"{name}={value!r} must be a byte size > 0")
+            if getattr(self, name) is not None:
+                parse_budget(getattr(self, name), field=name)
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(
                 f"recompute={self.recompute!r} is unknown; valid: {', '.join(RECOMPUTE_MODES)}"
@@ -306,6 +312,24 @@ class AlisaConfig:
         if unknown:
             raise ValueError(f"unknown AlisaConfig field(s) {unknown}; valid: {sorted(known)}")
         return replace(self, **changes)
+
+
+def config_or_default(config: AlisaConfig | None) -> AlisaConfig:
+    """``config``, or ``AlisaConfig()`` for None.
+
+    Raises
+    ------
+    ValueError
+        Anything else (a policy name, a dict), naming it: its fields would be read as attributes.
+    """
+    if config is None:
+        return AlisaConfig()
+    if not isinstance(config, AlisaConfig):
+        raise ValueError(
+            f"config={config!r} must be an AlisaConfig, e.g. AlisaConfig(policy='swa', "
+            "caching_ratio=0.2) (None: the defaults)"
+        )
+    return config
 
 
 def policy_for_layer(config: AlisaConfig, layer_idx: int, num_layers: int) -> KVPolicy:

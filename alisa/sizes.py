@@ -47,6 +47,21 @@ def parse_bytes(value: str | int | float, *, field: str = "size") -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def parse_budget(value: str | int | float, *, field: str) -> int:
+    """:func:`parse_bytes` for a byte budget, which must leave room for something.
+
+    Raises
+    ------
+    ValueError
+        As :func:`parse_bytes`, and for a budget of 0 bytes (``"0"``, ``"0.1B"``), naming
+        ``field`` and the value.
+    """
+    count = parse_bytes(value, field=field)
+    if count == 0:
+        raise ValueError(f"{field}={value!r} must be a byte size > 0")
+    return count
+
+
 def format_bytes(count: int | float) -> str:
     """Human-readable binary size, e.g. ``1.5 GiB``."""
     value = float(count)

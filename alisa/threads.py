@@ -97,7 +97,9 @@ def choose_threads(requested: int | None, *, environ: dict[str, str] | None = No
         ``threads`` below 1, or an ``OMP_NUM_THREADS`` that is not a positive integer.
     """
     environ = os.environ if environ is None else environ
-    if requested is not None and (isinstance(requested, bool) or requested < 1):
+    if requested is not None and (
+        isinstance(requested, bool) or not isinstance(requested, int) or requested < 1
+    ):
         raise ValueError(f"threads={requested!r} must be an integer >= 1")
     if requested is None and environ.get("OMP_NUM_THREADS"):
         text = environ["OMP_NUM_THREADS"]
@@ -117,8 +119,13 @@ def choose_threads(requested: int | None, *, environ: dict[str, str] | None = No
     return ThreadChoice(threads=max(1, min(cpus, idle)), usable_cpus=cpus, load=load)
 
 
-def use_threads(requested: int | None) -> ThreadChoice:
-    """Set torch's intra-op threads by :func:`choose_threads` and return the choice."""
+def use_threads(requested: int | None = None) -> ThreadChoice:
+    """Set torch's intra-op threads by :func:`choose_threads` and return the choice.
+
+    What the CLI's commands do before computing; a Python program calls it once (torch's own
+    default, a thread per core, is slow on a machine other work keeps busy). ``ThreadChoice``'s
+    ``warning()`` says when the machine is oversubscribed even so.
+    """
     import torch
 
     choice = choose_threads(requested)

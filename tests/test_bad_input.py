@@ -747,12 +747,38 @@ def test_profile_force_overwrites(tmp_path):
         (lambda: _job(stop_at_eos="no"), "stop_at_eos='no'"),
         (lambda: _job(kv_memory=float("inf")), "kv_memory=inf"),
         (lambda: _job(kv_memory=float("nan")), "kv_memory=nan"),
+        (lambda: _job(kv_memory=0), "kv_memory=0 must be a byte size > 0"),
+        (lambda: _job(gpu_memory="0.1B"), "gpu_memory='0.1B' must be a byte size > 0"),
+        (lambda: _sampling(seed=-1), "seed=-1 must be an integer in [0, 2**64)"),
+        (lambda: _sampling(seed=2**64), f"seed={2**64}"),
+        (
+            lambda: AlisaConfig(policy="swa", caching_ratio=0.2, budget_tokens=10),
+            "budget_tokens=10 replaces caching_ratio=0.2",
+        ),
+        (lambda: _load(None), "model=None must name a model"),
+        (lambda: _load(3), "model=3 must name a model"),
+        (lambda: _load(""), "model='' must name a model"),
+        (lambda: _load("smollm2-135m", device="tpu"), "device='tpu' is not a torch device"),
+        (lambda: _threads("4"), "threads='4' must be an integer >= 1"),
+        (lambda: _threads(2.5), "threads=2.5 must be an integer >= 1"),
     ],
 )
 def test_python_api_names_the_field_of_a_bad_argument(build, needle):
     with pytest.raises(ValueError) as error:
         build()
     assert needle in str(error.value)
+
+
+def _load(spec, **options):
+    from alisa import load_model
+
+    return load_model(spec, **options)
+
+
+def _threads(requested):
+    from alisa import use_threads
+
+    return use_threads(requested)
 
 
 def _sampling(**values):
@@ -854,3 +880,82 @@ def test_host_memory_is_a_limit_of_retention_host():
         generate(
             model, tokenizer, LONG, config.with_overrides(host_memory=held - 1), max_new_tokens=8
         )
+
+
+@pytest.mark.parametrize(
+    ("call", "needle"),
+    [
+        (lambda m, t: _generate(m, t, None), "prompts=None must be a string or a list"),
+        (lambda m, t: _generate(m, t, b"hi"), "prompts=b'hi' must be a string or a list"),
+        (lambda m, t: _generate(m, t, "hi", "swa"), "config='swa' must be an AlisaConfig"),
+        (lambda m, t: _generate(m, t, "hi", {"policy": "swa"}), "config={'policy': 'swa'}"),
+        (lambda m, t: _generate(m, t, "hi", sampling={}), "sampling={} must be a SamplingOptions"),
+        (lambda m, t: _generate(m, t, "hi", chat="yes"), "chat='yes' must be True or False"),
+        (lambda m, t: _generate(m, t, "hi", chat=True), "no chat template"),
+        (lambda m, t: _generate(None, t, "hi"), "model=None must be a torch model"),
+        (lambda m, t: _generate(m, None, "hi"), "tokenizer=None must be an HF tokenizer"),
+        (lambda m, t: _cache(m, "swa"), "config='swa' must be an AlisaConfig"),
+        (lambda m, t: _stream(m, t, config="swa"), "config='swa' must be an AlisaConfig"),
+        (lambda m, t: _stream(m, t, kv_memory=0), "kv_memory=0 must be a byte size > 0"),
+        (lambda m, t: _stream(m, t, sampling={}), "sampling={} must be a SamplingOptions"),
+    ],
+)
+def test_python_api_names_a_wrongly_typed_argument(call, needle):
+    with pytest.raises(ValueError) as error:
+        call(tiny_llama(), byte_tokenizer())
+    assert needle in str(error.value)
+
+
+def _generate(model, tokenizer, prompts, config=None, **options):
+    from alisa import generate
+
+    return generate(model, tokenizer, prompts, config, max_new_tokens=2, **options)
+
+
+def _cache(model, config):
+    from alisa import AlisaCache
+
+    return AlisaCache(model, config)
+
+
+def _stream(model, tokenizer, **options):
+    from alisa.jobs.stream import stream_generate
+
+    return list(stream_generate(model, tokenizer, ["hi"], max_new_tokens=2, **options))
+
+
+def test_cuda_that_torch_lacks_is_named_before_loading(monkeypatch):
+    import torch
+
+    from alisa import load_model
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device='cuda': CUDA is not available to torch"):
+        load_model("no/such-model-is-read", device="cuda")
+
+
+def test_stream_generate_never_runs_a_row_past_the_context():
+    from alisa.jobs.stream import stream_generate
+
+    model, tokenizer = tiny_llama(max_position_embeddings=64), byte_tokenizer()
+    prompts = ["Hi", LONG, "Yo"]
+    stream = stream_generate(model, tokenizer, prompts, max_new_tokens=40, stop_at_eos=False)
+    results = {r.id: r for r in stream}
+    assert results[1].finish_reason == "prompt_too_long" and results[1].token_ids == []
+    assert "200 tokens, more than the model's context of 64" in results[1].error
+    assert [results[i].finish_reason for i in (0, 2)] == ["length", "length"]
+    assert all(len(results[i].token_ids) == 40 for i in (0, 2))
+    past = list(stream_generate(model, tokenizer, ["Hi"], max_new_tokens=63))
+    assert past[0].finish_reason == "context_exceeded" and past[0].token_ids == []
+    assert "max_new_tokens=63" in past[0].error and "context of 64" in past[0].error
+
+
+def test_generate_chat_sends_each_prompt_in_the_template():
+    from alisa import generate
+
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}:"
+    chat = generate(model, tokenizer, ["hi", "yo"], max_new_tokens=3, chat=True)
+    plain = generate(model, tokenizer, ["<hi>:", "<yo>:"], max_new_tokens=3)
+    assert chat.prompt_tokens == plain.prompt_tokens == [5, 5]
+    assert chat.token_ids == plain.token_ids

@@ -21,7 +21,7 @@ def _exact_configs():
         yield pytest.param(AlisaConfig(policy=name, caching_ratio=1.0), id=f"{name}-r1")
         if name != "dense":
             yield pytest.param(
-                AlisaConfig(policy=name, caching_ratio=0.1, budget_tokens=10_000),
+                AlisaConfig(policy=name, budget_tokens=10_000),
                 id=f"{name}-unreachable-budget",
             )
     yield pytest.param(

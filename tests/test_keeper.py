@@ -51,7 +51,7 @@ def test_a_third_keeper_holds_its_newest_tokens_and_decodes_as_the_local_window(
     ids, mask = padded_batch()
     cache = AlisaCache(model, AlisaConfig(), keeper=newest(8))
     ours = hf_generate(model, ids, mask, cache, max_new_tokens=12)
-    local = AlisaConfig(policy="local", budget_tokens=8, caching_ratio=0.5, preset="paper")
+    local = AlisaConfig(policy="local", budget_tokens=8, preset="paper")
     assert torch.equal(
         ours, hf_generate(model, ids, mask, AlisaCache(model, local), max_new_tokens=12)
     )

@@ -28,7 +28,7 @@ from alisa.model.adapter import model_shape
 from alisa.model.loading import chat_prompt, context_length, prompt_length_error
 from alisa.planning.spec import model_spec
 from alisa.runtime.generate import SamplingOptions, generate
-from alisa.sizes import format_bytes, parse_bytes
+from alisa.sizes import format_bytes, parse_budget, parse_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,7 +76,7 @@ class BatchJob:
         check_field_types(self)  # None or a wrong type fails here, naming the field
         for name in ("gpu_memory", "kv_memory"):
             if getattr(self, name) is not None:
-                parse_bytes(getattr(self, name), field=name)
+                parse_budget(getattr(self, name), field=name)
         for name in ("max_new_tokens", "max_batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from alisa.config import AlisaConfig
+from alisa.config import AlisaConfig, config_or_default
 from alisa.jobs.sizing import fits, running_memory
 from alisa.kv.cache import AlisaCache
 from alisa.kv.hooks import attached
@@ -18,8 +18,8 @@ from alisa.runtime.continuous import (
     StreamResult,
 )
 from alisa.runtime.engine import Engine
-from alisa.runtime.sampling import SamplingOptions
-from alisa.sizes import parse_bytes
+from alisa.runtime.sampling import SamplingOptions, sampling_or_default
+from alisa.sizes import parse_budget
 from scheduler import ModelSpec
 
 
@@ -103,9 +103,11 @@ def stream_generate(
     Yields
     ------
     StreamResult
-        One per prompt; ``finish_reason="did_not_fit"`` for a prompt the budget refuses alone.
+        One per prompt; ``finish_reason="did_not_fit"`` for a prompt the budget refuses alone,
+        ``"prompt_too_long"`` / ``"context_exceeded"`` for one that, alone or with its
+        ``max_new_tokens``, is longer than the model's context (never run; ``error`` says why).
     """
-    config = config or AlisaConfig()
+    config = config_or_default(config)
     if config.gpu_memory is not None:
         raise ValueError(
             f"gpu_memory={config.gpu_memory!r} in the config plans device tiers per batch; "
@@ -115,11 +117,11 @@ def stream_generate(
     admission = ByteBudget(
         spec=spec,
         config=config,
-        device_bytes=None if gpu_memory is None else parse_bytes(gpu_memory, field="gpu_memory"),
-        kv_bytes=None if kv_memory is None else parse_bytes(kv_memory, field="kv_memory"),
+        device_bytes=None if gpu_memory is None else parse_budget(gpu_memory, field="gpu_memory"),
+        kv_bytes=None if kv_memory is None else parse_budget(kv_memory, field="kv_memory"),
         max_rows=max_rows,
     )
-    engine = Engine(model, tokenizer, sampling, stop_at_eos=stop_at_eos)
+    engine = Engine(model, tokenizer, sampling_or_default(sampling), stop_at_eos=stop_at_eos)
     scheduler = ContinuousScheduler(
         engine, lambda: AlisaCache(model, config), admission, prefill_rows=prefill_rows
     )

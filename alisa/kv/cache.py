@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from alisa.config import AlisaConfig, policy_for_layer
+from alisa.config import AlisaConfig, config_or_default, policy_for_layer
 from alisa.kv.attention import ATTENTION_NAME
 from alisa.kv.drop import DropKeeper
 from alisa.kv.hooks import attach
@@ -70,7 +70,7 @@ class AlisaCache(Cache):
         max_new_tokens: int = 256,
         keeper: KeeperFactory | None = None,
     ) -> None:
-        self.config = config or AlisaConfig()
+        self.config = config_or_default(config)
         _check_host_memory_applies(self.config)
         self.max_new_tokens = max_new_tokens
         adapter = ModelAdapter.of(model)

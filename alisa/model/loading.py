@@ -53,6 +53,28 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The torch device of ``device`` (None: :func:`default_device`).
+
+    Raises
+    ------
+    ValueError
+        A name torch does not know, or CUDA on a build or machine without it.
+    """
+    if device is None:
+        return default_device()
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device={device!r} is not a torch device: {error}") from None
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device={device!r}: CUDA is not available to torch {torch.__version__}; leave "
+            "device unset to use the CPU"
+        )
+    return target
+
+
 def _gguf_cache_dir(gguf_path: Path) -> Path:
     stat = gguf_path.stat()
     key = f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}"
@@ -118,6 +140,13 @@ def resolve_model_path(spec: str) -> str:
     ValueError
         When the spec resolves to nothing; the message lists every interpretation tried.
     """
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(
+            f"model={spec!r} must name a model: a built-in name "
+            f"({', '.join(sorted(BUILTIN_MODELS))}), a directory, a .gguf file or a hub id"
+        )
     tried = []
     if spec in BUILTIN_MODELS:
         gguf = locate_builtin_gguf(spec, cache_root())
@@ -193,6 +222,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = resolve_dtype(dtype)
+    target = resolve_device(device)  # before any slow work
     path = resolve_model_path(spec)
     try:
         _refuse_inline_attention(spec, path)  # before its tokenizer, weights or attention fail
@@ -204,7 +234,7 @@ def load_model(
     except OSError as error:
         raise ValueError(f"model={spec!r} could not be loaded from {path!r}: {error}") from error
     if not max_memory:
-        model.to(torch.device(device) if device is not None else default_device())
+        model.to(target)
     model.eval()
     prepare_tokenizer(tokenizer)
     return model, tokenizer
@@ -302,7 +332,7 @@ def chat_prompt(tokenizer, text: str) -> str:
     if not tokenizer.chat_template:
         raise ValueError(
             "chat: this model's tokenizer has no chat template (a base model?); give plain "
-            'prompts instead (no --chat, or "chat": false)'
+            'prompts instead (no --chat, "chat": false in a batch row, chat=False in Python)'
         )
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True

@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 
 from alisa.kv.cache import AlisaCache
+from alisa.model.loading import context_length, prompt_length_error
 from alisa.runtime.engine import DecodeState, Engine
 
 
@@ -97,8 +98,10 @@ class StreamResult:
     prompt_tokens
         Prompt length in tokens.
     finish_reason
-        ``"stop"`` (EOS), ``"length"`` (max_new_tokens reached) or ``"did_not_fit"`` (the
-        admission rule refuses it even alone; ``error`` says why).
+        ``"stop"`` (EOS), ``"length"`` (max_new_tokens reached), ``"did_not_fit"`` (the
+        admission rule refuses it even alone), ``"prompt_too_long"`` (the prompt is longer
+        than the model's context) or ``"context_exceeded"`` (with its ``max_new_tokens`` it
+        would be); ``error`` says why, and such a row never runs.
     ttft_s
         From the request's arrival (queueing included) to its first token, seconds.
     latency_s
@@ -174,6 +177,7 @@ class ContinuousScheduler:
         if isinstance(prefill_rows, bool) or not isinstance(prefill_rows, int) or prefill_rows < 1:
             raise ValueError(f"prefill_rows={prefill_rows!r} must be an integer >= 1")
         self.engine, self.new_cache = engine, new_cache
+        self.context = context_length(engine.model, engine.tokenizer)  # None: unknown
         self.admission = admission or RowLimit(64)
         self.prefill_rows = prefill_rows
         self.queue: deque[_Row] = deque()
@@ -237,6 +241,13 @@ class ContinuousScheduler:
             head = self.queue[0]
             if head.request.max_new_tokens == 0:
                 done.append(self._result(self.queue.popleft(), "length"))
+                continue
+            shape = head.shape
+            error = prompt_length_error(shape.prompt_tokens, self.context, shape.new_tokens)
+            if error is not None:  # past the context, positions are garbage: never run it
+                alone = self.context is not None and shape.prompt_tokens > self.context[0]
+                reason = "prompt_too_long" if alone else "context_exceeded"
+                done.append(self._result(self.queue.popleft(), reason, error))
                 continue
             if not self.admission.admits(running, [r.shape for r in [*joining, head]]):
                 if not running and not joining:  # nothing will ever leave to make room

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -11,9 +11,9 @@ from alisa.config import AlisaConfig
 from alisa.kv.cache import AlisaCache
 from alisa.kv.hooks import attached
 from alisa.memory import PeakMemory
-from alisa.model.loading import check_prompt_length
+from alisa.model.loading import chat_prompt, check_prompt_length
 from alisa.runtime.engine import DecodeState, Engine, GenerationOutput, cache_kv_bytes
-from alisa.runtime.sampling import SamplingOptions
+from alisa.runtime.sampling import SamplingOptions, sampling_or_default
 
 
 @torch.inference_mode()
@@ -28,6 +28,7 @@ def generate(
     past_key_values=None,
     prune_finished: bool = False,
     stop_at_eos: bool = True,
+    chat: bool = False,
 ) -> GenerationOutput:
     """Generate completions for a batch of prompts with the ALISA cache.
 
@@ -50,6 +51,9 @@ def generate(
     prune_finished
         Drop sequences from the batch once they emit EOS (faster for batch jobs; the remaining
         rows then run in a smaller batch, which can change float rounding).
+    chat
+        Send each prompt as a user turn in the model's chat template (instruct models, such as
+        the built-in SmolLM2-135M-Instruct, answer it; a plain prompt is continued instead).
 
     Returns
     -------
@@ -59,17 +63,23 @@ def generate(
     Raises
     ------
     ValueError
-        An empty prompt, a bad ``max_new_tokens``, or the longest prompt plus
-        ``max_new_tokens`` past the model's context (both numbers named).
+        An empty prompt, a bad ``max_new_tokens``, an argument of the wrong type (naming it),
+        or the longest prompt plus ``max_new_tokens`` past the model's context (both numbers
+        named).
     """
+    _check_model(model, tokenizer)
     prompt_list = _check_prompts(prompts)
+    if not isinstance(chat, bool):
+        raise ValueError(f"chat={chat!r} must be True or False")
+    if chat:
+        prompt_list = [chat_prompt(tokenizer, prompt) for prompt in prompt_list]
     if (
         isinstance(max_new_tokens, bool)
         or not isinstance(max_new_tokens, int)
         or max_new_tokens < 0
     ):
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
-    sampling = sampling or SamplingOptions()
+    sampling = sampling_or_default(sampling)
     device = next(model.parameters()).device
     batch = tokenizer(prompt_list, return_tensors="pt", padding=True).to(device)
     check_prompt_length(model, tokenizer, batch["input_ids"].shape[-1], new_tokens=max_new_tokens)
@@ -84,7 +94,16 @@ def generate(
     return result
 
 
+def _check_model(model, tokenizer) -> None:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model={model!r} must be a torch model (load_model returns one)")
+    if not callable(tokenizer):
+        raise ValueError(f"tokenizer={tokenizer!r} must be an HF tokenizer (as load_model gives)")
+
+
 def _check_prompts(prompts: str | Sequence[str]) -> list[str]:
+    if isinstance(prompts, bytes | bytearray) or not isinstance(prompts, str | Iterable):
+        raise ValueError(f"prompts={prompts!r} must be a string or a list of strings")
     prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
     if not prompt_list:
         raise ValueError("prompts=[] is empty; give at least one prompt")

@@ -32,8 +32,8 @@ class SamplingOptions:
         As in HF ``generate``; ``None`` takes the model's generation config (HF defaults:
         1.0, 50, 1.0).
     seed
-        Seeds a private generator for sampling (the global RNG is untouched); ``None`` uses the
-        global RNG, as HF does.
+        Seeds a private generator for sampling (the global RNG is untouched), in [0, 2**64)
+        as torch's generators take it; ``None`` uses the global RNG, as HF does.
     """
 
     do_sample: bool = False
@@ -50,6 +50,8 @@ class SamplingOptions:
             raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if self.seed is not None and not 0 <= self.seed < 2**64:  # torch would fail, or wrap
+            raise ValueError(f"seed={self.seed!r} must be an integer in [0, 2**64)")
 
     @property
     def ignored(self) -> tuple[str, ...]:
@@ -58,6 +60,19 @@ class SamplingOptions:
             return ()
         names = ("temperature", "top_k", "top_p", "seed")
         return tuple(name for name in names if getattr(self, name) is not None)
+
+
+def sampling_or_default(sampling: SamplingOptions | None) -> SamplingOptions:
+    """``sampling``, or greedy ``SamplingOptions()`` for None; anything else (a dict) is a
+    ``ValueError`` naming it."""
+    if sampling is None:
+        return SamplingOptions()
+    if not isinstance(sampling, SamplingOptions):
+        raise ValueError(
+            f"sampling={sampling!r} must be a SamplingOptions, e.g. "
+            "SamplingOptions(do_sample=True, temperature=0.7) (None: greedy)"
+        )
+    return sampling
 
 
 class TokenPicker:
