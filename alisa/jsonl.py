@@ -17,7 +17,7 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
     """
     file = Path(path)
     try:
-        text = file.read_text(encoding="utf-8")
+        text = file.read_text(encoding="utf-8-sig")  # a byte order mark is not part of a row
     except (OSError, UnicodeDecodeError) as error:
         raise ValueError(f"cannot read {str(file)!r}: {error}") from None
     # Lines end at "\n" only: str.splitlines() would also split inside a JSON string at U+2028,

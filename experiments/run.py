@@ -119,6 +119,12 @@ def run(config: RunConfig, progress: bool = True) -> Path:
     Under torchrun every rank runs the points it owns (a stable hash of the point's key) into
     ``results.jsonl.parts/rank-K.jsonl``; rank 0 merges them into ``results.jsonl`` at the end.
     """
+    for task in sorted(set(config.options) - set(config.sweep["task"])):
+        print(
+            f"experiments.run: warning: options.{task} has no effect: task {task!r} is not in "
+            f"sweep.task ({', '.join(config.sweep['task'])})",
+            file=sys.stderr,
+        )
     root = data_dir(config.runtime["data_dir"])  # before any directory is made
     warning = use_threads(config.runtime["threads"]).warning()
     if warning is not None:

@@ -85,9 +85,11 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     """
     file = Path(path)
     try:
-        raw = tomllib.loads(file.read_text())
+        raw = tomllib.loads(file.read_text(encoding="utf-8-sig"))  # TOML is UTF-8; a BOM is no key
     except OSError as error:
         raise ValueError(f"config {str(file)!r} cannot be read: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"config {str(file)!r} is not UTF-8 text: {error.reason}") from None
     except tomllib.TOMLDecodeError as error:
         raise ValueError(f"config {str(file)!r} is not valid TOML: {error}") from None
     for item in overrides or []:

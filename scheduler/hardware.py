@@ -12,6 +12,7 @@ OPTIONAL_RATES = ("step_overhead_s", "recompute_flops", "kv_bytes_per_s", "selec
 # 0 means "not measured" for OPTIONAL_RATES; these are None instead (0 would be a broken rate).
 UNMEASURED = ("select_bytes_per_s",)
 TEXT_FIELDS = ("name", "overlap", "simulated", "device_type", "cpu_model", "torch_version", "dtype")
+FLAGS = ("overlap", "simulated")  # of the fields above, the booleans (a string would read true)
 # Physical ceilings (bytes/s, FLOP/s): a measured rate above them is a broken measurement (a
 # division by a time of about zero), never "infinitely fast". Any device: beyond HBM3e and
 # tensor-core peaks with room to spare; a CPU: a few hundred GB/s of DRAM, tens of TFLOP/s.
@@ -99,6 +100,10 @@ class HardwareProfile:
         }
         for item in fields(self):
             value = getattr(self, item.name)
+            if item.name in FLAGS and not isinstance(value, bool):
+                raise ValueError(f"{item.name}={value!r} must be true or false")
+            if item.name in TEXT_FIELDS and item.name not in FLAGS and not isinstance(value, str):
+                raise ValueError(f"{item.name}={value!r} must be a string")
             if item.name in TEXT_FIELDS or (value is None and item.name in UNMEASURED):
                 continue
             if (
@@ -146,10 +151,16 @@ def mismatches(profile: HardwareProfile, cpu_model: str, dtype: str) -> list[str
 def load_profile(path: str | Path) -> HardwareProfile:
     """Read a profile written by ``alisa profile``; clear errors for a missing or bad file."""
     file = Path(path).expanduser()
+    if file.is_dir():
+        raise ValueError(f"profile file {str(file)!r} is a directory; give the JSON file in it")
     if not file.is_file():
         raise ValueError(f"profile file {str(file)!r} does not exist (run `alisa profile` first)")
     try:
-        data = json.loads(file.read_text())
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise ValueError(f"profile file {str(file)!r} cannot be read: {error.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"profile file {str(file)!r} is not UTF-8 text (not a profile?)") from None
     except json.JSONDecodeError as error:
         raise ValueError(f"profile file {str(file)!r} is not valid JSON: {error.msg}") from None
     if not isinstance(data, dict):

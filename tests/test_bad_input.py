@@ -11,7 +11,7 @@ import io
 import json
 import shlex
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import pytest
@@ -26,6 +26,7 @@ from alisa.commands.options import (
     field_docs,
     flag_name,
 )
+from scheduler import preset
 
 REPO = Path(__file__).parents[1]
 OK, ERR, USAGE, FAILED = 0, EXIT_ERROR, EXIT_USAGE, EXIT_ROWS_FAILED
@@ -215,6 +216,74 @@ CASES = {
         {"p.json": b'{"name": "mine", "overlap": true}'},
         unsaid=("__init__",),
     ),
+    # the second tour (issue 30): values torch would reject late, conflicts, flags for nothing
+    "max-new-tokens-zero": Case(
+        "generate hi --max-new-tokens 0", ERR, ("--max-new-tokens=0", ">= 1")
+    ),
+    "seed-past-64-bits": Case(
+        "generate hi --do-sample --seed 99999999999999999999 --max-new-tokens 2",
+        ERR,
+        ("--seed", "seed=99999999999999999999", "[0, 2**64)"),
+        unsaid=("Overflow",),
+    ),
+    "seed-negative": Case("generate hi --do-sample --seed -1", ERR, ("--seed", "seed=-1")),
+    "budget-tokens-and-caching-ratio": Case(
+        "generate hi --policy swa --caching-ratio 0.2 --budget-tokens 10",
+        ERR,
+        ("--budget-tokens", "budget_tokens=10", "caching_ratio=0.2", "one of the two"),
+    ),
+    "prompt-file-with-bom": Case(
+        "generate --prompt-file {tmp}/p.txt --max-new-tokens 2",
+        OK,
+        ("prompt 2 tok",),  # the byte tokenizer: a BOM would be 3 more tokens
+        {"p.txt": b"\xef\xbb\xbfHi"},
+    ),
+    "profile-is-a-directory": Case(
+        "generate hi --profile {tmp}/d", ERR, ("--profile", "is a directory"), {"d/p.json": b"{}"}
+    ),
+    "profile-flag-not-a-bool": Case(
+        "generate hi --profile {tmp}/p.json",
+        ERR,
+        ("--profile", "overlap='yes'", "true or false"),
+        {"p.json": json.dumps({**asdict(preset("v100-32gb")), "overlap": "yes"}).encode()},
+    ),
+    "residual-tokens-without-kv-bits": Case(
+        "generate hi --residual-tokens 5 --max-new-tokens 2",
+        OK,
+        ("--residual-tokens", "residual_tokens=5 has no effect", "kv_bits=16"),
+    ),
+    "host-bits-without-host-retention": Case(
+        "generate hi --host-bits 4 --max-new-tokens 2",
+        OK,
+        ("--host-bits", "host_bits=4 has no effect", "retention='drop'"),
+    ),
+    "recompute-without-gpu-memory": Case(
+        "generate hi --recompute always --max-new-tokens 2",
+        OK,
+        ("--recompute", "recompute='always' has no effect", "without gpu_memory"),
+    ),
+    "option-of-another-policy": Case(
+        "generate hi --policy swa --caching-ratio 0.5 --stride 4 --max-new-tokens 2",
+        OK,
+        ("--stride", "stride=4 has no effect", "policy='swa'"),
+    ),
+    "attention-option-of-an-unscored-policy": Case(
+        "generate hi --policy streaming --caching-ratio 0.5 --observation-window 5 "
+        "--max-new-tokens 2",
+        OK,
+        ("--observation-window", "observation_window=5 has no effect", "attention"),
+    ),
+    "eviction-options-with-dense": Case(
+        "generate hi --layer-schedule pyramid --sink-tokens 2 --max-new-tokens 2",
+        OK,
+        ("--layer-schedule", "--sink-tokens", "policy='dense', which keeps every token"),
+    ),
+    "settings-all-read": Case(
+        "generate hi --policy strided --caching-ratio 0.5 --stride 4 --kv-bits 8 "
+        "--residual-tokens 4 --max-new-tokens 2",
+        OK,
+        unsaid=("no effect",),
+    ),
     # alisa batch: output files that are not ours are never cut
     "output-is-notes": Case(
         "batch {tmp}/in.jsonl -o {tmp}/notes.txt --model {model}",
@@ -359,6 +428,39 @@ CASES = {
         {"in.jsonl": ONE},
         absent=("o.jsonl",),
     ),
+    "input-without-rows": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --max-new-tokens 2 --no-progress",
+        OK,
+        ("in.jsonl holds no rows", "0 prompts done"),
+        {"in.jsonl": b"\n  \n"},
+    ),
+    "batch-kv-memory-zero": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --kv-memory 0",
+        ERR,
+        ("--kv-memory='0'", "> 0"),
+        {"in.jsonl": ONE},
+        absent=("o.jsonl",),
+        unsaid=("kv_bytes",),
+    ),
+    "input-with-bom": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --max-new-tokens 2 --no-progress",
+        OK,
+        ('"id": "a"', "1 prompts done"),
+        {"in.jsonl": b"\xef\xbb\xbf" + ONE},
+    ),
+    "row-seed-past-64-bits": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --model {tmp}/no-model",
+        ERR,
+        ("in.jsonl:2", "seed=18446744073709551616", "[0, 2**64)", "'b'"),
+        {"in.jsonl": ONE + b'{"id": "b", "prompt": "x", "seed": 18446744073709551616}\n'},
+        absent=("o.jsonl",),
+    ),
+    "batch-flag-for-nothing": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --host-bits 4 --max-new-tokens 2 --no-progress",
+        OK,
+        ("--host-bits", "host_bits=4 has no effect"),
+        {"in.jsonl": ONE},
+    ),
     "batch-kv-memory-text": Case(
         "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --kv-memory lots",
         ERR,
@@ -459,6 +561,18 @@ CASES = {
         ("--profile", "p.json", "lacks", "h2d_bytes_per_s"),
         {"p.json": b'{"name": "mine"}'},
     ),
+    "plan-hardware-empty": Case("plan --hardware ''", ERR, ("hardware preset ''", "v100-32gb")),
+    "plan-profile-directory": Case(
+        "plan --profile {tmp}/d", ERR, ("--profile", "is a directory"), {"d/p.json": b"{}"}
+    ),
+    "plan-recompute-on-the-whole-device": Case(
+        "plan --model opt-13b --hardware v100-32gb --recompute never", OK, unsaid=("no effect",)
+    ),
+    "plan-flag-for-nothing": Case(
+        "plan --model opt-13b --hardware v100-32gb --host-bits 4",
+        OK,
+        ("--host-bits", "host_bits=4 has no effect"),
+    ),
     # alisa profile: every check before measuring
     "profile-threads-negative": Case("profile --threads -1 --model none", ERR, ("--threads=-1",)),
     "profile-threads-zero": Case("profile --threads 0 --model none", ERR, ("--threads=0",)),
@@ -481,6 +595,19 @@ CASES = {
         "profile --model none --output /proc/alisa-none/p.json",
         ERR,
         ("--output", "/proc/alisa-none/p.json", "cannot be written"),
+    ),
+    "profile-context-below-the-floor": Case(
+        "profile --model {tmp}/no-model --context 16 --output {tmp}/p.json",
+        ERR,
+        ("--context=16", "must be >= 130"),
+    ),
+    "profile-batch-without-a-model": Case(
+        "profile --model none --batch 4 --output {tmp}/p.json",
+        ERR,
+        ("--batch=4", "no effect with --model none"),
+    ),
+    "profile-dtype-unknown": Case(
+        "profile --model none --dtype int8 --output {tmp}/p.json", ERR, ("--dtype", "'int8'")
     ),
     # alisa experiment
     "experiment-threads-zero": Case(
@@ -542,6 +669,26 @@ CASES = {
         ERR,
         ("no-model",),
         absent=("results/smoke",),
+    ),
+    "experiment-options-of-an-unswept-task": Case(
+        "experiment --config {repo}/experiments/configs/smoke.toml --set options.xsum.limit=5 "
+        "--data-dir {tmp}/no-data --set runtime.results_dir='{tmp}/results'",
+        ERR,
+        ("options.xsum has no effect", "not in sweep.task (perplexity, copa)", "--data-dir"),
+        absent=("results",),
+    ),
+    "experiment-config-with-bom": Case(
+        "experiment --config {tmp}/c.toml --set runtime.results_dir='{tmp}/results'",
+        ERR,
+        ("unknown task 'nosuch'",),  # read past the BOM: the file's own content is judged
+        {"c.toml": b'\xef\xbb\xbfname = "x"\n[sweep]\ntask = ["nosuch"]\n'},
+        absent=("results",),
+    ),
+    "experiment-config-not-utf8": Case(
+        "experiment --config {tmp}/c.toml",
+        ERR,
+        ("c.toml", "not UTF-8"),
+        {"c.toml": b"name = '\xff'"},
     ),
 }
 

@@ -91,6 +91,14 @@ def decode_points(batch: int, context: int) -> list[tuple[int, int]]:
     return [(b, n) for b in sorted({small_batch, batch}) for n in (small_context(context), context)]
 
 
+def smallest_context() -> int:
+    """The least plan context a calibration can fit: two distinct decode contexts, and
+    :func:`selection_contexts` past the budget floor (a step that keeps every token does not
+    select)."""
+    floor = max(rule.floor for rule in SELECTION_CONFIG.keep_rules(1))
+    return 2 * floor + 2
+
+
 def small_context(context: int) -> int:
     """The shorter of the two calibration contexts (tokens)."""
     return max(16, context // 8)

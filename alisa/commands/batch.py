@@ -64,14 +64,14 @@ def run(args: argparse.Namespace) -> int:
     from alisa.jobs.distributed import launched
     from alisa.jobs.lock import output_lock
     from alisa.jobs.runner import open_job, run_locked_batch
-    from alisa.sizes import parse_bytes
+    from alisa.sizes import parse_budget
 
     check_minimum("--max-new-tokens", args.max_new_tokens, 1)
     check_minimum("--max-batch", args.max_batch, 1)
     if args.rank_timeout is not None and not 0 < args.rank_timeout < math.inf:
         raise CommandError(f"--rank-timeout={args.rank_timeout} must be a finite number > 0")
     if args.kv_memory is not None:
-        parse_bytes(args.kv_memory, field="--kv-memory")
+        parse_budget(args.kv_memory, field="--kv-memory")
     config = cache_config_from_args(args)
     if config.host_memory is not None and config.retention != "host":
         # Batches are sized to fit the device; their caches are never tiered to the host.
@@ -100,8 +100,12 @@ def run(args: argparse.Namespace) -> int:
         print("alisa batch: warning: --rank-timeout ignored: not under torchrun", file=sys.stderr)
     # One writer per output: held from the file checks to the failures file.
     with output_lock(job.output):
-        _, log = open_job(job)  # every file check before loading the model
+        requests, log = open_job(job)  # every file check before loading the model
         log.close()
+        if not requests:
+            print(
+                f"alisa batch: warning: {args.input} holds no rows: nothing to run", file=sys.stderr
+            )
         model, tokenizer = load_for_cli(args.model, args.dtype)
         _check_new_tokens(args.max_new_tokens, model, tokenizer)
         return _report(run_locked_batch(model, tokenizer, job), job)

@@ -66,7 +66,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sampling = parser.add_argument_group("sampling (greedy unless --do-sample)")
     sampling.add_argument("--do-sample", action="store_true", help="sample instead of greedy")
     sampling.add_argument("--temperature", type=float, help="> 0 (default: the model's, or 1.0)")
-    sampling.add_argument("--top-k", type=int, help="sample among the k likeliest tokens")
+    sampling.add_argument(
+        "--top-k", type=int, help="sample among the k likeliest tokens (0: no top-k limit)"
+    )
     sampling.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
     sampling.add_argument("--seed", type=int, help="seed for sampling")
     parser.add_argument(
@@ -103,7 +105,7 @@ def read_prompt(args: argparse.Namespace) -> str:
     elif args.prompt_file is not None:
         source = f"--prompt-file {str(args.prompt_file)!r}"
         try:
-            prompt = args.prompt_file.read_text(encoding="utf-8")
+            prompt = args.prompt_file.read_text(encoding="utf-8-sig")  # a BOM is not the prompt
         except (OSError, UnicodeDecodeError) as error:
             raise CommandError(f"cannot read {source}: {error}") from None
     elif not sys.stdin.isatty():
@@ -199,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     from alisa.model.loading import chat_prompt
     from alisa.runtime.generate import SamplingOptions, generate
 
-    check_minimum("--max-new-tokens", args.max_new_tokens, 0)
+    check_minimum("--max-new-tokens", args.max_new_tokens, 1)  # as alisa batch: generate some
     prompt = read_prompt(args)
     config = cache_config_from_args(args)
     parallel = parallel_config(args)

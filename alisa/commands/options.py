@@ -164,7 +164,8 @@ def _add_field_flag(group, item: Field, doc: str | None, annotation) -> None:
 def cache_config_from_args(
     args: argparse.Namespace, only: tuple[str, ...] | None = None
 ) -> AlisaConfig:
-    """The validated ``AlisaConfig`` the generated flags describe; errors name the flag.
+    """The validated ``AlisaConfig`` the generated flags describe; errors name the flag, and a
+    flag that would change nothing is one warning line on stderr (:func:`ignored_settings`).
 
     Raises
     ------
@@ -176,6 +177,12 @@ def cache_config_from_args(
     config = build_from_flags(
         AlisaConfig, dict.fromkeys(names), **{name: getattr(args, name) for name in names}
     )
+    tiered = args.command == "plan"  # the plan places KV on the whole device by default
+    for note in ignored_settings(config, tiered=tiered):  # a flag for nothing: said, not refused
+        print(
+            f"alisa {args.command}: warning: {with_flag(note, dict.fromkeys(names))}",
+            file=sys.stderr,
+        )
     if config.profile is not None:
         from scheduler import load_profile
 
@@ -184,6 +191,53 @@ def cache_config_from_args(
         except ValueError as error:
             raise CommandError(f"--profile: {error}") from None
     return config
+
+
+# Settings of how a policy evicts: a policy that keeps every token reads none of them.
+EVICTION_FIELDS = (
+    "recent_fraction",
+    "sink_tokens",
+    "min_budget_tokens",
+    "score_window",
+    "score_decay",
+    "head_max",
+    "per_head",
+    "observation_window",
+    "stride",
+)
+
+
+def ignored_settings(config: AlisaConfig, *, tiered: bool = False) -> list[str]:
+    """What ``config`` sets that no part of a run reads, one ``field=value has no effect ...``
+    each (a flag given for nothing would otherwise pass unsaid). ``tiered``: KV is placed in
+    tiers even without ``gpu_memory`` (``alisa plan`` budgets the whole device)."""
+    from alisa import policies
+
+    cls = policies.POLICIES[config.policy]
+    changed = {item.name for item in fields(config) if getattr(config, item.name) != _default(item)}
+    why: dict[str, str] = {}
+    policy = f"policy={config.policy!r}"
+    if not cls.evicts:
+        for name in (*EVICTION_FIELDS, "dense_layers", "layer_schedule"):
+            why[name] = f"with {policy}, which keeps every token"
+    else:
+        for name in ("score_window", "stride"):
+            if name not in cls.config_fields:
+                why[name] = f"with {policy}, which does not read it"
+        if not cls.needs_attention:
+            for name in ("head_max", "observation_window", "score_decay"):
+                why[name] = f"with {policy}, which does not score tokens by attention"
+    if config.kv_bits == 16:
+        why["residual_tokens"] = why["quant_group_size"] = "with kv_bits=16 (nothing quantized)"
+    if config.retention != "host":
+        why["host_bits"] = f"with retention={config.retention!r} (no host region)"
+    if config.gpu_memory is None and not tiered:
+        why["recompute"] = "without gpu_memory (no device/host tiers)"
+    return [
+        f"{name}={getattr(config, name)!r} has no effect {reason}"
+        for name, reason in why.items()
+        if name in changed
+    ]
 
 
 def build_from_flags(factory: Callable[..., T], flags: dict[str, str | None], **values) -> T:

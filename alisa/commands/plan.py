@@ -123,9 +123,9 @@ def _hardware(args: argparse.Namespace, config):
     from alisa.sizes import format_bytes, parse_bytes
     from scheduler import preset
 
-    if args.hardware and config.profile:
+    if args.hardware is not None and config.profile:
         raise CommandError("give --hardware or --profile, not both")
-    if args.hardware:
+    if args.hardware is not None:
         profile = preset(args.hardware)
     else:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

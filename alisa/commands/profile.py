@@ -12,6 +12,7 @@ from alisa.commands.options import (
     apply_threads,
     check_minimum,
     check_new_file,
+    dtype_from_flag,
     load_for_cli,
 )
 
@@ -37,15 +38,28 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from alisa.calibration.profile import PLAN_SIZES, measure_report
+    from alisa.calibration.steps import smallest_context
     from alisa.planning.hardware import default_profile_path
 
+    dtype_from_flag(args.dtype)
+    calibrated = args.model.lower() != "none"
     for flag in ("--batch", "--context"):
-        check_minimum(flag, getattr(args, flag[2:]), 1)
+        if getattr(args, flag[2:]) is not None and not calibrated:
+            raise CommandError(
+                f"{flag}={getattr(args, flag[2:])} has no effect with --model none (no decode "
+                "steps are calibrated, only micro-benchmarks run)"
+            )
+    check_minimum("--batch", args.batch, 1)
+    if args.context is not None and args.context < smallest_context():
+        raise CommandError(
+            f"--context={args.context} must be >= {smallest_context()}: the host selection is "
+            "timed at three contexts past its budget floor, and a decode fit needs two contexts"
+        )
     if args.output is not None:
         check_new_file("--output", args.output, force=args.force)  # before measuring, not after
     apply_threads("profile", args.threads)
     model = None
-    if args.model.lower() != "none":
+    if calibrated:
         model, _ = load_for_cli(args.model, args.dtype)
     device = next(model.parameters()).device if model is not None else None
     path = args.output or default_profile_path(device or torch.device("cpu"))
