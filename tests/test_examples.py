@@ -28,3 +28,13 @@ def test_smoke_sweep_reads_the_bundled_samples():
 
 def test_long_example_is_a_long_prompt():
     assert len((EXAMPLES / "long.txt").read_text().split()) > 500
+
+
+def test_smoke_sweep_evicts_in_its_short_segments():
+    # The default budget floor (64 tokens) would keep every token of a 64-token segment: swa and
+    # h2o would equal dense, and a newcomer's first sweep would show no effect of eviction.
+    config = load_config(REPO / "experiments" / "configs" / "smoke.toml")
+    segment = config.options["perplexity"]["segment_tokens"]
+    for floor in config.sweep["min_budget_tokens"]:
+        for ratio in config.sweep["caching_ratio"]:
+            assert floor < ratio * segment
