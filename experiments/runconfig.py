@@ -186,8 +186,12 @@ def _validate(raw: dict, file: Path) -> RunConfig:
         runtime[key] = value
     _check_runtime(runtime, file)
     config = RunConfig(name=name, sweep=sweep, options=options, runtime=runtime)
-    for point in config.points():
-        alisa_config(point)  # every combination must be a valid AlisaConfig
+    for point in config.points():  # every combination must be a valid AlisaConfig
+        try:
+            alisa_config(point)
+        except ValueError as error:
+            fields = {k: v for k, v in point.items() if k in CONFIG_FIELDS}
+            raise ValueError(f"config {file}: sweep point {fields}: {error}") from None
     return config
 
 

@@ -677,6 +677,13 @@ CASES = {
         ("options.xsum has no effect", "not in sweep.task (perplexity, copa)", "--data-dir"),
         absent=("results",),
     ),
+    "experiment-sweep-value-out-of-range": Case(
+        "experiment --config {repo}/experiments/configs/smoke.toml --set sweep.caching_ratio=2 "
+        "--set runtime.results_dir='{tmp}/results'",
+        ERR,
+        ("smoke.toml", "sweep point", "'caching_ratio': 2", "caching_ratio=2", "(0, 1]"),
+        absent=("results",),
+    ),
     "experiment-config-with-bom": Case(
         "experiment --config {tmp}/c.toml --set runtime.results_dir='{tmp}/results'",
         ERR,
