@@ -20,8 +20,9 @@ class Context:
 
     model: object
     tokenizer: object
-    data_root: Path
-    config: AlisaConfig
+    data_root: Path | None  # None: no task of the run reads the data directory
+    config: AlisaConfig | None  # None for tasks whose systems build their own (ruler)
+    progress: bool = False  # a task may show its own progress (long points)
 
 
 def perplexity(context: Context, point: dict, options: dict) -> dict:
@@ -178,6 +179,25 @@ def throughput(context: Context, point: dict, options: dict) -> dict:
     }
 
 
+def ruler(context: Context, point: dict, options: dict) -> dict:
+    """One RULER point alone (the runner groups a point's systems: :data:`SHARED_PREFILL`)."""
+    from experiments.tasks.ruler.evaluate import ruler_points
+
+    return ruler_points(context, [point], options)[0]
+
+
+def ruler_cost(context: Context, point: dict, options: dict) -> dict:
+    from experiments.tasks.ruler.evaluate import ruler_cost as cost
+
+    return cost(context, point, options)
+
+
+def _ruler_points(context: Context, points: list[dict], options: dict) -> list[dict]:
+    from experiments.tasks.ruler.evaluate import ruler_points
+
+    return ruler_points(context, points, options)
+
+
 def _row(index: int, prompt: str) -> str:
     import json
 
@@ -206,6 +226,21 @@ def _protocol(name: str, value: object) -> None:
         raise ValueError(f"{name}={value!r} is unknown; valid: {', '.join(PROTOCOLS)}")
 
 
+def _seed(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}={value!r} must be an integer >= 0")
+
+
+def _path(name: str, value: object) -> None:
+    if value is not None and value != "none" and not (isinstance(value, str) and value.strip()):
+        raise ValueError(f"{name}={value!r} must be a file path")
+
+
+def _chat(name: str, value: object) -> None:
+    if not (value == "auto" or isinstance(value, bool)):
+        raise ValueError(f"{name}={value!r} must be 'auto', true or false")
+
+
 def _size(name: str, value: object) -> None:
     from alisa.sizes import parse_bytes
 
@@ -229,6 +264,14 @@ OPTIONS = {
         "kv_budget": _size,
         "new_tokens": _count,
     },
+    "ruler": {
+        "samples": _count,
+        "seed": _seed,
+        "haystack": _path,
+        "chat": _chat,
+        "new_tokens": _limit,
+    },
+    "ruler_cost": {"new_tokens": _count, "haystack": _path},
 }
 
 
@@ -260,4 +303,9 @@ TASKS = {
     "attention_sparsity": attention_sparsity,
     "spearman": spearman,
     "throughput": throughput,
+    "ruler": ruler,
+    "ruler_cost": ruler_cost,
 }
+# Tasks whose points differing only in ``system`` run as one group: (context, points, options)
+# -> one metrics dict per point (RULER: one prefill serves every system).
+SHARED_PREFILL = {"ruler": _ruler_points}
