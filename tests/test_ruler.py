@@ -331,6 +331,7 @@ def _row(family, length, system, scores, depths=None, task="ruler"):
         "kv_host_bytes": 0.0,
         "decode_tokens_per_s": 10.0,
         "decode_s": 1.0,
+        "median_step_ms": 100.0,
     }
     point = {"task": task, "model": "m", "length": length, "family": family, "batch": 1}
     return {"point": {**point, "system": system}, "metrics": metrics, "seconds": 10.0}

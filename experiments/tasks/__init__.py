@@ -7,11 +7,12 @@
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from alisa import AlisaConfig
 from experiments import data
+from experiments.tasks.ruler.options import RulerOptions
 
 
 @dataclass
@@ -226,19 +227,13 @@ def _protocol(name: str, value: object) -> None:
         raise ValueError(f"{name}={value!r} is unknown; valid: {', '.join(PROTOCOLS)}")
 
 
-def _seed(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name}={value!r} must be an integer >= 0")
-
-
 def _path(name: str, value: object) -> None:
     if value is not None and value != "none" and not (isinstance(value, str) and value.strip()):
         raise ValueError(f"{name}={value!r} must be a file path")
 
 
-def _chat(name: str, value: object) -> None:
-    if not (value == "auto" or isinstance(value, bool)):
-        raise ValueError(f"{name}={value!r} must be 'auto', true or false")
+def _ruler(name: str, value: object) -> None:
+    RulerOptions.read({name.rpartition(".")[2]: value})  # its own checks, naming the option
 
 
 def _size(name: str, value: object) -> None:
@@ -264,13 +259,7 @@ OPTIONS = {
         "kv_budget": _size,
         "new_tokens": _count,
     },
-    "ruler": {
-        "samples": _count,
-        "seed": _seed,
-        "haystack": _path,
-        "chat": _chat,
-        "new_tokens": _limit,
-    },
+    "ruler": dict.fromkeys((f.name for f in fields(RulerOptions)), _ruler),
     "ruler_cost": {"new_tokens": _count, "haystack": _path},
 }
 

@@ -12,7 +12,8 @@ other systems' caches.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+import statistics
+from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
@@ -22,6 +23,7 @@ from experiments.data import load_text
 from experiments.systems import point_overrides
 from experiments.tasks.ruler.families import family
 from experiments.tasks.ruler.haystack import Haystack
+from experiments.tasks.ruler.options import RulerOptions
 from experiments.tasks.ruler.prompts import prompt_format
 from experiments.tasks.ruler.sample import Request, Sample
 from experiments.tasks.ruler.scoring import string_match_all
@@ -36,47 +38,6 @@ from experiments.tasks.ruler.shared import (
 PREDICTION_CHARS = 200  # what a row keeps of each prediction (enough to see why it failed)
 
 
-@dataclass(frozen=True, kw_only=True)
-class RulerOptions:
-    """``[options.ruler]``: samples per (family, length), seed, haystack file, prompt format.
-
-    Attributes
-    ----------
-    samples
-        Samples per family and length (RULER's ``num_samples``).
-    seed
-        Base seed of the generated samples.
-    haystack
-        A UTF-8 text file for the haystack and word lists; None: WikiText-2's test split.
-    chat
-        ``"auto"`` (the chat template when the tokenizer has one), true or false.
-    new_tokens
-        Tokens to generate per sample; None: each family's own budget.
-    """
-
-    samples: int = 10
-    seed: int = 0
-    haystack: str | None = None
-    chat: bool | str = "auto"
-    new_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        for name, low in (("samples", 1), ("seed", 0), ("new_tokens", 1)):
-            value = getattr(self, name)
-            if value is None and name == "new_tokens":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"options.ruler.{name}={value!r} must be an integer >= {low}")
-        if self.haystack is not None and not (isinstance(self.haystack, str) and self.haystack):
-            raise ValueError(f"options.ruler.haystack={self.haystack!r} must be a file path")
-        if not (self.chat == "auto" or isinstance(self.chat, bool)):
-            raise ValueError(f"options.ruler.chat={self.chat!r} must be 'auto', true or false")
-
-    @classmethod
-    def keys(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
-
-
 @dataclass
 class Tally:
     """One system's outcomes over the samples of a (family, length)."""
@@ -88,6 +49,7 @@ class Tally:
     peak_kv_bytes: float = 0.0
     later_tokens: int = 0
     decode_s: float = 0.0
+    step_s: list[float] = field(default_factory=list)
 
     def add(self, chunk: list[Sample], result, held: dict[str, int]) -> None:
         """Score one batch's predictions; count the KV bytes ``held`` per tier after its prefill
@@ -111,6 +73,7 @@ class Tally:
         self.peak_kv_bytes = max(self.peak_kv_bytes, result.peak_kv_bytes / rows)
         self.later_tokens += result.generated_tokens - rows
         self.decode_s += sum(result.step_times_s)
+        self.step_s += result.step_times_s
 
     def metrics(self) -> dict:
         scores = [r["score"] for r in self.records]
@@ -123,10 +86,16 @@ class Tally:
             "peak_kv_bytes": self.peak_kv_bytes,
             "decode_tokens_per_s": self.later_tokens / self.decode_s if self.decode_s else 0.0,
             "decode_s": round(self.decode_s, 3),
+            # The median step is robust to a step slowed by other work (the mean is not).
+            "median_step_ms": _median_ms(self.step_s),
             # Timings depend on what else runs: the 1-minute load average when this ended.
             "load_average": round(os.getloadavg()[0], 2),
             "per_sample": self.records,
         }
+
+
+def _median_ms(seconds: list[float]) -> float | None:
+    return round(1000 * statistics.median(seconds), 3) if seconds else None
 
 
 def evaluate_systems(
@@ -226,8 +195,7 @@ def generate_samples(
 
 def ruler_points(context, points: list[dict], options: dict) -> list[dict]:
     """The ``ruler`` task for points that differ only in their system: one metrics dict each."""
-    # TOML has no null: "none" is an option's default.
-    settings = RulerOptions(**{k: None if v == "none" else v for k, v in options.items()})
+    settings = RulerOptions.read(options)
     first = points[0]
     text, source = load_text(context.data_root, settings.haystack)
     haystack = Haystack.from_text(text, context.tokenizer, source=source)
@@ -256,6 +224,11 @@ def ruler_cost(context, point: dict, options: dict) -> dict:
     from experiments.worker import run_in_subprocess
 
     new_tokens = options.get("new_tokens", 32)
+    if new_tokens >= point["length"]:
+        raise ValueError(
+            f"options.ruler_cost.new_tokens={new_tokens} leaves no prompt at length="
+            f"{point['length']}"
+        )
     system = system_label(point.get("system", "alisa"), point_overrides(point))
     result = run_in_subprocess(
         system,

@@ -9,6 +9,7 @@ grid needle dense finds, and a whole report runs in under two hours.
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,13 +181,13 @@ def markdown_scores(rows: list[dict]) -> str:
 def cost_rows(rows: list[dict]) -> dict:
     """{(model, batch, length, system): cost}: KV bytes and decode speed from the ``ruler`` rows
     (per sequence, means over the families), peak memory and speed alone from ``ruler_cost``."""
-    merged: dict = defaultdict(lambda: {"tokens": 0.0, "decode_s": 0.0, "device": [], "host": []})
+    merged: dict = defaultdict(lambda: {"steps": [], "device": [], "host": []})
     for row in _rows(rows, "ruler"):
         point, metrics = row["point"], row["metrics"]
         key = (point.get("model", ""), point.get("batch", 1), point["length"], metrics["system"])
         entry = merged[key]
-        entry["tokens"] += metrics["decode_tokens_per_s"] * metrics["decode_s"]
-        entry["decode_s"] += metrics["decode_s"]
+        if metrics.get("median_step_ms"):
+            entry["steps"].append(metrics["median_step_ms"])
         entry["device"].append(metrics["kv_device_bytes"])
         entry["host"].append(metrics["kv_host_bytes"])
     for row in _rows(rows, "ruler_cost"):
@@ -198,11 +199,12 @@ def cost_rows(rows: list[dict]) -> dict:
 
 def markdown_cost(rows: list[dict]) -> str:
     """Per system and length: KV bytes per tier (per sequence), the device share of dense's,
-    peak memory and decode speed alone, decode speed within the RULER run, the command."""
+    peak memory and decode speed alone, the median decode step within the RULER run (median
+    over families of each family's median), the command."""
     merged = cost_rows(rows)
     lines = [
         "| model | batch | length | system | device KV | host KV | device KV / dense | "
-        "peak RSS alone | decode tok/s alone | decode tok/s (RULER) | command (alone) |",
+        "peak RSS alone | decode tok/s alone | decode step, RULER run | command (alone) |",
         "|" + "---|" * 11,
     ]
     for key in sorted(merged, key=lambda k: (k[:3], _systems_key(k[3]))):
@@ -212,7 +214,7 @@ def markdown_cost(rows: list[dict]) -> str:
         dense = _mean(merged.get((model, batch, length, DENSE), {}).get("device", []))
         alone = entry.get("alone", {})
         ratio = f"{device / dense:.2f}" if device is not None and dense else ""
-        speed = entry["tokens"] / entry["decode_s"] if entry["decode_s"] else None
+        step = statistics.median(entry["steps"]) if entry["steps"] else None
         cells = [
             model,
             str(batch),
@@ -223,7 +225,7 @@ def markdown_cost(rows: list[dict]) -> str:
             ratio,
             _fmt_bytes(alone.get("peak_rss_bytes")),
             f"{alone['decode_tokens_per_s']:.1f}" if alone else "",
-            f"{speed:.1f}" if speed else "",
+            f"{step:.0f} ms" if step else "",
             f"`{alone['command']}`" if alone.get("command") else "",
         ]
         lines.append("| " + " | ".join(cells) + " |")
