@@ -55,6 +55,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+TIMING_VARIABLES = (
+    "OMP_NUM_THREADS",
+    "OMP_WAIT_POLICY",
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TRIM_THRESHOLD_",
+)
+
+
 def environment(threads: int) -> dict:
     """Versions and machine facts recorded beside every run."""
     import transformers
@@ -76,6 +84,8 @@ def environment(threads: int) -> dict:
         "threads": threads,
         "gpu": gpu,
         "git_commit": commit,
+        # Settings that change timings without changing results (threads waiting, allocator).
+        "variables": {name: os.environ[name] for name in TIMING_VARIABLES if name in os.environ},
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 

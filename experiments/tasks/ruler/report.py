@@ -153,28 +153,25 @@ def _order(name: str) -> tuple:
 
 
 def markdown_scores(rows: list[dict]) -> str:
-    """Score per family x length (rows) and system (columns), share of dense in parentheses."""
+    """Score per family x length (rows) and system (columns), share of dense in parentheses;
+    model and batch columns only when they vary."""
     table = score_table(rows)
     systems = _systems(table)
-    lines = [
-        "| model | batch | length | family | "
-        + " | ".join(System.of(s).label for s in systems)
-        + " |",
-        "|" + "---|" * (4 + len(systems)),
-    ]
+    shown = [i for i in (0, 1) if len({key[i] for key in table}) > 1] + [2, 3]
+    names = [("model", "batch", "length", "family")[i] for i in shown]
+    labels = [System.of(system).label for system in systems]
+    lines = ["| " + " | ".join(names + labels) + " |", "|" + "---|" * (len(names) + len(systems))]
     for key, scores in sorted(table.items()):
         cells = []
         for system in systems:
+            ratio = share(scores, system)
             if system not in scores:
                 cells.append("")
-                continue
-            value, ratio = scores[system]["score"], share(scores, system)
-            shown = (
-                f"{value:.2f}" if system == DENSE or ratio is None else f"{value:.2f} ({ratio:.2f})"
-            )
-            cells.append(shown)
-        model, batch, length, name = key
-        lines.append(f"| {model} | {batch} | {length} | {name} | " + " | ".join(cells) + " |")
+            elif system == DENSE or ratio is None:
+                cells.append(f"{scores[system]['score']:.2f}")
+            else:
+                cells.append(f"{scores[system]['score']:.2f} ({ratio:.2f})")
+        lines.append("| " + " | ".join([str(key[i]) for i in shown] + cells) + " |")
     return "\n".join(lines)
 
 
