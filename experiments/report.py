@@ -191,12 +191,23 @@ def _build(folder: Path) -> tuple[str, dict | None]:
     if ruler:
         from experiments.tasks.ruler.report import section
 
-        text, summary = section(ruler, folder)
+        text, summary = section(ruler, folder, expected=_ruler_points(config))
         sections.append(text)
         (folder / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     text = "\n".join(sections)
     (folder / "report.md").write_text(text)
     return text, summary
+
+
+def _ruler_points(config: dict) -> int | None:
+    """How many ``ruler`` points the run's config asks for (None: a config without a sweep)."""
+    from experiments.runconfig import RunConfig
+
+    try:
+        points = RunConfig(**config).points()
+    except (TypeError, KeyError, ValueError):
+        return None
+    return sum(1 for point in points if point["task"] == "ruler")
 
 
 def main(argv=None) -> int:

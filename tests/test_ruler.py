@@ -373,6 +373,11 @@ def test_the_report_computes_the_targets_from_the_rows(tmp_path, capsys):
     grid = result["grid_host_r0.1_finds_what_dense_finds"]
     assert grid == {"met": False, "cells": 2, "missed": [{"length": 2048, "depth": 1.0}]}
     assert result["run_under_2h"] == {"met": True, "seconds": 100.0}
+    partial = targets(rows, expected=len(rows) + 1)["run_under_2h"]  # a point still missing
+    assert (
+        partial["met"] is None
+        and partial["partial"] == f"{len(rows)} of {len(rows) + 1} ruler points"
+    )
     run = tmp_path / "results" / "r" / "1"
     run.mkdir(parents=True)
     (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -388,6 +393,22 @@ def test_the_report_computes_the_targets_from_the_rows(tmp_path, capsys):
     assert "| 4096 | cwe | 0.75 |  | 0.50 (0.67) |  |" in "\n".join(out)
     for figure in ("ruler_niah_grid.png", "ruler_vs_ratio_4096.png"):
         assert (run / figure).stat().st_size > 1000
+
+
+def test_cost_bytes_come_from_the_cost_rows_where_no_ruler_row_has_that_length():
+    from experiments.tasks.ruler.report import cost_rows
+
+    alone = {"point": {"task": "ruler_cost", "model": "m", "length": 8192, "batch": 1}}
+    alone["metrics"] = {
+        "system": HOST,
+        "decode_tokens_per_s": 9.0,
+        "kv_tier_bytes": {"device": 300, "host": 700},
+    }
+    rows = [_row("niah_single", 4096, HOST, [1]), alone]
+    merged = cost_rows(rows)
+    assert merged[("m", 1, 8192, HOST)]["device"] == [300]
+    assert merged[("m", 1, 8192, HOST)]["host"] == [700]
+    assert merged[("m", 1, 4096, HOST)]["device"] == [1000.0]  # the RULER rows' own
 
 
 def test_ruler_options_are_validated():

@@ -82,8 +82,11 @@ def share(scores: dict, system: str) -> float | None:
     return scores[system]["score"] / dense
 
 
-def targets(rows: list[dict]) -> dict:
-    """Issue 29's targets on what the run measured (None where it measured nothing)."""
+def targets(rows: list[dict], expected: int | None = None) -> dict:
+    """Issue 29's targets on what the run measured (None where it measured nothing).
+
+    ``expected``: how many ``ruler`` points the run's config asks for; a run with fewer rows is
+    partial and its time target is not judged (its seconds are still given)."""
     table = score_table(rows)
     result = {}
     for ratio, floor in ((0.1, 0.90), (0.05, 0.80)):
@@ -106,6 +109,13 @@ def targets(rows: list[dict]) -> dict:
     result["grid_host_r0.1_finds_what_dense_finds"] = _grid_target(table)
     seconds = sum(row.get("seconds", 0.0) for row in rows)
     result["run_under_2h"] = {"met": seconds < TIME_TARGET_S, "seconds": round(seconds, 1)}
+    done = len(_rows(rows, "ruler"))
+    if expected is not None and done < expected:
+        result["run_under_2h"] = {
+            "met": None,
+            "seconds": round(seconds, 1),
+            "partial": f"{done} of {expected} ruler points",
+        }
     return result
 
 
@@ -190,7 +200,12 @@ def cost_rows(rows: list[dict]) -> dict:
     for row in _rows(rows, "ruler_cost"):
         point, metrics = row["point"], row["metrics"]
         key = (point.get("model", ""), point.get("batch", 1), point["length"], metrics["system"])
-        merged[key]["alone"] = {**metrics, "command": row.get("command")}
+        entry = merged[key]
+        entry["alone"] = {**metrics, "command": row.get("command")}
+        tiers = metrics.get("kv_tier_bytes")
+        if not entry["device"] and tiers:  # no RULER rows at this length: the bytes alone
+            entry["device"].append(tiers.get("device", 0))
+            entry["host"].append(tiers.get("host", 0))
     return merged
 
 
@@ -242,6 +257,8 @@ def markdown_targets(result: dict) -> str:
     lines = ["| target | measured | met |", "|---|---|---|"]
     for name, outcome in result.items():
         met = {None: "not measured", True: "yes", False: "**no**"}[outcome["met"]]
+        if "partial" in outcome:
+            met = "not judged: partial run"
         details = {k: v for k, v in outcome.items() if k != "met"}
         lines.append(f"| {name} | {details} | {met} |")
     return "\n".join(lines)
@@ -317,7 +334,7 @@ def _save(figure, path: Path) -> Path:
     return path
 
 
-def summary(rows: list[dict]) -> dict:
+def summary(rows: list[dict], expected: int | None = None) -> dict:
     """What the report's JSON line carries: every score, the targets, the run's seconds."""
     scores = {
         f"{key[0]}|b{key[1]}|{key[2]}|{key[3]}": {
@@ -325,14 +342,14 @@ def summary(rows: list[dict]) -> dict:
         }
         for key, systems in sorted(score_table(rows).items())
     }
-    return {"benchmark": "ruler", "scores": scores, "targets": targets(rows)}
+    return {"benchmark": "ruler", "scores": scores, "targets": targets(rows, expected)}
 
 
-def section(rows: list[dict], folder: Path) -> tuple[str, dict]:
+def section(rows: list[dict], folder: Path, expected: int | None = None) -> tuple[str, dict]:
     """The markdown section of a run's RULER rows (figures written beside it) and its summary."""
     parts = ["## RULER", "", "Score (RULER string match, 0-1; share of dense in parentheses):", ""]
     parts += [markdown_scores(rows), "", "Cost (per sequence):", "", markdown_cost(rows), ""]
-    parts += ["Targets:", "", markdown_targets(targets(rows)), ""]
+    parts += ["Targets:", "", markdown_targets(targets(rows, expected)), ""]
     figures = [plot_grid(rows, folder), *plot_vs_ratio(rows, folder)]
     parts += [f"![{path.stem}]({path.name})" for path in figures if path is not None]
-    return "\n".join(parts) + "\n", summary(rows)
+    return "\n".join(parts) + "\n", summary(rows, expected)
