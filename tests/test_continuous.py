@@ -9,8 +9,9 @@ from alisa.jobs.sizing import running_memory
 from alisa.jobs.stream import ByteBudget, stream_generate
 from alisa.model.adapter import model_shape
 from alisa.planning.spec import model_spec
-from alisa.runtime.continuous import ContinuousScheduler, RowLimit, RowShape, StreamRequest
+from alisa.runtime.continuous import ContinuousScheduler
 from alisa.runtime.engine import DecodeState, Engine
+from alisa.runtime.requests import RowLimit, RowShape, StreamRequest
 from alisa.storage.store import headroom
 from experiments.architectures import FAMILIES, build
 
@@ -139,7 +140,7 @@ def test_admission_keeps_the_device_kv_within_the_byte_budget(name):
     finished, widest = [], 0
     while not scheduler.idle:
         finished += scheduler.step()
-        rows = [(row.shape.prompt_tokens, row.shape.new_tokens) for row in scheduler.rows]
+        rows = [(len(row.request.prompt_ids), row.request.max_new_tokens) for row in scheduler.rows]
         predicted = running_memory(spec, config, rows).kv
         assert scheduler.stats.kv_bytes <= predicted <= budget
         widest = max(widest, len(rows))
