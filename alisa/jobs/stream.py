@@ -81,8 +81,12 @@ class ByteBudget:
     def fits(self, running: Sequence[RowShape]) -> bool:
         """Whether the running rows' next step stays within the budgets (the tokens they hold
         plus the step's new one, whatever was reserved)."""
+        if len(running) > self.max_rows:
+            return False
+        if self.reserve_tokens is None:  # every row was admitted with room for all its tokens
+            return True
         memory = running_memory(self.spec, self.config, [(row.tokens, 0) for row in running])
-        return len(running) <= self.max_rows and self._fit(memory)
+        return self._fit(memory)
 
     def _reserved(self, row: RowShape) -> tuple[int, int]:
         ahead = row.new_tokens if self.reserve_tokens is None else self.reserve_tokens
