@@ -43,6 +43,7 @@ from alisa.model.loading import chat_prompt
 from alisa.sizes import format_bytes, parse_bytes
 from experiments.data import data_dir, data_file, read_jsonl
 from experiments.hf_continuous import run_paged
+from experiments.pauses import PauseWatch
 from experiments.timeline import Timeline, plot_timelines
 
 SPARSE = {"policy": "swa", "caching_ratio": 0.2}
@@ -144,10 +145,14 @@ class Run:
     peak_kv_bytes: int
     preemptions: int = 0
     errors: int = 0
+    paused_s: float = 0.0  # seconds this process was stopped from outside, left out above
 
 
-def run_alisa(model, tokenizer, system: System, workload: Workload, args, folder: Path) -> Run:
-    """The workload as an ``alisa batch`` job (``--static`` or continuous)."""
+def run_alisa(
+    model, tokenizer, system: System, workload: Workload, args, folder: Path, watch: PauseWatch
+) -> Run:
+    """The workload as an ``alisa batch`` job (``--static`` or continuous); times without the
+    stops ``watch`` saw."""
     source, target = folder / f"{system.name}.in.jsonl", folder / f"{system.name}.out.jsonl"
     target.unlink(missing_ok=True)
     rows = zip(workload.texts, workload.new_tokens, strict=True)
@@ -170,21 +175,25 @@ def run_alisa(model, tokenizer, system: System, workload: Workload, args, folder
     )
     timeline = Timeline(time.perf_counter())
     summary = run_batch(model, tokenizer, job, on_step=timeline.add)
+    end = time.perf_counter()
+    start = timeline.started_s = end - summary.seconds  # the job's own clock
     texts = {row["id"]: row["text"] for row in read_jsonl(target)}
     return Run(
         texts=[texts.get(index, "") for index in range(len(workload.texts))],
-        seconds=summary.seconds,
+        seconds=watch.active(start, end),
         generated_tokens=summary.generated_tokens,
-        ttfts_s=summary.ttfts_s,
-        timeline=timeline,
+        ttfts_s=[watch.active(start, start + ttft) for ttft in summary.ttfts_s],
+        timeline=timeline.excluding(watch.paused),
         peak_kv_bytes=summary.peak_kv_bytes,
         preemptions=summary.preemptions,
         errors=len(summary.failed),
+        paused_s=watch.paused(start, end),
     )
 
 
-def run_hf(model, tokenizer, workload: Workload, args) -> Run:
-    """The workload through transformers' continuous batching (sdpa, paged KV)."""
+def run_hf(model, tokenizer, workload: Workload, args, watch: PauseWatch) -> Run:
+    """The workload through transformers' continuous batching (sdpa, paged KV); times without
+    the stops ``watch`` saw."""
     eos = model.generation_config.eos_token_id
     paged = run_paged(
         model,
@@ -196,15 +205,18 @@ def run_hf(model, tokenizer, workload: Workload, args) -> Run:
         max_batch_tokens=args.max_batch_tokens,
         max_rows=args.max_rows,
     )
+    start, end = paged.started_s, paged.started_s + paged.seconds
+    firsts = [(times or [start])[0] for times in paged.token_times]
     return Run(
         texts=[tokenizer.decode(ids, skip_special_tokens=True) for ids in paged.tokens],
-        seconds=paged.seconds,
+        seconds=watch.active(start, end),
         generated_tokens=sum(len(ids) for ids in paged.tokens),
-        ttfts_s=[(times or [paged.started_s])[0] - paged.started_s for times in paged.token_times],
-        timeline=Timeline.from_tokens(paged.started_s, paged.token_times),
+        ttfts_s=[watch.active(start, first) for first in firsts],
+        timeline=Timeline.from_tokens(start, paged.token_times).excluding(watch.paused),
         peak_kv_bytes=paged.kv_bytes,
         preemptions=paged.preemptions,
         errors=len(paged.errors),
+        paused_s=watch.paused(start, end),
     )
 
 
@@ -237,11 +249,14 @@ def metrics(system: System, runs: list[Run], workload: Workload) -> dict:
         "peak_kv_bytes": max(run.peak_kv_bytes for run in runs),
         "preemptions": first.preemptions,
         "errors": first.errors,
+        "paused_s": sum(run.paused_s for run in runs),
         "rouge_l": rouge_l(first.texts, workload.references),
     }
 
 
-def warm_up(model, tokenizer, system: System, workload: Workload, args, folder: Path) -> None:
+def warm_up(
+    model, tokenizer, system: System, workload: Workload, args, folder: Path, watch: PauseWatch
+) -> None:
     """A few short requests through the same path (first-call costs stay out of the timing)."""
     small = Workload(
         texts=workload.texts[:4],
@@ -250,13 +265,17 @@ def warm_up(model, tokenizer, system: System, workload: Workload, args, folder: 
         references=workload.references[:4],
     )
     if system.config is None:
-        run_hf(model, tokenizer, small, args)
+        run_hf(model, tokenizer, small, args, watch)
     else:
-        run_alisa(model, tokenizer, system, small, args, folder)
+        run_alisa(model, tokenizer, system, small, args, folder, watch)
 
 
 def print_table(rows: list[dict], args) -> None:
-    print(f"KV budget {args.kv_budget} for every system; greedy; fp: {args.dtype}")
+    paused = sum(row["paused_s"] for row in rows)
+    print(
+        f"KV budget {args.kv_budget} for every system; greedy; {args.dtype}; medians of "
+        f"{args.repeats} run(s); {paused:.0f} s this process was stopped from outside, left out"
+    )
     print(
         "| system | tokens/s | TTFT p50 / p95 (s) | rows in flight max / mean | peak KV | "
         "pauses | ROUGE-L |"
@@ -309,16 +328,17 @@ def main(argv=None) -> int:
         # Its own copy: transformers' continuous batching switches the model's attention.
         paged_model, _ = load_model(args.model, dtype=args.dtype, attn_implementation="sdpa")
     runs: dict[str, list[Run]] = {system.name: [] for system in chosen}
-    with tempfile.TemporaryDirectory(prefix="alisa-bench-cb-") as folder:
+    temporary = tempfile.TemporaryDirectory(prefix="alisa-bench-cb-")
+    with temporary as folder, PauseWatch() as watch:
         for repeat in range(args.repeats):
             for system in chosen:
                 target = paged_model if system.config is None else model
                 if repeat == 0:
-                    warm_up(target, tokenizer, system, workload, args, Path(folder))
+                    warm_up(target, tokenizer, system, workload, args, Path(folder), watch)
                 if system.config is None:
-                    run = run_hf(target, tokenizer, workload, args)
+                    run = run_hf(target, tokenizer, workload, args, watch)
                 else:
-                    run = run_alisa(target, tokenizer, system, workload, args, Path(folder))
+                    run = run_alisa(target, tokenizer, system, workload, args, Path(folder), watch)
                 runs[system.name].append(run)
                 rate = run.generated_tokens / run.seconds
                 print(f"[{repeat + 1}] {system.name}: {rate:.1f} tok/s", file=sys.stderr)

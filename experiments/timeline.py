@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +35,12 @@ class Timeline:
         every = np.sort(np.concatenate([np.asarray(t, dtype=float) for t in token_times if t]))
         active = np.searchsorted(first, every, side="right") - np.searchsorted(last, every)
         return cls(started_s, times=every.tolist(), rows=active.tolist(), tokens=[1] * len(every))
+
+    def excluding(self, paused: Callable[[float, float], float]) -> Timeline:
+        """This timeline with the seconds ``paused(start, end)`` says the process was stopped
+        taken out (each step moves earlier by the stops before it)."""
+        times = [time_s - paused(self.started_s, time_s) for time_s in self.times]
+        return Timeline(self.started_s, times=times, rows=self.rows, tokens=self.tokens)
 
     def max_rows(self) -> int:
         return max(self.rows, default=0)

@@ -1,5 +1,12 @@
 """experiments.bench_continuous: transformers' paged run under a KV budget, timelines, systems."""
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 from conftest import byte_tokenizer, tiny_llama
 from test_continuous import prompts, requests
@@ -10,8 +17,10 @@ from alisa.runtime.engine import Engine
 from alisa.runtime.requests import RowLimit, StepRecord
 from experiments.bench_continuous import systems
 from experiments.hf_continuous import block_bytes, run_paged
+from experiments.pauses import PauseWatch
 from experiments.timeline import Timeline
 
+REPO = Path(__file__).parent.parent
 LENGTHS = (23, 6, 41, 12, 30)
 NEW_TOKENS = (9, 14, 4, 11, 6)
 
@@ -66,3 +75,34 @@ def test_systems_are_named_or_refused():
     assert len(systems(["all"])) == 8
     with pytest.raises(ValueError, match="--systems nope unknown; valid: static-drop"):
         systems(["nope"])
+
+
+def test_pause_watch_leaves_out_the_seconds_a_process_was_stopped():
+    watch = PauseWatch()
+    watch.gaps = [(2.0, 5.0), (9.0, 10.0)]
+    assert watch.paused(0.0, 20.0) == 4.0 and watch.active(0.0, 20.0) == 16.0
+    assert watch.paused(3.0, 9.5) == 2.5  # parts of both gaps
+    assert watch.paused(5.0, 9.0) == 0.0
+
+
+STOPPED = """
+import time
+from experiments.pauses import PauseWatch
+with PauseWatch() as watch:
+    print("ready", flush=True)
+    time.sleep(3.0)
+print(len(watch.gaps), round(sum(b - a for a, b in watch.gaps), 1))
+"""
+
+
+def test_pause_watch_sees_a_sigstop():
+    process = subprocess.Popen(
+        [sys.executable, "-c", STOPPED], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdout.readline().strip() == "ready"
+    time.sleep(0.3)
+    os.kill(process.pid, signal.SIGSTOP)
+    time.sleep(1.5)
+    os.kill(process.pid, signal.SIGCONT)
+    count, seconds = process.communicate(timeout=60)[0].split()
+    assert int(count) == 1 and float(seconds) >= 1.0
