@@ -20,7 +20,10 @@ Systems (``--systems``):
     hf                                  transformers 5.23's continuous batching, sdpa, paged KV
 
 Prints a table (generated tokens/s, TTFT p50/p95 from the start, rows in flight, KV, ROUGE-L of
-the summaries), then one JSON line; ``--plot PATH`` draws rows in flight and tokens/s over time.
+the summaries), then one JSON line; ``--plot PATH`` draws rows in flight and tokens/s over time
+(``--plot-systems`` picks the lines). Seconds in which the process was stopped from outside (a
+``SIGSTOP`` from another benchmark's quiet wrapper, a suspended VM) are left out of every time
+(:class:`experiments.pauses.PauseWatch`); the table says how many.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import torch
 
 from alisa import AlisaConfig, BatchJob, load_model, run_batch
 from alisa.model.loading import chat_prompt
+from alisa.runtime.requests import PREFILL_TOKENS
 from alisa.sizes import format_bytes, parse_bytes
 from experiments.data import data_dir, data_file, read_jsonl
 from experiments.hf_continuous import run_paged
@@ -92,12 +96,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--kv-budget", default="160MiB", help="KV byte budget of every system")
     parser.add_argument("--max-rows", type=int, default=64, help="rows at most, every system")
     parser.add_argument("--reserve-tokens", type=int, default=32)
+    parser.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=PREFILL_TOKENS,
+        help="alisa continuous: padded prompt tokens per prefill forward at most (0: no bound)",
+    )
     parser.add_argument("--page-size", type=int, default=16, help="transformers' page (tokens)")
     parser.add_argument("--max-batch-tokens", type=int, default=1024, help="transformers' M")
     parser.add_argument("--systems", default="all", help="comma-separated names, or all")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--plot", default=None, help="PNG of rows in flight and tokens/s")
+    parser.add_argument(
+        "--plot-systems", default=None, help="comma-separated systems to plot (default: all run)"
+    )
     return parser.parse_args(argv)
 
 
@@ -172,6 +185,7 @@ def run_alisa(
         progress=False,
         static=system.static,
         reserve_tokens=args.reserve_tokens if system.reserve else None,
+        prefill_tokens=args.prefill_tokens or None,
     )
     timeline = Timeline(time.perf_counter())
     summary = run_batch(model, tokenizer, job, on_step=timeline.add)
@@ -316,6 +330,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         chosen = systems(args.systems.split(","))
+        plotted = [system.name for system in systems((args.plot_systems or "all").split(","))]
+        if not args.plot_systems:
+            plotted = [system.name for system in chosen]
+        if missing := [name for name in plotted if name not in {s.name for s in chosen}]:
+            raise ValueError(f"--plot-systems {','.join(missing)}: not among --systems")
         root = data_dir(args.data_dir)
         torch.set_num_threads(args.threads)
         model, tokenizer = load_model(args.model, dtype=args.dtype)
@@ -344,7 +363,7 @@ def main(argv=None) -> int:
                 print(f"[{repeat + 1}] {system.name}: {rate:.1f} tok/s", file=sys.stderr)
     rows = [metrics(system, runs[system.name], workload) for system in chosen]
     if args.plot:
-        plot_timelines({name: found[0].timeline for name, found in runs.items()}, args.plot)
+        plot_timelines({name: runs[name][0].timeline for name in plotted}, args.plot)
     print_table(rows, args)
     report = {
         "benchmark": "continuous_batching",
@@ -358,6 +377,7 @@ def main(argv=None) -> int:
         "new_tokens_choices": args.new_tokens,
         "seed": args.seed,
         "reserve_tokens": args.reserve_tokens,
+        "prefill_tokens": args.prefill_tokens,
         "page_size": args.page_size,
         "max_batch_tokens": args.max_batch_tokens,
         "max_rows": args.max_rows,

@@ -241,5 +241,41 @@ def test_bad_requests_and_options_are_refused():
         StreamRequest(prompt_ids=[4], max_new_tokens=-1)
     with pytest.raises(ValueError, match="prefill_rows"):
         ContinuousScheduler(Engine(tiny_llama()), lambda: None, prefill_rows=0)
+    with pytest.raises(ValueError, match="prefill_tokens"):
+        ContinuousScheduler(Engine(tiny_llama()), lambda: None, prefill_tokens=0)
     assert RowLimit(2).admits([RowShape(3, 4)], [RowShape(5, 6)])
     assert not RowLimit(2).admits([RowShape(3, 4)] * 2, [RowShape(5, 6)])
+
+
+def test_prefill_tokens_bounds_each_prefill_forward_and_keeps_the_tokens():
+    """Newcomers share a prefill only while rows x longest prompt fits prefill_tokens (the
+    first always joins, however long), and the rows' tokens are those of unbounded prefills."""
+    model, config, ids = tiny_llama(), AlisaConfig(), prompts()
+    widths = []
+
+    class Counting(Engine):
+        def step(self, state, cache):
+            if state.feed.shape[1] > 1:  # a prefill forward: the newcomers' padded prompts
+                widths.append(tuple(state.feed.shape))
+            return super().step(state, cache)
+
+    def run(prefill_tokens):
+        widths.clear()
+        engine = Counting(model, byte_tokenizer(), stop_at_eos=False)
+        scheduler = ContinuousScheduler(
+            engine,
+            lambda: AlisaCache(model, config),
+            RowLimit(4),
+            prefill_rows=4,
+            prefill_tokens=prefill_tokens,
+        )
+        results = {r.id: r.token_ids for r in scheduler.run(requests(ids))}
+        return results, list(widths)
+
+    bounded, shapes = run(40)
+    assert all(rows == 1 or rows * width <= 40 for rows, width in shapes)
+    assert any(width > 40 for _, width in shapes)  # the 41-token prompt, alone
+    assert sum(rows for rows, _ in shapes) == len(ids)
+    unbounded, wide = run(None)
+    assert max(rows for rows, _ in wide) > max(rows for rows, _ in shapes)
+    assert bounded == unbounded

@@ -18,6 +18,7 @@ from alisa.commands.options import (
     check_minimum,
     load_for_cli,
 )
+from alisa.runtime.requests import PREFILL_TOKENS
 
 HELP = "generate for every prompt of a JSONL file under a memory budget (resumable)"
 
@@ -56,6 +57,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "all its max_new_tokens (more rows run); rows that outgrow it are paused, their KV "
         "swapped to host memory, and resumed with the same tokens",
     )
+    parser.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=PREFILL_TOKENS,
+        help="continuous batching: padded prompt tokens (rows x longest) prefilled in one "
+        f"forward at most, bounding how long running rows wait (default: {PREFILL_TOKENS}; a "
+        "longer prompt is prefilled alone)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--rank-timeout",
@@ -75,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_minimum("--max-new-tokens", args.max_new_tokens, 1)
     check_minimum("--max-batch", args.max_batch, 1)
+    check_minimum("--prefill-tokens", args.prefill_tokens, 1)
     if args.reserve_tokens is not None:
         check_minimum("--reserve-tokens", args.reserve_tokens, 0)
         if args.static:
@@ -107,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         chat=args.chat,
         static=args.static,
         reserve_tokens=args.reserve_tokens,
+        prefill_tokens=args.prefill_tokens,
     )
     apply_threads("batch", args.threads)
     if launched():

@@ -65,7 +65,11 @@ def continuous_results(
     for group in groups.values():
         engine = Engine(model, tokenizer, sampling(group[0].options), stop_at_eos=job.stop_at_eos)
         scheduler = ContinuousScheduler(
-            engine, lambda: AlisaCache(model, job.config), admission, on_step=on_step
+            engine,
+            lambda: AlisaCache(model, job.config),
+            admission,
+            prefill_tokens=job.prefill_tokens,
+            on_step=on_step,
         )
         by_id = {request.id: request for request in group}
         stream = (

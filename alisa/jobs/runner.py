@@ -29,7 +29,7 @@ from alisa.model.adapter import model_shape
 from alisa.model.loading import chat_prompt, context_length, prompt_length_error
 from alisa.planning.spec import model_spec
 from alisa.runtime.generate import SamplingOptions
-from alisa.runtime.requests import StepRecord
+from alisa.runtime.requests import PREFILL_TOKENS, StepRecord
 from alisa.sizes import format_bytes, parse_bytes
 
 
@@ -64,6 +64,9 @@ class BatchJob:
         Continuous batching: admit a row with room for this many new tokens rather than all
         its ``max_new_tokens``; rows that outgrow it are paused in host memory and resumed,
         token-identically (:class:`~alisa.jobs.stream.ByteBudget`). None: reserve them all.
+    prefill_tokens
+        Continuous batching: padded prompt tokens (rows x longest) of one prefill forward at
+        most (:class:`~alisa.runtime.continuous.ContinuousScheduler`); None: no bound.
     """
 
     input: str | Path
@@ -78,6 +81,7 @@ class BatchJob:
     chat: bool = False
     static: bool = False
     reserve_tokens: int | None = None
+    prefill_tokens: int | None = PREFILL_TOKENS
 
     def __post_init__(self) -> None:
         check_field_types(self)  # None or a wrong type fails here, naming the field
@@ -88,6 +92,8 @@ class BatchJob:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.prefill_tokens is not None and self.prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens={self.prefill_tokens!r} must be an integer >= 1")
         if self.reserve_tokens is not None and self.reserve_tokens < 0:
             raise ValueError(f"reserve_tokens={self.reserve_tokens!r} must be an integer >= 0")
         if self.reserve_tokens is not None and self.static:

@@ -13,7 +13,7 @@ from alisa.model.adapter import model_shape
 from alisa.planning.spec import model_spec
 from alisa.runtime.continuous import ContinuousScheduler
 from alisa.runtime.engine import Engine
-from alisa.runtime.requests import RowShape, StreamRequest, StreamResult
+from alisa.runtime.requests import PREFILL_TOKENS, RowShape, StreamRequest, StreamResult
 from alisa.runtime.sampling import SamplingOptions
 from alisa.sizes import parse_bytes
 from scheduler import ModelSpec
@@ -112,6 +112,7 @@ def stream_generate(
     kv_memory: int | str | None = None,
     max_rows: int = 64,
     prefill_rows: int = 8,
+    prefill_tokens: int | None = PREFILL_TOKENS,
     reserve_tokens: int | None = None,
     stop_at_eos: bool = True,
 ) -> Iterator[StreamResult]:
@@ -131,8 +132,9 @@ def stream_generate(
         supported: their layout is planned per batch).
     gpu_memory, kv_memory
         Byte budgets (``"8GiB"``) for weights + KV + activations, and for the KV alone.
-    max_rows, prefill_rows
-        Rows running at most; newcomers prefilled together at most.
+    max_rows, prefill_rows, prefill_tokens
+        Rows running at most; newcomers prefilled together at most, and their padded prompt
+        tokens (rows x longest) in that forward at most (None: no bound).
     reserve_tokens
         Admit rows with room for this many new tokens rather than all of them; rows that
         outgrow it are paused in host memory and resumed (see :class:`ByteBudget`).
@@ -159,7 +161,11 @@ def stream_generate(
     )
     engine = Engine(model, tokenizer, sampling, stop_at_eos=stop_at_eos)
     scheduler = ContinuousScheduler(
-        engine, lambda: AlisaCache(model, config), admission, prefill_rows=prefill_rows
+        engine,
+        lambda: AlisaCache(model, config),
+        admission,
+        prefill_rows=prefill_rows,
+        prefill_tokens=prefill_tokens,
     )
     requests = (_request(tokenizer, prompt, max_new_tokens) for prompt in prompts)
     with attached(model):  # the model's attention is restored when the stream ends

@@ -7,6 +7,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+# Padded prompt tokens (rows x longest) of one prefill forward, by default: see
+# ContinuousScheduler's prefill_tokens.
+PREFILL_TOKENS = 1024
+
 
 @dataclass(frozen=True, kw_only=True)
 class StreamRequest:
