@@ -70,7 +70,7 @@ MODELS = {
     "llama": tiny_llama,
     "gpt2": tiny_gpt2,
     # Sliding-window layers (window 8) next to full ones, and a model of window layers only.
-    "gemma3-hybrid": lambda: build(FAMILIES["gemma3"]),
+    "gemma3-hybrid": lambda: build(FAMILIES["gemma3_text"]),
     "mistral-window": lambda: build(FAMILIES["mistral"]),
 }
 
