@@ -16,11 +16,13 @@ __getattr__, __dir__, __all__ = lazy_loader.attach(
     submod_attrs={
         "config": ["AlisaConfig"],
         "jobs": ["BatchJob", "JobSummary", "run_batch"],
+        "jobs.stream": ["stream_generate"],
         "kv.cache": ["AlisaCache"],
         "kv.hooks": ["attach", "attached", "detach"],
         "model.loading": ["load_model"],
         "policies": ["POLICIES", "KVPolicy", "get_policy"],
         "runtime.generate": ["GenerationOutput", "SamplingOptions", "generate"],
+        "runtime.requests": ["StreamRequest", "StreamResult"],
         "threads": ["use_threads"],
     },
 )

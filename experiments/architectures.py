@@ -1,221 +1,220 @@
 """Which decoder families alisa runs exactly, and why it refuses the others (README table).
 
-    python -m experiments.architectures            # markdown table, then one JSON line
+    python -m experiments.architectures                   # markdown table, then one JSON line
+    python -m experiments.architectures --families llama,bloom
+    python -m experiments.architectures --write docs/supported-models.md   # the doc, every row
 
-One entry per family (or per variant of a family's config): the model type, the config fields
-that make a tiny seeded random-weight model of it, and what alisa owes it, ``EXACT``
-(token-identical to HF's greedy ``generate`` at r = 1 in drop, host and INT8 modes) or the words
-of its refusal when the cache is built. ``tests/test_architectures.py`` asserts every row; this
-script runs the same models and reports what happened, refusals quoted.
+Runs every row of :mod:`experiments.architecture_table` (each model type of transformers'
+causal-LM mapping, built tiny from its config): ``EXACT`` when it is token-identical to HF's
+greedy ``generate`` at r = 1 in drop, host and INT8 modes (a left-padded batch of 2, every
+cache layer having seen every token), else the words of its refusal when the cache is built,
+or the crash or the silent difference (``tests/test_architectures.py`` fails on those). The
+table groups the rows by outcome.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from types import MappingProxyType
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+import transformers
 
-EXACT = "exact"
-TINY = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=2048,
-    pad_token_id=0,
-    eos_token_id=1,
-    bos_token_id=None,
+from experiments.architecture_table import EXACT, FAMILIES, NOT_RUN, Family, build
+
+__all__ = ["EXACT", "FAMILIES", "Family", "Outcome", "build", "main", "run_family"]
+
+REFUSED = "refused"
+CRASH = "crash"
+DIFFERS = "differs"
+NOT_BUILT = "not built"
+STATUSES = (EXACT, REFUSED, CRASH, DIFFERS, NOT_BUILT)
+MODES: Mapping[str, Mapping] = MappingProxyType(
+    {
+        "drop": {},
+        "host": {"policy": "swa", "caching_ratio": 1.0, "retention": "host"},
+        "int8": {"kv_bits": 8, "residual_tokens": 64},
+    }
 )
-INLINE = "computes attention inline"
-LINEAR = "layers of kind linear_attention"
-WINDOW = {"sliding_window": 8}
-UNSET = object()  # a field of TINY the family's config does not take
-MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+NEW_TOKENS = 6
+PROMPT_LENGTHS = (12, 7)
 
 
-@dataclass(frozen=True)
-class Family:
-    """A config to build and the outcome alisa owes it."""
+@dataclass(frozen=True, kw_only=True)
+class Outcome:
+    """What happened to one row.
 
-    model_type: str
-    expected: str = EXACT
-    fields: dict = field(default_factory=dict)
+    Attributes
+    ----------
+    family, model
+        The row's name and the model class built ("" when none was).
+    status
+        ``EXACT``; ``"refused"`` (a ValueError when the cache is built); ``"crash"`` (after
+        construction, or at it with anything but a ValueError); ``"differs"`` (a silent
+        difference); ``"not built"`` (the tiny model, or HF's own ``generate`` on it, failed:
+        the row cannot be judged).
+    detail
+        The refusal's reason, the error, or the modes that differ.
+    """
 
+    family: str
+    model: str
+    status: str
+    detail: str = ""
 
-FAMILIES = {
-    "llama": Family("llama"),
-    "gpt2": Family("gpt2"),
-    "opt": Family("opt"),
-    "phi": Family("phi"),
-    "phi3": Family("phi3"),
-    "stablelm": Family("stablelm"),
-    "qwen2": Family("qwen2"),
-    "qwen3": Family("qwen3"),
-    "mixtral": Family("mixtral", fields={"num_local_experts": 2, "num_experts_per_tok": 1}),
-    "olmo2": Family("olmo2"),
-    "granite": Family("granite"),
-    "cohere": Family("cohere"),
-    "glm4": Family("glm4"),
-    "smollm3": Family("smollm3"),
-    "starcoder2": Family("starcoder2"),
-    # The cache reaches attention as `layer_past` (GPTBigCode: one KV head, multi-query).
-    "gpt_neox": Family("gpt_neox"),
-    "gpt_bigcode": Family("gpt_bigcode"),
-    "ctrl": Family("ctrl"),
-    # A window that no layer uses is full attention (Qwen2's max_window_layers, as Dots1's default).
-    "qwen2-window-unused": Family(
-        "qwen2", fields={"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2}
-    ),
-    "mistral-no-window": Family("mistral", fields={"sliding_window": None}),
-    "gemma3-all-full": Family("gemma3_text", fields={"layer_types": ["full_attention"] * 2}),
-    # Refused at construction, with the true reason.
-    "falcon": Family("falcon", INLINE, {"head_dim": UNSET}),
-    "bloom": Family("bloom", INLINE),
-    "mpt": Family("mpt", INLINE),
-    "gptj": Family("gptj", INLINE, {"rotary_dim": 8}),
-    "codegen": Family("codegen", INLINE, {"rotary_dim": 8}),
-    "gpt_neo": Family(
-        "gpt_neo", INLINE, {"attention_types": [[["global", "local"], 1]], "num_layers": 2}
-    ),
-    "deepseek_v3": Family(
-        "deepseek_v3",
-        "multi-head latent attention",
-        {
-            "kv_lora_rank": 16,
-            "q_lora_rank": None,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 8,
-            "v_head_dim": 8,
-            "head_dim": 8,
-            "num_key_value_heads": 4,
-            "n_routed_experts": 4,
-            "first_k_dense_replace": 1,
-            "n_group": 1,
-            "topk_group": 1,
-            **MOE,
-        },
-    ),
-    # Sliding-window layers keep HF's window exactly (8 tokens: prompts and answers outgrow it).
-    "mistral": Family("mistral", fields=WINDOW),
-    "ministral": Family("ministral", fields=WINDOW),
-    "qwen2-window": Family(
-        "qwen2", fields={"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}
-    ),
-    "gemma3": Family(
-        "gemma3_text",
-        fields={
-            **WINDOW,
-            "num_hidden_layers": 3,
-            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
-        },
-    ),
-    "cohere2": Family("cohere2", fields=WINDOW),
-    # Gemma 2's logit soft-capping and GPT-OSS's learned sinks, applied by alisa's attention.
-    "gemma2-all-full": Family("gemma2", fields={"layer_types": ["full_attention"] * 2}),
-    "gemma2": Family("gemma2", fields=WINDOW),
-    "gpt_oss": Family(
-        "gpt_oss", fields={"num_local_experts": 2, "num_experts_per_tok": 1, **WINDOW}
-    ),
-    "olmo3": Family("olmo3", fields=WINDOW),
-    "exaone4": Family("exaone4", fields=WINDOW),
-    "jamba": Family(
-        "jamba",
-        LINEAR,
-        {
-            "num_hidden_layers": 4,
-            "attn_layer_period": 2,
-            "attn_layer_offset": 1,
-            "expert_layer_period": 4,
-            "num_experts": 2,
-        },
-    ),
-    "qwen3_next": Family("qwen3_next", LINEAR, {"num_hidden_layers": 4, "num_experts": 2, **MOE}),
-}
+    def owed(self, family: Family) -> bool:
+        """Whether this is the outcome ``family`` is owed."""
+        if family.expected == EXACT:
+            return self.status == EXACT
+        return self.status == REFUSED and family.expected in self.detail
 
 
-def build(family: Family, seed: int = 0):
-    """The family's tiny model in eval mode, its generation config's pad/eos set."""
-    options = {**TINY, **family.fields}
-    options = {key: value for key, value in options.items() if value is not UNSET}
-    config = type(AutoConfig.for_model(family.model_type))(**options)
-    torch.manual_seed(seed)
-    quiet = logging.getLogger("transformers").level
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    try:
-        model = AutoModelForCausalLM.from_config(config).eval()
-    finally:
-        logging.getLogger("transformers").setLevel(quiet)
-    model.generation_config.eos_token_id = TINY["eos_token_id"]
-    model.generation_config.pad_token_id = TINY["pad_token_id"]
-    return model
-
-
-MODES = {
-    "drop": {},
-    "host": {"policy": "swa", "caching_ratio": 1.0, "retention": "host"},
-    "int8": {"kv_bits": 8, "residual_tokens": 64},
-}
-
-
-def prompts(seed: int = 1, lengths: tuple[int, ...] = (12, 7)) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, L) left-padded random token ids and their attention mask."""
+def prompts(
+    seed: int = 1, lengths: tuple[int, ...] = PROMPT_LENGTHS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, L) left-padded random token ids (3..511: no pad, EOS or BOS) and their mask."""
     generator = torch.Generator().manual_seed(seed)
     width = max(lengths)
-    ids = torch.full((len(lengths), width), TINY["pad_token_id"], dtype=torch.long)
+    ids = torch.zeros((len(lengths), width), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, length in enumerate(lengths):
-        ids[row, width - length :] = torch.randint(
-            2, TINY["vocab_size"], (length,), generator=generator
-        )
+        ids[row, width - length :] = torch.randint(3, 512, (length,), generator=generator)
         mask[row, width - length :] = 1
     return ids, mask
 
 
-def outcome(name: str, family: Family, new_tokens: int = 6) -> dict:
-    """Run one family: each mode's exactness, or the refusal's message."""
+def run_family(name: str, family: Family, new_tokens: int = NEW_TOKENS) -> Outcome:
+    """Build one row's model, then each mode's exactness or the refusal's reason."""
     from alisa import AlisaCache, AlisaConfig
 
-    model = build(family)
-    ids, mask = prompts()
-    options = dict(max_new_tokens=new_tokens, do_sample=False, attention_mask=mask)
+    try:
+        model = build(family)
+    except Exception as error:  # the config or its modeling code: the row cannot be judged
+        return Outcome(family=name, model="", status=NOT_BUILT, detail=_error(error))
     row = {"family": name, "model": type(model).__name__}
     try:
         caches = {mode: AlisaCache(model, AlisaConfig(**fields)) for mode, fields in MODES.items()}
     except ValueError as error:
-        return {**row, "supported": False, "reason": str(error).split(": ", 1)[-1]}
+        return Outcome(**row, status=REFUSED, detail=str(error).split(": ", 1)[-1])
+    except Exception as error:
+        return Outcome(**row, status=CRASH, detail=f"at construction: {_error(error)}")
+    ids, mask = prompts()
+    options = dict(max_new_tokens=new_tokens, do_sample=False, attention_mask=mask)
     with torch.inference_mode():
-        reference = model.generate(ids, **options)
-        exact = {
-            mode: bool(
-                torch.equal(model.generate(ids, past_key_values=cache, **options), reference)
-            )
-            for mode, cache in caches.items()
-        }
-    return {**row, "supported": True, "exact": exact}
+        try:
+            reference = model.generate(ids, **options)
+        except Exception as error:
+            return Outcome(**row, status=NOT_BUILT, detail=f"HF's generate: {_error(error)}")
+        differs = []
+        for mode, cache in caches.items():
+            try:
+                tokens = model.generate(ids, past_key_values=cache, **options)
+            except Exception as error:
+                return Outcome(**row, status=CRASH, detail=f"{mode}: {_error(error)}")
+            unseen = _layers_missing_tokens(cache, ids.shape[1] + new_tokens - 1)
+            if not torch.equal(tokens, reference) or unseen:
+                differs.append(mode + (f" (layers {unseen} missed tokens)" if unseen else ""))
+    if differs:
+        return Outcome(**row, status=DIFFERS, detail=", ".join(differs))
+    return Outcome(**row, status=EXACT)
 
 
-def main(argv=None) -> None:
+def _layers_missing_tokens(cache, tokens: int) -> list[int]:
+    """Cache layers that did not see all ``tokens`` (the model bypassed them)."""
+    return [index for index, layer in enumerate(cache.layers) if layer.get_seq_length() != tokens]
+
+
+def _error(error: Exception) -> str:
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
+
+
+def table(outcomes: list[Outcome], not_run: Mapping[str, str]) -> list[str]:
+    """Markdown lines: a count line, then one table row per outcome (rows with the same
+    outcome grouped, largest group first), the model types not run last."""
+    groups: dict[str, list[str]] = {}
+    for outcome in outcomes:
+        if outcome.status == EXACT:
+            label = "exact at r = 1 (drop / host / INT8)"
+        elif outcome.status == REFUSED:
+            label = f"refused: {outcome.detail}"
+        else:
+            label = f"**{outcome.status}**: {outcome.detail}"
+        groups.setdefault(label, []).append(outcome.family)
+    for model_type, reason in not_run.items():
+        groups.setdefault(f"not run: {reason}", []).append(model_type)
+    counts = {status: sum(o.status == status for o in outcomes) for status in STATUSES}
+    summary = ", ".join(f"{count} {status}" for status, count in counts.items())
+    lines = [
+        f"{len(outcomes)} rows (transformers {transformers.__version__}): {summary}; "
+        f"{len(not_run)} model types not run.",
+        "",
+        "| outcome | families |",
+        "|---|---|",
+    ]
+    ordered = sorted(
+        groups.items(), key=lambda item: (item[0].startswith("not run"), -len(item[1]))
+    )
+    for label, names in ordered:
+        lines.append(f"| {label} ({len(names)}) | {', '.join(f'`{n}`' for n in sorted(names))} |")
+    return lines
+
+
+def rows_table(outcomes: list[Outcome]) -> list[str]:
+    """Markdown lines: one table row per family, in name order."""
+    lines = ["| family | model class | outcome |", "|---|---|---|"]
+    for outcome in sorted(outcomes, key=lambda outcome: outcome.family):
+        cell = outcome.status if outcome.status == EXACT else f"{outcome.status}: {outcome.detail}"
+        model = f"`{outcome.model}`" if outcome.model else ""
+        lines.append(f"| `{outcome.family}` | {model} | {cell} |")
+    return lines
+
+
+DOC_INTRO = """\
+# Supported models
+
+Generated by `python -m experiments.architectures --write docs/supported-models.md` (transformers
+{transformers}, torch {torch}); `tests/test_architectures.py` asserts every row.
+
+Each row is a model type of transformers' causal-LM auto mapping (or a variant of one: sliding
+windows on and off), built tiny from its config class with seeded random weights
+(`experiments/tiny_models.py`, `experiments/architecture_table.py`). **Exact** means
+token-identical to the model's own greedy `generate` at r = 1 on a left-padded batch of 2, in
+drop, host-retention and INT8 modes, with every cache layer having seen every token. Any other
+family is **refused** with a `ValueError` when the `AlisaCache` is built, naming the reason;
+a crash after construction or a silent difference fails the test. A model type a new
+transformers release adds is a row owed exactness: it fails until alisa runs it exactly or
+refuses it with its reason.
+"""
+
+
+def document(outcomes: list[Outcome], not_run: Mapping[str, str]) -> str:
+    """The supported-models doc: the grouped table, then every row."""
+    intro = DOC_INTRO.format(transformers=transformers.__version__, torch=torch.__version__)
+    parts = [intro, "## By outcome", "", *table(outcomes, not_run), ""]
+    parts += ["## Row by row", "", *rows_table(outcomes), ""]
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", default=None, help="comma list (default: all)")
+    parser.add_argument("--write", default=None, metavar="PATH", help="also write the doc here")
     args = parser.parse_args(argv)
     names = args.families.split(",") if args.families else sorted(FAMILIES)
-    rows = [outcome(name, FAMILIES[name]) for name in names]
-    print("| family | model class | exact at r = 1 (drop / host / INT8) or why refused |")
-    print("|---|---|---|")
-    for row in rows:
-        if row["supported"]:
-            cell = " / ".join("yes" if row["exact"][mode] else "**NO**" for mode in MODES)
-        else:
-            cell = f"refused: {row['reason']}"
-        print(f"| {row['family']} | `{row['model']}` | {cell} |")
-    print(json.dumps({"benchmark": "architectures", "rows": rows}))
+    unknown = [name for name in names if name not in FAMILIES]
+    if unknown:
+        parser.error(f"unknown families {unknown}; valid: {', '.join(sorted(FAMILIES))}")
+    outcomes = [run_family(name, FAMILIES[name]) for name in names]
+    not_run = {} if args.families else dict(NOT_RUN)
+    print("\n".join(table(outcomes, not_run)))
+    if args.write:
+        with open(args.write, "w", encoding="utf-8") as handle:
+            handle.write(document(outcomes, not_run))
+    rows = [asdict(outcome) for outcome in outcomes]
+    print(json.dumps({"benchmark": "architectures", "rows": rows, "not_run": not_run}))
 
 
 if __name__ == "__main__":

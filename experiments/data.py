@@ -92,3 +92,25 @@ def load_copa(root: Path) -> list[dict]:
 def load_xsum(root: Path) -> list[dict]:
     """H2O's 0-shot XSum prompts: ``article`` (ready prompt) and ``summary_gt``."""
     return read_jsonl(data_file(root, "xsum/h2o_xsum_0shot.jsonl"))
+
+
+def load_text(root: Path | None, path: str | None) -> tuple[str, str]:
+    """(text, source): the UTF-8 text file at ``path`` (a user's corpus: a RULER haystack,
+    benchmark prompts), else WikiText-2's test split under ``root``.
+
+    Raises
+    ------
+    ValueError
+        The file is missing, unreadable or not UTF-8 (named).
+    """
+    if path is None:
+        if root is None:
+            raise ValueError("no text: give a text file or a data directory")
+        return load_wikitext2(root), "WikiText-2 (wikitext2/wiki.test.raw)"
+    file = Path(path).expanduser()
+    try:
+        return file.read_text(encoding="utf-8"), str(file)
+    except FileNotFoundError:
+        raise ValueError(f"text file {str(file)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"text file {str(file)!r} cannot be read: {error}") from None

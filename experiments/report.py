@@ -4,7 +4,8 @@
     python -m experiments.report results/NAME/<timestamp>
 
 Writes ``report.md`` and plots (accuracy vs KV sparsity, throughput vs batch, per-layer attention
-sparsity) into the run directory and prints the markdown.
+sparsity; for RULER runs the scores, cost and targets, the NIAH grid heatmaps and score vs r) into
+the run directory and prints the markdown; a RULER run's last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -149,11 +150,21 @@ def _save(figure, path: Path) -> Path:
     return path
 
 
+RULER_TASKS = ("ruler", "ruler_cost")  # one section for both (experiments.tasks.ruler.report)
+
+
 def build_report(folder: Path) -> str:
+    """``report.md`` (returned) and the plots of a run; a run with RULER rows also writes
+    ``summary.json`` (what :func:`main` prints as its last line)."""
+    return _build(folder)[0]
+
+
+def _build(folder: Path) -> tuple[str, dict | None]:
     rows = read_jsonl(folder / "results.jsonl")
     by_task = defaultdict(list)
     for row in rows:
-        by_task[row["point"]["task"]].append(row)
+        if row["point"]["task"] not in RULER_TASKS:
+            by_task[row["point"]["task"]].append(row)
     config = json.loads((folder / "config.json").read_text())
     env = json.loads((folder / "env.json").read_text())
     sections = [
@@ -175,9 +186,28 @@ def build_report(folder: Path) -> str:
         else:
             plots.append(plot_sparsity_curves(task, task_rows, folder))
         sections += [f"![{p.stem}]({p.name})" for p in plots if p is not None] + [""]
+    summary = None
+    ruler = [row for row in rows if row["point"]["task"] in RULER_TASKS]
+    if ruler:
+        from experiments.tasks.ruler.report import section
+
+        text, summary = section(ruler, folder, expected=_ruler_points(config))
+        sections.append(text)
+        (folder / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     text = "\n".join(sections)
     (folder / "report.md").write_text(text)
-    return text
+    return text, summary
+
+
+def _ruler_points(config: dict) -> int | None:
+    """How many ``ruler`` points the run's config asks for (None: a config without a sweep)."""
+    from experiments.runconfig import RunConfig
+
+    try:
+        points = RunConfig(**config).points()
+    except (TypeError, KeyError, ValueError):
+        return None
+    return sum(1 for point in points if point["task"] == "ruler")
 
 
 def main(argv=None) -> int:
@@ -186,7 +216,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         folder = find_run(args.path)
-        print(build_report(folder))
+        text, summary = _build(folder)
+        print(text)
+        if summary is not None:
+            print(json.dumps(summary))  # the last line: every figure, for scripts
     except ValueError as error:
         print(f"experiments.report: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 1

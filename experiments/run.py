@@ -39,10 +39,12 @@ from alisa.logs import log_to_stderr
 from alisa.threads import use_threads
 from experiments.data import REPO_ROOT, data_dir
 from experiments.runconfig import (
+    CONFIG_FIELDS,
+    SYSTEM_TASKS,
     RunConfig,
     add_run_options,
-    alisa_config,
     load_config,
+    point_config,
     point_key,
 )
 
@@ -51,6 +53,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="experiments.run", description=__doc__.splitlines()[0])
     add_run_options(parser)
     return parser.parse_args(argv)
+
+
+TIMING_VARIABLES = (
+    "OMP_NUM_THREADS",
+    "OMP_WAIT_POLICY",
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TRIM_THRESHOLD_",
+)
 
 
 def environment(threads: int) -> dict:
@@ -74,6 +84,8 @@ def environment(threads: int) -> dict:
         "threads": threads,
         "gpu": gpu,
         "git_commit": commit,
+        # Settings that change timings without changing results (threads waiting, allocator).
+        "variables": {name: os.environ[name] for name in TIMING_VARIABLES if name in os.environ},
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -125,7 +137,7 @@ def run(config: RunConfig, progress: bool = True) -> Path:
             f"sweep.task ({', '.join(config.sweep['task'])})",
             file=sys.stderr,
         )
-    root = data_dir(config.runtime["data_dir"])  # before any directory is made
+    root = _data_root(config)  # before any directory is made
     warning = use_threads(config.runtime["threads"]).warning()
     if warning is not None:
         print(f"experiments.run: {warning}", file=sys.stderr)
@@ -137,12 +149,24 @@ def run(config: RunConfig, progress: bool = True) -> Path:
     pending = [p for p in config.points() if point_key(p) not in log.done]
     bar = tqdm(total=len(pending), desc=config.name, unit="point", disable=not progress)
     try:
-        _run_points(config, pending, log, root, bar)
+        _run_points(config, pending, log, root, bar, progress)
     finally:
         log.close()
         bar.close()
         _remove_if_empty(folder, created)
     return folder
+
+
+def _data_root(config: RunConfig) -> Path | None:
+    """The data directory, checked before any work; None when no point reads it (every task a
+    RULER one with its own ``haystack`` file, and no ``runtime.data_dir`` given)."""
+    needed = any(
+        task not in SYSTEM_TASKS or not config.options.get(task, {}).get("haystack")
+        for task in config.sweep["task"]
+    )
+    if needed or config.runtime["data_dir"] is not None:
+        return data_dir(config.runtime["data_dir"])
+    return None
 
 
 def _open_results(folder: Path, created: bool) -> OutputLog:
@@ -160,7 +184,7 @@ def _open_results(folder: Path, created: bool) -> OutputLog:
     return log
 
 
-def _run_ranks(config: RunConfig, progress: bool, root: Path, ranks: Ranks) -> Path:
+def _run_ranks(config: RunConfig, progress: bool, root: Path | None, ranks: Ranks) -> Path:
     """This rank's share of the pending points; rank 0 merges every rank's results."""
 
     def prepare() -> tuple[str, bool, list]:
@@ -178,7 +202,7 @@ def _run_ranks(config: RunConfig, progress: bool, root: Path, ranks: Ranks) -> P
     bar = RankProgress(ranks, token, len(pending), progress, config.name)
     log = OutputLog(part_path(results, ranks.rank), keys=RESULT_KEYS)
     try:
-        _run_points(config, mine, log, root, bar)
+        _run_points(config, mine, log, root, bar, progress and ranks.rank == 0)
     finally:
         log.close()
     finish_parts(ranks, bar, lambda: _merge_results(folder, created))
@@ -190,32 +214,72 @@ def _merge_results(folder: Path, created: bool) -> None:
     _remove_if_empty(folder, created)
 
 
-def _run_points(config: RunConfig, points: list[dict], log: OutputLog, root: Path, bar) -> None:
-    """Run ``points`` in order, one result row each; ``bar`` is updated per point."""
+def _run_points(
+    config: RunConfig,
+    points: list[dict],
+    log: OutputLog,
+    root: Path | None,
+    bar,
+    progress: bool,
+) -> None:
+    """Run ``points`` in order, one result row each; ``bar`` is updated per point.
+
+    Points of a task in :data:`~experiments.tasks.SHARED_PREFILL` that differ only in their
+    ``system`` run as one group (one prefill serves every system); each still gets its own row.
+    """
     from alisa import load_model
-    from experiments.tasks import TASKS, Context
+    from experiments.tasks import SHARED_PREFILL, TASKS, Context
 
     models: dict = {}
-    for point in points:
-        spec = point.get("model", "smollm2-135m")
+    for group in _groups(points):
+        first = group[0]
+        spec = first.get("model", "smollm2-135m")
         if spec not in models:
             models.clear()  # one model in memory at a time
             models[spec] = load_model(spec, dtype=config.runtime["dtype"])
         model, tokenizer = models[spec]
         started = time.perf_counter()
         context = Context(
-            model=model, tokenizer=tokenizer, data_root=root, config=alisa_config(point)
+            model=model,
+            tokenizer=tokenizer,
+            data_root=root,
+            config=point_config(first),
+            progress=progress,
         )
-        metrics = TASKS[point["task"]](context, point, config.options.get(point["task"], {}))
-        log.append(
-            {
-                "id": point_key(point),
-                "point": point,
-                "metrics": metrics,
-                "seconds": round(time.perf_counter() - started, 3),
-            }
-        )
-        bar.update(1)
+        task, options = first["task"], config.options.get(first["task"], {})
+        if task in SHARED_PREFILL:
+            results = SHARED_PREFILL[task](context, group, options)
+        else:
+            results = [TASKS[task](context, first, options)]
+        seconds = (time.perf_counter() - started) / len(group)  # a group's time, shared evenly
+        for point, metrics in zip(group, results, strict=True):
+            log.append(
+                {
+                    "id": point_key(point),
+                    "point": point,
+                    "metrics": metrics,
+                    "seconds": round(seconds, 3),
+                    "command": config.command(point),
+                }
+            )
+            bar.update(1)
+
+
+def _groups(points: list[dict]) -> list[list[dict]]:
+    """``points`` in order, those of a shared-prefill task that differ only in ``system`` (and
+    the AlisaConfig fields that make it) together, at the place of the first of them."""
+    from experiments.tasks import SHARED_PREFILL
+
+    groups: dict[str, list[dict]] = {}
+    for point in points:
+        if point["task"] in SHARED_PREFILL:
+            rest = {k: v for k, v in point.items() if k != "system" and k not in CONFIG_FIELDS}
+            # The same prompts for every system: group by the rest of the point.
+            key = point_key(rest)
+        else:
+            key = point_key(point)
+        groups.setdefault(key, []).append(point)
+    return list(groups.values())
 
 
 def _remove_if_empty(folder: Path, created: bool) -> None:

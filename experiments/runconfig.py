@@ -1,8 +1,9 @@
 """Experiment configs: TOML with ``--set`` overrides, validated key by key, expanded to points.
 
 A config has ``name``, ``[sweep]`` (lists to take the cartesian product of: ``task``, ``model``,
-``batch``, ``system``, ``protocol`` (perplexity only: ``streaming`` or ``prefill``) and any
-``AlisaConfig`` field), ``[options.<task>]`` (task settings) and
+``batch``, ``system``, ``protocol`` (perplexity only: ``streaming`` or ``prefill``), ``family``
+(ruler only: a RULER task family), ``length`` (ruler and ruler_cost: tokens of prompt plus answer)
+and any ``AlisaConfig`` field), ``[options.<task>]`` (task settings) and
 ``[runtime]`` (dtype, threads, data_dir, results_dir). Unknown keys are errors naming the key.
 """
 
@@ -12,18 +13,30 @@ import argparse
 import itertools
 import json
 import re
-from dataclasses import dataclass, fields
+import shlex
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import tomllib
 
 from alisa import AlisaConfig
 from alisa.assignments import parse_field
+from experiments.systems import point_overrides
 
 TOP_KEYS = ("name", "sweep", "options", "runtime")
 # threads None: alisa.threads picks (the CPUs this process may use, less the busy ones).
 RUNTIME_DEFAULTS = {"dtype": "float32", "threads": None, "data_dir": None, "results_dir": "results"}
-POINT_KEYS = ("task", "model", "batch", "system", "protocol")
+POINT_KEYS = ("task", "model", "batch", "system", "protocol", "family", "length")
+# Sweep keys only some tasks read: the others drop them, so they run once, not once per value.
+TASK_KEYS = {
+    "protocol": ("perplexity",),
+    "family": ("ruler",),
+    "length": ("ruler", "ruler_cost"),
+}
+REQUIRED_KEYS = {"ruler": ("family", "length"), "ruler_cost": ("length",)}
+# Tasks whose cache is ``sweep.system``'s, with the point's AlisaConfig fields applied over it
+# (``alisa:policy=swa,retention=host`` with ``caching_ratio = [0.2, 0.1]`` is two systems).
+SYSTEM_TASKS = ("ruler", "ruler_cost")
 CONFIG_FIELDS = tuple(f.name for f in fields(AlisaConfig))
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
@@ -36,6 +49,9 @@ class RunConfig:
     sweep: dict
     options: dict
     runtime: dict
+    # Where it came from, to print commands that reproduce a point (not part of its identity).
+    path: str | None = field(default=None, compare=False)
+    overrides: tuple[str, ...] = field(default=(), compare=False)
 
     def as_dict(self) -> dict:
         return {
@@ -47,7 +63,8 @@ class RunConfig:
 
     def points(self) -> list[dict]:
         """Every combination of the sweep, dense policies collapsed to r = 1 and no token
-        budget (one run)."""
+        budget (one run), and an HF system of a :data:`SYSTEM_TASKS` task run once whatever
+        AlisaConfig fields the sweep sets."""
         keys = list(self.sweep)
         seen, result = set(), []
         for values in itertools.product(*(self.sweep[k] for k in keys)):
@@ -56,18 +73,52 @@ class RunConfig:
                 point["caching_ratio"] = 1.0
                 if "budget_tokens" in point:
                     point["budget_tokens"] = None
-            if point["task"] != "perplexity":
-                point.pop("protocol", None)  # only perplexity has protocols: run others once
+            for name, tasks in TASK_KEYS.items():
+                if point["task"] not in tasks:
+                    point.pop(name, None)
+            system = point.get("system", "alisa")
+            if point["task"] in SYSTEM_TASKS and not system.startswith("alisa"):
+                for name in CONFIG_FIELDS:  # an HF cache takes none: run it once
+                    point.pop(name, None)
             key = point_key(point)
             if key not in seen:
                 seen.add(key)
                 result.append(point)
         return result
 
+    def command(self, point: dict) -> str:
+        """The command that runs ``point`` alone (its config, the run's overrides, then every
+        key of the point as a one-value sweep)."""
+        parts = ["python", "-m", "experiments.run", "--config", self.path or "CONFIG"]
+        for item in (*self.overrides, *(_one_value(k, v) for k, v in point.items())):
+            parts += ["--set", item]
+        return shlex.join(parts)
+
+
+def _one_value(key: str, value) -> str:
+    return f"sweep.{key}=" + ('["none"]' if value is None else json.dumps([value]))
+
 
 def point_key(point: dict) -> str:
     """Stable identity of a data point (what resumption compares)."""
     return json.dumps(point, sort_keys=True)
+
+
+def point_config(point: dict) -> AlisaConfig | None:
+    """The point's ``AlisaConfig`` (None: a :data:`SYSTEM_TASKS` point, whose systems build their
+    own, checked here).
+
+    Raises
+    ------
+    ValueError
+        A configuration or system the point could not run, named.
+    """
+    if point["task"] not in SYSTEM_TASKS:
+        return alisa_config(point)
+    from experiments.tasks.ruler.shared import check_system
+
+    check_system(point.get("system", "alisa"), point_overrides(point))
+    return None
 
 
 def alisa_config(point: dict) -> AlisaConfig:
@@ -94,7 +145,15 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
         raise ValueError(f"config {str(file)!r} is not valid TOML: {error}") from None
     for item in overrides or []:
         _apply(raw, item)
-    return _validate(raw, file)
+    config = _validate(raw, file)
+    return RunConfig(
+        name=config.name,
+        sweep=config.sweep,
+        options=config.options,
+        runtime=config.runtime,
+        path=str(file),
+        overrides=tuple(overrides or ()),
+    )
 
 
 def _apply(raw: dict, item: str) -> None:
@@ -186,9 +245,9 @@ def _validate(raw: dict, file: Path) -> RunConfig:
         runtime[key] = value
     _check_runtime(runtime, file)
     config = RunConfig(name=name, sweep=sweep, options=options, runtime=runtime)
-    for point in config.points():  # every combination must be a valid AlisaConfig
+    for point in config.points():  # every combination must be a valid configuration
         try:
-            alisa_config(point)
+            point_config(point)
         except ValueError as error:
             fields = {k: v for k, v in point.items() if k in CONFIG_FIELDS}
             raise ValueError(f"config {file}: sweep point {fields}: {error}") from None
@@ -204,6 +263,23 @@ def _check_sweep_values(sweep: dict, file: Path) -> None:
         for value in sweep.get(key, []):
             if not isinstance(value, str) or not value.strip():
                 raise ValueError(f"config {file}: sweep.{key}={value!r} must be a string")
+    for value in sweep.get("length", []):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"config {file}: sweep.length={value!r} must be an integer >= 1")
+    if sweep.get("family"):
+        from experiments.tasks.ruler.families import FAMILIES
+
+        for value in sweep["family"]:
+            if value not in FAMILIES:
+                valid = ", ".join(FAMILIES)
+                raise ValueError(
+                    f"config {file}: sweep.family {value!r} is unknown; valid: {valid}"
+                )
+    for task in sweep["task"]:
+        missing = [key for key in REQUIRED_KEYS.get(task, ()) if key not in sweep]
+        if missing:
+            needs = " and ".join(f"sweep.{key}" for key in missing)
+            raise ValueError(f"config {file}: task {task!r} needs {needs}")
 
 
 def _check_runtime(runtime: dict, file: Path) -> None:

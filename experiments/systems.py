@@ -31,6 +31,12 @@ def parse_alisa(name: str) -> AlisaConfig:
         raise ValueError(f"system {name!r}: {error}") from None
 
 
+def point_overrides(point: dict) -> dict:
+    """A sweep point's ``AlisaConfig`` fields (applied over its ``system``'s configuration)."""
+    names = {f.name for f in fields(AlisaConfig)}
+    return {key: value for key, value in point.items() if key in names}
+
+
 def system_name(config: AlisaConfig) -> str:
     """The ``alisa:...`` name of a config (its fields that differ from the defaults), which
     :func:`parse_alisa` reads back to an equal config."""
@@ -48,7 +54,9 @@ def make_cache(name: str, model):
     from transformers import DynamicCache, QuantizedCache
 
     if name == "hf-dynamic":
-        return DynamicCache(), None
+        # With the model's config, sliding-window layers (Gemma 3, ...) keep only their window,
+        # as HF's own generate() builds the cache.
+        return DynamicCache(config=model.config), None
     if name in HF_QUANTIZED:
         return QuantizedCache(config=model.config, **HF_QUANTIZED[name]), None
     if name == "alisa" or name.startswith("alisa:"):

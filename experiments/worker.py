@@ -25,6 +25,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--data-dir", default=None)
+    parser.add_argument(
+        "--text", default=None, help="a UTF-8 text file for the prompts instead of WikiText-2"
+    )
     return parser.parse_args(argv)
 
 
@@ -41,15 +44,17 @@ def measure(args: argparse.Namespace) -> dict:
     import torch
 
     from alisa import AlisaCache, generate
-    from experiments.data import data_dir, load_wikitext2
+    from experiments.data import data_dir, load_text, load_wikitext2
     from experiments.shapes import load_benchmark_model
     from experiments.systems import make_cache
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_benchmark_model(args.model, dtype=args.dtype)
-    prompts = prompts_of_length(
-        tokenizer, load_wikitext2(data_dir(args.data_dir)), args.prompt_tokens, args.batch
-    )
+    if args.text is not None:
+        text, _ = load_text(None, args.text)
+    else:
+        text = load_wikitext2(data_dir(args.data_dir))
+    prompts = prompts_of_length(tokenizer, text, args.prompt_tokens, args.batch)
 
     def run(batch, new_tokens):
         cache, config = make_cache(args.system, model)

@@ -91,6 +91,14 @@ def tiny_gpt2(seed: int = 0, **overrides) -> GPT2LMHeadModel:
     return model
 
 
+def saved_tiny_llama(folder):
+    """:func:`tiny_llama` and :func:`byte_tokenizer` saved as an HF model directory (for
+    commands that load a model by path); returns ``folder``."""
+    tiny_llama().save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
 ARCHITECTURES = {"llama-gqa": tiny_llama, "gpt2-mha": tiny_gpt2}
 
 

@@ -1,14 +1,26 @@
-"""Every family is exact at r = 1 (drop and host) or refused when the cache is built, never run
-wrong: a crash after construction or a silent difference fails its row. Under a device budget,
+"""Every family is exact at r = 1 (drop, host, INT8) or refused when the cache is built, never
+run wrong: a crash after construction or a silent difference fails its row, and so does a model
+type of transformers' causal-LM mapping that is neither exact nor listed. Under a device budget,
 offload never changes a token, and recomputation either does not either or is refused."""
 
 import pytest
 import torch
 from conftest import hf_generate, padded_batch
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from alisa import AlisaCache, AlisaConfig
 from alisa.model.adapter import model_shape
-from experiments.architectures import EXACT, FAMILIES, build
+from experiments.architecture_table import (
+    EXACT,
+    FAMILIES,
+    NOT_RUN,
+    OVERRIDES,
+    REFUSED,
+    VARIANTS,
+    build,
+    families,
+)
+from experiments.architectures import run_family
 
 NEW = 6
 MODES = {
@@ -22,16 +34,39 @@ EXACT_FAMILIES = sorted(name for name, family in FAMILIES.items() if family.expe
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_each_family_is_exact_or_refused_at_construction(name):
     family = FAMILIES[name]
-    model = build(family)
-    if family.expected != EXACT:
-        with pytest.raises(ValueError, match=family.expected):
-            AlisaCache(model, AlisaConfig())
-        return
-    ids, mask = padded_batch(lengths=(12, 7))
-    reference = hf_generate(model, ids, mask, max_new_tokens=NEW)
-    for mode, config in MODES.items():
-        ours = hf_generate(model, ids, mask, AlisaCache(model, config), max_new_tokens=NEW)
-        assert torch.equal(ours, reference), f"{name} differs from HF in mode {mode}"
+    outcome = run_family(name, family)
+    assert outcome.owed(family), (
+        f"{name} ({outcome.model}): {outcome.status} {outcome.detail!r}; owed {family.expected!r}"
+    )
+
+
+def test_every_model_type_of_the_mapping_is_a_row_or_says_why_not():
+    mapping = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    rows = {family.model_type for name, family in FAMILIES.items() if name not in VARIANTS}
+    assert rows | set(NOT_RUN) == mapping and not rows & set(NOT_RUN)
+    # No stale entry: every table names model types transformers still has.
+    listed = [model_type for types in REFUSED.values() for model_type in types]
+    assert set(listed) | set(OVERRIDES) <= mapping
+    assert len(listed) == len(set(listed)) and not set(listed) & set(NOT_RUN)
+    assert {family.model_type for family in VARIANTS.values()} <= rows
+
+
+def test_a_model_type_a_new_release_adds_is_a_row_owed_exactness():
+    rows = families(("llama", "bart", "brand_new_model"))
+    assert rows["brand_new_model"].expected == EXACT  # run, so it fails until exact or listed
+    assert "bart" not in rows  # listed in NOT_RUN with its reason
+    assert rows["llama"].expected == EXACT
+
+
+def test_a_refused_row_owes_the_reason_not_just_any_refusal():
+    from experiments.architectures import Outcome
+
+    family = FAMILIES["bloom"]
+    right = Outcome(family="bloom", model="", status="refused", detail=family.expected + " ...")
+    wrong = Outcome(family="bloom", model="", status="refused", detail="config lacks hidden_size")
+    crash = Outcome(family="llama", model="", status="crash", detail="drop: RuntimeError")
+    assert right.owed(family) and not wrong.owed(family)
+    assert not crash.owed(FAMILIES["llama"])
 
 
 def tier_budget(model) -> int:
@@ -83,7 +118,7 @@ def test_keys_the_recomputer_cannot_rebuild_are_refused_or_kept_on_the_host():
     assert tiers["recompute"] == 0 and tiers["host"] > 0
 
 
-@pytest.mark.parametrize("name", ["mistral", "gemma3", "qwen2-window"])
+@pytest.mark.parametrize("name", ["mistral", "gemma3_text", "qwen2-window"])
 def test_sliding_layers_hold_their_window_and_the_ratio_applies_to_full_layers(name):
     """A sliding layer holds W - 1 tokens, as transformers' own cache, whatever the policy; a
     full layer of the same model keeps its policy's budget."""
@@ -109,7 +144,7 @@ def test_sliding_layers_hold_their_window_and_the_ratio_applies_to_full_layers(n
 def test_the_summary_line_says_what_sliding_layers_keep():
     from alisa.commands.generate import window_note
 
-    assert window_note(model_shape(build(FAMILIES["gemma3"]))) == (
+    assert window_note(model_shape(build(FAMILIES["gemma3_text"]))) == (
         "2 sliding layers keep their 8-token window; r applies to the 1 full-attention layer"
     )
     assert window_note(model_shape(build(FAMILIES["llama"]))) == ""
@@ -121,7 +156,7 @@ def test_batch_sizing_counts_a_sliding_layer_at_its_window():
     from alisa.jobs.sizing import kept_tokens
     from alisa.planning.spec import model_spec
 
-    model = build(FAMILIES["gemma3"])
+    model = build(FAMILIES["gemma3_text"])
     spec = model_spec(model, model_shape(model))
     assert spec.windows == (8, 8, None)
     config = AlisaConfig(policy="swa", caching_ratio=0.25, min_budget_tokens=4)
@@ -129,15 +164,23 @@ def test_batch_sizing_counts_a_sliding_layer_at_its_window():
     assert kept_tokens(None, 3, 100, spec.windows).tolist() == [8, 8, 100]
 
 
-def test_the_supported_models_report_runs_the_same_rows(capsys):
+def test_the_supported_models_report_groups_the_rows_by_outcome(capsys, tmp_path):
     from experiments.architectures import main
 
-    main(["--families", "gpt_neox,bloom"])
+    doc = tmp_path / "supported-models.md"
+    main(["--families", "gpt_neox,bloom,llama", "--write", str(doc)])
     table = capsys.readouterr().out
-    assert "| gpt_neox | `GPTNeoXForCausalLM` | yes / yes / yes |" in table
+    assert "3 rows (transformers " in table and ": 2 exact, 1 refused, 0 crash, 0 differs" in table
+    assert "| exact at r = 1 (drop / host / INT8) (2) | `gpt_neox`, `llama` |" in table
+    assert "| refused: its modeling code computes attention inline" in table
+    assert table.splitlines()[-1].startswith('{"benchmark": "architectures"')
+    written = doc.read_text()
     assert (
-        "| bloom | `BloomForCausalLM` | refused: its modeling code computes attention inline"
-        in table
+        written.startswith("# Supported models\n") and "--write docs/supported-models.md" in written
+    )
+    assert "| `gpt_neox` | `GPTNeoXForCausalLM` | exact |" in written
+    assert (
+        "| `bloom` | `BloomForCausalLM` | refused: its modeling code computes attention" in written
     )
 
 
@@ -187,7 +230,11 @@ def test_soft_capping_and_sinks_change_the_tokens_and_alisa_applies_them(name, k
 
 @pytest.mark.parametrize(
     ("name", "reason"),
-    [("gemma3", "sliding-window layers"), ("gemma2-all-full", "soft-capping"), ("gpt_oss", "")],
+    [
+        ("gemma3_text", "sliding-window layers"),
+        ("gemma2-all-full", "soft-capping"),
+        ("gpt_oss", ""),
+    ],
 )
 def test_parallel_paths_refuse_what_their_own_attention_does_not_apply(name, reason):
     from conftest import byte_tokenizer

@@ -136,26 +136,29 @@ def test_dense_alisa_matches_dynamic_cache_outputs(tmp_path):
     }
 
 
+# A job whose every forward pass is slowed (static batches and continuous batching alike):
+# the kill lands mid-job.
 WORKER = """
 import sys, time
 sys.path.insert(0, {tests!r})
 from conftest import tiny_llama, byte_tokenizer
 from alisa import BatchJob, run_batch
-import alisa.jobs.runner as runner
-real = runner.generate
+from alisa.runtime.engine import Engine
+real = Engine.step
 def slow(*args, **kwargs):
-    time.sleep(0.15)
+    time.sleep(0.04)
     return real(*args, **kwargs)
-runner.generate = slow
+Engine.step = slow
 run_batch(tiny_llama(), byte_tokenizer(), BatchJob(input={source!r}, output={target!r},
-          max_new_tokens=4, max_batch=1, progress=False))
+          max_new_tokens=4, max_batch=1, progress=False, static={static}))
 """
 
 
-def test_kill_9_loses_and_duplicates_nothing(tmp_path):
+@pytest.mark.parametrize("static", [True, False], ids=["static", "continuous"])
+def test_kill_9_loses_and_duplicates_nothing(tmp_path, static):
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_prompts(source, count=30)
-    script = WORKER.format(tests=str(TESTS), source=str(source), target=str(target))
+    script = WORKER.format(tests=str(TESTS), source=str(source), target=str(target), static=static)
     process = subprocess.Popen([sys.executable, "-c", script])
     deadline = time.time() + 120
     while time.time() < deadline and (
@@ -170,7 +173,9 @@ def test_kill_9_loses_and_duplicates_nothing(tmp_path):
     run_batch(
         model,
         tokenizer,
-        BatchJob(input=str(source), output=str(target), max_new_tokens=4, progress=False),
+        BatchJob(
+            input=str(source), output=str(target), max_new_tokens=4, progress=False, static=static
+        ),
     )
     rows = read_rows(target)
     ids = [r["id"] for r in rows]
@@ -272,3 +277,68 @@ def test_chat_needs_a_template_and_a_boolean(tmp_path):
     source.write_text('{"id": "a", "prompt": "hi", "chat": "yes"}\n')
     with pytest.raises(ValueError, match=r"in.jsonl:1: 'chat' must be true or false"):
         run_batch(model, tokenizer, job)
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["static", "continuous"])
+def test_every_step_is_reported_and_each_ttft_counts_the_wait(tmp_path, static):
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_prompts(source, count=9)
+    records = []
+    job = BatchJob(
+        input=str(source),
+        output=str(target),
+        max_new_tokens=5,
+        max_batch=2,
+        stop_at_eos=False,
+        progress=False,
+        static=static,
+    )
+    summary = run_batch(model, tokenizer, job, on_step=records.append)
+    assert sum(r.tokens for r in records) == summary.generated_tokens == 45
+    assert max(r.rows for r in records) == 2
+    assert [r.time_s for r in records] == sorted(r.time_s for r in records)
+    assert len(summary.ttfts_s) == summary.completed == 9
+    # From the job's start: rows run in later batches (or admitted later) waited longer.
+    first_rows = sorted(summary.ttfts_s)[:2]
+    assert max(summary.ttfts_s) > max(first_rows)
+
+
+def test_a_small_reserve_runs_more_rows_with_the_same_texts(tmp_path):
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    source = tmp_path / "in.jsonl"
+    write_prompts(source, count=10, words=8)
+    spec = model_spec(model, model_shape(model))
+    budget = batch_memory(spec, AlisaConfig(), 2, 60, 40).kv
+    texts, summaries = [], []
+    for name, reserve in (("full", None), ("small", 1)):
+        target = tmp_path / f"{name}.jsonl"
+        job = BatchJob(
+            input=str(source),
+            output=str(target),
+            kv_memory=budget,
+            max_new_tokens=40,
+            stop_at_eos=False,
+            progress=False,
+            reserve_tokens=reserve,
+        )
+        summaries.append(run_batch(model, tokenizer, job))
+        texts.append({r["id"]: r["text"] for r in read_rows(target)})
+    assert texts[0] == texts[1] and len(texts[0]) == 10
+    assert summaries[1].max_rows > summaries[0].max_rows
+    assert summaries[0].preemptions == 0 < summaries[1].preemptions
+    assert "pauses" in summaries[1].describe()
+
+
+def test_reserve_tokens_is_for_continuous_batching(tmp_path, capsys):
+    source = tmp_path / "in.jsonl"
+    write_prompts(source, count=2)
+    with pytest.raises(ValueError, match="reserve_tokens=4 applies to continuous"):
+        BatchJob(input=str(source), output=str(tmp_path / "o.jsonl"), reserve_tokens=4, static=True)
+    for flags, needle in (
+        (["--reserve-tokens", "-1"], "--reserve-tokens=-1 must be >= 0"),
+        (["--reserve-tokens", "3", "--static"], "--static batches reserve"),
+    ):
+        code = main(["batch", str(source), "-o", str(tmp_path / "out.jsonl"), *flags])
+        err = capsys.readouterr().err
+        assert code == 1 and needle in err and "Traceback" not in err

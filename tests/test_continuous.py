@@ -9,8 +9,9 @@ from alisa.jobs.sizing import running_memory
 from alisa.jobs.stream import ByteBudget, stream_generate
 from alisa.model.adapter import model_shape
 from alisa.planning.spec import model_spec
-from alisa.runtime.continuous import ContinuousScheduler, RowLimit, RowShape, StreamRequest
+from alisa.runtime.continuous import ContinuousScheduler
 from alisa.runtime.engine import DecodeState, Engine
+from alisa.runtime.requests import RowLimit, RowShape, StreamRequest
 from alisa.storage.store import headroom
 from experiments.architectures import FAMILIES, build
 
@@ -69,7 +70,7 @@ MODELS = {
     "llama": tiny_llama,
     "gpt2": tiny_gpt2,
     # Sliding-window layers (window 8) next to full ones, and a model of window layers only.
-    "gemma3-hybrid": lambda: build(FAMILIES["gemma3"]),
+    "gemma3-hybrid": lambda: build(FAMILIES["gemma3_text"]),
     "mistral-window": lambda: build(FAMILIES["mistral"]),
 }
 
@@ -139,7 +140,7 @@ def test_admission_keeps_the_device_kv_within_the_byte_budget(name):
     finished, widest = [], 0
     while not scheduler.idle:
         finished += scheduler.step()
-        rows = [(row.shape.prompt_tokens, row.shape.new_tokens) for row in scheduler.rows]
+        rows = [(len(row.request.prompt_ids), row.request.max_new_tokens) for row in scheduler.rows]
         predicted = running_memory(spec, config, rows).kv
         assert scheduler.stats.kv_bytes <= predicted <= budget
         widest = max(widest, len(rows))
@@ -240,5 +241,41 @@ def test_bad_requests_and_options_are_refused():
         StreamRequest(prompt_ids=[4], max_new_tokens=-1)
     with pytest.raises(ValueError, match="prefill_rows"):
         ContinuousScheduler(Engine(tiny_llama()), lambda: None, prefill_rows=0)
+    with pytest.raises(ValueError, match="prefill_tokens"):
+        ContinuousScheduler(Engine(tiny_llama()), lambda: None, prefill_tokens=0)
     assert RowLimit(2).admits([RowShape(3, 4)], [RowShape(5, 6)])
     assert not RowLimit(2).admits([RowShape(3, 4)] * 2, [RowShape(5, 6)])
+
+
+def test_prefill_tokens_bounds_each_prefill_forward_and_keeps_the_tokens():
+    """Newcomers share a prefill only while rows x longest prompt fits prefill_tokens (the
+    first always joins, however long), and the rows' tokens are those of unbounded prefills."""
+    model, config, ids = tiny_llama(), AlisaConfig(), prompts()
+    widths = []
+
+    class Counting(Engine):
+        def step(self, state, cache):
+            if state.feed.shape[1] > 1:  # a prefill forward: the newcomers' padded prompts
+                widths.append(tuple(state.feed.shape))
+            return super().step(state, cache)
+
+    def run(prefill_tokens):
+        widths.clear()
+        engine = Counting(model, byte_tokenizer(), stop_at_eos=False)
+        scheduler = ContinuousScheduler(
+            engine,
+            lambda: AlisaCache(model, config),
+            RowLimit(4),
+            prefill_rows=4,
+            prefill_tokens=prefill_tokens,
+        )
+        results = {r.id: r.token_ids for r in scheduler.run(requests(ids))}
+        return results, list(widths)
+
+    bounded, shapes = run(40)
+    assert all(rows == 1 or rows * width <= 40 for rows, width in shapes)
+    assert any(width > 40 for _, width in shapes)  # the 41-token prompt, alone
+    assert sum(rows for rows, _ in shapes) == len(ids)
+    unbounded, wide = run(None)
+    assert max(rows for rows, _ in wide) > max(rows for rows, _ in shapes)
+    assert bounded == unbounded

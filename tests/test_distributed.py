@@ -22,16 +22,17 @@ from alisa.jobs.parts import parts_dir, share
 TESTS = Path(__file__).parent
 REPO = TESTS.parent
 
-# A rank that records its pid and, with a delay, runs each batch slowly (the kill test's window).
+# A rank that records its pid and, with a delay, runs each forward pass slowly (the kill
+# test's window; static batches and continuous batching alike).
 RANK_SCRIPT = """
 import os, sys, time
 sys.path.insert(0, {tests!r})
-import alisa.jobs.runner as runner
-real = runner.generate
+from alisa.runtime.engine import Engine
+real = Engine.step
 def slow(*args, **kwargs):
     time.sleep({delay})
     return real(*args, **kwargs)
-runner.generate = slow
+Engine.step = slow
 with open(os.path.join({pids!r}, "rank-" + os.environ["RANK"]), "w") as handle:
     handle.write(str(os.getpid()))
 from alisa.cli import main
@@ -75,7 +76,7 @@ def test_kill_9_of_one_rank_ends_the_job_and_a_rerun_finishes_each_id_once(tmp_p
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     ids = write_prompts(source, 24)
     script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT.format(tests=str(TESTS), delay=0.3, pids=str(tmp_path)))
+    script.write_text(RANK_SCRIPT.format(tests=str(TESTS), delay=0.1, pids=str(tmp_path)))
     flags = ["--dtype", "float32", "--max-new-tokens", "3", "--no-progress"]
     process = torchrun(script, batch_args(source, target, model_dir) + flags + ["--max-batch", "1"])
     parts = [parts_dir(target) / f"rank-{rank}.jsonl" for rank in (0, 1)]

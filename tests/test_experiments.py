@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import byte_tokenizer, tiny_llama
+from conftest import saved_tiny_llama, tiny_llama
 
 from alisa import AlisaConfig
 from experiments.report import main as report_main
@@ -38,9 +38,7 @@ COPA = [
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("experiments")
-    model_dir = root / "tiny-model"
-    tiny_llama().save_pretrained(model_dir)
-    byte_tokenizer().save_pretrained(model_dir)
+    model_dir = saved_tiny_llama(root / "tiny-model")
     data = root / "data"
     (data / "wikitext2").mkdir(parents=True)
     (data / "wikitext2" / "wiki.test.raw").write_text(

@@ -240,3 +240,14 @@ def test_a_history_grows_moves_and_joins_with_its_scales():
     assert joined.true_sums(1)[:, 0, 0].tolist() == [0.0, 0.0, 1.75]
     joined.select_batch(torch.tensor([2, 0]))
     assert joined.scale.tolist() == [8.0, 1.0] and joined.true_sums(1)[0, 0, 0] == 1.75
+
+
+def test_the_cpu_kernels_are_refused_for_a_model_elsewhere():
+    from alisa.kv.host import HostKeeper
+    from alisa.policies import POLICIES
+
+    keeper = HostKeeper(POLICIES["swa"](caching_ratio=0.2), 16, compiled=True)
+    keys = torch.zeros(1, 1, 4, 8, device="meta")
+    slots = SlotMap(1, 1, 4, 8, torch.device("meta"))
+    with pytest.raises(ValueError, match="compiled=True runs host retention's CPU kernels"):
+        keeper.write(0, keys, keys, slots)

@@ -18,6 +18,7 @@ from alisa.commands.options import (
     check_minimum,
     load_for_cli,
 )
+from alisa.runtime.requests import PREFILL_TOKENS
 
 HELP = "generate for every prompt of a JSONL file under a memory budget (resumable)"
 
@@ -49,6 +50,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="static batches (sorted by length, each run until its last row finishes) instead "
         "of continuous batching (rows join as others finish)",
     )
+    parser.add_argument(
+        "--reserve-tokens",
+        type=int,
+        help="continuous batching: admit a row with room for this many new tokens instead of "
+        "all its max_new_tokens (more rows run); rows that outgrow it are paused, their KV "
+        "swapped to host memory, and resumed with the same tokens",
+    )
+    parser.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=PREFILL_TOKENS,
+        help="continuous batching: padded prompt tokens (rows x longest) prefilled in one "
+        f"forward at most, bounding how long running rows wait (default: {PREFILL_TOKENS}; a "
+        "longer prompt is prefilled alone)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--rank-timeout",
@@ -68,6 +84,14 @@ def run(args: argparse.Namespace) -> int:
 
     check_minimum("--max-new-tokens", args.max_new_tokens, 1)
     check_minimum("--max-batch", args.max_batch, 1)
+    check_minimum("--prefill-tokens", args.prefill_tokens, 1)
+    if args.reserve_tokens is not None:
+        check_minimum("--reserve-tokens", args.reserve_tokens, 0)
+        if args.static:
+            raise CommandError(
+                f"--reserve-tokens {args.reserve_tokens} applies to continuous batching; "
+                "--static batches reserve every row's max_new_tokens"
+            )
     if args.rank_timeout is not None and not 0 < args.rank_timeout < math.inf:
         raise CommandError(f"--rank-timeout={args.rank_timeout} must be a finite number > 0")
     if args.kv_memory is not None:
@@ -92,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         chat=args.chat,
         static=args.static,
+        reserve_tokens=args.reserve_tokens,
+        prefill_tokens=args.prefill_tokens,
     )
     apply_threads("batch", args.threads)
     if launched():

@@ -8,13 +8,9 @@ from collections.abc import Callable, Iterator, Sequence
 from alisa.jobs.io import OutputLog, Request
 from alisa.jobs.stream import ByteBudget
 from alisa.kv.cache import AlisaCache
-from alisa.runtime.continuous import (
-    ContinuousScheduler,
-    SchedulerStats,
-    StreamRequest,
-    StreamResult,
-)
+from alisa.runtime.continuous import ContinuousScheduler
 from alisa.runtime.engine import Engine
+from alisa.runtime.requests import SchedulerStats, StepRecord, StreamRequest, StreamResult
 from alisa.runtime.sampling import SamplingOptions
 from alisa.sizes import format_bytes
 from scheduler import ModelSpec
@@ -31,6 +27,9 @@ def continuous_results(
     spec: ModelSpec,
     budgets: tuple[int | None, int | None],
     sampling: Callable[[dict], SamplingOptions],
+    *,
+    started_s: float,
+    on_step: Callable[[StepRecord], None] | None = None,
 ) -> Iterator[tuple[Request, StreamResult, SchedulerStats]]:
     """(request, result, scheduler stats) of every request, in completion order.
 
@@ -38,13 +37,18 @@ def continuous_results(
     ----------
     job
         The :class:`~alisa.jobs.runner.BatchJob` (config, ``max_new_tokens``, ``max_batch``,
-        ``stop_at_eos``).
+        ``reserve_tokens``, ``stop_at_eos``).
     prompt_ids
         Token ids of each request's prompt, by request id.
     budgets
         (device bytes, KV bytes), either None for no limit.
     sampling
         A request's options -> its sampling (requests sharing one share a scheduler).
+    started_s
+        When the job started (``time.perf_counter()``): every row of the file arrived then,
+        so TTFTs count the wait in the queue.
+    on_step
+        Told each scheduler iteration (timelines).
     """
     groups: dict[tuple, list[Request]] = {}
     for request in requests:
@@ -56,16 +60,24 @@ def continuous_results(
         device_bytes=budgets[0],
         kv_bytes=budgets[1],
         max_rows=job.max_batch,
+        reserve_tokens=job.reserve_tokens,
     )
     for group in groups.values():
         engine = Engine(model, tokenizer, sampling(group[0].options), stop_at_eos=job.stop_at_eos)
-        scheduler = ContinuousScheduler(engine, lambda: AlisaCache(model, job.config), admission)
+        scheduler = ContinuousScheduler(
+            engine,
+            lambda: AlisaCache(model, job.config),
+            admission,
+            prefill_tokens=job.prefill_tokens,
+            on_step=on_step,
+        )
         by_id = {request.id: request for request in group}
         stream = (
             StreamRequest(
                 prompt_ids=prompt_ids[r.id],
                 max_new_tokens=r.options.get("max_new_tokens", job.max_new_tokens),
                 id=r.id,
+                arrival_s=started_s,
             )
             for r in group
         )
@@ -78,20 +90,22 @@ def recorded(
     log: OutputLog,
     summary,
     refused: Callable[[Request], dict],
-) -> Iterator[tuple[list, int]]:
+) -> Iterator[list]:
     """Append each result to ``log`` the moment it comes (a killed job keeps every finished
     row) and count it in ``summary`` (a :class:`~alisa.jobs.runner.JobSummary`).
 
-    Yields what the static path yields per batch, for its progress loop: ([request], 0), or
-    ([error row], 0) from ``refused`` for a request no budget admits even alone.
+    Yields what the static path yields per batch, for its progress loop: [request], or
+    [error row] from ``refused`` for a request no budget admits even alone.
     """
     for request, result, stats in rows:
         summary.progress = {"rows": stats.running, "queued": stats.queued}
+        if stats.preemptions:  # only where rows outgrew a reservation
+            summary.progress["paused"] = stats.paused
         summary.progress["kv"] = format_bytes(stats.kv_bytes)
         summary.peak_kv_bytes = max(summary.peak_kv_bytes, stats.peak_kv_bytes)
         summary.max_rows = max(summary.max_rows, stats.peak_rows)
         if result.finish_reason == "did_not_fit":
-            yield [refused(request)], 0
+            yield [refused(request)]
             continue
         log.append(
             {
@@ -102,6 +116,7 @@ def recorded(
             }
         )
         summary.completed += 1
+        summary.preemptions += result.paused
         summary.generated_tokens += len(result.token_ids)
         summary.ttfts_s.append(result.ttft_s)
-        yield [request], 0
+        yield [request]

@@ -22,12 +22,14 @@ from alisa.jobs.io import (
 )
 from alisa.jobs.lock import output_lock
 from alisa.jobs.parts import merge_parts
-from alisa.jobs.sizing import BatchMemory, batch_memory, largest_batch, running_memory
+from alisa.jobs.sizing import BatchMemory, running_memory
+from alisa.jobs.static import planned_batches, run_static
 from alisa.memory import PeakMemory
 from alisa.model.adapter import model_shape
 from alisa.model.loading import chat_prompt, context_length, prompt_length_error
 from alisa.planning.spec import model_spec
-from alisa.runtime.generate import SamplingOptions, generate
+from alisa.runtime.generate import SamplingOptions
+from alisa.runtime.requests import PREFILL_TOKENS, StepRecord
 from alisa.sizes import format_bytes, parse_budget, parse_bytes
 
 
@@ -58,6 +60,13 @@ class BatchJob:
     static
         Static batches (sorted by length, each run until its last row finishes) instead of
         continuous batching (rows join as others finish; :mod:`alisa.runtime.continuous`).
+    reserve_tokens
+        Continuous batching: admit a row with room for this many new tokens rather than all
+        its ``max_new_tokens``; rows that outgrow it are paused in host memory and resumed,
+        token-identically (:class:`~alisa.jobs.stream.ByteBudget`). None: reserve them all.
+    prefill_tokens
+        Continuous batching: padded prompt tokens (rows x longest) of one prefill forward at
+        most (:class:`~alisa.runtime.continuous.ContinuousScheduler`); None: no bound.
     """
 
     input: str | Path
@@ -71,6 +80,8 @@ class BatchJob:
     progress: bool = True
     chat: bool = False
     static: bool = False
+    reserve_tokens: int | None = None
+    prefill_tokens: int | None = PREFILL_TOKENS
 
     def __post_init__(self) -> None:
         check_field_types(self)  # None or a wrong type fails here, naming the field
@@ -81,6 +92,15 @@ class BatchJob:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.prefill_tokens is not None and self.prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens={self.prefill_tokens!r} must be an integer >= 1")
+        if self.reserve_tokens is not None and self.reserve_tokens < 0:
+            raise ValueError(f"reserve_tokens={self.reserve_tokens!r} must be an integer >= 0")
+        if self.reserve_tokens is not None and self.static:
+            raise ValueError(
+                f"reserve_tokens={self.reserve_tokens!r} applies to continuous batching; static "
+                "batches reserve every row's max_new_tokens"
+            )
 
 
 @dataclass(kw_only=True)
@@ -100,9 +120,12 @@ class JobSummary:
     peak_memory_bytes: int = 0
     budget_bytes: int | None = None
     kv_budget_bytes: int | None = None
-    ttfts_s: list = field(default_factory=list)  # time to first token of each batch
+    # Time to first token of each prompt, from the job's start (the wait for its batch or
+    # its admission included).
+    ttfts_s: list = field(default_factory=list)
     errors: dict = field(default_factory=dict)  # id -> error row of every failed prompt
     max_rows: int = 0  # continuous batching: the most rows that ran together
+    preemptions: int = 0  # continuous batching: rows paused in host memory and resumed
     progress: dict = field(default_factory=dict)  # continuous batching: the progress bar's
 
     @property
@@ -126,6 +149,8 @@ class JobSummary:
         batching += f"{max(self.batches, default=0)})"
         if self.max_rows:
             batching = f"continuous batching, up to {self.max_rows} rows"
+            if self.preemptions:
+                batching += f", {self.preemptions} pauses"
         return (
             f"{self.completed} prompts done ({self.already_done} already done before), "
             f"{len(self.did_not_fit)} did not fit, {len(self.too_long)} longer than the context, "
@@ -166,14 +191,22 @@ def open_job(job: BatchJob) -> tuple[list[Request], OutputLog]:
 
 
 def run_batch(
-    model, tokenizer, job: BatchJob, *, cache_factory: Callable | None = None
+    model,
+    tokenizer,
+    job: BatchJob,
+    *,
+    cache_factory: Callable | None = None,
+    on_step: Callable[[StepRecord], None] | None = None,
 ) -> JobSummary:
     """Generate for every pending prompt of ``job.input``, appending results to ``job.output``.
 
-    Batches are formed per generation-option group from prompts sorted by length, each as large
-    as the predicted peak memory allows under ``job.gpu_memory`` (see ``alisa.jobs.sizing``).
-    ``cache_factory`` replaces the ALISA cache (e.g. ``DynamicCache`` for a baseline; it is then
-    sized as a dense cache).
+    Rows run by continuous batching (or, with ``job.static``, in batches formed per
+    generation-option group from prompts sorted by length), as many at once as the predicted
+    peak memory allows under ``job.gpu_memory`` / ``job.kv_memory`` (see
+    ``alisa.jobs.sizing``). ``cache_factory`` replaces the ALISA cache (e.g. ``DynamicCache``
+    for a baseline; it runs static batches, sized as a dense cache). ``on_step`` is told every
+    decode step's :class:`~alisa.runtime.requests.StepRecord` (static batches: once each
+    batch ends, from its step times), for timelines.
 
     Raises
     ------
@@ -182,11 +215,16 @@ def run_batch(
         output (see :func:`alisa.jobs.lock.output_lock`), or a budget below the weights.
     """
     with output_lock(job.output):
-        return run_locked_batch(model, tokenizer, job, cache_factory=cache_factory)
+        return run_locked_batch(model, tokenizer, job, cache_factory=cache_factory, on_step=on_step)
 
 
 def run_locked_batch(
-    model, tokenizer, job: BatchJob, *, cache_factory: Callable | None = None
+    model,
+    tokenizer,
+    job: BatchJob,
+    *,
+    cache_factory: Callable | None = None,
+    on_step: Callable[[StepRecord], None] | None = None,
 ) -> JobSummary:
     """:func:`run_batch` for a caller that already holds ``output_lock(job.output)`` (the CLI
     holds it from its file checks to its failures file)."""
@@ -194,7 +232,9 @@ def run_locked_batch(
     try:
         pending = [r for r in requests if r.id not in log.done]
         bar = tqdm(total=len(pending), unit="prompt", disable=not job.progress, desc="alisa batch")
-        summary = run_requests(model, tokenizer, job, pending, log, bar, cache_factory)
+        summary = run_requests(
+            model, tokenizer, job, pending, log, bar, cache_factory, on_step=on_step
+        )
         summary.prompts, summary.already_done = len(requests), len(requests) - len(pending)
         return summary
     finally:
@@ -247,13 +287,15 @@ def run_requests(
     bar,
     cache_factory: Callable | None = None,
     host_share: int = 1,
+    *,
+    on_step: Callable[[StepRecord], None] | None = None,
 ) -> JobSummary:
     """Generate for ``pending`` (requests not done yet), appending each finished row to ``log``.
 
     Failed prompts (too long for the context, or too large for the budget even alone) are not
     written: they land in ``summary.errors`` and a re-run retries them. ``bar`` is a tqdm-like
     progress bar updated per batch; ``host_share`` is how many processes share this host's free
-    memory (CPU budgets only).
+    memory (CPU budgets only); ``on_step`` as in :func:`run_batch`.
     """
     spec = model_spec(model, model_shape(model))
     sizing = None if cache_factory is not None else job.config
@@ -269,23 +311,43 @@ def run_requests(
     bar.update(len(summary.too_long))
     started = time.perf_counter()
     with PeakMemory(next(model.parameters()).device) as memory:
+        limits = (budgets.device, budgets.kv)
         if job.static or cache_factory is not None:
-            batches = _batches(pending, lengths, job, spec, sizing, budgets)
+            plan = planned_batches(
+                pending, lengths, job, spec, sizing, limits, lambda r, m: _too_large(r, m, budgets)
+            )
+            batches = run_static(
+                model,
+                tokenizer,
+                job,
+                plan,
+                log,
+                summary,
+                sampling=_sampling,
+                factory=cache_factory,
+                started_s=started,
+                on_step=on_step,
+            )
         else:
-            limits = (budgets.device, budgets.kv)
             rows = continuous_results(
-                model, tokenizer, job, pending, prompt_ids, spec, limits, _sampling
+                model,
+                tokenizer,
+                job,
+                pending,
+                prompt_ids,
+                spec,
+                limits,
+                _sampling,
+                started_s=started,
+                on_step=on_step,
             )
             batches = recorded(
                 rows, log, summary, lambda r: _refused(r, lengths[r.id], spec, job, budgets)
             )
-        for batch, new_tokens in batches:
+        for batch in batches:
             if len(batch) == 1 and isinstance(batch[0], dict):  # did not fit even alone
                 summary.errors[batch[0]["id"]] = batch[0]
                 summary.did_not_fit.append(batch[0]["id"])
-            elif new_tokens:
-                result = _generate(model, tokenizer, job, batch, new_tokens, cache_factory)
-                _record(log, summary, batch, result)
             bar.update(len(batch))
             rate = summary.generated_tokens / (time.perf_counter() - started)
             bar.set_postfix(tok_s=f"{rate:.1f}", **(summary.progress or {"batch": len(batch)}))
@@ -293,21 +355,6 @@ def run_requests(
     summary.seconds = time.perf_counter() - started
     summary.peak_memory_bytes = memory.peak_bytes
     return summary
-
-
-def _generate(model, tokenizer, job: BatchJob, batch: list[Request], new_tokens: int, factory):
-    """One batch through `generate()` (a fresh cache from ``factory``)."""
-    return generate(
-        model,
-        tokenizer,
-        [r.prompt for r in batch],
-        job.config,
-        max_new_tokens=new_tokens,
-        sampling=_sampling(batch[0].options),
-        past_key_values=factory() if factory else None,
-        prune_finished=True,
-        stop_at_eos=job.stop_at_eos,
-    )
 
 
 def _drop_too_long(pending, lengths, context, summary: JobSummary, new_tokens: int) -> list:
@@ -325,47 +372,6 @@ def _drop_too_long(pending, lengths, context, summary: JobSummary, new_tokens: i
         summary.errors[request.id] = _failed_row(request, reason, error)
         summary.too_long.append(request.id)
     return kept
-
-
-def _batches(pending, lengths, job, spec, sizing, budgets: _Budgets):
-    """(batch, new_tokens) in run order: longest prompts first within each option group.
-
-    A prompt that cannot fit even alone comes out as a one-element batch holding its error row.
-    """
-    for group in _groups(pending, job):
-        new_tokens = group[0].options.get("max_new_tokens", job.max_new_tokens)
-        queue = sorted(group, key=lambda r: lengths[r.id], reverse=True)
-        while queue:
-            longest = lengths[queue[0].id]
-            size = largest_batch(
-                spec, sizing, budgets.device, longest, new_tokens, job.max_batch, budgets.kv
-            )
-            if size == 0:
-                need = batch_memory(spec, sizing, 1, longest, new_tokens)
-                yield [_too_large(queue.pop(0), need, budgets)], new_tokens
-                continue
-            batch, queue = queue[:size], queue[size:]
-            yield batch, new_tokens
-
-
-def _record(log: OutputLog, summary: JobSummary, batch: list[Request], result) -> None:
-    rows = zip(batch, result.texts, result.token_ids, result.finish_reasons, strict=True)
-    for request, text, ids, reason in rows:
-        log.append({"id": request.id, "text": text, "tokens": len(ids), "finish_reason": reason})
-    summary.batches.append(len(batch))
-    summary.completed += len(batch)
-    summary.generated_tokens += result.generated_tokens
-    summary.peak_kv_bytes = max(summary.peak_kv_bytes, result.peak_kv_bytes)
-    summary.ttfts_s.append(result.ttft_s)
-
-
-def _groups(requests: list[Request], job: BatchJob) -> list[list[Request]]:
-    """Requests that can share a batch: the same generation options."""
-    groups: dict[tuple, list[Request]] = {}
-    for request in requests:
-        options = {"max_new_tokens": job.max_new_tokens, **request.options}
-        groups.setdefault(tuple(sorted(options.items())), []).append(request)
-    return list(groups.values())
 
 
 def _sampling(options: dict) -> SamplingOptions:

@@ -11,13 +11,9 @@ from alisa.kv.cache import AlisaCache
 from alisa.kv.hooks import attached
 from alisa.model.adapter import model_shape
 from alisa.planning.spec import model_spec
-from alisa.runtime.continuous import (
-    ContinuousScheduler,
-    RowShape,
-    StreamRequest,
-    StreamResult,
-)
+from alisa.runtime.continuous import ContinuousScheduler
 from alisa.runtime.engine import Engine
+from alisa.runtime.requests import PREFILL_TOKENS, RowShape, StreamRequest, StreamResult
 from alisa.runtime.sampling import SamplingOptions, sampling_or_default
 from alisa.sizes import parse_budget
 from scheduler import ModelSpec
@@ -39,6 +35,12 @@ class ByteBudget:
         Budget for the KV alone; None: no limit.
     max_rows
         Rows at most, whatever the budgets allow.
+    reserve_tokens
+        None: a row is admitted with room for all its ``max_new_tokens`` (rows never outgrow
+        what was reserved). A count: with room for that many more tokens only (more rows run;
+        most answers stop at EOS long before their limit), and when the running rows would
+        exceed a budget at their next step the scheduler pauses the newest in host memory,
+        token-identically. A request must still fit alone at its full length to be admitted.
     """
 
     spec: ModelSpec
@@ -46,6 +48,7 @@ class ByteBudget:
     device_bytes: int | None = None
     kv_bytes: int | None = None
     max_rows: int = 64
+    reserve_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("device_bytes", "kv_bytes"):
@@ -54,17 +57,47 @@ class ByteBudget:
                 raise ValueError(f"{name}={value!r} must be a positive byte count or None")
         if isinstance(self.max_rows, bool) or self.max_rows < 1:
             raise ValueError(f"max_rows={self.max_rows!r} must be an integer >= 1")
+        reserve = self.reserve_tokens
+        if reserve is not None and (
+            isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0
+        ):
+            raise ValueError(f"reserve_tokens={reserve!r} must be an integer >= 0 or None")
 
     def admits(self, running: Sequence[RowShape], joining: Sequence[RowShape]) -> bool:
         if len(running) + len(joining) > self.max_rows:
             return False
+        if self.reserve_tokens is not None and not all(
+            self._fit(running_memory(self.spec, self.config, [], [_full(row)])) for row in joining
+        ):
+            return False  # it could never finish, even alone
         memory = running_memory(
             self.spec,
             self.config,
-            [(row.prompt_tokens, row.new_tokens) for row in running],
-            [(row.prompt_tokens, row.new_tokens) for row in joining],
+            [self._reserved(row) for row in running],
+            [self._reserved(row) for row in joining],
         )
+        return self._fit(memory)
+
+    def fits(self, running: Sequence[RowShape]) -> bool:
+        """Whether the running rows' next step stays within the budgets (the tokens they hold
+        plus the step's new one, whatever was reserved)."""
+        if len(running) > self.max_rows:
+            return False
+        if self.reserve_tokens is None:  # every row was admitted with room for all its tokens
+            return True
+        memory = running_memory(self.spec, self.config, [(row.tokens, 0) for row in running])
+        return self._fit(memory)
+
+    def _reserved(self, row: RowShape) -> tuple[int, int]:
+        ahead = row.new_tokens if self.reserve_tokens is None else self.reserve_tokens
+        return row.tokens, min(row.new_tokens, ahead)
+
+    def _fit(self, memory) -> bool:
         return fits(memory, self.device_bytes, self.kv_bytes)
+
+
+def _full(row: RowShape) -> tuple[int, int]:
+    return row.tokens, row.new_tokens
 
 
 def stream_generate(
@@ -79,6 +112,8 @@ def stream_generate(
     kv_memory: int | str | None = None,
     max_rows: int = 64,
     prefill_rows: int = 8,
+    prefill_tokens: int | None = PREFILL_TOKENS,
+    reserve_tokens: int | None = None,
     stop_at_eos: bool = True,
 ) -> Iterator[StreamResult]:
     """Complete a stream of prompts with continuous batching; results in completion order.
@@ -97,8 +132,12 @@ def stream_generate(
         supported: their layout is planned per batch).
     gpu_memory, kv_memory
         Byte budgets (``"8GiB"``) for weights + KV + activations, and for the KV alone.
-    max_rows, prefill_rows
-        Rows running at most; newcomers prefilled together at most.
+    max_rows, prefill_rows, prefill_tokens
+        Rows running at most; newcomers prefilled together at most, and their padded prompt
+        tokens (rows x longest) in that forward at most (None: no bound).
+    reserve_tokens
+        Admit rows with room for this many new tokens rather than all of them; rows that
+        outgrow it are paused in host memory and resumed (see :class:`ByteBudget`).
 
     Yields
     ------
@@ -120,10 +159,15 @@ def stream_generate(
         device_bytes=None if gpu_memory is None else parse_budget(gpu_memory, field="gpu_memory"),
         kv_bytes=None if kv_memory is None else parse_budget(kv_memory, field="kv_memory"),
         max_rows=max_rows,
+        reserve_tokens=reserve_tokens,
     )
     engine = Engine(model, tokenizer, sampling_or_default(sampling), stop_at_eos=stop_at_eos)
     scheduler = ContinuousScheduler(
-        engine, lambda: AlisaCache(model, config), admission, prefill_rows=prefill_rows
+        engine,
+        lambda: AlisaCache(model, config),
+        admission,
+        prefill_rows=prefill_rows,
+        prefill_tokens=prefill_tokens,
     )
     requests = (_request(tokenizer, prompt, max_new_tokens) for prompt in prompts)
     with attached(model):  # the model's attention is restored when the stream ends

@@ -116,8 +116,7 @@ def alisa_attention(
             output = _prefill_attention(query, key, value, attention_mask, scaling, options, window)
         if layer is not None:
             scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-            _account_prompt(layer, query, key, attention_mask, scaling, options)
-            layer.after_attention(query, None)
+            prefill_layer(layer, query, key, attention_mask, scaling, options)
         return output, None
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     layer.before_attention(query)
@@ -266,7 +265,7 @@ def _visible(parts: list[Part], seen: int, length: int, window: int | None) -> t
     return visible
 
 
-def _account_prompt(
+def prefill_layer(
     layer: AlisaLayer,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -274,13 +273,22 @@ def _account_prompt(
     scaling: float,
     options: LogitOptions = PLAIN,
 ) -> None:
-    """Mark the prompt's padding and seed the policy with the last prompt queries' attention."""
+    """What a prefill does to its cache layer besides computing the output.
+
+    The prompt's padding is marked, the policy is seeded with the last prompt queries' attention,
+    then the layer's keeper keeps its budget (a host keeper first writes the whole prompt to the
+    host region). The layer must hold the prompt already (``layer.update(key, value)``). One
+    prefill's (B, H, q, D) ``query`` and (B, H_kv, q, D) ``key`` can so fill several caches of
+    different configs: the output is the same dense attention for all of them
+    (``experiments.tasks.ruler.shared`` prefills once for every system it compares).
+    """
     valid = _prompt_validity(attention_mask, key)
     if valid is not None:
         layer.mark_padding(valid)
     rows_wanted = layer.scored_rows_wanted()
     if rows_wanted != 0:
         _seed_scores(layer, query, key, valid, scaling, rows_wanted, options)
+    layer.after_attention(query, None)
 
 
 def _prompt_validity(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor | None:

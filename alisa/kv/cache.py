@@ -16,6 +16,7 @@ from alisa.kv.hooks import attach
 from alisa.kv.host import HostKeeper
 from alisa.kv.keeper import Keeper
 from alisa.kv.layer import AlisaLayer
+from alisa.kv.swap import copy_replacing
 from alisa.kv.window import WindowKeeper
 from alisa.model.adapter import ModelAdapter, ModelShape
 from alisa.planning.tiers import TierPlanner
@@ -202,8 +203,45 @@ class AlisaCache(Cache):
         # is later), so the positions no layer uses end at the smallest ``first`` of all.
         unused = min(int(layer.slots.first.min()) for layer in layers)
         self.shift_positions(-unused)
-        for layer in layers:
+        self.trim()
+
+    def trim(self) -> None:
+        """Return the memory of every empty slot now (:meth:`AlisaLayer.trim`): after a
+        prefill's eviction, the capacity follows what the rows keep, not their prompts."""
+        for layer in self._started():
             layer.trim()
+
+    def take_rows(self, indices: torch.Tensor) -> AlisaCache:
+        """Move the sequences ``indices`` out into a cache of their own; this one keeps the
+        others, in order. :meth:`extend` takes them back (continuous batching pauses rows so).
+
+        The new cache starts as this one's structure sharing every tensor; each part then
+        selects its rows into new tensors (selection never writes into the tensors it reads),
+        so neither cache sees the other's later steps. Both give back what their rows no
+        longer need (:meth:`keep_rows`).
+
+        Raises
+        ------
+        ValueError
+            ``indices`` empty or holding every sequence, or device tiers (``gpu_memory``).
+        """
+        batch = len(self.layers[0].slots.first) if self._started() else 0
+        chosen = set(indices.tolist())
+        if not chosen or len(chosen) >= batch or not chosen <= set(range(batch)):
+            raise ValueError(
+                f"take_rows(indices={indices.tolist()}) must name some, not all, of the "
+                f"{batch} sequences"
+            )
+        if self.planner is not None:
+            raise ValueError(
+                f"gpu_memory={self.config.gpu_memory!r}: tiered caches cannot split their rows "
+                "(their tier sizes are planned per batch)"
+            )
+        taken = copy_replacing(self, lambda tensor: tensor)
+        taken.keep_rows(indices)
+        rest = [row for row in range(batch) if row not in chosen]
+        self.keep_rows(torch.tensor(rest, device=indices.device))
+        return taken
 
     def shift_positions(self, delta: int) -> None:
         """Move every sequence ``delta`` positions in the padded coordinates (see

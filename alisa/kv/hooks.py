@@ -21,7 +21,8 @@ from transformers.cache_utils import Cache
 
 from alisa.kv.attention import ATTENTION_NAME
 from alisa.kv.layer import AlisaLayer
-from alisa.model.adapter import CACHE_KWARGS, ModelAdapter, attention_modules
+from alisa.model.adapter import ModelAdapter, attention_modules
+from alisa.model.routing import CACHE_KWARGS
 
 
 def _alisa_layer(cache, layer_idx: int) -> AlisaLayer | None:

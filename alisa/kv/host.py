@@ -163,9 +163,13 @@ class HostKeeper(Keeper):
         """
         batch, heads, length, head_dim = keys.shape
         if self.pages is None:
-            self.compiled = (
-                keys.device.type == "cpu" if self.compiled_option is None else self.compiled_option
-            )
+            on_cpu = keys.device.type == "cpu"
+            if self.compiled_option and not on_cpu:
+                raise ValueError(
+                    f"compiled=True runs host retention's CPU kernels; the model is on "
+                    f"{keys.device} (leave compiled unset)"
+                )
+            self.compiled = on_cpu if self.compiled_option is None else self.compiled_option
             self.pages = HostPages(
                 batch, heads, head_dim, bits=self.host_bits, dtype=keys.dtype, device=keys.device
             )

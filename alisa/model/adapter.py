@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from alisa.model.routing import INLINE_ATTENTION, routing_reason
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelShape:
@@ -55,35 +57,44 @@ class ModelShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 
-# The keyword under which a modeling file hands its attention module the cache (Llama-style,
-# older files, and GPT-NeoX / GPTBigCode / CTRL).
-CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
 # Layer kinds (transformers' ``layer_types``) whose attention the ALISA cache reproduces exactly.
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
-INLINE_ATTENTION = (
-    "its modeling code computes attention inline instead of through transformers' attention "
-    "interface (ALL_ATTENTION_FUNCTIONS), so the kept tokens could not be the ones attended"
-)
+# What the other kinds of transformers' cache layers hold, for the refusal's message.
+LAYER_KIND_NOTES = {
+    "linear_attention": "a recurrent or state-space state instead of keys and values",
+    "conv": "a convolution state instead of keys and values",
+    "hybrid": "attention and a recurrent state in one layer",
+    "hybrid_sliding": "windowed attention and a recurrent state in one layer",
+    "chunked_attention": "attention within fixed chunks of the sequence",
+    "indexed_attention": "keys the model's own indexer selects",
+    "dummy": "no cache of their own: another layer's keys and values, or no attention",
+}
+# Config fields that must be one value for every layer (one head size, one KV head count).
+GEOMETRY_FIELDS = ("head_dim", "num_attention_heads", "num_key_value_heads", "hidden_size")
 
 
 def model_shape(model: nn.Module) -> ModelShape:
     """Read the attention geometry from a model and check the runtime supports it.
 
     Every reason a model cannot run exactly is found here, when the cache is built, never at a
-    later forward (:func:`unsupported_reason`).
+    later forward (:func:`unsupported_reason`). A composite model (a text decoder with vision or
+    audio towers) is read from its text config.
 
     Raises
     ------
     ValueError
-        Naming what is missing: a decoder-only config, one full-attention module per layer
+        Naming what is missing: a decoder-only config, one self-attention module per layer
         reached through HF's attention interface and handed the cache, per-head keys and values.
     """
-    config = getattr(model, "config", None)
-    if config is None:
+    if getattr(model, "config", None) is None:
         raise ValueError(f"model of type {type(model).__name__} has no HF config")
+    config = model.config.get_text_config(decoder=True)
     name = type(model).__name__
-    if getattr(config, "is_encoder_decoder", False):
+    if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"{name} is an encoder-decoder model; alisa supports decoder-only models")
+    reason = unsupported_reason(model)
+    if reason is not None:
+        raise ValueError(f"{name} is not supported: {reason}")
     layers = getattr(config, "num_hidden_layers", None)
     heads = getattr(config, "num_attention_heads", None)
     hidden = getattr(config, "hidden_size", None)
@@ -98,9 +109,6 @@ def model_shape(model: nn.Module) -> ModelShape:
     ]
     if missing:
         raise ValueError(f"{name} config lacks {', '.join(missing)}")
-    reason = unsupported_reason(model)
-    if reason is not None:
-        raise ValueError(f"{name} is not supported: {reason}")
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     windows = layer_windows(model)
@@ -142,18 +150,31 @@ def unsupported_reason(model: nn.Module) -> str | None:
 
     Checked without running the model (https://huggingface.co/docs/transformers/attention_interface):
     attention must go through transformers' attention interface (the ``alisa`` function then
-    sees every query), every layer must be full or sliding-window attention, the cache must
-    receive per-head keys and values (not multi-head latent attention's latents), each attention
-    module must be handed the cache.
+    sees every query), every layer must be full or sliding-window attention of one geometry,
+    the cache must receive per-head keys and values (not multi-head latent attention's latents),
+    each layer must have one self-attention module, handed the cache, that gives the attention
+    function the cache's keys and values and transformers' mask
+    (:func:`alisa.model.routing.routing_reason`).
     """
     config = model.config.get_text_config(decoder=True)
     if not type(model)._can_set_attn_implementation():
         return INLINE_ATTENTION
+    layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(layers, int):
+        parts = ", ".join(getattr(type(config), "sub_configs", None) or ())
+        return (
+            f"its config has no num_hidden_layers{f' (its layers are in {parts})' if parts else ''}"
+            "; alisa needs one stack of decoder layers"
+        )
     kinds = sorted({kind for kind in layer_types(model) if kind not in SUPPORTED_LAYER_TYPES})
     if kinds:
+        described = ", ".join(
+            f"{kind} ({LAYER_KIND_NOTES[kind]})" if kind in LAYER_KIND_NOTES else kind
+            for kind in kinds
+        )
         return (
-            f"it has layers of kind {', '.join(kinds)}; alisa runs full-attention and "
-            "sliding-window attention layers"
+            f"it has layers of kind {described}; alisa runs full-attention and sliding-window "
+            "attention layers"
         )
     rank = getattr(config, "kv_lora_rank", None)
     if rank:
@@ -161,23 +182,40 @@ def unsupported_reason(model: nn.Module) -> str | None:
             f"it caches multi-head latent attention latents (kv_lora_rank={rank}), not per-head "
             "keys and values"
         )
-    modules = attention_modules(model)
-    if len(modules) != config.num_hidden_layers:
+    per_layer = set(getattr(config, "per_layer_attributes", None) or ())
+    varying = sorted(per_layer & set(GEOMETRY_FIELDS))
+    if varying:
         return (
-            f"found {len(modules)} attention modules with a layer_idx for "
-            f"{config.num_hidden_layers} layers; alisa needs one self-attention module per layer"
+            f"its layers differ in {', '.join(varying)} (a per-layer config); alisa needs one "
+            "attention geometry for every layer"
         )
-    return _module_reason(modules[0])
+    return _modules_reason(attention_modules(model), layers)
 
 
-def _module_reason(module: nn.Module) -> str | None:
-    """What in an attention module's forward alisa cannot follow, or None."""
-    parameters = inspect.signature(type(module).forward).parameters
-    if not any(name in parameters for name in CACHE_KWARGS):
+def _modules_reason(modules: list[nn.Module], layers: int) -> str | None:
+    """What in the attention modules alisa cannot follow, or None."""
+    if not modules:
         return (
-            f"{type(module).__name__}.forward takes no cache argument "
-            f"({' / '.join(CACHE_KWARGS)}), so the attention function could not reach the cache"
+            "it has no attention layers (a recurrent or state-space model): no keys and values "
+            "reach a cache"
         )
+    cross = sorted(
+        {module.layer_idx for module in modules if "CrossAttention" in type(module).__name__}
+    )
+    if cross:
+        return (
+            f"layers {cross} cross-attend to another input's states (e.g. image features), "
+            "which the cache holds instead of the tokens' keys and values"
+        )
+    if len(modules) != layers:
+        return (
+            f"found {len(modules)} attention modules with a layer_idx for {layers} layers; "
+            "alisa needs one self-attention module per layer"
+        )
+    for module_class in dict.fromkeys(type(module) for module in modules):
+        reason = routing_reason(module_class)
+        if reason is not None:
+            return reason
     return None
 
 
@@ -198,13 +236,25 @@ def attention_extras(module: nn.Module) -> tuple[str, ...]:
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The self-attention modules of a model, in layer order."""
-    modules = [m for m in model.modules() if _is_attention_module(m)]
+    """The self-attention modules of a model's text decoder, in layer order (a vision or audio
+    tower's are not the cache's)."""
+    modules = [m for m in _decoder(model).modules() if _is_attention_module(m)]
     return sorted(modules, key=lambda m: m.layer_idx)
 
 
+def _decoder(model: nn.Module) -> nn.Module:
+    """The text decoder of a (composite) model; the model itself when it names no decoder model
+    (``get_decoder`` of a masked-LM family returns its output layer)."""
+    from transformers import PreTrainedModel
+
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    return decoder if isinstance(decoder, PreTrainedModel) else model
+
+
 def _is_attention_module(module: nn.Module) -> bool:
-    return hasattr(module, "layer_idx") and type(module).__name__.endswith("Attention")
+    named = type(module).__name__.endswith("Attention")
+    return named and isinstance(getattr(module, "layer_idx", None), int)
 
 
 @dataclass(frozen=True, eq=False)

@@ -247,7 +247,7 @@ def _refuse_inline_attention(spec: str, path: str) -> None:
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from alisa.model.adapter import INLINE_ATTENTION
+    from alisa.model.routing import INLINE_ATTENTION
 
     config = AutoConfig.from_pretrained(path)
     try:
@@ -275,7 +275,7 @@ def context_length(model, tokenizer=None) -> tuple[int, str] | None:
     The model config's ``max_position_embeddings`` (GPT-2's ``n_positions`` maps onto it) is the
     real limit; a tokenizer's ``model_max_length`` is the fallback for configs without one.
     """
-    limit = getattr(model.config, "max_position_embeddings", None)
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     if isinstance(limit, int) and limit > 0:
         return limit, "max_position_embeddings"
     length = getattr(tokenizer, "model_max_length", None) if tokenizer is not None else None

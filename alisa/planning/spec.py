@@ -53,12 +53,12 @@ def config_workload(
 
 def model_spec(model: nn.Module, shape: ModelShape, name: str | None = None) -> ModelSpec:
     """The scheduler's view of a loaded (or empty-weights) model."""
-    config = model.config
+    config = model.config.get_text_config(decoder=True)  # a composite model's text decoder
     known = context_length(model)
     parameters = list({id(p): p for p in model.parameters()}.values())  # tied weights once
     element = parameters[0].element_size() if parameters else 2
     return ModelSpec(
-        name=name or getattr(config, "_name_or_path", None) or type(model).__name__,
+        name=name or getattr(model.config, "_name_or_path", None) or type(model).__name__,
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         num_heads=shape.num_heads,

@@ -14,139 +14,62 @@ Exactness: every row computes what it would alone. Its RoPE positions are its ow
 (``DecodeState.positions``), its budget follows its own length (``SlotMap.first``), and after
 prefill attention masks by slot positions only. Float rounding may differ with the batch's shape
 (matrix products over other batch sizes and slot orders), as in any batch.
+
+Preemption loses nothing: when the running rows would outgrow what the admission rule allows
+(rows admitted with room for only their next few tokens, ``ByteBudget(reserve_tokens=...)``),
+the newest row is paused: its cache rows are taken out (:meth:`AlisaCache.take_rows`) and its
+device KV copied to host memory (:func:`alisa.kv.swap.swap_out`), never re-prefilled (under
+eviction a prefill would keep another token set). It rejoins, as a newcomer's cache does,
+before any new request starts, and continues exactly where it stopped.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
 from alisa.kv.cache import AlisaCache
+from alisa.kv.swap import Swapped, swap_out
 from alisa.model.loading import context_length, prompt_length_error
 from alisa.runtime.engine import DecodeState, Engine
-
-
-@dataclass(frozen=True, kw_only=True)
-class StreamRequest:
-    """One prompt to complete.
-
-    Parameters
-    ----------
-    prompt_ids
-        The prompt's token ids (at least one).
-    max_new_tokens
-        Tokens to generate at most (the row also stops at EOS).
-    id
-        The caller's name for it, returned with the result (default: its arrival index).
-    """
-
-    prompt_ids: Sequence[int]
-    max_new_tokens: int
-    id: object = None
-
-    def __post_init__(self) -> None:
-        if len(self.prompt_ids) == 0:
-            raise ValueError(f"prompt_ids of request {self.id!r} is empty")
-        count = self.max_new_tokens
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ValueError(f"max_new_tokens={count!r} must be an integer >= 0")
-
-
-@dataclass(frozen=True)
-class RowShape:
-    """What admission knows of a row: its prompt and how many tokens it may still add."""
-
-    prompt_tokens: int
-    new_tokens: int
-
-
-class Admission(Protocol):
-    """Decides whether waiting requests may join the running rows."""
-
-    def admits(self, running: Sequence[RowShape], joining: Sequence[RowShape]) -> bool:
-        """Whether ``joining`` (prefilled together) fit next to ``running``."""
-        ...
-
-
-@dataclass(frozen=True)
-class RowLimit:
-    """Admit while the rows stay at most ``max_rows`` (no byte budget)."""
-
-    max_rows: int
-
-    def admits(self, running: Sequence[RowShape], joining: Sequence[RowShape]) -> bool:
-        return len(running) + len(joining) <= self.max_rows
-
-
-@dataclass(kw_only=True)
-class StreamResult:
-    """One finished request.
-
-    Attributes
-    ----------
-    id
-        The request's id.
-    token_ids
-        Generated tokens, EOS included when emitted.
-    text
-        Decoded tokens (EOS excluded), or None without a tokenizer.
-    prompt_tokens
-        Prompt length in tokens.
-    finish_reason
-        ``"stop"`` (EOS), ``"length"`` (max_new_tokens reached), ``"did_not_fit"`` (the
-        admission rule refuses it even alone), ``"prompt_too_long"`` (the prompt is longer
-        than the model's context) or ``"context_exceeded"`` (with its ``max_new_tokens`` it
-        would be); ``error`` says why, and such a row never runs.
-    ttft_s
-        From the request's arrival (queueing included) to its first token, seconds.
-    latency_s
-        From arrival to its last token, seconds.
-    """
-
-    id: object
-    token_ids: list[int]
-    text: str | None
-    prompt_tokens: int
-    finish_reason: str
-    ttft_s: float
-    latency_s: float
-    error: str | None = None
-
-
-@dataclass(kw_only=True)
-class SchedulerStats:
-    """Where the scheduler stands (for progress lines)."""
-
-    running: int = 0
-    peak_rows: int = 0  # the most rows that ran one step together
-    queued: int = 0
-    finished: int = 0
-    generated_tokens: int = 0
-    kv_bytes: int = 0  # device KV held by the running rows (the key sketch included)
-    peak_kv_bytes: int = 0
-    started_s: float = field(default_factory=time.perf_counter)
-
-    @property
-    def tokens_per_s(self) -> float:
-        elapsed = time.perf_counter() - self.started_s
-        return self.generated_tokens / elapsed if elapsed > 0 else 0.0
+from alisa.runtime.requests import (
+    PREFILL_TOKENS,
+    Admission,
+    RowLimit,
+    RowShape,
+    SchedulerStats,
+    StepRecord,
+    StreamRequest,
+    StreamResult,
+)
 
 
 @dataclass(kw_only=True)
 class _Row:
     request: StreamRequest
     arrival_s: float
+    order: int  # arrival index: the newest row is paused first
     tokens: list[int] = field(default_factory=list)
     ttft_s: float = 0.0
+    paused: int = 0
 
     @property
     def shape(self) -> RowShape:
-        return RowShape(len(self.request.prompt_ids), self.request.max_new_tokens)
+        done = len(self.tokens)
+        return RowShape(len(self.request.prompt_ids) + done, self.request.max_new_tokens - done)
+
+
+@dataclass(frozen=True)
+class _Paused:
+    """A row waiting in host memory: its cache rows and its decode state."""
+
+    row: _Row
+    cache: Swapped[AlisaCache]
+    state: DecodeState
 
 
 class ContinuousScheduler:
@@ -155,15 +78,23 @@ class ContinuousScheduler:
     Parameters
     ----------
     engine
-        The decode loop's forward and pick (greedy or sampling; with sampling, rows share
-        one generator, so a row's draws depend on its batch).
+        The decode loop's forward and pick (greedy or sampling; seeded sampling draws from a
+        generator per row, so a row's tokens do not depend on its batch).
     new_cache
         Builds an empty :class:`AlisaCache` for each group of newcomers (same config every
         time).
     admission
-        Whether waiting requests may join (default: at most 64 rows).
+        Whether waiting requests may join, and running rows step (default: at most 64 rows).
     prefill_rows
         Newcomers prefilled together in one left-padded forward, at most.
+    prefill_tokens
+        Padded tokens (rows x longest prompt) of one such forward, at most: a newcomer joins
+        the group only while the group stays within it (the first always does). It bounds how
+        long running rows wait for a prefill and the compute spent on padding, which on a CPU
+        buys nothing: prefill runs at the same tokens/s one row at a time (measured:
+        SmolLM2-135M, 2 threads, ~500 tok/s for 1 x 491 and for 8 x 491). None: no bound.
+    on_step
+        Told each iteration's :class:`StepRecord` (timelines; None: nothing recorded).
     """
 
     def __init__(
@@ -173,34 +104,44 @@ class ContinuousScheduler:
         admission: Admission | None = None,
         *,
         prefill_rows: int = 8,
+        prefill_tokens: int | None = PREFILL_TOKENS,
+        on_step: Callable[[StepRecord], None] | None = None,
     ) -> None:
-        if isinstance(prefill_rows, bool) or not isinstance(prefill_rows, int) or prefill_rows < 1:
-            raise ValueError(f"prefill_rows={prefill_rows!r} must be an integer >= 1")
+        for name, value in (("prefill_rows", prefill_rows), ("prefill_tokens", prefill_tokens)):
+            if value is None and name == "prefill_tokens":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        self.prefill_tokens = prefill_tokens
         self.engine, self.new_cache = engine, new_cache
         self.context = context_length(engine.model, engine.tokenizer)  # None: unknown
         self.admission = admission or RowLimit(64)
         self.prefill_rows = prefill_rows
+        self.on_step = on_step
         self.queue: deque[_Row] = deque()
         self.rows: list[_Row] = []  # running, in cache row order
+        self.paused: list[_Paused] = []  # in arrival order
         self.cache: AlisaCache | None = None
         self.state: DecodeState | None = None
         self.stats = SchedulerStats()
         self._arrivals = 0
 
     def submit(self, request: StreamRequest) -> None:
-        """Queue ``request`` (its TTFT counts from now)."""
+        """Queue ``request`` (its TTFT counts from its ``arrival_s``, else from now)."""
         if request.id is None:
             request = StreamRequest(
                 prompt_ids=request.prompt_ids,
                 max_new_tokens=request.max_new_tokens,
                 id=self._arrivals,
+                arrival_s=request.arrival_s,
             )
+        arrival = time.perf_counter() if request.arrival_s is None else request.arrival_s
+        self.queue.append(_Row(request=request, arrival_s=arrival, order=self._arrivals))
         self._arrivals += 1
-        self.queue.append(_Row(request=request, arrival_s=time.perf_counter()))
 
     @property
     def idle(self) -> bool:
-        return not self.queue and not self.rows
+        return not self.queue and not self.rows and not self.paused
 
     def run(self, requests: Iterable[StreamRequest], lookahead: int = 64) -> Iterator[StreamResult]:
         """Results of ``requests`` in completion order; up to ``lookahead`` are read ahead of
@@ -220,17 +161,33 @@ class ContinuousScheduler:
 
     @torch.inference_mode()
     def step(self) -> list[StreamResult]:
-        """One iteration: admit and prefill newcomers, one decode step, finished rows leave."""
-        done = self._admit()
+        """One iteration: pause rows that no longer fit, resume paused ones that do, else admit
+        and prefill newcomers; one decode step; finished rows leave."""
+        before = self.stats.generated_tokens
+        self._make_room()
+        self._resume()
+        done = [] if self.paused else self._admit()  # paused rows go first
+        stepped = len(self.rows)
         if self.rows:
             self.stats.peak_rows = max(self.stats.peak_rows, len(self.rows))
             tokens = self.engine.step(self.state, self.cache)
             self.state.advance(tokens)
             done += self._leave(self._append(tokens, 0))
-        self.stats.running, self.stats.queued = len(self.rows), len(self.queue)
+        stats = self.stats
+        stats.running, stats.queued = len(self.rows), len(self.queue)
+        if self.on_step is not None:
+            record = StepRecord(
+                time_s=self.engine.clock(),
+                rows=stepped,
+                tokens=stats.generated_tokens - before,
+                queued=stats.queued,
+                paused=stats.paused,
+                kv_bytes=stats.kv_bytes,
+            )
+            self.on_step(record)
         return done
 
-    # ---- admission and prefill ------------------------------------------------------------
+    # ---- admission, prefill, preemption ---------------------------------------------------
 
     def _admit(self) -> list[StreamResult]:
         """Prefill the waiting requests that fit (FIFO) and merge them into the running rows."""
@@ -242,13 +199,15 @@ class ContinuousScheduler:
             if head.request.max_new_tokens == 0:
                 done.append(self._result(self.queue.popleft(), "length"))
                 continue
-            shape = head.shape
-            error = prompt_length_error(shape.prompt_tokens, self.context, shape.new_tokens)
+            prompt, new = len(head.request.prompt_ids), head.request.max_new_tokens
+            error = prompt_length_error(prompt, self.context, new)
             if error is not None:  # past the context, positions are garbage: never run it
-                alone = self.context is not None and shape.prompt_tokens > self.context[0]
+                alone = self.context is not None and prompt > self.context[0]
                 reason = "prompt_too_long" if alone else "context_exceeded"
                 done.append(self._result(self.queue.popleft(), reason, error))
                 continue
+            if joining and not self._fits_prefill([*joining, head]):
+                break
             if not self.admission.admits(running, [r.shape for r in [*joining, head]]):
                 if not running and not joining:  # nothing will ever leave to make room
                     done.append(self._refused(self.queue.popleft()))
@@ -259,6 +218,13 @@ class ContinuousScheduler:
             done += self._prefill(joining)
         return done
 
+    def _fits_prefill(self, rows: list[_Row]) -> bool:
+        """Whether ``rows`` prefill together within ``prefill_tokens`` (padding counted)."""
+        if self.prefill_tokens is None:
+            return True
+        longest = max(len(row.request.prompt_ids) for row in rows)
+        return len(rows) * longest <= self.prefill_tokens
+
     def _prefill(self, joining: list[_Row]) -> list[StreamResult]:
         """Prefill ``joining`` in a cache of their own, pick their first tokens, merge."""
         state = _padded_state(joining, self.engine.pad, self.engine.device)
@@ -266,13 +232,48 @@ class ContinuousScheduler:
         tokens = self.engine.step(state, cache)
         state.advance(tokens)
         first = len(self.rows)
-        self.rows.extend(joining)
+        self._join(joining, cache, state)
+        return self._leave(self._append(tokens, first))
+
+    def _join(self, rows: list[_Row], cache: AlisaCache, state: DecodeState) -> None:
+        """Rows past their prefill (new or resumed) join the running ones, after them."""
+        self.rows.extend(rows)
         if self.cache is None:
+            cache.trim()  # as extend() trims the rows joining: sizing counts kept tokens
             self.cache, self.state = cache, state
         else:
             self.cache.extend(cache)
             self.state.extend(state, pad=self.engine.pad)
-        return self._leave(self._append(tokens, first))
+
+    def _make_room(self) -> None:
+        """Pause the newest row while the running rows do not fit their next step (the
+        oldest always stays: alone it fits, or it would not have been admitted)."""
+        while len(self.rows) > 1 and not self.admission.fits([row.shape for row in self.rows]):
+            newest = max(range(len(self.rows)), key=lambda index: self.rows[index].order)
+            self._pause(newest)
+
+    def _pause(self, index: int) -> None:
+        """Row ``index`` leaves the batch for host memory, its state intact."""
+        row = self.rows.pop(index)
+        chosen = torch.tensor([index], device=self.engine.device)
+        cache = swap_out(self.cache.take_rows(chosen), self.engine.device)
+        row.paused += 1
+        self.paused.append(_Paused(row=row, cache=cache, state=self.state.take(chosen)))
+        self.paused.sort(key=lambda entry: entry.row.order)
+        self.stats.preemptions += 1
+        self._note_kv()
+
+    def _resume(self) -> None:
+        """Bring paused rows back (oldest first) while the admission rule allows them, or
+        the first one whatever it says when nothing runs."""
+        while self.paused:
+            entry = self.paused[0]
+            running = [row.shape for row in self.rows]
+            if self.rows and not self.admission.admits([*running, entry.row.shape], []):
+                return
+            self.paused.pop(0)
+            self._join([entry.row], entry.cache.swap_in(), entry.state)
+            self._note_kv()
 
     # ---- bookkeeping ----------------------------------------------------------------------
 
@@ -319,7 +320,7 @@ class ContinuousScheduler:
 
     def _note_kv(self) -> None:
         held = self.cache.tier_bytes()["device"] if self.cache is not None else 0
-        self.stats.kv_bytes = held
+        self.stats.kv_bytes, self.stats.paused = held, len(self.paused)
         self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, held)
 
     def _result(self, row: _Row, reason: str, error: str | None = None) -> StreamResult:
@@ -338,12 +339,13 @@ class ContinuousScheduler:
             ttft_s=row.ttft_s,
             latency_s=time.perf_counter() - row.arrival_s,
             error=error,
+            paused=row.paused,
         )
 
     def _refused(self, row: _Row) -> StreamResult:
         shape = row.shape
         error = (
-            f"a prompt of {shape.prompt_tokens} tokens with max_new_tokens={shape.new_tokens} "
+            f"a prompt of {shape.tokens} tokens with max_new_tokens={shape.new_tokens} "
             "does not fit the admission rule even alone"
         )
         return self._result(row, "did_not_fit", error)

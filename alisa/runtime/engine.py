@@ -7,6 +7,7 @@ tokens, stops at EOS and times steps (device synchronised before the clock is re
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -131,6 +132,9 @@ class DecodeState:
         (B,) original batch row of each row (rows leave when finished ones are pruned).
     finished
         (B,) bool: the row has emitted EOS.
+    generators
+        One random generator per row when sampling is seeded (a row's draws are its own,
+        whatever shares its batch), else None; set at the first pick.
     """
 
     prompt_ids: torch.Tensor
@@ -139,6 +143,7 @@ class DecodeState:
     positions: torch.Tensor
     active: torch.Tensor
     finished: torch.Tensor
+    generators: list[torch.Generator] | None = None
 
     @classmethod
     def start(
@@ -180,6 +185,19 @@ class DecodeState:
         self.feed = self.feed[rows]
         if self.attention_mask is not None:
             self.attention_mask = self.attention_mask[rows]
+        if self.generators is not None:
+            self.generators = [self.generators[row] for row in rows.tolist()]
+
+    def take(self, rows: torch.Tensor) -> DecodeState:
+        """Rows ``rows`` leave into a state of their own (no padding mask: they are past their
+        prefill); this state keeps the others, in order."""
+        taken = copy.copy(self)
+        taken.keep(rows)
+        taken.attention_mask = None
+        chosen = set(rows.tolist())
+        rest = [row for row in range(len(self.active)) if row not in chosen]
+        self.keep(torch.tensor(rest, device=rows.device, dtype=torch.long))
+        return taken
 
     def extend(self, other: DecodeState, pad: int = 0) -> None:
         """Append ``other``'s rows (both past their prefill, one token to feed each).
@@ -200,6 +218,8 @@ class DecodeState:
         self.positions = torch.cat([self.positions, other.positions])
         self.active = torch.cat([self.active, other.active])
         self.finished = torch.cat([self.finished, other.finished])
+        if self.generators is not None and other.generators is not None:
+            self.generators = self.generators + other.generators
 
 
 class Engine:
@@ -257,7 +277,9 @@ class Engine:
 
     def choose(self, state: DecodeState, logits: torch.Tensor) -> torch.Tensor:
         """(B,) next tokens from ``logits`` (B, V); finished rows get pad, EOS finishes a row."""
-        tokens = self.pick(state.prompt_ids, logits)
+        if state.generators is None:
+            state.generators = self.pick.row_generators(logits.shape[0])
+        tokens = self.pick(state.prompt_ids, logits, state.generators)
         tokens = torch.where(state.finished, self.pad, tokens)
         state.finished |= torch.isin(tokens, self.eos)
         return tokens

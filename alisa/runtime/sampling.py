@@ -32,8 +32,9 @@ class SamplingOptions:
         As in HF ``generate``; ``None`` takes the model's generation config (HF defaults:
         1.0, 50, 1.0).
     seed
-        Seeds a private generator for sampling (the global RNG is untouched), in [0, 2**64)
-        as torch's generators take it; ``None`` uses the global RNG, as HF does.
+        Seeds a private generator per row for sampling (the global RNG is untouched), so a
+        row's tokens do not depend on the rows batched with it; in [0, 2**64) as torch's
+        generators take it; ``None`` uses the global RNG, as HF does.
     """
 
     do_sample: bool = False
@@ -89,18 +90,35 @@ class TokenPicker:
     def __init__(self, model: nn.Module, sampling: SamplingOptions) -> None:
         self.sampling = sampling
         self.processors = _warpers(model, sampling)
-        self.generator = None
-        if sampling.do_sample and sampling.seed is not None:
-            device = next(model.parameters()).device
-            self.generator = torch.Generator(device=device).manual_seed(sampling.seed)
+        self.device = next(model.parameters()).device
 
-    def __call__(self, sequences: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """(B,) next tokens from ``logits`` (B, V); ``sequences`` (B, L) feeds HF processors."""
+    def row_generators(self, rows: int) -> list[torch.Generator] | None:
+        """A generator per row, each seeded with the seed (None when not sampling with one).
+
+        Each row draws from its own stream, so a request's tokens are those it gets alone,
+        whatever it shares a batch with (rows joining and leaving included).
+        """
+        seed = self.sampling.seed
+        if not self.sampling.do_sample or seed is None:
+            return None
+        return [torch.Generator(device=self.device).manual_seed(seed) for _ in range(rows)]
+
+    def __call__(
+        self,
+        sequences: torch.Tensor,
+        logits: torch.Tensor,
+        generators: list[torch.Generator] | None = None,
+    ) -> torch.Tensor:
+        """(B,) next tokens from ``logits`` (B, V); ``sequences`` (B, L) feeds HF processors;
+        ``generators`` (one per row, :meth:`row_generators`) or None for the global RNG."""
         if not self.sampling.do_sample:
             return logits.argmax(dim=-1)
         scores = self.processors(sequences, logits.float())
         probabilities = scores.softmax(dim=-1)
-        return torch.multinomial(probabilities, 1, generator=self.generator).squeeze(1)
+        if generators is None:
+            return torch.multinomial(probabilities, 1).squeeze(1)
+        rows = zip(probabilities, generators, strict=True)
+        return torch.cat([torch.multinomial(row, 1, generator=draw) for row, draw in rows])
 
 
 def _warpers(model: nn.Module, sampling: SamplingOptions) -> LogitsProcessorList:

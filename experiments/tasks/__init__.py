@@ -7,11 +7,12 @@
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from alisa import AlisaConfig
 from experiments import data
+from experiments.tasks.ruler.options import RulerOptions
 
 
 @dataclass
@@ -20,8 +21,9 @@ class Context:
 
     model: object
     tokenizer: object
-    data_root: Path
-    config: AlisaConfig
+    data_root: Path | None  # None: no task of the run reads the data directory
+    config: AlisaConfig | None  # None for tasks whose systems build their own (ruler)
+    progress: bool = False  # a task may show its own progress (long points)
 
 
 def perplexity(context: Context, point: dict, options: dict) -> dict:
@@ -178,6 +180,25 @@ def throughput(context: Context, point: dict, options: dict) -> dict:
     }
 
 
+def ruler(context: Context, point: dict, options: dict) -> dict:
+    """One RULER point alone (the runner groups a point's systems: :data:`SHARED_PREFILL`)."""
+    from experiments.tasks.ruler.evaluate import ruler_points
+
+    return ruler_points(context, [point], options)[0]
+
+
+def ruler_cost(context: Context, point: dict, options: dict) -> dict:
+    from experiments.tasks.ruler.evaluate import ruler_cost as cost
+
+    return cost(context, point, options)
+
+
+def _ruler_points(context: Context, points: list[dict], options: dict) -> list[dict]:
+    from experiments.tasks.ruler.evaluate import ruler_points
+
+    return ruler_points(context, points, options)
+
+
 def _row(index: int, prompt: str) -> str:
     import json
 
@@ -206,6 +227,15 @@ def _protocol(name: str, value: object) -> None:
         raise ValueError(f"{name}={value!r} is unknown; valid: {', '.join(PROTOCOLS)}")
 
 
+def _path(name: str, value: object) -> None:
+    if value is not None and value != "none" and not (isinstance(value, str) and value.strip()):
+        raise ValueError(f"{name}={value!r} must be a file path")
+
+
+def _ruler(name: str, value: object) -> None:
+    RulerOptions.read({name.rpartition(".")[2]: value})  # its own checks, naming the option
+
+
 def _size(name: str, value: object) -> None:
     from alisa.sizes import parse_bytes
 
@@ -229,6 +259,8 @@ OPTIONS = {
         "kv_budget": _size,
         "new_tokens": _count,
     },
+    "ruler": dict.fromkeys((f.name for f in fields(RulerOptions)), _ruler),
+    "ruler_cost": {"new_tokens": _count, "haystack": _path},
 }
 
 
@@ -260,4 +292,9 @@ TASKS = {
     "attention_sparsity": attention_sparsity,
     "spearman": spearman,
     "throughput": throughput,
+    "ruler": ruler,
+    "ruler_cost": ruler_cost,
 }
+# Tasks whose points differing only in ``system`` run as one group: (context, points, options)
+# -> one metrics dict per point (RULER: one prefill serves every system).
+SHARED_PREFILL = {"ruler": _ruler_points}

@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from alisa import AlisaConfig, generate
 from experiments.tasks.passkey import first_integer
+from experiments.tasks.ruler.scoring import string_match_part
 
 
 def retrieval_accuracy(
@@ -23,7 +24,7 @@ def retrieval_accuracy(
     """Accuracy overall, per depth and per length bucket (tokens rounded to 512).
 
     ``kind`` is ``passkey`` (first integer equals the key) or ``niah`` (the magic number appears
-    in the continuation of ``input + answer_prefix``).
+    in the continuation of ``input + answer_prefix``, RULER's string match).
     """
     by_depth, by_length, correct, total = defaultdict(list), defaultdict(list), 0, 0
     for row in tqdm(rows, desc=kind, disable=not progress, leave=False):
@@ -35,7 +36,7 @@ def retrieval_accuracy(
         if kind == "passkey":
             ok = first_integer(text) == str(row["answer"])
         else:
-            ok = any(str(answer) in text for answer in row["outputs"])
+            ok = string_match_part(text, row["outputs"]) == 1.0  # RULER's own rule
         correct, total = correct + ok, total + 1
         by_depth[f"{row['depth']:.1f}"].append(ok)
         by_length[str(512 * (1 + length // 512))].append(ok)

@@ -1,0 +1,117 @@
+"""Static batches (``alisa batch --static``, and foreign caches such as ``DynamicCache``):
+prompts sorted by length, each batch as large as the budget allows for its longest prompt and
+its whole ``max_new_tokens``, run until its last row finishes (finished rows are pruned, none
+join). Kept for comparison with continuous batching (:mod:`alisa.jobs.continuous`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from alisa.jobs.io import OutputLog, Request
+from alisa.jobs.sizing import BatchMemory, batch_memory, largest_batch
+from alisa.runtime.generate import SamplingOptions, generate
+from alisa.runtime.requests import StepRecord
+from scheduler import ModelSpec
+
+
+def planned_batches(
+    requests: list[Request],
+    lengths: dict,
+    job,
+    spec: ModelSpec,
+    sizing,
+    limits: tuple[int | None, int | None],
+    refused: Callable[[Request, BatchMemory], dict],
+) -> Iterator[tuple[list, int]]:
+    """(batch, new_tokens) in run order: longest prompts first within each option group.
+
+    ``sizing`` is the cache's config (None: HF's dense cache), ``limits`` the (device, KV)
+    byte budgets. A prompt that cannot fit even alone comes out as a one-element batch holding
+    its error row, from ``refused(request, its predicted memory)``.
+    """
+    device, kv = limits
+    for group in _groups(requests, job):
+        new_tokens = group[0].options.get("max_new_tokens", job.max_new_tokens)
+        queue = sorted(group, key=lambda r: lengths[r.id], reverse=True)
+        while queue:
+            longest = lengths[queue[0].id]
+            size = largest_batch(spec, sizing, device, longest, new_tokens, job.max_batch, kv)
+            if size == 0:
+                need = batch_memory(spec, sizing, 1, longest, new_tokens)
+                yield [refused(queue.pop(0), need)], new_tokens
+                continue
+            batch, queue = queue[:size], queue[size:]
+            yield batch, new_tokens
+
+
+def run_static(
+    model,
+    tokenizer,
+    job,
+    batches: Iterator[tuple[list, int]],
+    log: OutputLog,
+    summary,
+    *,
+    sampling: Callable[[dict], SamplingOptions],
+    factory: Callable | None,
+    started_s: float,
+    on_step: Callable[[StepRecord], None] | None = None,
+) -> Iterator[list]:
+    """Run each of ``batches`` through :func:`~alisa.runtime.generate.generate` (a fresh cache
+    from ``factory``, else the job's), append its rows to ``log``, count them in ``summary`` (a
+    :class:`~alisa.jobs.runner.JobSummary`); yield each batch (error rows pass through)."""
+    for batch, new_tokens in batches:
+        if not new_tokens or (len(batch) == 1 and isinstance(batch[0], dict)):
+            yield batch
+            continue
+        start = time.perf_counter()
+        result = generate(
+            model,
+            tokenizer,
+            [r.prompt for r in batch],
+            job.config,
+            max_new_tokens=new_tokens,
+            sampling=sampling(batch[0].options),
+            past_key_values=factory() if factory else None,
+            prune_finished=True,
+            stop_at_eos=job.stop_at_eos,
+        )
+        _record(log, summary, batch, result, waited_s=start - started_s)
+        for record in batch_steps(result, start) if on_step else ():
+            on_step(record)
+        yield batch
+
+
+def batch_steps(result, started_s: float) -> list[StepRecord]:
+    """A static batch's decode steps as records: the rows still generating at each (finished
+    rows are pruned), timed from the batch's start by its TTFT and step times."""
+    lengths = [len(ids) for ids in result.token_ids]
+    records, clock = [], started_s + result.ttft_s
+    for step, seconds in enumerate([0.0, *result.step_times_s]):
+        clock += seconds
+        rows = sum(length > step for length in lengths)
+        records.append(StepRecord(time_s=clock, rows=rows, tokens=rows))
+    return records
+
+
+def _record(log: OutputLog, summary, batch: list[Request], result, waited_s: float) -> None:
+    """Append a batch's rows; each one's TTFT is its wait for the batch plus the batch's
+    prefill (``waited_s``: from the job's start to the batch's)."""
+    rows = zip(batch, result.texts, result.token_ids, result.finish_reasons, strict=True)
+    for request, text, ids, reason in rows:
+        log.append({"id": request.id, "text": text, "tokens": len(ids), "finish_reason": reason})
+    summary.batches.append(len(batch))
+    summary.completed += len(batch)
+    summary.generated_tokens += result.generated_tokens
+    summary.peak_kv_bytes = max(summary.peak_kv_bytes, result.peak_kv_bytes)
+    summary.ttfts_s += [waited_s + result.ttft_s] * len(batch)
+
+
+def _groups(requests: list[Request], job) -> list[list[Request]]:
+    """Requests that can share a batch: the same generation options."""
+    groups: dict[tuple, list[Request]] = {}
+    for request in requests:
+        options = {"max_new_tokens": job.max_new_tokens, **request.options}
+        groups.setdefault(tuple(sorted(options.items())), []).append(request)
+    return list(groups.values())

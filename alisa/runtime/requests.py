@@ -1,0 +1,162 @@
+"""What continuous batching takes and gives: requests, admission rules, results, statistics."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+# Padded prompt tokens (rows x longest) of one prefill forward, by default: see
+# ContinuousScheduler's prefill_tokens.
+PREFILL_TOKENS = 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamRequest:
+    """One prompt to complete.
+
+    Parameters
+    ----------
+    prompt_ids
+        The prompt's token ids (at least one).
+    max_new_tokens
+        Tokens to generate at most (the row also stops at EOS).
+    id
+        The caller's name for it, returned with the result (default: its arrival index).
+    arrival_s
+        When it arrived (``time.perf_counter()``), which its TTFT counts from; None: when
+        submitted to the scheduler. A batch job's rows all arrive when the job starts.
+    """
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int
+    id: object = None
+    arrival_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.prompt_ids) == 0:
+            raise ValueError(f"prompt_ids of request {self.id!r} is empty")
+        count = self.max_new_tokens
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"max_new_tokens={count!r} must be an integer >= 0")
+
+
+@dataclass(frozen=True)
+class RowShape:
+    """What admission knows of a row: the tokens it holds (its prompt, then those generated)
+    and how many it may still add."""
+
+    tokens: int
+    new_tokens: int
+
+
+class Admission(Protocol):
+    """Decides whether waiting requests may join the running rows, and whether the running
+    rows may take their next step."""
+
+    def admits(self, running: Sequence[RowShape], joining: Sequence[RowShape]) -> bool:
+        """Whether ``joining`` (prefilled together) fit next to ``running``."""
+        ...
+
+    def fits(self, running: Sequence[RowShape]) -> bool:
+        """Whether ``running`` may take their next step (False: the newest row is paused)."""
+        ...
+
+
+@dataclass(frozen=True)
+class RowLimit:
+    """Admit while the rows stay at most ``max_rows`` (no byte budget)."""
+
+    max_rows: int
+
+    def admits(self, running: Sequence[RowShape], joining: Sequence[RowShape]) -> bool:
+        return len(running) + len(joining) <= self.max_rows
+
+    def fits(self, running: Sequence[RowShape]) -> bool:
+        return len(running) <= self.max_rows
+
+
+@dataclass(kw_only=True)
+class StreamResult:
+    """One finished request.
+
+    Attributes
+    ----------
+    id
+        The request's id.
+    token_ids
+        Generated tokens, EOS included when emitted.
+    text
+        Decoded tokens (EOS excluded), or None without a tokenizer.
+    prompt_tokens
+        Prompt length in tokens.
+    finish_reason
+        ``"stop"`` (EOS), ``"length"`` (max_new_tokens reached), ``"did_not_fit"`` (the
+        admission rule refuses it even alone), ``"prompt_too_long"`` (the prompt is longer
+        than the model's context) or ``"context_exceeded"`` (with its ``max_new_tokens`` it
+        would be); ``error`` says why, and such a row never runs.
+    ttft_s
+        From the request's arrival (queueing included) to its first token, seconds.
+    latency_s
+        From arrival to its last token, seconds.
+    paused
+        Times it was paused (its KV swapped to host memory) to make room, and resumed.
+    """
+
+    id: object
+    token_ids: list[int]
+    text: str | None
+    prompt_tokens: int
+    finish_reason: str
+    ttft_s: float
+    latency_s: float
+    error: str | None = None
+    paused: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    """One scheduler iteration, for timelines (``ContinuousScheduler(on_step=...)``).
+
+    Attributes
+    ----------
+    time_s
+        ``time.perf_counter()`` once the iteration's tokens were picked.
+    rows
+        Rows that took the iteration's decode step (0: only a prefill ran).
+    tokens
+        Tokens generated in the iteration: the newcomers' first tokens and the decode step's.
+    queued, paused
+        Requests waiting to start, and rows paused in host memory, after the iteration.
+    kv_bytes
+        Device KV held by the running rows after it (None where not measured).
+    """
+
+    time_s: float
+    rows: int
+    tokens: int
+    queued: int = 0
+    paused: int = 0
+    kv_bytes: int | None = None
+
+
+@dataclass(kw_only=True)
+class SchedulerStats:
+    """Where the scheduler stands (for progress lines)."""
+
+    running: int = 0
+    peak_rows: int = 0  # the most rows that ran one step together
+    queued: int = 0
+    paused: int = 0  # rows whose KV waits in host memory
+    preemptions: int = 0  # rows paused so far
+    finished: int = 0
+    generated_tokens: int = 0
+    kv_bytes: int = 0  # device KV held by the running rows (the key sketch included)
+    peak_kv_bytes: int = 0
+    started_s: float = field(default_factory=time.perf_counter)
+
+    @property
+    def tokens_per_s(self) -> float:
+        elapsed = time.perf_counter() - self.started_s
+        return self.generated_tokens / elapsed if elapsed > 0 else 0.0

@@ -1,0 +1,355 @@
+"""The RULER report of a run: scores by family x length x system, cost, targets, figures.
+
+Scores are RULER's string-match recall (https://arxiv.org/abs/2404.06654) in [0, 1]; the share of
+dense is a system's score over the dense system's (``hf-dynamic``) at the same family, length and
+batch. Bytes are per sequence. The targets are issue 29's: host retention at r = 0.1 keeps
+>= 0.90 of dense's score on every task dense scores >= 0.5 on, >= 0.80 at r = 0.05, finds every
+grid needle dense finds, and a whole report runs in under two hours.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from alisa import AlisaConfig  # noqa: E402
+from experiments.systems import parse_alisa  # noqa: E402
+
+DENSE = "hf-dynamic"
+HOLDS = 0.5  # dense must score at least this for a task to count in the share targets
+TIME_TARGET_S = 2 * 3600
+
+
+@dataclass(frozen=True, kw_only=True)
+class System:
+    """What the report reads from a system's name."""
+
+    name: str
+    config: AlisaConfig | None  # None: an HF cache
+
+    @classmethod
+    def of(cls, name: str) -> System:
+        alisa = name == "alisa" or name.startswith("alisa:")
+        return cls(name=name, config=parse_alisa(name) if alisa else None)
+
+    @property
+    def label(self) -> str:
+        """A short name: ``dense``, ``swa drop r=0.1``, ``swa host r=0.1 INT8``."""
+        if self.config is None:
+            return "dense" if self.name == DENSE else self.name
+        bits = f" INT{self.config.kv_bits}" if self.config.kv_bits != 16 else ""
+        if self.config.policy == "dense":
+            return f"alisa dense{bits}"
+        return f"{self.config.policy} {self.config.retention} r={self.config.caching_ratio:g}{bits}"
+
+    def is_(self, retention: str, ratio: float, policy: str = "swa", bits: int = 16) -> bool:
+        config = self.config
+        return (
+            config is not None
+            and config.retention == retention
+            and config.policy == policy
+            and config.caching_ratio == ratio
+            and config.kv_bits == bits
+        )
+
+
+def _rows(rows: list[dict], task: str) -> list[dict]:
+    return [row for row in rows if row["point"]["task"] == task]
+
+
+def score_table(rows: list[dict]) -> dict:
+    """{(model, batch, length, family): {system: metrics}} of the ``ruler`` rows."""
+    table: dict = defaultdict(dict)
+    for row in _rows(rows, "ruler"):
+        point = row["point"]
+        key = (point.get("model", ""), point.get("batch", 1), point["length"], point["family"])
+        table[key][row["metrics"]["system"]] = {**row["metrics"], "command": row.get("command")}
+    return table
+
+
+def share(scores: dict, system: str) -> float | None:
+    """``system``'s score over dense's (None: no dense row, or dense scored 0)."""
+    dense = scores.get(DENSE, {}).get("score")
+    if not dense or system not in scores:
+        return None
+    return scores[system]["score"] / dense
+
+
+def targets(rows: list[dict], expected: int | None = None) -> dict:
+    """Issue 29's targets on what the run measured (None where it measured nothing).
+
+    ``expected``: how many ``ruler`` points the run's config asks for; a run with fewer rows is
+    partial and its time target is not judged (its seconds are still given)."""
+    table = score_table(rows)
+    result = {}
+    for ratio, floor in ((0.1, 0.90), (0.05, 0.80)):
+        below, counted = [], 0
+        for key, scores in sorted(table.items()):
+            if key[3] == "niah_grid" or scores.get(DENSE, {}).get("score", 0) < HOLDS:
+                continue
+            host = next((s for s in scores if System.of(s).is_("host", ratio)), None)
+            if host is None:
+                continue
+            counted += 1
+            value = share(scores, host)
+            if value < floor:
+                below.append({"family": key[3], "length": key[2], "share": round(value, 3)})
+        result[f"host_r{ratio:g}_share_ge_{floor:g}"] = {
+            "met": None if counted == 0 else not below,
+            "tasks": counted,
+            "below": below,
+        }
+    result["grid_host_r0.1_finds_what_dense_finds"] = _grid_target(table)
+    seconds = sum(row.get("seconds", 0.0) for row in rows)
+    result["run_under_2h"] = {"met": seconds < TIME_TARGET_S, "seconds": round(seconds, 1)}
+    done = len(_rows(rows, "ruler"))
+    if expected is not None and done < expected:
+        result["run_under_2h"] = {
+            "met": None,
+            "seconds": round(seconds, 1),
+            "partial": f"{done} of {expected} ruler points",
+        }
+    return result
+
+
+def _grid_target(table: dict) -> dict:
+    misses, cells = [], 0
+    for key, scores in sorted(table.items()):
+        host = next((s for s in scores if System.of(s).is_("host", 0.1)), None)
+        if key[3] != "niah_grid" or host is None or DENSE not in scores:
+            continue
+        dense = {r["index"]: r for r in scores[DENSE]["per_sample"]}
+        for record in scores[host]["per_sample"]:
+            if dense[record["index"]]["score"] == 1.0:
+                cells += 1
+                if record["score"] < 1.0:
+                    misses.append({"length": key[2], "depth": record["depths"][0]})
+    return {"met": None if cells == 0 else not misses, "cells": cells, "missed": misses}
+
+
+def _fmt_bytes(value: float | None) -> str:
+    if value is None:
+        return ""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value:.0f} B"
+
+
+def _systems(table: dict) -> list[str]:
+    seen = {system for scores in table.values() for system in scores}
+    order = sorted(seen, key=lambda s: (s != DENSE, System.of(s).config is None, _order(s)))
+    return order
+
+
+def _order(name: str) -> tuple:
+    config = System.of(name).config
+    if config is None:
+        return ("",)
+    return (
+        config.retention,
+        config.policy != "swa",
+        config.policy,
+        -config.caching_ratio,
+        config.kv_bits,
+    )
+
+
+def markdown_scores(rows: list[dict]) -> str:
+    """Score per family x length (rows) and system (columns), share of dense in parentheses;
+    model and batch columns only when they vary."""
+    table = score_table(rows)
+    systems = _systems(table)
+    shown = [i for i in (0, 1) if len({key[i] for key in table}) > 1] + [2, 3]
+    names = [("model", "batch", "length", "family")[i] for i in shown]
+    labels = [System.of(system).label for system in systems]
+    lines = ["| " + " | ".join(names + labels) + " |", "|" + "---|" * (len(names) + len(systems))]
+    for key, scores in sorted(table.items()):
+        cells = []
+        for system in systems:
+            ratio = share(scores, system)
+            if system not in scores:
+                cells.append("")
+            elif system == DENSE or ratio is None:
+                cells.append(f"{scores[system]['score']:.2f}")
+            else:
+                cells.append(f"{scores[system]['score']:.2f} ({ratio:.2f})")
+        lines.append("| " + " | ".join([str(key[i]) for i in shown] + cells) + " |")
+    return "\n".join(lines)
+
+
+def cost_rows(rows: list[dict]) -> dict:
+    """{(model, batch, length, system): cost}: KV bytes and decode speed from the ``ruler`` rows
+    (per sequence, means over the families), peak memory and speed alone from ``ruler_cost``."""
+    merged: dict = defaultdict(lambda: {"steps": [], "device": [], "host": []})
+    for row in _rows(rows, "ruler"):
+        point, metrics = row["point"], row["metrics"]
+        key = (point.get("model", ""), point.get("batch", 1), point["length"], metrics["system"])
+        entry = merged[key]
+        if metrics.get("median_step_ms"):
+            entry["steps"].append(metrics["median_step_ms"])
+        entry["device"].append(metrics["kv_device_bytes"])
+        entry["host"].append(metrics["kv_host_bytes"])
+    for row in _rows(rows, "ruler_cost"):
+        point, metrics = row["point"], row["metrics"]
+        key = (point.get("model", ""), point.get("batch", 1), point["length"], metrics["system"])
+        entry = merged[key]
+        entry["alone"] = {**metrics, "command": row.get("command")}
+        tiers = metrics.get("kv_tier_bytes")
+        if not entry["device"] and tiers:  # no RULER rows at this length: the bytes alone
+            entry["device"].append(tiers.get("device", 0))
+            entry["host"].append(tiers.get("host", 0))
+    return merged
+
+
+def markdown_cost(rows: list[dict]) -> str:
+    """Per system and length: KV bytes per tier (per sequence), the device share of dense's,
+    peak memory and decode speed alone, the median decode step within the RULER run (median
+    over families of each family's median), the command."""
+    merged = cost_rows(rows)
+    lines = [
+        "| model | batch | length | system | device KV | host KV | device KV / dense | "
+        "peak RSS alone | decode tok/s alone | decode step, RULER run | command (alone) |",
+        "|" + "---|" * 11,
+    ]
+    for key in sorted(merged, key=lambda k: (k[:3], _systems_key(k[3]))):
+        model, batch, length, system = key
+        entry = merged[key]
+        device = _mean(entry["device"])
+        dense = _mean(merged.get((model, batch, length, DENSE), {}).get("device", []))
+        alone = entry.get("alone", {})
+        ratio = f"{device / dense:.2f}" if device is not None and dense else ""
+        step = statistics.median(entry["steps"]) if entry["steps"] else None
+        cells = [
+            model,
+            str(batch),
+            str(length),
+            System.of(system).label,
+            _fmt_bytes(device),
+            _fmt_bytes(_mean(entry["host"])),
+            ratio,
+            _fmt_bytes(alone.get("peak_rss_bytes")),
+            f"{alone['decode_tokens_per_s']:.1f}" if alone else "",
+            f"{step:.0f} ms" if step else "",
+            f"`{alone['command']}`" if alone.get("command") else "",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _systems_key(name: str) -> tuple:
+    return (name != DENSE, System.of(name).config is None, _order(name))
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def markdown_targets(result: dict) -> str:
+    """The targets as a table: measured, met or not."""
+    lines = ["| target | measured | met |", "|---|---|---|"]
+    for name, outcome in result.items():
+        met = {None: "not measured", True: "yes", False: "**no**"}[outcome["met"]]
+        if "partial" in outcome:
+            met = "not judged: partial run"
+        details = {k: v for k, v in outcome.items() if k != "met"}
+        lines.append(f"| {name} | {details} | {met} |")
+    return "\n".join(lines)
+
+
+def plot_grid(rows: list[dict], folder: Path) -> Path | None:
+    """Heatmaps of the ``niah_grid`` rows: needle depth x length, one panel per system."""
+    table = {k: v for k, v in score_table(rows).items() if k[3] == "niah_grid"}
+    if not table:
+        return None
+    systems = _systems(table)
+    lengths = sorted({key[2] for key in table})
+    figure, axes = plt.subplots(1, len(systems), figsize=(3.2 * len(systems), 3.4), squeeze=False)
+    for axis, system in zip(axes[0], systems, strict=True):
+        cells: dict = {}
+        for key, scores in table.items():
+            for record in scores.get(system, {}).get("per_sample", []):
+                cells[(round(record["depths"][0], 1), key[2])] = record["score"]
+        depths = sorted({depth for depth, _ in cells})
+        grid = [[cells.get((d, n), float("nan")) for n in lengths] for d in depths]
+        axis.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto", origin="upper")
+        axis.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n >= 1024 else n for n in lengths])
+        axis.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
+        axis.set_xlabel("length (tokens)")
+        axis.set_title(System.of(system).label, fontsize=9)
+    axes[0][0].set_ylabel("needle depth")
+    return _save(figure, folder / "ruler_niah_grid.png")
+
+
+def plot_vs_ratio(rows: list[dict], folder: Path) -> list[Path]:
+    """Score vs r per family (one panel each), one figure per length: SWA host and drop lines,
+    the other drop policies as points, dense as a dashed line."""
+    table = {k: v for k, v in score_table(rows).items() if k[3] != "niah_grid"}
+    paths = []
+    for length in sorted({key[2] for key in table}):
+        keys = sorted(key for key in table if key[2] == length)
+        figure, axes = plt.subplots(1, len(keys), figsize=(2.6 * len(keys), 2.8), squeeze=False)
+        for axis, key in zip(axes[0], keys, strict=True):
+            _panel(axis, table[key], key[3])
+        axes[0][0].set_ylabel("RULER score")
+        axes[0][-1].legend(fontsize=6, loc="lower right")
+        figure.suptitle(f"{keys[0][0]}, {length} tokens: score vs caching ratio r", fontsize=9)
+        paths.append(_save(figure, folder / f"ruler_vs_ratio_{length}.png"))
+    return paths
+
+
+def _panel(axis, scores: dict, title: str) -> None:
+    lines: dict = defaultdict(list)
+    for name, metrics in scores.items():
+        config = System.of(name).config
+        if config is None or config.policy == "dense":
+            continue
+        series = f"{config.policy} {config.retention}" + (
+            f" INT{config.kv_bits}" if config.kv_bits != 16 else ""
+        )
+        lines[series].append((config.caching_ratio, metrics["score"]))
+    for series, points in sorted(lines.items()):
+        points.sort()
+        style = "-o" if len(points) > 1 else "s"
+        axis.plot([x for x, _ in points], [y for _, y in points], style, label=series, ms=4)
+    if DENSE in scores:
+        axis.axhline(scores[DENSE]["score"], color="black", linestyle="--", label="dense")
+    axis.set_xscale("log")
+    axis.set_ylim(-0.05, 1.05)
+    axis.set_xlabel("r", fontsize=8)
+    axis.set_title(title, fontsize=9)
+
+
+def _save(figure, path: Path) -> Path:
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def summary(rows: list[dict], expected: int | None = None) -> dict:
+    """What the report's JSON line carries: every score, the targets, the run's seconds."""
+    scores = {
+        f"{key[0]}|b{key[1]}|{key[2]}|{key[3]}": {
+            System.of(s).label: round(m["score"], 4) for s, m in systems.items()
+        }
+        for key, systems in sorted(score_table(rows).items())
+    }
+    return {"benchmark": "ruler", "scores": scores, "targets": targets(rows, expected)}
+
+
+def section(rows: list[dict], folder: Path, expected: int | None = None) -> tuple[str, dict]:
+    """The markdown section of a run's RULER rows (figures written beside it) and its summary."""
+    parts = ["## RULER", "", "Score (RULER string match, 0-1; share of dense in parentheses):", ""]
+    parts += [markdown_scores(rows), "", "Cost (per sequence):", "", markdown_cost(rows), ""]
+    parts += ["Targets:", "", markdown_targets(targets(rows, expected)), ""]
+    figures = [plot_grid(rows, folder), *plot_vs_ratio(rows, folder)]
+    parts += [f"![{path.stem}]({path.name})" for path in figures if path is not None]
+    return "\n".join(parts) + "\n", summary(rows, expected)

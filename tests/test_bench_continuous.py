@@ -1,0 +1,108 @@
+"""experiments.bench_continuous: transformers' paged run under a KV budget, timelines, systems."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import byte_tokenizer, tiny_llama
+from test_continuous import prompts, requests
+
+from alisa import AlisaCache, AlisaConfig
+from alisa.runtime.continuous import ContinuousScheduler
+from alisa.runtime.engine import Engine
+from alisa.runtime.requests import RowLimit, StepRecord
+from experiments.bench_continuous import systems
+from experiments.hf_continuous import block_bytes, run_paged
+from experiments.pauses import PauseWatch
+from experiments.timeline import Timeline
+
+REPO = Path(__file__).parent.parent
+LENGTHS = (23, 6, 41, 12, 30)
+NEW_TOKENS = (9, 14, 4, 11, 6)
+
+
+def test_transformers_paged_run_gives_alisa_r1_tokens_within_the_budget():
+    model = tiny_llama()
+    model.generation_config.eos_token_id = None
+    ids = prompts(LENGTHS)
+    # Room for about two of these rows at a time: transformers must wait or preempt.
+    budget = 6 * block_bytes(model, page_size=16)
+    paged = run_paged(model, ids, list(NEW_TOKENS), kv_bytes=budget, eos_ids=[-1], max_rows=3)
+    assert paged.errors == [] and paged.kv_bytes <= budget
+    assert [len(tokens) for tokens in paged.tokens] == list(NEW_TOKENS)
+    # A request transformers soft-reset keeps only the token times after its reset.
+    pairs = zip(paged.token_times, NEW_TOKENS, strict=True)
+    assert all(0 < len(times) <= count for times, count in pairs)
+    alisa_model = tiny_llama()
+    engine = Engine(alisa_model, byte_tokenizer(), stop_at_eos=False)
+    scheduler = ContinuousScheduler(
+        engine, lambda: AlisaCache(alisa_model, AlisaConfig()), RowLimit(3)
+    )
+    ours = {r.id: r.token_ids for r in scheduler.run(requests(ids, NEW_TOKENS))}
+    assert paged.tokens == [ours[index] for index in range(len(ids))]
+
+
+def test_a_budget_below_one_block_is_refused():
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="holds no block"):
+        run_paged(model, [[3, 4]], [2], kv_bytes=10, eos_ids=[-1])
+
+
+def test_timelines_count_rows_over_time():
+    timeline = Timeline(10.0)
+    for time_s, rows in ((11.0, 2), (12.0, 4), (14.0, 1)):
+        timeline.add(StepRecord(time_s=time_s, rows=rows, tokens=rows))
+    assert timeline.max_rows() == 4
+    # 2 rows for 1 s, 4 for 1 s, 1 for 2 s, over 4 s.
+    assert timeline.mean_rows() == pytest.approx((2 + 4 + 2) / 4)
+    ends, rows, rate = timeline.series(width_s=2.0)
+    assert ends.tolist() == [2.0, 4.0, 6.0] and rows.tolist() == [2, 4, 1]
+    assert rate.tolist() == [1.0, 2.0, 0.5]
+    # Token times of two requests, overlapping from 1.0 to 2.0.
+    spans = Timeline.from_tokens(0.0, [[0.5, 1.0, 2.0], [1.0, 1.5, 2.0, 3.0]])
+    assert spans.max_rows() == 2 and sum(spans.tokens) == 7
+    assert spans.rows == [1, 2, 2, 2, 2, 2, 1]
+
+
+def test_systems_are_named_or_refused():
+    chosen = systems(["static-drop", "hf"])
+    assert [s.name for s in chosen] == ["static-drop", "hf"]
+    assert chosen[0].static and chosen[0].config.caching_ratio == 0.2 and chosen[1].config is None
+    assert len(systems(["all"])) == 8
+    with pytest.raises(ValueError, match="--systems nope unknown; valid: static-drop"):
+        systems(["nope"])
+
+
+def test_pause_watch_leaves_out_the_seconds_a_process_was_stopped():
+    watch = PauseWatch()
+    watch.gaps = [(2.0, 5.0), (9.0, 10.0)]
+    assert watch.paused(0.0, 20.0) == 4.0 and watch.active(0.0, 20.0) == 16.0
+    assert watch.paused(3.0, 9.5) == 2.5  # parts of both gaps
+    assert watch.paused(5.0, 9.0) == 0.0
+
+
+STOPPED = """
+import time
+from experiments.pauses import PauseWatch
+with PauseWatch() as watch:
+    print("ready", flush=True)
+    time.sleep(3.0)
+print(len(watch.gaps), round(sum(b - a for a, b in watch.gaps), 1))
+"""
+
+
+def test_pause_watch_sees_a_sigstop():
+    process = subprocess.Popen(
+        [sys.executable, "-c", STOPPED], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdout.readline().strip() == "ready"
+    time.sleep(0.3)
+    os.kill(process.pid, signal.SIGSTOP)
+    time.sleep(1.5)
+    os.kill(process.pid, signal.SIGCONT)
+    count, seconds = process.communicate(timeout=60)[0].split()
+    assert int(count) == 1 and float(seconds) >= 1.0
