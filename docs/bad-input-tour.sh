@@ -19,10 +19,11 @@ import sys
 from pathlib import Path
 
 from conftest import byte_tokenizer, tiny_llama
-from experiments.architectures import FAMILIES, build
+from experiments.tiny_models import build_tiny, tiny_config
 
 root = Path(sys.argv[1])
-for name, model in (("falcon", build(FAMILIES["falcon"])), ("phi", build(FAMILIES["phi"])),
+for name, model in (("falcon", build_tiny(tiny_config("falcon"))),
+                    ("phi", build_tiny(tiny_config("phi"))),
                     ("short", tiny_llama(max_position_embeddings=64))):
     model.save_pretrained(root / name)
     byte_tokenizer().save_pretrained(root / name)
