@@ -126,19 +126,41 @@ def quantize(
     )
 
 
-def dequantize(q: QuantizedTensor) -> torch.Tensor:
+def dequantize(q: QuantizedTensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Float tensor of the original shape and dtype: lambda * (x_q - z) per group.
 
     Computed in the output dtype when that is exact (float32, or float16 with float16 scales:
     codes, zero points and their difference are small integers, so only the product rounds, as
     it would in float32 before the cast), else in float32/float64 and cast; in place either way.
+
+    Parameters
+    ----------
+    q
+        The codes, (..., D * bits / 8) with their scales and zero points (..., D / group).
+    out
+        Optional tensor of ``q.shape`` and ``q.dtype`` to write into (a view is fine, e.g. part
+        of a larger buffer): the same values, without allocating the result.
     """
     codes = unpack_nibbles(q.data) if q.bits == 4 else q.data
     compute = _compute_dtype(q)
     groups = q.shape[-1] // q.group_size
-    values = codes.to(compute).view(*q.shape[:-1], groups, q.group_size)
-    values.sub_(q.zero_point.to(compute).unsqueeze(-1)).mul_(q.scale.to(compute).unsqueeze(-1))
-    values = values.view(q.shape)
+    if out is not None:
+        if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype:
+            raise ValueError(
+                f"out has shape {tuple(out.shape)} and dtype {out.dtype}; "
+                f"expected {tuple(q.shape)} and {q.dtype}"
+            )
+        if compute != q.dtype:
+            return out.copy_(dequantize(q))
+        values = out.copy_(codes)  # the codes are small integers: exact in the output dtype
+    else:
+        values = codes.to(compute)
+    # Splitting the last (unit-stride) dimension is a view whatever the outer strides.
+    grouped = values.view(*q.shape[:-1], groups, q.group_size)
+    grouped.sub_(q.zero_point.to(compute).unsqueeze(-1)).mul_(q.scale.to(compute).unsqueeze(-1))
+    if out is not None:
+        return out
+    values = grouped.view(q.shape)
     return values if values.dtype == q.dtype else values.to(q.dtype)
 
 

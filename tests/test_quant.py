@@ -104,3 +104,23 @@ def test_non_finite_input_is_rejected(bad):
 def test_integer_input_is_rejected():
     with pytest.raises(ValueError, match="dtype"):
         quantize(torch.ones(2, 8, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_dequantize_into_a_view_gives_the_same_values(dtype, bits):
+    x = torch.randn(2, 3, 5, 16).to(dtype)
+    q = quantize(x, bits=bits, group_size=8)
+    buffer = torch.full((2, 3, 7, 16), 7.0, dtype=dtype)
+    result = dequantize(q, out=buffer[:, :, :5])
+    assert torch.equal(result, dequantize(q))
+    assert torch.equal(buffer[:, :, :5], dequantize(q))
+    assert (buffer[:, :, 5:] == 7).all()  # nothing written past the view
+
+
+def test_dequantize_refuses_an_out_of_another_shape_or_dtype():
+    q = quantize(torch.randn(4, 16), bits=8)
+    with pytest.raises(ValueError, match="out has shape"):
+        dequantize(q, out=torch.empty(4, 8))
+    with pytest.raises(ValueError, match="float64"):
+        dequantize(q, out=torch.empty(4, 16, dtype=torch.float64))

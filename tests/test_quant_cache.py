@@ -122,6 +122,43 @@ def test_residual_window_is_full_precision_and_survives_evictions():
             assert error <= scale_bound
 
 
+@pytest.mark.parametrize("groups", [1, 3])
+def test_ring_entries_replace_exactly_the_slots_that_still_hold_their_tokens(groups):
+    """read() against a per-entry loop: a live ring entry's full-precision token replaces its
+    slot's codes; a stale one (its slot since given to another token, possibly a newer entry
+    of the ring) changes nothing."""
+    torch.manual_seed(0)
+    batch, heads, capacity, dim, ring = 2, 3, 9, 8, 4
+    keys, values = torch.randn(2, batch, heads, 5, dim)
+    store = QuantizedStore(
+        keys, values, capacity, bits=8, group_size=None, residual_tokens=ring, groups=groups
+    )
+    positions = torch.full((batch, groups, capacity), -1)
+    positions[..., :5] = torch.arange(5)
+    for position in range(5, 14):
+        # few slots: entries of the ring share slots, the older of them stale
+        slots = torch.randint(3, 6, (batch, groups, 1))
+        store.write_slots(slots, *torch.randn(2, batch, heads, 1, dim), position)
+        positions.scatter_(-1, slots, position)
+    positions[0, 0, 4] = -1  # a slot freed: its entry (if any) is stale
+    got_keys, got_values = store.read(positions)
+    want_keys, want_values = (t.clone() for t in store.codes.dequantized())
+    stale = 0
+    for b in range(batch):
+        for h in range(heads):
+            g = h if groups > 1 else 0
+            for entry in range(ring):
+                slot = int(store.ring_slots[b, g, entry])
+                if slot >= 0 and positions[b, g, slot] == store.ring_positions[entry]:
+                    want_keys[b, h, slot] = store.ring_keys[b, h, entry]
+                    want_values[b, h, slot] = store.ring_values[b, h, entry]
+                else:
+                    stale += 1
+    assert stale > 0  # the case that needs care was exercised
+    assert torch.equal(got_keys, want_keys) and torch.equal(got_values, want_values)
+    assert got_keys.shape == (batch, heads, capacity, dim)
+
+
 def test_compaction_keeps_the_ring_pointing_at_its_tokens():
     model = tiny_llama()
     ids, mask = padded_batch(lengths=(200,))

@@ -70,16 +70,29 @@ class QuantizedPair:
         self.scale[index] = scale
         self.zero[index] = zero
 
-    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, H, capacity, D) keys and values in the model dtype (views of one tensor)."""
-        return self.decode(self.data, self.scale, self.zero)
+    def dequantized(self, spare: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, H, capacity + spare, D) keys and values in the model dtype (views of one tensor);
+        the ``spare`` slots after the capacity are allocated, not written."""
+        if not spare:
+            return self.decode(self.data, self.scale, self.zero)
+        two, batch, heads, capacity, _ = self.data.shape
+        both = torch.empty(
+            two,
+            batch,
+            heads,
+            capacity + spare,
+            self.head_dim,
+            dtype=self.dtype,
+            device=self.data.device,
+        )
+        dequantize(self.quantized(self.data, self.scale, self.zero), out=both[:, :, :, :capacity])
+        return both[0], both[1]
 
-    def decode(
+    def quantized(
         self, data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values (model dtype) of codes laid out as this pair's, (2, ..., ·) each:
-        the whole pair, or rows gathered from it."""
-        q = QuantizedTensor(
+    ) -> QuantizedTensor:
+        """Codes laid out as this pair's, (2, ..., ·) each, as a :class:`quant.QuantizedTensor`."""
+        return QuantizedTensor(
             data=data,
             scale=scale,
             zero_point=zero,
@@ -88,7 +101,13 @@ class QuantizedPair:
             bits=self.bits,
             group_size=self.group,
         )
-        both = dequantize(q)
+
+    def decode(
+        self, data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (model dtype) of codes laid out as this pair's, (2, ..., ·) each:
+        the whole pair, or rows gathered from it."""
+        both = dequantize(self.quantized(data, scale, zero))
         return both[0], both[1]
 
 
@@ -156,12 +175,23 @@ class QuantizedStore(DeviceResident):
         ``positions`` (B, Hs, capacity) is the layer's slot map; a ring entry is used only while
         its slot still holds the token it was written for (the token may have been evicted).
         """
-        keys, values = self.codes.dequantized()
-        if self.residual:
-            slots = self.ring_slots.clamp(min=0)
-            live = (self.ring_slots >= 0) & (positions.gather(-1, slots) == self.ring_positions)
-            self._overwrite(keys, values, slots, live)
-        return keys, values
+        if not self.residual:
+            return self.codes.dequantized()
+        # One spare slot past the capacity takes every ring entry whose slot no longer holds
+        # its token: then at most one entry writes a real slot (entries hold distinct
+        # positions), so one scatter per tensor is deterministic with no host round trip.
+        keys, values = self.codes.dequantized(spare=1)
+        batch, heads, width, head_dim = keys.shape
+        slots = self.ring_slots.clamp(min=0)
+        live = (self.ring_slots >= 0) & (positions.gather(-1, slots) == self.ring_positions)
+        target = torch.where(live, slots, width - 1).expand(batch, heads, -1)
+        # Rows of the flattened (B * H_kv * width, D) tensors: whole head_dim rows are copied
+        # (a scatter along the slot dimension with an expanded index is ~10x slower on a CPU).
+        row = torch.arange(batch * heads, device=target.device).view(batch, heads, 1) * width
+        index = (row + target).flatten()
+        keys.view(-1, head_dim).index_copy_(0, index, self.ring_keys.flatten(0, 2))
+        values.view(-1, head_dim).index_copy_(0, index, self.ring_values.flatten(0, 2))
+        return keys[:, :, : width - 1], values[:, :, : width - 1]
 
     def write_range(
         self,
@@ -305,23 +335,3 @@ class QuantizedStore(DeviceResident):
         self.ring_values[:, :, entry] = values
         self.ring_slots[:, :, entry] = slots[..., 0]
         self.ring_positions[entry] = position
-
-    def _overwrite(self, keys, values, slots: torch.Tensor, live: torch.Tensor) -> None:
-        """Put the full-precision ring's live entries into dequantized (B, H_kv, S, D) keys and
-        values: ``slots``/``live`` (B, Hs, R) are each entry's slot and whether it still holds
-        the entry's token.
-
-        Every entry is written, so no host round trip finds the live ones: a stale entry writes
-        what its slot should hold (the live entry's token there if any, else the slot's own
-        value), so entries sharing a slot write equal values and the scatter is deterministic.
-        """
-        batch, heads, _, head_dim = keys.shape
-        slots, live = slots.expand(batch, heads, -1), live.expand(batch, heads, -1)
-        # same[b, h, e, f]: entry f is live at entry e's slot (at most one f per slot).
-        same = (slots.unsqueeze(-1) == slots.unsqueeze(-2)) & live.unsqueeze(-2)
-        covered = same.any(-1, keepdim=True)  # (B, H, R, 1)
-        source = same.to(torch.int8).argmax(-1, keepdim=True).expand(-1, -1, -1, head_dim)
-        index = slots.unsqueeze(-1).expand(-1, -1, -1, head_dim)
-        for region, ring in ((keys, self.ring_keys), (values, self.ring_values)):
-            wanted = torch.where(covered, ring.gather(2, source), region.gather(2, index))
-            region.scatter_(2, index, wanted)
