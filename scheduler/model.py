@@ -96,10 +96,21 @@ class ModelSpec:
         groups = 2 * self.num_layers * self.num_kv_heads  # one group per token per KV head
         return values * kv_bits / 8 + groups * 2 * SCALE_BYTES
 
+    @property
+    def full_layers(self) -> int:
+        """Layers that attend to every token (not a sliding window)."""
+        if not self.windows:
+            return self.num_layers
+        return sum(window is None for window in self.windows)
+
     def sketch_bytes_per_token(self) -> float:
-        """Device bytes of one token's key sketch over all layers (``retention="host"``: half
-        the key channels in bfloat16, i.e. head_dim bytes per KV head)."""
-        return self.num_layers * self.num_kv_heads * self.head_dim
+        """Device bytes of one token's key sketch over the full-attention layers
+        (``retention="host"``; a sliding layer keeps its window and nothing else): half the key
+        channels at half the element size, an eighth of the dense K + V; 16-bit models add a
+        float32 scale per KV head to their INT8 codes."""
+        codes = self.head_dim * self.bytes_per_element / 4
+        scale = 0 if self.bytes_per_element >= 4 else 4
+        return self.full_layers * self.num_kv_heads * (codes + scale)
 
     def hidden_bytes_per_token(self, hidden_bits: int = 16) -> float:
         """Bytes of one token's attention inputs over all layers (what recomputation stores)."""

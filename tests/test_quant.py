@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from quant import dequantize, pack_nibbles, quantize, unpack_nibbles
+from quant import dequantize, pack_nibbles, quantize, quantize_rows, unpack_nibbles
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -124,3 +124,32 @@ def test_dequantize_refuses_an_out_of_another_shape_or_dtype():
         dequantize(q, out=torch.empty(4, 8))
     with pytest.raises(ValueError, match="float64"):
         dequantize(q, out=torch.empty(4, 16, dtype=torch.float64))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    values=arrays("float32", (3, 5, 16), elements=finite),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+)
+def test_row_codes_are_within_half_a_step_and_symmetric(values, dtype):
+    """Absmax INT8 per row: code * scale within scale / 2 of each value, codes in [-127, 127]
+    (the row's largest magnitude exactly +-127), a row of zeros all zero."""
+    x = torch.from_numpy(values).to(dtype)
+    codes, scales = quantize_rows(x)
+    assert codes.dtype == torch.int8 and scales.dtype == torch.float32
+    assert codes.shape == x.shape and scales.shape == x.shape[:-1]
+    assert int(codes.abs().max()) <= 127
+    wide = x.float()
+    error = (codes.float() * scales.unsqueeze(-1) - wide).abs()
+    assert (error <= scales.unsqueeze(-1) / 2 + wide.abs() * 1e-6 + 1e-30).all()  # + fp32 rounding
+    nonzero = wide.abs().amax(-1) > 0
+    assert (codes.abs().amax(-1)[nonzero] == 127).all()
+    zeros = torch.zeros(2, 4, dtype=dtype)
+    assert not quantize_rows(zeros)[0].any() and not quantize_rows(zeros)[1].any()
+
+
+def test_row_quantization_refuses_integers_and_scalars():
+    with pytest.raises(ValueError, match="dtype=torch.int64"):
+        quantize_rows(torch.arange(4))
+    with pytest.raises(ValueError, match="0-dimensional"):
+        quantize_rows(torch.tensor(1.0))

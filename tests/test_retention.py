@@ -18,6 +18,7 @@ from alisa.planning.spec import model_spec
 from alisa.policies import POLICIES
 from alisa.storage.pages import PAGE_TOKENS, FetchedRows
 from alisa.storage.quantized import QuantizedStore
+from experiments.architectures import FAMILIES, build
 
 HOST = {"retention": "host"}
 
@@ -405,3 +406,25 @@ def test_an_int8_device_region_takes_int8_host_codes_as_they_are(host_bits, monk
         spread = want.amax(-1, keepdim=True) - want.amin(-1, keepdim=True)
         tolerance = spread / 2 / (2**host_bits - 1) + spread / 2 / 255 + 1e-2
         assert ((got - want).abs() <= tolerance).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_the_planner_counts_the_sketch_bytes_the_cache_holds(family, dtype):
+    """``ModelSpec.sketch_bytes_per_token`` is what each allocated position of the layers' key
+    sketches takes: bfloat16 for a float32 model, INT8 codes and a scale for a 16-bit one; only
+    full-attention layers have one (a hybrid's sliding layers keep their window)."""
+    model = (tiny_llama() if family == "llama" else build(FAMILIES[family])).to(dtype)
+    spec = model_spec(model, model_shape(model))
+    config = AlisaConfig(policy="swa", caching_ratio=0.2, min_budget_tokens=16, **HOST)
+    cache = AlisaCache(model, config)
+    ids = torch.tensor([[5 + i % 50 for i in range(80)]])
+    model(input_ids=ids, past_key_values=cache)
+    hosts = [layer.keeper for layer in cache.layers if isinstance(layer.keeper, HostKeeper)]
+    assert len(hosts) == spec.full_layers < (spec.num_layers if family != "llama" else 99)
+    sketches = [keeper.sketch for keeper in hosts]
+    per_position = sum((s.nbytes() - s.channels.nbytes) / s.capacity for s in sketches)
+    assert per_position == spec.sketch_bytes_per_token()
+    assert {s.keys.dtype for s in sketches} == {
+        torch.bfloat16 if dtype == torch.float32 else torch.int8
+    }

@@ -94,3 +94,64 @@ def test_an_odd_head_dim_sketches_its_pairs_and_a_single_channel_is_refused():
     assert torch.isfinite(sketch.logits(query)).all()
     with pytest.raises(ValueError, match="head_dim=1"):
         KeySketch(1, 1, 1, 4, torch.device("cpu"))
+
+
+def test_sixteen_bit_keys_are_sketched_in_int8_within_half_a_step_of_each_product():
+    """A 16-bit model's sketch is INT8 codes with a scale per (token, KV head): half the bytes
+    of a bfloat16 sketch, and each estimated logit within the codes' rounding of the bfloat16
+    partial product (no offset term: symmetric codes)."""
+    keys = keys_with_strong_pairs().to(torch.bfloat16)
+    batch, heads, length, dim = keys.shape
+    counted = torch.ones(batch, length, dtype=torch.bool)
+    counted[:, :2] = False
+    sketch = KeySketch(batch, heads, dim, 8, keys.device, key_dtype=torch.bfloat16)
+    wide = KeySketch(batch, heads, dim, 8, keys.device, key_dtype=torch.float32)
+    sketch.write(0, keys[:, :, :24], counted[:, :24])
+    sketch.write(24, keys[:, :, 24:], None)
+    wide.write(0, keys.float(), counted)
+    assert sketch.keys.dtype == torch.int8 and wide.keys.dtype == SKETCH_DTYPE
+    assert torch.equal(sketch.channels, wide.channels)  # the same channels, cheaper codes
+    per_position = (sketch.keys.nbytes + sketch.scales.nbytes) / sketch.capacity
+    assert per_position == batch * heads * (sketch.width + 4)
+    assert per_position < wide.keys.nbytes / wide.capacity  # half of it at real head_dims
+
+    query = torch.randn(batch, heads, 2, dim, dtype=torch.bfloat16)
+    logits = sketch.logits(query)
+    assert logits.dtype == SKETCH_DTYPE and not logits[..., length:].any()
+    index = sketch.channels.unsqueeze(2)
+    q = query.gather(-1, index.expand(-1, -1, 2, -1)).float()
+    k = keys.gather(-1, index.expand(-1, -1, length, -1)).float()
+    exact = q @ k.mT
+    step = sketch.scales[..., :length].unsqueeze(2)  # (B, H, 1, L)
+    rounding = q.abs().sum(-1, keepdim=True) * step / 2
+    error = (logits[..., :length].float() - exact).abs()
+    assert (error <= rounding + exact.abs() * 2**-7 + 1e-3).all()
+    assert (error > 0).any()  # a test that could fail: codes, not the keys themselves
+
+
+def test_int8_sketches_shift_reorder_and_join_batches_with_their_scales():
+    keys = keys_with_strong_pairs(batch=2).to(torch.bfloat16)
+    batch, heads, length, dim = keys.shape
+    counted = torch.ones(batch, length, dtype=torch.bool)
+    one = KeySketch(batch, heads, dim, length, keys.device, key_dtype=torch.bfloat16)
+    one.write(0, keys, counted)
+    query = torch.randn(batch, heads, 1, dim, dtype=torch.bfloat16)
+    before = one.logits(query)[..., :length]
+    one.shift(3)
+    assert torch.equal(one.logits(query)[..., 3 : 3 + length], before)
+    one.shift(-3)
+    assert torch.equal(one.logits(query)[..., :length], before)
+    one.select_batch(torch.tensor([1, 0]))
+    assert torch.equal(one.logits(query.flip(0))[..., :length], before.flip(0))
+
+    other = KeySketch(1, heads, dim, 4, keys.device, key_dtype=torch.float16)
+    other.write(0, keys[:1, :, :10].half(), counted[:1, :10])
+    one.extend_rows(other)
+    assert one.keys.shape[0] == one.scales.shape[0] == 3
+    assert one.scales.shape[-1] == one.capacity
+    joined = one.logits(torch.cat([query.flip(0), query[:1]]))
+    assert torch.equal(joined[2:, ..., :10], other.logits(query[:1])[..., :10])
+    wide = KeySketch(1, heads, dim, 4, keys.device, key_dtype=torch.float32)
+    wide.write(0, keys[:1, :, :10].float(), counted[:1, :10])
+    with pytest.raises(ValueError, match="cannot share a batch"):
+        one.extend_rows(wide)

@@ -173,7 +173,9 @@ class HostKeeper(Keeper):
             self.pages = HostPages(
                 batch, heads, head_dim, bits=self.host_bits, dtype=keys.dtype, device=keys.device
             )
-            self.sketch = KeySketch(batch, heads, head_dim, start + length, keys.device)
+            self.sketch = KeySketch(
+                batch, heads, head_dim, start + length, keys.device, key_dtype=keys.dtype
+            )
         self.pending.append((keys, values))
         if start + length - self.flushed >= PAGE_TOKENS:
             self._flush(slots)

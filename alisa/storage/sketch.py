@@ -19,6 +19,13 @@ The sketch is kept token-major and each score is one product over the whole allo
 rows are zeros): a product over the first L rows of a larger buffer is not one strided batch and
 makes PyTorch copy the sketch first, which cost a B = 16 step on a CPU 74 ms of scoring against
 30 ms now (measured in place, SmolLM2-135M, 2,080 tokens).
+
+The sketch's element is half the model's, so it costs an eighth of the dense K + V bytes whatever
+the model's dtype: bfloat16 for a float32 model; for a 16-bit model (Gemma-3 runs in bfloat16)
+absmax INT8 codes with one float32 scale per (token, KV head) (:func:`quant.quantize_rows`),
+scored by converting the codes to bfloat16 (exact: integers up to 127) and scaling each
+position's product, with no offset term to cancel. In bfloat16 a 16-bit model's sketch was a
+quarter of its dense KV: Gemma-3-270M's at 16K was 12 of host retention's 26.3 MiB on the device.
 """
 
 from __future__ import annotations
@@ -26,15 +33,22 @@ from __future__ import annotations
 import torch
 
 from alisa.storage.store import headroom
+from quant import quantize_rows
 
-SKETCH_DTYPE = torch.bfloat16
-# Share of the key channels kept: bytes are then head_dim per token and KV head (1/8 of an fp32
-# key + value). A quarter of them lost 2.3 % perplexity at r = 0.2, three eighths 0.9 %.
+SKETCH_DTYPE = torch.bfloat16  # what the scores are computed and returned in
+# Share of the key channels kept: at half the element size, 1/8 of the dense key + value bytes
+# per token and KV head. A quarter of them lost 2.3 % perplexity at r = 0.2, three eighths 0.9 %.
 KEPT_FRACTION = 0.5
 
 
+def code_dtype(key_dtype: torch.dtype) -> torch.dtype:
+    """The sketch's element for keys of ``key_dtype``: half its size (bfloat16 for float32
+    keys, INT8 codes for 16-bit ones), so the sketch is an eighth of the dense K + V bytes."""
+    return SKETCH_DTYPE if key_dtype.itemsize >= 4 else torch.int8
+
+
 class KeySketch:
-    """The strongest RoPE channel pairs of every key of one layer, bfloat16, on the device.
+    """The strongest RoPE channel pairs of every key of one layer, on the device.
 
     Parameters
     ----------
@@ -44,18 +58,32 @@ class KeySketch:
         Token positions allocated (grows as needed).
     device
         The model's device.
+    key_dtype
+        The keys' dtype: float32 keys are sketched in bfloat16, 16-bit ones in INT8 codes with a
+        scale per (token, KV head) (:func:`code_dtype`).
     """
 
     def __init__(
-        self, batch: int, heads: int, head_dim: int, capacity: int, device: torch.device
+        self,
+        batch: int,
+        heads: int,
+        head_dim: int,
+        capacity: int,
+        device: torch.device,
+        key_dtype: torch.dtype = torch.float32,
     ) -> None:
         if head_dim < 2:
             raise ValueError(f"head_dim={head_dim} must be at least 2 (keys are sketched in pairs)")
         # An odd head_dim's last channel has no partner and is never kept.
         self.width = min(head_dim // 2 * 2, max(2, 2 * round(head_dim * KEPT_FRACTION / 2)))
+        dtype = code_dtype(key_dtype)
         # Token-major, (B, H, capacity, width): the score is (G, width) @ (capacity, width)^T, one
         # product per (sequence, KV head) over the whole allocation (see :meth:`logits`).
-        self.keys = torch.zeros(batch, heads, 0, self.width, dtype=SKETCH_DTYPE, device=device)
+        self.keys = torch.zeros(batch, heads, 0, self.width, dtype=dtype, device=device)
+        # (B, H, capacity) float32 per-position scales of INT8 codes; None for bfloat16 keys.
+        self.scales: torch.Tensor | None = None
+        if dtype == torch.int8:
+            self.scales = torch.zeros(batch, heads, 0, dtype=torch.float32, device=device)
         self.grow(capacity)  # with room to spare: the first page after a prompt needs no copy
         self.channels: torch.Tensor | None = None  # (B, H, width) long, fixed at the first write
 
@@ -70,14 +98,20 @@ class KeySketch:
 
     def nbytes(self) -> int:
         channels = 0 if self.channels is None else self.channels.nbytes
-        return self.keys.nbytes + channels
+        scales = 0 if self.scales is None else self.scales.nbytes
+        return self.keys.nbytes + scales + channels
 
     def grow(self, capacity: int) -> None:
         """Room for ``capacity`` positions, plus the slots' headroom so growth copies amortise."""
         if capacity <= self.capacity:
             return
-        extra = capacity + headroom(capacity) - self.capacity
-        self.keys = torch.nn.functional.pad(self.keys, (0, 0, 0, extra))
+        self._pad_positions(0, capacity + headroom(capacity) - self.capacity)
+
+    def _pad_positions(self, left: int, right: int) -> None:
+        """Zero positions (scoring 0) added before and after the allocated ones."""
+        self.keys = torch.nn.functional.pad(self.keys, (0, 0, left, right))
+        if self.scales is not None:
+            self.scales = torch.nn.functional.pad(self.scales, (left, right))
 
     def write(self, start: int, keys: torch.Tensor, counted: torch.Tensor | None) -> None:
         """Keep the sketched channels of keys (B, H, m, D) of positions [start, start + m).
@@ -91,7 +125,12 @@ class KeySketch:
             self.channels = self._choose(keys, counted)
         self.grow(start + keys.shape[2])
         index = self.channels.unsqueeze(2).expand(*keys.shape[:3], self.width)
-        self.keys[:, :, start : start + keys.shape[2]] = keys.gather(-1, index)
+        kept = keys.gather(-1, index)
+        end = start + keys.shape[2]
+        if self.scales is None:
+            self.keys[:, :, start:end] = kept
+        else:
+            self.keys[:, :, start:end], self.scales[:, :, start:end] = quantize_rows(kept)
 
     def logits(self, query: torch.Tensor) -> torch.Tensor:
         """Estimated logits of every allocated position, (B, H, G, capacity) bfloat16.
@@ -109,28 +148,41 @@ class KeySketch:
         index = self.channels.unsqueeze(2).expand(*query.shape[:3], self.width)
         picked = query.gather(-1, index).to(SKETCH_DTYPE)  # (B, H, G, width)
         # Over the whole allocation, not the first L rows (see the module's note): no copy.
-        return torch.matmul(picked, self.keys.mT)
+        if self.scales is None:
+            return torch.matmul(picked, self.keys.mT)
+        logits = torch.matmul(picked, self.keys.to(SKETCH_DTYPE).mT)
+        return logits.mul_(self.scales.unsqueeze(2))
 
     def extend_rows(self, other: KeySketch) -> None:
         """Append ``other``'s sequences (same positions; both have chosen their channels)."""
         if self.channels is None or other.channels is None:
             raise ValueError("sketches join a batch once their channels are chosen")
+        if self.keys.dtype != other.keys.dtype:
+            raise ValueError(
+                f"sketches of {self.keys.dtype} and {other.keys.dtype} codes cannot share a batch"
+            )
         extra = self.capacity - other.capacity
-        mine = torch.nn.functional.pad(self.keys, (0, 0, 0, max(-extra, 0)))
-        theirs = torch.nn.functional.pad(other.keys, (0, 0, 0, max(extra, 0)))
-        self.keys = torch.cat([mine, theirs])
+        self._pad_positions(0, max(-extra, 0))
+        pad = torch.nn.functional.pad
+        self.keys = torch.cat([self.keys, pad(other.keys, (0, 0, 0, max(extra, 0)))])
+        if self.scales is not None:
+            self.scales = torch.cat([self.scales, pad(other.scales, (0, max(extra, 0)))])
         self.channels = torch.cat([self.channels, other.channels])
 
     def shift(self, delta: int) -> None:
         """Move every key ``delta`` positions (new ones on the left are zero; positions moved
         below 0 are dropped)."""
         if delta >= 0:
-            self.keys = torch.nn.functional.pad(self.keys, (0, 0, delta, 0))
+            self._pad_positions(delta, 0)
         else:
             self.keys = self.keys[:, :, -delta:].contiguous()
+            if self.scales is not None:
+                self.scales = self.scales[:, :, -delta:].contiguous()
 
     def select_batch(self, indices: torch.Tensor) -> None:
         self.keys = self.keys.index_select(0, indices)
+        if self.scales is not None:
+            self.scales = self.scales.index_select(0, indices)
         if self.channels is not None:
             self.channels = self.channels.index_select(0, indices)
 
