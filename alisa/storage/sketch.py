@@ -109,11 +109,15 @@ class KeySketch:
             return
         self._pad_positions(0, capacity + headroom(capacity) - self.capacity)
 
+    def _padded(self, left: int, right: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Codes and scales with zero positions (scoring 0) before and after the allocated ones."""
+        keys = torch.nn.functional.pad(self.keys, (0, 0, left, right))
+        if self.scales is None:
+            return keys, None
+        return keys, torch.nn.functional.pad(self.scales, (left, right))
+
     def _pad_positions(self, left: int, right: int) -> None:
-        """Zero positions (scoring 0) added before and after the allocated ones."""
-        self.keys = torch.nn.functional.pad(self.keys, (0, 0, left, right))
-        if self.scales is not None:
-            self.scales = torch.nn.functional.pad(self.scales, (left, right))
+        self.keys, self.scales = self._padded(left, right)
 
     def write(self, start: int, keys: torch.Tensor, counted: torch.Tensor | None) -> None:
         """Keep the sketched channels of keys (B, H, m, D) of positions [start, start + m).
@@ -165,10 +169,10 @@ class KeySketch:
             )
         extra = self.capacity - other.capacity
         self._pad_positions(0, max(-extra, 0))
-        pad = torch.nn.functional.pad
-        self.keys = torch.cat([self.keys, pad(other.keys, (0, 0, 0, max(extra, 0)))])
+        keys, scales = other._padded(0, max(extra, 0))  # theirs padded, never written
+        self.keys = torch.cat([self.keys, keys])
         if self.scales is not None:
-            self.scales = torch.cat([self.scales, pad(other.scales, (0, max(extra, 0)))])
+            self.scales = torch.cat([self.scales, scales])
         self.channels = torch.cat([self.channels, other.channels])
 
     def shift(self, delta: int) -> None:
