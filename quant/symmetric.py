@@ -18,7 +18,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Absmax INT8 codes and float32 scales of ``x`` (..., D), per row (last dimension).
 
     Every value comes back as ``code * scale`` within ``scale / 2`` of the original (a row of
-    zeros has scale 0 and codes 0). Inputs must be finite (the caller's keys are).
+    zeros has scale 0 and codes 0, as has a row whose ``max |x| / 127`` underflows float32: its
+    values are below 127 x 2^-149). Inputs must be finite (the caller's keys are).
 
     Returns
     -------
