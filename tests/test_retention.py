@@ -16,6 +16,7 @@ from alisa.kv.layer import AlisaLayer
 from alisa.model.adapter import model_shape
 from alisa.planning.spec import model_spec
 from alisa.policies import POLICIES
+from alisa.runtime.engine import DecodeState, Engine
 from alisa.storage.pages import PAGE_TOKENS, FetchedRows
 from alisa.storage.quantized import QuantizedStore
 from experiments.architectures import FAMILIES, build
@@ -314,13 +315,30 @@ def test_generate_reports_device_and_host_bytes(tokenizer):
     assert dense.kv_tier_bytes["host"] == 0
 
 
-def test_batch_sizing_counts_the_budget_and_every_token_sketch_on_the_device():
+@pytest.mark.parametrize("retention", ["drop", "host"])
+def test_static_batch_sizing_covers_the_device_kv_every_step_holds(retention):
+    """``alisa batch --static`` sizes its batches by ``batch_memory``: its KV must cover what the
+    device holds at every step. Host retention holds more than its budget (slots up to 1.5x the
+    kept tokens before compacting, every token's key sketch, the page being filled); sizing it
+    as kept tokens plus the sketch under-counted it by a sixth."""
     model = tiny_llama()
     spec = model_spec(model, model_shape(model))
-    drop = AlisaConfig(policy="swa", caching_ratio=0.2, min_budget_tokens=64)
-    host = drop.with_overrides(retention="host")
-    extra = batch_memory(spec, host, 4, 512, 64).kv - batch_memory(spec, drop, 4, 512, 64).kv
-    assert extra == 4 * (512 + 64) * spec.sketch_bytes_per_token()
+    config = AlisaConfig(policy="swa", caching_ratio=0.2, retention=retention)
+    batch, prompt, new_tokens = 4, 200, 150
+    cache = AlisaCache(model, config, max_new_tokens=new_tokens)
+    engine = Engine(model, None, stop_at_eos=False)
+    state = DecodeState.start(torch.randint(5, 200, (batch, prompt), generator=torch.Generator()))
+    peak = 0
+    with torch.inference_mode():
+        for _ in range(new_tokens):
+            state.advance(engine.step(state, cache))
+            peak = max(peak, cache.tier_bytes()["device"])
+    predicted = batch_memory(spec, config, batch, prompt, new_tokens).kv
+    assert peak <= predicted < 1.5 * peak
+    if retention == "host":
+        drop = config.with_overrides(retention="drop")
+        extra = predicted - batch_memory(spec, drop, batch, prompt, new_tokens).kv
+        assert extra >= batch * (prompt + new_tokens) * spec.sketch_bytes_per_token()
 
 
 def test_a_short_padded_prompt_shapes_its_sketch_with_its_sinks_not_its_padding():

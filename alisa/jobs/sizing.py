@@ -67,16 +67,8 @@ def batch_memory(
             kept_tokens(None, spec.num_layers, total, spec.windows).sum()
         )  # every token, windows bounded
         kv = batch * held * layer_full + batch * total * layer_full  # cat holds a layer twice
-    else:
-        # Each layer allocates its kept tokens plus headroom; layers keep different counts.
-        kept = kept_tokens(config, spec.num_layers, total, spec.windows).tolist()
-        slots = [count + headroom(count) for count in kept]
-        kv = batch * sum(slots) * spec.kv_bytes_per_token(config.kv_bits) / spec.num_layers
-        if config.kv_bits < 16:
-            residual = sum(min(config.residual_tokens, count) for count in slots)
-            kv += batch * residual * layer_full
-        if config.retention == "host":  # every token's key sketch stays on the device
-            kv += batch * total * spec.sketch_bytes_per_token()
+    else:  # a static batch is so many equal rows: the continuous batch's arithmetic
+        kv = rows_kv(spec, config, [(prompt_len, new_tokens)] * batch)
     element = spec.bytes_per_element
     activations = batch * prompt_len * (4 * spec.hidden_size + 2 * spec.intermediate_size) * element
     mask = batch * prompt_len * prompt_len  # boolean padding mask of the prefill
@@ -128,6 +120,36 @@ def row_slots(spec: ModelSpec, config: AlisaConfig, prompt_len: int, new_tokens:
     return kept
 
 
+def _capacity(spec: ModelSpec, config: AlisaConfig, rows: Sequence[tuple[int, int]]) -> list[int]:
+    """Per layer, the slots every row of a batch of ``rows`` has: the widest row's
+    :func:`row_slots` plus the growth headroom (slots are rectangular)."""
+    widest = np.max([row_slots(spec, config, p, n) for p, n in rows], axis=0)
+    return [int(slots) + headroom(int(slots)) for slots in widest]
+
+
+def rows_kv(spec: ModelSpec, config: AlisaConfig, rows: Sequence[tuple[int, int]]) -> int:
+    """Peak device KV bytes of a batch of ``rows``, each a (prompt tokens, new tokens at most)
+    pair, over every layer.
+
+    Every row of a layer has the same capacity (:func:`_capacity`); with INT8/INT4 stores each
+    row also keeps its newest tokens in full precision; with ``retention="host"`` the key sketch
+    spans the longest row (plus its growth) and the tokens waiting for a host page stay on the
+    device.
+    """
+    if not rows:
+        return 0
+    layers, count = spec.num_layers, len(rows)
+    slot_bytes = spec.kv_bytes_per_token(config.kv_bits) / layers
+    kv = count * sum(_capacity(spec, config, rows)) * slot_bytes
+    if config.kv_bits < 16:  # the full-precision ring of the newest tokens
+        kv += count * layers * config.residual_tokens * spec.kv_bytes_per_token(16) / layers
+    if config.retention == "host":
+        span = max(p + n for p, n in rows)
+        kv += count * (span + 2 * headroom(span)) * spec.sketch_bytes_per_token()
+        kv += count * PAGE_TOKENS * spec.kv_bytes_per_token(16)
+    return int(kv)
+
+
 def running_memory(
     spec: ModelSpec,
     config: AlisaConfig,
@@ -148,17 +170,9 @@ def running_memory(
     if not rows:
         return BatchMemory(weights=spec.total_weight_bytes, kv=0, transient=0)
     layers, count = spec.num_layers, len(rows)
-    widest = np.max([row_slots(spec, config, p, n) for p, n in rows], axis=0)
-    capacity = [int(slots) + headroom(int(slots)) for slots in widest]
+    capacity = _capacity(spec, config, rows)
     slot_bytes = spec.kv_bytes_per_token(config.kv_bits) / layers
-    layer_full = spec.kv_bytes_per_token(16) / layers
-    kv = count * sum(capacity) * slot_bytes
-    if config.kv_bits < 16:  # the full-precision ring of the newest tokens
-        kv += count * layers * config.residual_tokens * layer_full
-    if config.retention == "host":
-        span = max(p + n for p, n in rows)
-        kv += count * (span + 2 * headroom(span)) * spec.sketch_bytes_per_token()
-        kv += count * PAGE_TOKENS * spec.kv_bytes_per_token(16)
+    kv = rows_kv(spec, config, rows)
     transient = max(capacity) * count * slot_bytes  # the layer being merged
     if joining:
         longest = max(p for p, _ in joining)
