@@ -19,6 +19,8 @@ from transformers import (  # noqa: E402
     PreTrainedTokenizerFast,
 )
 
+from alisa.runtime.engine import Engine  # noqa: E402
+
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
@@ -145,3 +147,21 @@ def smollm2():
     from alisa import load_model
 
     return load_model("smollm2-135m", dtype="float32")
+
+
+class Forwards(Engine):
+    """An engine that records its forwards: ``plain`` (rows, tokens) of each ordinary one,
+    ``mixed`` (running rows, prompt tokens) of each mixed forward (a newcomer's prefill inside
+    the running rows' decode step)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.plain, self.mixed = [], []
+
+    def forward(self, state, cache, **options):
+        self.plain.append(tuple(state.feed.shape))
+        return super().forward(state, cache, **options)
+
+    def forward_packed(self, running, newcomer, cache):
+        self.mixed.append((running.feed.shape[0], newcomer.feed.shape[1]))
+        return super().forward_packed(running, newcomer, cache)

@@ -5,7 +5,7 @@ offload never changes a token, and recomputation either does not either or is re
 
 import pytest
 import torch
-from conftest import hf_generate, padded_batch
+from conftest import Forwards, hf_generate, padded_batch
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from alisa import AlisaCache, AlisaConfig
@@ -98,6 +98,34 @@ def test_offload_is_exact_and_recompute_is_exact_or_refused(name):
         assert torch.equal(ours, reference), f"{name} differs with recompute={recompute}"
         tiers = cache.tier_tokens()
         assert tiers["host"] + tiers["recompute"] > 0, tiers  # the budget pushed KV out
+
+
+@pytest.mark.parametrize("name", EXACT_FAMILIES)
+def test_continuous_batching_mixes_forwards_only_where_that_changes_no_token(name):
+    """A newcomer rides in the running rows' decode step (one mixed forward) exactly for the
+    families :func:`packs` accepts, and every row's tokens are those of separate forwards."""
+    from alisa.runtime.continuous import ContinuousScheduler, packs
+    from alisa.runtime.requests import RowLimit, StreamRequest
+
+    model = build(FAMILIES[name])
+    generator = torch.Generator().manual_seed(3)
+    ids = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (12, 7, 9)]
+
+    def run(packing: bool) -> tuple[dict, Forwards]:
+        engine = Forwards(model, None, stop_at_eos=False)
+        scheduler = ContinuousScheduler(
+            engine, lambda: AlisaCache(model, AlisaConfig()), RowLimit(2), packing=packing
+        )
+        stream = [
+            StreamRequest(prompt_ids=p, max_new_tokens=n, id=i)
+            for i, (p, n) in enumerate(zip(ids, (5, 2, 4), strict=True))
+        ]
+        return {r.id: r.token_ids for r in scheduler.run(stream)}, engine
+
+    mixed, engine = run(True)
+    separate, _ = run(False)
+    assert mixed == separate
+    assert bool(engine.mixed) == packs(model)
 
 
 def test_keys_the_recomputer_cannot_rebuild_are_refused_or_kept_on_the_host():

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import VOCAB, byte_tokenizer, hf_generate, tiny_gpt2, tiny_llama
+from conftest import VOCAB, Forwards, byte_tokenizer, hf_generate, tiny_gpt2, tiny_llama
 
 from alisa import AlisaCache, AlisaConfig
 from alisa.jobs.sizing import running_memory
@@ -268,6 +268,7 @@ def test_prefill_tokens_bounds_each_prefill_forward_and_keeps_the_tokens():
             RowLimit(4),
             prefill_rows=4,
             prefill_tokens=prefill_tokens,
+            packing=False,  # newcomers in prefill forwards of their own, as with a hybrid model
         )
         results = {r.id: r.token_ids for r in scheduler.run(requests(ids))}
         return results, list(widths)
@@ -279,3 +280,56 @@ def test_prefill_tokens_bounds_each_prefill_forward_and_keeps_the_tokens():
     unbounded, wide = run(None)
     assert max(rows for rows, _ in wide) > max(rows for rows, _ in shapes)
     assert bounded == unbounded
+
+
+@pytest.mark.parametrize("name", ["drop r=1", "swa host r=0.3", "swa int8 r=0.5"])
+def test_newcomers_joining_running_rows_ride_in_their_decode_step(name):
+    """With rows running, each newcomer is prefilled in the running rows' next decode step (one
+    (1, B + T) forward); every row's tokens are those of separate forwards, in fewer forwards."""
+    model, ids = tiny_llama(), prompts()
+    config = {**EXACT_DENSE, **SPARSE}[name]
+
+    def run(packing):
+        engine = Forwards(model, byte_tokenizer(), stop_at_eos=False)
+        scheduler = ContinuousScheduler(
+            engine, lambda: AlisaCache(model, config), RowLimit(3), packing=packing
+        )
+        results = {r.id: r.token_ids for r in scheduler.run(requests(ids))}
+        return results, engine
+
+    packed, mixed = run(True)
+    separate, plain = run(False)
+    assert packed == separate
+    assert not plain.mixed and mixed.mixed
+    # Every prompt is prefilled once: alone in a mixed forward, or in a prefill forward (the
+    # first ones, while nothing runs).
+    prefilled = [rows for rows, width in mixed.plain if width > 1]
+    assert len(mixed.mixed) + sum(prefilled) == len(ids)
+    assert all(rows >= 1 for rows, _ in mixed.mixed)
+    # Each mixed forward is also the running rows' decode step: fewer forwards in all.
+    assert len(mixed.plain) + len(mixed.mixed) < len(plain.plain)
+
+
+def test_models_a_mixed_forward_would_change_prefill_alone():
+    from alisa.runtime.continuous import packs
+
+    assert packs(tiny_llama())
+    assert not packs(tiny_gpt2())  # learned positions
+    assert not packs(MODELS["gemma3-hybrid"]())  # sliding-window layers
+    assert not packs(MODELS["mistral-window"]())
+
+
+def test_a_mixed_forward_needs_a_running_cache_and_an_empty_one_of_one_config():
+    from alisa.kv.packed import PackedCache
+
+    model = tiny_llama()
+    running = AlisaCache(model, AlisaConfig())
+    with torch.inference_mode():
+        Engine(model, None).forward(DecodeState.start(torch.tensor([[5, 6, 7]])), running)
+    with pytest.raises(ValueError, match="empty cache"):
+        PackedCache(AlisaCache(model, AlisaConfig()), AlisaCache(model, AlisaConfig()), 1)
+    with pytest.raises(ValueError, match="empty cache"):
+        PackedCache(running, running, 1)
+    other = AlisaCache(model, AlisaConfig(policy="swa", caching_ratio=0.5))
+    with pytest.raises(ValueError, match="different configs"):
+        PackedCache(running, other, 1)

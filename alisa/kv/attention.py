@@ -26,6 +26,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 # Re-exported only for alisa/parallel/generate.py until it imports it from alisa.model.adapter.
 from alisa.kv.grouped import grouped_logits
 from alisa.kv.layer import AlisaLayer
+from alisa.kv.packed import PackedLayer, prompt_columns, running_columns
 from alisa.storage.store import Part
 
 ATTENTION_NAME = "alisa"
@@ -91,8 +92,34 @@ def alisa_attention(
     tuple
         ((B, q, H, D) output, None).
     """
-    layer: AlisaLayer | None = kwargs.pop("alisa_layer", None)
+    layer: AlisaLayer | PackedLayer | None = kwargs.pop("alisa_layer", None)
     options = LogitOptions.take(kwargs)  # HF's SDPA refuses or ignores them: applied here
+    if isinstance(layer, PackedLayer):
+        return _packed_attention(
+            module, layer, query, key, value, scaling, dropout, options, kwargs
+        )
+    output = _attend(
+        module, layer, query, key, value, attention_mask, scaling, dropout, options, kwargs
+    )
+    return output, None
+
+
+def _attend(
+    module: nn.Module,
+    layer: AlisaLayer | None,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    dropout: float,
+    options: LogitOptions,
+    kwargs: dict,
+) -> torch.Tensor:
+    """:func:`alisa_attention` for one cache layer (or none): the (B, q, H, D) output.
+
+    At a decode step ``key`` and ``value`` are not read (the layer's slots are).
+    """
     window = kwargs.get("sliding_window")
     if layer is not None and window is not None and window != layer.keeper.window:
         raise ValueError(
@@ -117,14 +144,56 @@ def alisa_attention(
         if layer is not None:
             scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
             prefill_layer(layer, query, key, attention_mask, scaling, options)
-        return output, None
+        return output
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     layer.before_attention(query)
     parts = layer.parts(query)
     visible = _visible(parts, layer.get_seq_length(), query.shape[2], layer.keeper.window)
     output, probabilities = grouped_attention_parts(query, parts, visible, scaling, options)
     layer.after_attention(query, probabilities)
-    return output, None
+    return output
+
+
+def _packed_attention(
+    module: nn.Module,
+    layer: PackedLayer,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    dropout: float,
+    options: LogitOptions,
+    kwargs: dict,
+) -> tuple[torch.Tensor, None]:
+    """A mixed forward's attention (:mod:`alisa.kv.packed`): the (1, H, N, D) query's first B
+    columns are a decode step of the running rows over their cache, the rest a newcomer's
+    causal prefill over its own prompt; HF's mask is not read. Returns ((1, N, H, D), None)."""
+    rows = layer.rows
+    running = _attend(
+        module,
+        layer.running,
+        running_columns(query, rows),
+        None,
+        None,
+        None,
+        scaling,
+        dropout,
+        options,
+        kwargs,
+    )
+    prompt = _attend(
+        module,
+        layer.newcomer,
+        prompt_columns(query, rows),
+        prompt_columns(key, rows),
+        prompt_columns(value, rows),
+        None,  # one unpadded prompt: causal
+        scaling,
+        dropout,
+        options,
+        kwargs,
+    )
+    return torch.cat([running.transpose(0, 1), prompt], dim=1), None
 
 
 def _prefill_attention(

@@ -7,8 +7,9 @@ the model to the ``alisa`` attention implementation. :func:`detach` undoes both;
 its previous implementation by itself at the first forward that uses another cache, so a model
 used with an ``AlisaCache`` and then without gives HF's own outputs.
 
-An ALISA cache is recognised by its layers' type (:class:`~alisa.kv.layer.AlisaLayer`), so this
-module does not import the cache.
+An ALISA cache is recognised by its layers' type (:class:`~alisa.kv.layer.AlisaLayer`, or
+:class:`~alisa.kv.packed.PackedLayer` in a mixed forward), so this module does not import the
+cache.
 """
 
 from __future__ import annotations
@@ -21,15 +22,16 @@ from transformers.cache_utils import Cache
 
 from alisa.kv.attention import ATTENTION_NAME
 from alisa.kv.layer import AlisaLayer
+from alisa.kv.packed import PackedLayer
 from alisa.model.adapter import ModelAdapter, attention_modules
 from alisa.model.routing import CACHE_KWARGS
 
 
-def _alisa_layer(cache, layer_idx: int) -> AlisaLayer | None:
+def _alisa_layer(cache, layer_idx: int) -> AlisaLayer | PackedLayer | None:
     if not isinstance(cache, Cache) or layer_idx >= len(cache.layers):
         return None
     layer = cache.layers[layer_idx]
-    return layer if isinstance(layer, AlisaLayer) else None
+    return layer if isinstance(layer, AlisaLayer | PackedLayer) else None
 
 
 def _inject_layer(module: nn.Module, args: tuple, kwargs: dict):

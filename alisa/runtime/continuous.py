@@ -15,6 +15,12 @@ Exactness: every row computes what it would alone. Its RoPE positions are its ow
 prefill attention masks by slot positions only. Float rounding may differ with the batch's shape
 (matrix products over other batch sizes and slot orders), as in any batch.
 
+While rows are running, a newcomer is prefilled inside their next decode step, one newcomer a
+forward (a mixed forward, :mod:`alisa.kv.packed`): the running rows do not wait for its prefill
+and the forward's fixed cost (reading every weight) is paid once for both. Models whose positions
+do not come from ``position_ids`` alone (no rotary embedding) or that have sliding-window layers
+prefill newcomers in a forward of their own, as when nothing runs.
+
 Preemption loses nothing: when the running rows would outgrow what the admission rule allows
 (rows admitted with room for only their next few tokens, ``ByteBudget(reserve_tokens=...)``),
 the newest row is paused: its cache rows are taken out (:meth:`AlisaCache.take_rows`) and its
@@ -33,7 +39,9 @@ from dataclasses import dataclass, field
 import torch
 
 from alisa.kv.cache import AlisaCache
+from alisa.kv.packed import PackedCache
 from alisa.kv.swap import Swapped, swap_out
+from alisa.model.adapter import ModelAdapter
 from alisa.model.loading import context_length, prompt_length_error
 from alisa.runtime.engine import DecodeState, Engine
 from alisa.runtime.requests import (
@@ -95,6 +103,9 @@ class ContinuousScheduler:
         SmolLM2-135M, 2 threads, ~500 tok/s for 1 x 491 and for 8 x 491). None: no bound.
     on_step
         Told each iteration's :class:`StepRecord` (timelines; None: nothing recorded).
+    packing
+        Prefill a newcomer inside the running rows' decode step when the model allows it
+        (:func:`packs`); False: always in a forward of its own.
     """
 
     def __init__(
@@ -106,6 +117,7 @@ class ContinuousScheduler:
         prefill_rows: int = 8,
         prefill_tokens: int | None = PREFILL_TOKENS,
         on_step: Callable[[StepRecord], None] | None = None,
+        packing: bool = True,
     ) -> None:
         for name, value in (("prefill_rows", prefill_rows), ("prefill_tokens", prefill_tokens)):
             if value is None and name == "prefill_tokens":
@@ -118,6 +130,7 @@ class ContinuousScheduler:
         self.admission = admission or RowLimit(64)
         self.prefill_rows = prefill_rows
         self.on_step = on_step
+        self.packing = packing and packs(engine.model)
         self.queue: deque[_Row] = deque()
         self.rows: list[_Row] = []  # running, in cache row order
         self.paused: list[_Paused] = []  # in arrival order
@@ -193,8 +206,9 @@ class ContinuousScheduler:
         """Prefill the waiting requests that fit (FIFO) and merge them into the running rows."""
         joining: list[_Row] = []
         done: list[StreamResult] = []
-        running = [row.shape for row in self.rows]
-        while self.queue and len(joining) < self.prefill_rows:
+        packed = 0
+        while self.queue and len(joining) + packed < self.prefill_rows:
+            running = [row.shape for row in self.rows]
             head = self.queue[0]
             if head.request.max_new_tokens == 0:
                 done.append(self._result(self.queue.popleft(), "length"))
@@ -213,6 +227,10 @@ class ContinuousScheduler:
                     done.append(self._refused(self.queue.popleft()))
                     continue
                 break
+            if self.packing and self.rows and not joining:
+                done += self._prefill_packed(self.queue.popleft())
+                packed += 1
+                continue
             joining.append(self.queue.popleft())
         if joining:
             done += self._prefill(joining)
@@ -234,6 +252,21 @@ class ContinuousScheduler:
         first = len(self.rows)
         self._join(joining, cache, state)
         return self._leave(self._append(tokens, first))
+
+    def _prefill_packed(self, row: _Row) -> list[StreamResult]:
+        """Prefill ``row`` in the running rows' next decode step (one mixed forward), pick the
+        tokens of both, let finished rows leave, and merge the newcomer after the others."""
+        state = _padded_state([row], self.engine.pad, self.engine.device)
+        cache = self.new_cache()
+        packed = PackedCache(self.cache, cache, len(self.rows))
+        running_logits, prompt_logits = self.engine.forward_packed(self.state, state, packed)
+        tokens = self.engine.choose(self.state, running_logits)
+        self.state.advance(tokens)
+        first = self.engine.choose(state, prompt_logits)
+        state.advance(first)
+        done = self._leave(self._append(tokens, 0))
+        self._join([row], cache, state)
+        return done + self._leave(self._append(first, len(self.rows) - 1))
 
     def _join(self, rows: list[_Row], cache: AlisaCache, state: DecodeState) -> None:
         """Rows past their prefill (new or resumed) join the running ones, after them."""
@@ -349,6 +382,15 @@ class ContinuousScheduler:
             "does not fit the admission rule even alone"
         )
         return self._result(row, "did_not_fit", error)
+
+
+def packs(model: torch.nn.Module) -> bool:
+    """Whether a mixed forward computes for ``model`` what two forwards would: every layer full
+    attention (a sliding window would need each part's own window mask) and positions from
+    ``position_ids`` alone, through a rotary embedding (learned or ALiBi positions may be
+    derived from the padding mask)."""
+    adapter = ModelAdapter.of(model)
+    return not adapter.shape.hybrid and adapter.rotary is not None
 
 
 def _padded_state(rows: list[_Row], pad: int, device: torch.device) -> DecodeState:

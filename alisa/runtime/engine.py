@@ -275,6 +275,45 @@ class Engine:
             **options,
         ).logits[:, -1, :]
 
+    def forward_packed(
+        self, running: DecodeState, newcomer: DecodeState, cache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Last-position logits of a mixed forward (:mod:`alisa.kv.packed`): the running rows'
+        next tokens and one newcomer's prompt fed as one (1, B + T) sequence.
+
+        Parameters
+        ----------
+        running
+            B rows past their prefill, one token each to feed (their padding mask is not
+            read: after its prefill an ALISA cache masks by slot positions).
+        newcomer
+            One unpadded prompt (1, T) before its prefill.
+        cache
+            A :class:`~alisa.kv.packed.PackedCache` of the two rows' caches.
+
+        Returns
+        -------
+        tuple
+            ((B, V) the running rows' logits, (1, V) the newcomer's).
+        """
+        rows = running.feed.shape[0]
+        if running.feed.shape[1] != 1:
+            raise ValueError("a mixed forward takes running rows past their prefill")
+        if newcomer.feed.shape[0] != 1 or newcomer.attention_mask is not None:
+            raise ValueError("a mixed forward prefills one unpadded prompt")
+        feed = torch.cat([running.feed.view(1, rows), newcomer.feed], dim=1)
+        positions = torch.cat([running.positions.view(1, rows), newcomer.positions], dim=1)
+        keep = torch.arange(rows + 1, device=feed.device)
+        keep[-1] = feed.shape[1] - 1  # the newcomer's last prompt token
+        logits = self.model(
+            input_ids=feed,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=keep,
+        ).logits[0]
+        return logits[:rows], logits[rows:]
+
     def choose(self, state: DecodeState, logits: torch.Tensor) -> torch.Tensor:
         """(B,) next tokens from ``logits`` (B, V); finished rows get pad, EOS finishes a row."""
         if state.generators is None:
