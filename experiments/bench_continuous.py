@@ -14,6 +14,9 @@ after a short warm-up; ``--repeats`` runs them all again, interleaved, and repor
 Systems (``--systems``):
     static-drop, continuous-drop        ``alisa batch --static`` vs ``alisa batch``, SWA r=0.2
     static-host, continuous-host        the same with retention="host"
+    continuous-drop-separate,           continuous, each newcomer prefilled in a forward of its
+    continuous-host-separate            own (``alisa batch --separate-prefills``), not inside
+                                        the running rows' decode step
     continuous-dense                    ``alisa batch`` at r = 1 (every token kept)
     continuous-drop-reserve,            the same, admitting rows with room for ``--reserve-
     continuous-dense-reserve            tokens`` new tokens; rows that outgrow it are paused
@@ -61,6 +64,7 @@ class System:
     config: AlisaConfig | None
     static: bool = False
     reserve: bool = False  # admit rows with room for --reserve-tokens only
+    mixed: bool = True  # newcomers prefilled inside the running rows' decode step
 
 
 def systems(names: list[str]) -> list[System]:
@@ -71,6 +75,8 @@ def systems(names: list[str]) -> list[System]:
         "continuous-drop": {"config": AlisaConfig(**SPARSE)},
         "static-host": {"config": AlisaConfig(**host), "static": True},
         "continuous-host": {"config": AlisaConfig(**host)},
+        "continuous-drop-separate": {"config": AlisaConfig(**SPARSE), "mixed": False},
+        "continuous-host-separate": {"config": AlisaConfig(**host), "mixed": False},
         "continuous-dense": {"config": AlisaConfig()},
         "continuous-drop-reserve": {"config": AlisaConfig(**SPARSE), "reserve": True},
         "continuous-dense-reserve": {"config": AlisaConfig(), "reserve": True},
@@ -186,6 +192,7 @@ def run_alisa(
         static=system.static,
         reserve_tokens=args.reserve_tokens if system.reserve else None,
         prefill_tokens=args.prefill_tokens or None,
+        mixed_forwards=system.mixed,
     )
     timeline = Timeline(time.perf_counter())
     summary = run_batch(model, tokenizer, job, on_step=timeline.add)
@@ -316,6 +323,12 @@ def ratios(rows: list[dict]) -> dict:
     return {
         "continuous_vs_static_drop": ratio("tokens_per_s", "continuous-drop", "static-drop"),
         "continuous_vs_static_host": ratio("tokens_per_s", "continuous-host", "static-host"),
+        "mixed_vs_separate_drop": ratio(
+            "tokens_per_s", "continuous-drop", "continuous-drop-separate"
+        ),
+        "mixed_vs_separate_host": ratio(
+            "tokens_per_s", "continuous-host", "continuous-host-separate"
+        ),
         "r0.2_vs_hf": ratio("tokens_per_s", "continuous-drop", "hf"),
         "r0.2_reserve_vs_hf": ratio("tokens_per_s", "continuous-drop-reserve", "hf"),
         "r1_vs_hf": ratio("tokens_per_s", "continuous-dense", "hf"),

@@ -136,6 +136,35 @@ def test_dense_alisa_matches_dynamic_cache_outputs(tmp_path):
     }
 
 
+def test_separate_prefills_give_the_tokens_of_mixed_forwards(tmp_path):
+    """``alisa batch`` prefills newcomers inside the running rows' decode step by default;
+    ``--separate-prefills`` (``mixed_forwards=False``) gives every row the same text."""
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    model.generation_config.eos_token_id = None
+    source = tmp_path / "in.jsonl"
+    write_prompts(source, count=8)
+    texts = {}
+    for mixed in (True, False):
+        target = tmp_path / f"{mixed}.jsonl"
+        job = BatchJob(
+            input=str(source),
+            output=str(target),
+            max_new_tokens=6,
+            max_batch=3,
+            progress=False,
+            mixed_forwards=mixed,
+        )
+        run_batch(model, tokenizer, job)
+        texts[mixed] = {r["id"]: r["text"] for r in read_rows(target)}
+    assert texts[True] == texts[False] and len(texts[True]) == 8
+    with pytest.raises(ValueError, match="mixed_forwards=False applies to continuous"):
+        BatchJob(input=str(source), output="o.jsonl", static=True, mixed_forwards=False)
+    code = main(
+        ["batch", str(source), "-o", str(tmp_path / "o.jsonl"), "--static", "--separate-prefills"]
+    )
+    assert code != 0
+
+
 # A job whose every forward pass is slowed (static batches and continuous batching alike):
 # the kill lands mid-job.
 WORKER = """

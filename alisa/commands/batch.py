@@ -62,8 +62,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=PREFILL_TOKENS,
         help="continuous batching: padded prompt tokens (rows x longest) prefilled in one "
-        f"forward at most, bounding how long running rows wait (default: {PREFILL_TOKENS}; a "
+        f"forward at most, bounding the compute spent on padding (default: {PREFILL_TOKENS}; a "
         "longer prompt is prefilled alone)",
+    )
+    parser.add_argument(
+        "--separate-prefills",
+        action="store_true",
+        help="continuous batching: prefill each newcomer in a forward of its own instead of "
+        "inside the running rows' next decode step (for comparison; the tokens are the same)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -92,6 +98,11 @@ def run(args: argparse.Namespace) -> int:
                 f"--reserve-tokens {args.reserve_tokens} applies to continuous batching; "
                 "--static batches reserve every row's max_new_tokens"
             )
+    if args.separate_prefills and args.static:
+        raise CommandError(
+            "--separate-prefills applies to continuous batching; --static batches prefill "
+            "every batch apart"
+        )
     if args.rank_timeout is not None and not 0 < args.rank_timeout < math.inf:
         raise CommandError(f"--rank-timeout={args.rank_timeout} must be a finite number > 0")
     if args.kv_memory is not None:
@@ -118,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         static=args.static,
         reserve_tokens=args.reserve_tokens,
         prefill_tokens=args.prefill_tokens,
+        mixed_forwards=not args.separate_prefills,
     )
     apply_threads("batch", args.threads)
     if launched():

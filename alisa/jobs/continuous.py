@@ -70,6 +70,7 @@ def continuous_results(
             admission,
             prefill_tokens=job.prefill_tokens,
             on_step=on_step,
+            packing=job.mixed_forwards,
         )
         by_id = {request.id: request for request in group}
         stream = (

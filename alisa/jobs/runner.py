@@ -67,6 +67,10 @@ class BatchJob:
     prefill_tokens
         Continuous batching: padded prompt tokens (rows x longest) of one prefill forward at
         most (:class:`~alisa.runtime.continuous.ContinuousScheduler`); None: no bound.
+    mixed_forwards
+        Continuous batching: prefill a newcomer inside the running rows' next decode step
+        where the model allows it (:func:`~alisa.runtime.continuous.packs`); False: in a
+        forward of its own. The tokens are the same either way.
     """
 
     input: str | Path
@@ -82,6 +86,7 @@ class BatchJob:
     static: bool = False
     reserve_tokens: int | None = None
     prefill_tokens: int | None = PREFILL_TOKENS
+    mixed_forwards: bool = True
 
     def __post_init__(self) -> None:
         check_field_types(self)  # None or a wrong type fails here, naming the field
@@ -100,6 +105,11 @@ class BatchJob:
             raise ValueError(
                 f"reserve_tokens={self.reserve_tokens!r} applies to continuous batching; static "
                 "batches reserve every row's max_new_tokens"
+            )
+        if not self.mixed_forwards and self.static:
+            raise ValueError(
+                "mixed_forwards=False applies to continuous batching; static batches prefill "
+                "every batch apart"
             )
 
 

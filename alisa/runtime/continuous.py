@@ -94,13 +94,14 @@ class ContinuousScheduler:
     admission
         Whether waiting requests may join, and running rows step (default: at most 64 rows).
     prefill_rows
-        Newcomers prefilled together in one left-padded forward, at most.
+        Newcomers admitted in one iteration, at most: prefilled together in one left-padded
+        forward, or (rows running, ``packing``) one by one, each in a mixed forward.
     prefill_tokens
-        Padded tokens (rows x longest prompt) of one such forward, at most: a newcomer joins
-        the group only while the group stays within it (the first always does). It bounds how
-        long running rows wait for a prefill and the compute spent on padding, which on a CPU
-        buys nothing: prefill runs at the same tokens/s one row at a time (measured:
-        SmolLM2-135M, 2 threads, ~500 tok/s for 1 x 491 and for 8 x 491). None: no bound.
+        Padded tokens (rows x longest prompt) of one left-padded prefill forward, at most: a
+        newcomer joins the group only while the group stays within it (the first always
+        does). It bounds the compute spent on padding, which on a CPU buys nothing: prefill
+        runs at the same tokens/s one row at a time (measured: SmolLM2-135M, 2 threads, ~500
+        tok/s for 1 x 491 and for 8 x 491). None: no bound.
     on_step
         Told each iteration's :class:`StepRecord` (timelines; None: nothing recorded).
     packing
