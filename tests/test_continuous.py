@@ -1,5 +1,7 @@
 """Continuous batching: rows join and leave a running batch, each computing what it would alone."""
 
+from itertools import pairwise
+
 import pytest
 import torch
 from conftest import VOCAB, Forwards, byte_tokenizer, hf_generate, tiny_gpt2, tiny_llama
@@ -289,15 +291,24 @@ def test_newcomers_joining_running_rows_ride_in_their_decode_step(name):
     model, ids = tiny_llama(), prompts()
     config = {**EXACT_DENSE, **SPARSE}[name]
 
+    records = []  # (mixed forwards so far, tokens) at each record
+
     def run(packing):
         engine = Forwards(model, byte_tokenizer(), stop_at_eos=False)
         scheduler = ContinuousScheduler(
-            engine, lambda: AlisaCache(model, config), RowLimit(3), packing=packing
+            engine,
+            lambda: AlisaCache(model, config),
+            RowLimit(3),
+            packing=packing,
+            on_step=lambda record: records.append((len(engine.mixed), record.tokens)),
         )
         results = {r.id: r.token_ids for r in scheduler.run(requests(ids))}
         return results, engine
 
     packed, mixed = run(True)
+    # Every mixed forward is recorded as it happens (timelines and progress never stall).
+    assert all(later - earlier <= 1 for (earlier, _), (later, _) in pairwise(records))
+    assert sum(tokens for _, tokens in records) == sum(map(len, packed.values()))
     separate, plain = run(False)
     assert packed == separate
     assert not plain.mixed and mixed.mixed

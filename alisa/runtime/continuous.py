@@ -139,6 +139,7 @@ class ContinuousScheduler:
         self.state: DecodeState | None = None
         self.stats = SchedulerStats()
         self._arrivals = 0
+        self._recorded = 0  # generated tokens told to on_step so far
 
     def submit(self, request: StreamRequest) -> None:
         """Queue ``request`` (its TTFT counts from its ``arrival_s``, else from now)."""
@@ -177,7 +178,6 @@ class ContinuousScheduler:
     def step(self) -> list[StreamResult]:
         """One iteration: pause rows that no longer fit, resume paused ones that do, else admit
         and prefill newcomers; one decode step; finished rows leave."""
-        before = self.stats.generated_tokens
         self._make_room()
         self._resume()
         done = [] if self.paused else self._admit()  # paused rows go first
@@ -187,19 +187,26 @@ class ContinuousScheduler:
             tokens = self.engine.step(self.state, self.cache)
             self.state.advance(tokens)
             done += self._leave(self._append(tokens, 0))
+        self._record(stepped)
+        return done
+
+    def _record(self, rows: int) -> None:
+        """Update the counts and tell ``on_step`` of the forward just run over ``rows`` rows:
+        the tokens generated since the last record (each mixed forward is recorded as it
+        happens, so timelines and the progress bar never stall through an admission)."""
         stats = self.stats
         stats.running, stats.queued = len(self.rows), len(self.queue)
+        tokens, self._recorded = stats.generated_tokens - self._recorded, stats.generated_tokens
         if self.on_step is not None:
             record = StepRecord(
                 time_s=self.engine.clock(),
-                rows=stepped,
-                tokens=stats.generated_tokens - before,
+                rows=rows,
+                tokens=tokens,
                 queued=stats.queued,
                 paused=stats.paused,
                 kv_bytes=stats.kv_bytes,
             )
             self.on_step(record)
-        return done
 
     # ---- admission, prefill, preemption ---------------------------------------------------
 
@@ -229,7 +236,10 @@ class ContinuousScheduler:
                     continue
                 break
             if self.packing and self.rows and not joining:
+                rows = len(self.rows) + 1
+                self.stats.peak_rows = max(self.stats.peak_rows, rows)
                 done += self._prefill_packed(self.queue.popleft())
+                self._record(rows)
                 packed += 1
                 continue
             joining.append(self.queue.popleft())
