@@ -331,7 +331,7 @@ def test_models_a_mixed_forward_would_change_prefill_alone():
 
 
 def test_a_mixed_forward_needs_a_running_cache_and_an_empty_one_of_one_config():
-    from alisa.kv.packed import PackedCache
+    from alisa.kv.cache import PackedCache
 
     model = tiny_llama()
     running = AlisaCache(model, AlisaConfig())

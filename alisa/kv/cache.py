@@ -16,6 +16,7 @@ from alisa.kv.hooks import attach
 from alisa.kv.host import HostKeeper
 from alisa.kv.keeper import Keeper
 from alisa.kv.layer import AlisaLayer
+from alisa.kv.packed import PackedLayer, prompt_columns, running_columns
 from alisa.kv.swap import copy_replacing
 from alisa.kv.window import WindowKeeper
 from alisa.model.adapter import ModelAdapter, ModelShape
@@ -269,6 +270,50 @@ class AlisaCache(Cache):
                 f"{need} bytes at host_bits={self.config.host_bits}; raise host_memory, lower "
                 "host_bits or generate fewer tokens"
             )
+
+
+class PackedCache(Cache):
+    """``past_key_values`` of one mixed forward: ``running``'s rows decode one step while
+    ``newcomer`` (one sequence, empty) is prefilled. Both caches hold their own results after
+    the forward; this object is then dropped (:mod:`alisa.kv.packed`,
+    https://arxiv.org/abs/2403.02310).
+
+    Parameters
+    ----------
+    running
+        The running rows' cache (prefilled).
+    newcomer
+        An empty cache of the same config for one newcomer.
+    rows
+        B, the running rows: the packed forward's first B columns are their tokens.
+
+    Raises
+    ------
+    ValueError
+        ``newcomer`` already prefilled, ``running`` not yet, or caches of different configs.
+    """
+
+    def __init__(self, running: AlisaCache, newcomer: AlisaCache, rows: int) -> None:
+        if running.config != newcomer.config or len(running.layers) != len(newcomer.layers):
+            raise ValueError("caches of different configs or models cannot share a forward")
+        if newcomer.get_seq_length() != 0 or running.get_seq_length() == 0:
+            raise ValueError(
+                "a mixed forward decodes a prefilled cache's rows and prefills an empty cache"
+            )
+        self.running, self.newcomer, self.rows = running, newcomer, rows
+        pairs = zip(running.layers, newcomer.layers, strict=True)
+        super().__init__(layers=[PackedLayer(mine, theirs, rows) for mine, theirs in pairs])
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """Each cache stores its columns through its own ``update`` (its checks included)."""
+        rows = self.rows
+        self.running.update(
+            running_columns(key_states, rows), running_columns(value_states, rows), layer_idx
+        )
+        self.newcomer.update(
+            prompt_columns(key_states, rows), prompt_columns(value_states, rows), layer_idx
+        )
+        return key_states, value_states
 
 
 def _check_host_memory_applies(config: AlisaConfig) -> None:

@@ -9,22 +9,17 @@ where the two parts differ, and it is split here: the running rows attend over t
 :class:`~alisa.kv.cache.AlisaCache` as at any decode step, the newcomer over its own prompt as
 at any prefill (causal, into a cache of its own), each through the same code path as alone.
 
-:class:`PackedCache` is what the model is given as ``past_key_values``; its layers
-(:class:`PackedLayer`) reach the ``alisa`` attention function through the usual pre-hook.
+:class:`~alisa.kv.cache.PackedCache` is what the model is given as ``past_key_values``; its
+layers (:class:`PackedLayer`) reach the ``alisa`` attention function through the usual pre-hook.
 ``experiments.bench_packing`` measures what it saves (a forward's fixed cost).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin
 
 from alisa.kv.layer import AlisaLayer
-
-if TYPE_CHECKING:  # the cache imports the attention function, which imports this module
-    from alisa.kv.cache import AlisaCache
 
 
 def running_columns(states: torch.Tensor, rows: int) -> torch.Tensor:
@@ -88,37 +83,3 @@ class PackedLayer(CacheLayerMixin):
             positions = (position_ids[0, :rows].unsqueeze(1), position_ids[:, rows:])
         self.running.receive_inputs(hidden[0, :rows].unsqueeze(1), positions[0])
         self.newcomer.receive_inputs(hidden[:, rows:], positions[1])
-
-
-class PackedCache(Cache):
-    """``past_key_values`` of one mixed forward: ``running``'s rows decode one step while
-    ``newcomer`` (one sequence, empty) is prefilled. Both caches hold their own results after
-    the forward; this object is then dropped.
-
-    Raises
-    ------
-    ValueError
-        ``newcomer`` already prefilled, ``running`` not yet, or caches of different configs.
-    """
-
-    def __init__(self, running: AlisaCache, newcomer: AlisaCache, rows: int) -> None:
-        if running.config != newcomer.config or len(running.layers) != len(newcomer.layers):
-            raise ValueError("caches of different configs or models cannot share a forward")
-        if newcomer.get_seq_length() != 0 or running.get_seq_length() == 0:
-            raise ValueError(
-                "a mixed forward decodes a prefilled cache's rows and prefills an empty cache"
-            )
-        self.running, self.newcomer, self.rows = running, newcomer, rows
-        pairs = zip(running.layers, newcomer.layers, strict=True)
-        super().__init__(layers=[PackedLayer(mine, theirs, rows) for mine, theirs in pairs])
-
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        """Each cache stores its columns through its own ``update`` (its checks included)."""
-        rows = self.rows
-        self.running.update(
-            running_columns(key_states, rows), running_columns(value_states, rows), layer_idx
-        )
-        self.newcomer.update(
-            prompt_columns(key_states, rows), prompt_columns(value_states, rows), layer_idx
-        )
-        return key_states, value_states

@@ -38,8 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from alisa.kv.cache import AlisaCache
-from alisa.kv.packed import PackedCache
+from alisa.kv.cache import AlisaCache, PackedCache
 from alisa.kv.swap import Swapped, swap_out
 from alisa.model.adapter import ModelAdapter
 from alisa.model.loading import context_length, prompt_length_error

@@ -289,7 +289,7 @@ class Engine:
         newcomer
             One unpadded prompt (1, T) before its prefill.
         cache
-            A :class:`~alisa.kv.packed.PackedCache` of the two rows' caches.
+            A :class:`~alisa.kv.cache.PackedCache` of the two rows' caches.
 
         Returns
         -------
