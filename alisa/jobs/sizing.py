@@ -136,11 +136,16 @@ def rows_kv(spec: ModelSpec, config: AlisaConfig, rows: Sequence[tuple[int, int]
     spans the longest row (plus its growth) and the tokens waiting for a host page stay on the
     device.
     """
-    if not rows:
-        return 0
+    return _rows_kv(spec, config, rows, _capacity(spec, config, rows)) if rows else 0
+
+
+def _rows_kv(
+    spec: ModelSpec, config: AlisaConfig, rows: Sequence[tuple[int, int]], capacity: list[int]
+) -> int:
+    """:func:`rows_kv` of ``rows`` whose per-layer ``capacity`` (:func:`_capacity`) is known."""
     layers, count = spec.num_layers, len(rows)
     slot_bytes = spec.kv_bytes_per_token(config.kv_bits) / layers
-    kv = count * sum(_capacity(spec, config, rows)) * slot_bytes
+    kv = count * sum(capacity) * slot_bytes
     if config.kv_bits < 16:  # the full-precision ring of the newest tokens
         kv += count * layers * config.residual_tokens * spec.kv_bytes_per_token(16) / layers
     if config.retention == "host":
@@ -172,7 +177,7 @@ def running_memory(
     layers, count = spec.num_layers, len(rows)
     capacity = _capacity(spec, config, rows)
     slot_bytes = spec.kv_bytes_per_token(config.kv_bits) / layers
-    kv = rows_kv(spec, config, rows)
+    kv = _rows_kv(spec, config, rows, capacity)  # the capacity computed once
     transient = max(capacity) * count * slot_bytes  # the layer being merged
     if joining:
         longest = max(p for p, _ in joining)

@@ -16,7 +16,7 @@ from alisa.kv.hooks import attach
 from alisa.kv.host import HostKeeper
 from alisa.kv.keeper import Keeper
 from alisa.kv.layer import AlisaLayer
-from alisa.kv.packed import PackedLayer, prompt_columns, running_columns
+from alisa.kv.packed import PackedLayer, split_kv
 from alisa.kv.swap import copy_replacing
 from alisa.kv.window import WindowKeeper
 from alisa.model.adapter import ModelAdapter, ModelShape
@@ -306,13 +306,9 @@ class PackedCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Each cache stores its columns through its own ``update`` (its checks included)."""
-        rows = self.rows
-        self.running.update(
-            running_columns(key_states, rows), running_columns(value_states, rows), layer_idx
-        )
-        self.newcomer.update(
-            prompt_columns(key_states, rows), prompt_columns(value_states, rows), layer_idx
-        )
+        running, prompt = split_kv(key_states, value_states, self.rows)
+        self.running.update(*running, layer_idx)
+        self.newcomer.update(*prompt, layer_idx)
         return key_states, value_states
 
 

@@ -32,6 +32,15 @@ def prompt_columns(states: torch.Tensor, rows: int) -> torch.Tensor:
     return states[:, :, rows:]
 
 
+def split_kv(
+    key_states: torch.Tensor, value_states: torch.Tensor, rows: int
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """A packed forward's (1, H_kv, N, D) keys and values, as ((running keys, values),
+    (newcomer keys, values)): what each part's cache stores."""
+    running = (running_columns(key_states, rows), running_columns(value_states, rows))
+    return running, (prompt_columns(key_states, rows), prompt_columns(value_states, rows))
+
+
 class PackedLayer(CacheLayerMixin):
     """One attention layer of a mixed forward: a running batch's layer and a newcomer's.
 
@@ -60,9 +69,9 @@ class PackedLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store each part's (1, H_kv, N, D) columns in its own layer; return them packed."""
-        rows = self.rows
-        self.running.update(running_columns(key_states, rows), running_columns(value_states, rows))
-        self.newcomer.update(prompt_columns(key_states, rows), prompt_columns(value_states, rows))
+        running, prompt = split_kv(key_states, value_states, self.rows)
+        self.running.update(*running)
+        self.newcomer.update(*prompt)
         return key_states, value_states
 
     def get_seq_length(self) -> int:
