@@ -318,9 +318,10 @@ def test_generate_reports_device_and_host_bytes(tokenizer):
 @pytest.mark.parametrize("retention", ["drop", "host"])
 def test_static_batch_sizing_covers_the_device_kv_every_step_holds(retention):
     """``alisa batch --static`` sizes its batches by ``batch_memory``: its KV must cover what the
-    device holds at every step. Host retention holds more than its budget (slots up to 1.5x the
-    kept tokens before compacting, every token's key sketch, the page being filled); sizing it
-    as kept tokens plus the sketch under-counted it by a sixth."""
+    device holds at every step. Host retention holds more than its budget (every token's key
+    sketch, the page being filled); sizing it as kept tokens plus the sketch under-counted it
+    when its slots spanned up to 1.5x the kept tokens before compacting (they no longer do:
+    the next test)."""
     model = tiny_llama()
     spec = model_spec(model, model_shape(model))
     config = AlisaConfig(policy="swa", caching_ratio=0.2, retention=retention)
@@ -339,6 +340,28 @@ def test_static_batch_sizing_covers_the_device_kv_every_step_holds(retention):
         drop = config.with_overrides(retention="drop")
         extra = predicted - batch_memory(spec, drop, batch, prompt, new_tokens).kv
         assert extra >= batch * (prompt + new_tokens) * spec.sketch_bytes_per_token()
+
+
+@pytest.mark.parametrize("retention", ["drop", "host"])
+def test_new_tokens_refill_the_slots_a_selection_freed(retention):
+    """A decode step's token takes a slot freed by the last eviction or selection before it
+    appends, so a layer's slots never span more than its kept tokens and the new one (padding
+    aside): host retention needs no compaction slack, and its rows size as dropping's do."""
+    model = tiny_llama()
+    config = AlisaConfig(policy="swa", caching_ratio=0.2, retention=retention)
+    cache = AlisaCache(model, config, max_new_tokens=120)
+    engine = Engine(model, None, stop_at_eos=False)
+    ids, mask = padded_batch(lengths=(150, 97, 120))
+    state = DecodeState.start(ids, mask)
+    fetched = 0
+    with torch.inference_mode():
+        for _ in range(120):
+            state.advance(engine.step(state, cache))
+            for layer in cache.layers:
+                slots = layer.slots
+                assert slots.width <= int((slots.kept + slots.dead).max()) + 1
+            fetched = sum(layer.keeper.fetched for layer in cache.layers)
+    assert retention == "drop" or fetched > 0  # host selections did move tokens
 
 
 def test_a_short_padded_prompt_shapes_its_sketch_with_its_sinks_not_its_padding():

@@ -110,14 +110,10 @@ def row_slots(spec: ModelSpec, config: AlisaConfig, prompt_len: int, new_tokens:
 
     A row keeps at most ``kept(prompt_len + new_tokens)`` tokens (budgets only grow with the
     tokens seen; a joining row's cache is compacted to its kept prompt before it joins), plus
-    the step's new token before eviction. Dropping refills its freed slots first; host
-    retention appends at the frontier and compacts once a third of the slots (at least 32) are
-    empty, so it may span that much more.
+    the step's new token before eviction or selection: new tokens refill freed slots first, in
+    drop and host retention alike, so a row never spans more.
     """
-    kept = kept_tokens(config, spec.num_layers, prompt_len + new_tokens, spec.windows) + 1
-    if config.retention == "host":
-        kept = np.maximum(kept + 33, 3 * kept // 2 + 2)
-    return kept
+    return kept_tokens(config, spec.num_layers, prompt_len + new_tokens, spec.windows) + 1
 
 
 def _capacity(spec: ModelSpec, config: AlisaConfig, rows: Sequence[tuple[int, int]]) -> list[int]:

@@ -67,10 +67,6 @@ class HostKeeper(Keeper):
         reference the kernels are tested against).
     """
 
-    # New tokens go to the frontier: the selection itself refills freed slots with what it
-    # fetches, and compaction returns the rest.
-    reuses_free_slots = False
-
     def __init__(
         self,
         policy: KVPolicy,

@@ -39,8 +39,6 @@ class Keeper:
         Keep one index set per KV head (slot groups = H_kv) instead of one per layer.
     """
 
-    #: New tokens reuse slots freed below the frontier (False: always appended at the frontier).
-    reuses_free_slots = True
     #: A sliding window W: queries see only positions (p - W, p] (None: every held token).
     window: int | None = None
 

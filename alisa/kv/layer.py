@@ -11,7 +11,6 @@ keeper it has.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -260,10 +259,7 @@ class AlisaLayer(CacheLayerMixin):
         self.keeper.start(self.slots, keys, values)
 
     def _write_one(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        if self.keeper.reuses_free_slots:
-            append = self.slots.appends()
-        else:
-            append = np.ones(len(self.slots.kept), dtype=bool)
+        append = self.slots.appends()  # a slot freed below the frontier is refilled first
         if append.any():
             self._ensure_capacity(self.slots.width + 1)
         position = self.slots.seen
