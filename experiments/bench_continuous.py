@@ -19,7 +19,8 @@ Systems (``--systems``):
                                         the running rows' decode step
     continuous-dense                    ``alisa batch`` at r = 1 (every token kept)
     continuous-drop-reserve,            the same, admitting rows with room for ``--reserve-
-    continuous-dense-reserve            tokens`` new tokens; rows that outgrow it are paused
+    continuous-host-reserve,            tokens`` new tokens; rows that outgrow it are paused
+    continuous-dense-reserve
     hf                                  transformers 5.23's continuous batching, sdpa, paged KV
 
 Prints a table (generated tokens/s, TTFT p50/p95 from the start, rows in flight, KV, ROUGE-L of
@@ -79,6 +80,7 @@ def systems(names: list[str]) -> list[System]:
         "continuous-host-separate": {"config": AlisaConfig(**host), "mixed": False},
         "continuous-dense": {"config": AlisaConfig()},
         "continuous-drop-reserve": {"config": AlisaConfig(**SPARSE), "reserve": True},
+        "continuous-host-reserve": {"config": AlisaConfig(**host), "reserve": True},
         "continuous-dense-reserve": {"config": AlisaConfig(), "reserve": True},
         "hf": {"config": None},
     }
@@ -323,6 +325,8 @@ def ratios(rows: list[dict]) -> dict:
     return {
         "continuous_vs_static_drop": ratio("tokens_per_s", "continuous-drop", "static-drop"),
         "continuous_vs_static_host": ratio("tokens_per_s", "continuous-host", "static-host"),
+        "reserve_vs_static_drop": ratio("tokens_per_s", "continuous-drop-reserve", "static-drop"),
+        "reserve_vs_static_host": ratio("tokens_per_s", "continuous-host-reserve", "static-host"),
         "mixed_vs_separate_drop": ratio(
             "tokens_per_s", "continuous-drop", "continuous-drop-separate"
         ),

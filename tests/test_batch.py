@@ -15,6 +15,7 @@ from transformers import DynamicCache
 from alisa import AlisaConfig, BatchJob, run_batch
 from alisa.cli import main
 from alisa.jobs import batch_memory
+from alisa.jobs.sizing import running_memory
 from alisa.model.adapter import model_shape
 from alisa.planning.spec import model_spec
 
@@ -54,9 +55,18 @@ def test_every_prompt_gets_one_row_and_reruns_skip_finished(tmp_path):
 def test_batches_shrink_to_fit_the_budget_and_oversized_prompts_are_reported(tmp_path, static):
     model, tokenizer = tiny_llama(), byte_tokenizer()
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    write_prompts(source, count=10, long_every=5)
+    rows = write_prompts(source, count=10, long_every=5)
     spec = model_spec(model, model_shape(model))
     small = batch_memory(spec, AlisaConfig(), 3, 30, 6).total
+    # Continuous rows start longest first, so rows of like length run together: at most as
+    # many as fit when all are the shortest prompt (fewer than the 8 that fit alone).
+    shortest = min(len(tokenizer(r["prompt"]).input_ids) for r in rows)
+    most = max(
+        count
+        for count in range(1, 9)
+        if running_memory(spec, AlisaConfig(), [(shortest, 6)] * count).total <= small
+    )
+    assert most < 8, most
     job = BatchJob(
         input=str(source),
         output=str(target),
@@ -67,7 +77,7 @@ def test_batches_shrink_to_fit_the_budget_and_oversized_prompts_are_reported(tmp
     )
     summary = run_batch(model, tokenizer, job)
     ids = [r["id"] for r in read_rows(target)]
-    assert max(summary.batches) <= 3 if static else 1 <= summary.max_rows <= 3
+    assert max(summary.batches) <= 3 if static else 1 <= summary.max_rows <= most
     assert summary.did_not_fit == ["p0", "p5"]  # 60-word prompts cannot fit even alone
     # Failed rows stay out of the output (a re-run retries them): every other id exactly once.
     assert sorted(ids) == sorted(f"p{i}" for i in range(10) if i % 5)
@@ -331,6 +341,34 @@ def test_every_step_is_reported_and_each_ttft_counts_the_wait(tmp_path, static):
     # From the job's start: rows run in later batches (or admitted later) waited longer.
     first_rows = sorted(summary.ttfts_s)[:2]
     assert max(summary.ttfts_s) > max(first_rows)
+
+
+def test_continuous_jobs_start_the_longest_work_first(tmp_path):
+    """Every row of the file is there from the start: the most new tokens allowed first, then
+    the longest prompt, ties in file order (so no long answer starts last and runs alone).
+    One row at a time, rows finish in the order they were admitted."""
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [
+        {"id": "short-2", "prompt": "a b", "max_new_tokens": 2},
+        {"id": "short-6", "prompt": "a b", "max_new_tokens": 6},
+        {"id": "long-6", "prompt": "a b c d e f g h", "max_new_tokens": 6},
+        {"id": "long-2", "prompt": "a b c d e f g h", "max_new_tokens": 2},
+        {"id": "default", "prompt": "a b"},
+        {"id": "short-6-later", "prompt": "a b", "max_new_tokens": 6},
+    ]
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    job = BatchJob(
+        input=str(source),
+        output=str(target),
+        max_new_tokens=4,
+        max_batch=1,
+        stop_at_eos=False,
+        progress=False,
+    )
+    run_batch(model, tokenizer, job)
+    order = [r["id"] for r in read_rows(target)]
+    assert order == ["long-6", "short-6", "short-6-later", "default", "long-2", "short-2"]
 
 
 def test_a_small_reserve_runs_more_rows_with_the_same_texts(tmp_path):

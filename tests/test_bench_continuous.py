@@ -72,9 +72,11 @@ def test_systems_are_named_or_refused():
     chosen = systems(["static-drop", "hf"])
     assert [s.name for s in chosen] == ["static-drop", "hf"]
     assert chosen[0].static and chosen[0].config.caching_ratio == 0.2 and chosen[1].config is None
-    assert len(systems(["all"])) == 10
+    assert len(systems(["all"])) == 11
     separate = systems(["continuous-host-separate"])[0]
     assert not separate.mixed and separate.config.retention == "host"
+    reserve = systems(["continuous-host-reserve"])[0]
+    assert reserve.reserve and reserve.mixed and reserve.config.retention == "host"
     with pytest.raises(ValueError, match="--systems nope unknown; valid: static-drop"):
         systems(["nope"])
 

@@ -1,5 +1,6 @@
 """Batch jobs by continuous batching: one scheduler per sampling setting, rows join as others
-finish, each result handed back the step it completes (so a killed job loses no finished row)."""
+finish (longest work first), each result handed back the step it completes (so a killed job
+loses no finished row)."""
 
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def continuous_results(
             packing=job.mixed_forwards,
         )
         by_id = {request.id: request for request in group}
-        stream = (
+        requests_in = (
             StreamRequest(
                 prompt_ids=prompt_ids[r.id],
                 max_new_tokens=r.options.get("max_new_tokens", job.max_new_tokens),
@@ -81,6 +82,13 @@ def continuous_results(
                 arrival_s=started_s,
             )
             for r in group
+        )
+        # Every row of the file is there from the start, so the order is ours: the longest
+        # work first (most new tokens allowed, then the longest prompt; LPT, Graham 1969), so
+        # that no long answer starts late and runs alone at the end, and rows of like length
+        # share a batch (slots are rectangular). sorted() is stable: ties keep file order.
+        stream = sorted(
+            requests_in, key=lambda r: (r.max_new_tokens, len(r.prompt_ids)), reverse=True
         )
         for result in scheduler.run(stream, lookahead=job.max_batch):
             yield by_id[result.id], result, scheduler.stats
