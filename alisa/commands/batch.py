@@ -48,7 +48,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--static",
         action="store_true",
         help="static batches (sorted by length, each run until its last row finishes) instead "
-        "of continuous batching (rows join as others finish)",
+        "of continuous batching (rows join as others finish, longest work first)",
     )
     parser.add_argument(
         "--reserve-tokens",
