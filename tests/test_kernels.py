@@ -20,6 +20,7 @@ from alisa.kv.cache import default_keeper
 from alisa.kv.choice import ChoiceInputs, choose, ordered_key
 from alisa.kv.history import PositionHistory
 from alisa.kv.slots import FREE, SlotMap
+from alisa.storage.pages import HostPages
 
 
 def random_choice(rng: np.random.Generator, *, ties: bool) -> ChoiceInputs:
@@ -176,6 +177,38 @@ def test_accumulate_compiled_equals_torch_and_fades(head_max):
     torch.testing.assert_close(
         histories[0].true_sums(width).double(), expected, rtol=1e-4, atol=1e-6
     )
+
+
+@pytest.mark.parametrize("widened", [False, True], ids=["float16-scales", "widened-scales"])
+def test_fetched_rows_decode_into_the_slots_as_torch_does(widened):
+    """The fetch kernel writes each host row's INT8 codes, dequantized, into its device slot
+    with the values :func:`quant.dequantize` gives, bit for bit: scales of every magnitude
+    (float16 subnormals included), and a region whose scales were widened past float16 (the
+    PyTorch path takes it)."""
+    torch.manual_seed(0)
+    batch, heads, dim, length, slots = 3, 2, 16, 40, 12
+    pages = HostPages(batch, heads, dim, bits=8, dtype=torch.float32, device=torch.device("cpu"))
+    # Scales of about 1e-9 to 10 (the smallest are float16 subnormals); 1e7 needs wider ones.
+    magnitude = 10.0 ** torch.randint(-7, 3, (batch, heads, length, 1)).float()
+    if widened:
+        magnitude[0, 0, 0] = 1e7
+    keys, values = torch.randn(2, batch, heads, length, dim) * magnitude
+    pages.write(0, keys, values)
+    assert (pages.pair.scale.dtype == torch.float16) != widened
+    entries = torch.randperm(batch * heads * slots)[:20]
+    rows, heads_, targets = entries // (heads * slots), entries // slots % heads, entries % slots
+    tokens = torch.randint(0, length, (20,))
+    flat = (rows * heads + heads_) * slots + targets
+    written = []
+    for flag in (True, False):
+        buffers = torch.zeros(2, batch * heads * slots, dim)
+        pages.fetch(rows, heads_, tokens, compiled=flag).write_into(*buffers, flat)
+        written.append(buffers)
+    assert torch.equal(written[0], written[1])
+    expected = pages.fetch(rows, heads_, tokens, compiled=False).decoded()
+    assert torch.equal(written[0][:, flat], torch.stack(expected))
+    untouched = torch.ones(batch * heads * slots, dtype=torch.bool).index_fill_(0, flat, False)
+    assert (written[0][:, untouched] == 0).all()
 
 
 @pytest.mark.parametrize(

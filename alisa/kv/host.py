@@ -233,7 +233,8 @@ class HostKeeper(Keeper):
         fetch = slots.swap(chosen, taken, budget, compiled=self.compiled)
         if fetch is not None:
             rows, heads, targets, tokens = fetch
-            store.write_heads(rows, heads, targets, self.pages.fetch(rows, heads, tokens))
+            fetched = self.pages.fetch(rows, heads, tokens, compiled=self.compiled)
+            store.write_heads(rows, heads, targets, fetched)
             self.fetched += int(rows.numel())
         self.steps += 1
 

@@ -5,7 +5,8 @@ Nothing is deleted here. Tokens are written once, at their position, into pages 
 asymmetric min/max, :mod:`quant`) unless ``bits`` is 16. A decode step copies back only the
 tokens its selection wants that the device does not already hold (:meth:`HostPages.fetch`):
 an index gather of those rows, then dequantization of just them (a device region with the same
-INT8/INT4 format takes the codes as they are). On CUDA the buffers are pinned
+INT8/INT4 format takes the codes as they are; on a CPU a float32 region takes INT8 rows in one
+compiled pass, :mod:`alisa.storage.kernels`). On CUDA the buffers are pinned
 so the copy is asynchronous; it runs on the compute stream, not a side stream: the rows are known
 only once this layer's query has been scored and this layer's attention waits for them, so there
 is nothing to overlap it with (the tiered host pool, whose rows are known a step ahead, does use a
@@ -19,31 +20,85 @@ from dataclasses import dataclass
 import torch
 
 from alisa.config import KV_BITS
+from alisa.storage.kernels import HALVES, fetch_rows
 from alisa.storage.quantized import SCALE_DTYPE, QuantizedPair
 from alisa.storage.store import flat_rows, with_capacity
 
 
 @dataclass(frozen=True)
 class FetchedRows:
-    """E tokens read from :class:`HostPages`, as stored there, on the model's device
-    (:class:`~alisa.storage.store.HostRows`).
+    """E tokens of :class:`HostPages` for a device region to take
+    (:class:`~alisa.storage.store.HostRows`), read when the region asks for them.
 
-    ``stored`` is the plain (2, E, D) keys/values, or the (data, scale, zero point) rows of
-    ``pair``'s codes, each (2, E, ·).
+    ``region`` is the host region's plain (2, N, D) keys/values or its (data, scale, zero point)
+    codes, each (2, N, ·) with N = B * H_kv * capacity; ``flat`` (E,) the rows to read, on the
+    host.
     """
 
-    stored: tuple[torch.Tensor, ...]
+    region: tuple[torch.Tensor, ...]
+    flat: torch.Tensor
     pair: QuantizedPair | None
+    device: torch.device
+    pin: bool
+    compiled: bool
+
+    def _stored(self) -> tuple[torch.Tensor, ...]:
+        """The rows as stored, each (2, E, ·), on the model's device."""
+        picked = [t.index_select(1, self.flat) for t in self.region]
+        if self.pin:  # so the copies are asynchronous (on the compute stream: see the module)
+            picked = [t.pin_memory() for t in picked]
+        return tuple(t.to(self.device, non_blocking=True) for t in picked)
 
     def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        stored = self._stored()
         if self.pair is None:
-            return self.stored[0][0], self.stored[0][1]
-        return self.pair.decode(*self.stored)
+            return stored[0][0], stored[0][1]
+        return self.pair.decode(*stored)
 
     def codes(self, bits: int, group: int) -> tuple[torch.Tensor, ...] | None:
         if self.pair is None or (self.pair.bits, self.pair.group) != (bits, group):
             return None
-        return self.stored
+        return self._stored()
+
+    def write_into(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write the tokens' keys and values into rows (E,) of (M, D) device buffers.
+
+        With ``compiled``, INT8 codes with a float16 scale per row going to float32 buffers
+        are decoded and written in one pass by :func:`alisa.storage.kernels.fetch_rows` (the
+        same values as :meth:`decoded`, bit for bit); otherwise :meth:`decoded` and two
+        scatters.
+        """
+        if self._kernel_takes(keys, values):
+            data, scale, zero = self.region
+            fetch_rows(
+                data.numpy(),
+                scale.view(torch.int16)[..., 0].numpy(),
+                zero.view(torch.int16)[..., 0].numpy(),
+                HALVES,
+                self.flat.numpy(),
+                rows.numpy(),
+                keys.numpy(),
+                values.numpy(),
+            )
+            return
+        decoded_keys, decoded_values = self.decoded()
+        keys.index_copy_(0, rows, decoded_keys.to(keys.dtype))
+        values.index_copy_(0, rows, decoded_values.to(values.dtype))
+
+    def _kernel_takes(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        pair = self.pair
+        return (
+            self.compiled
+            and pair is not None
+            and pair.bits == 8
+            and pair.group == pair.head_dim  # one scale per row (as HostPages codes them)
+            and pair.dtype == torch.float32  # dequantize computes in float32, as the kernel
+            and pair.scale.dtype == torch.float16  # (a widened scale takes PyTorch's path)
+            and keys.dtype == values.dtype == torch.float32
+            and keys.device.type == "cpu"
+            and keys.is_contiguous()
+            and values.is_contiguous()
+        )
 
 
 PAGE_TOKENS = 16
@@ -119,22 +174,19 @@ class HostPages:
         self.length = max(self.length, end)
 
     def fetch(
-        self, rows: torch.Tensor, heads: torch.Tensor, positions: torch.Tensor
+        self, rows: torch.Tensor, heads: torch.Tensor, positions: torch.Tensor, *, compiled: bool
     ) -> FetchedRows:
-        """E tokens (flat index triples), on the model's device.
+        """E tokens (flat index triples), for a device region to take.
 
         Only these rows are read (and dequantized, when the device region wants them decoded);
-        nothing else of the history is touched.
+        nothing else of the history is touched. ``compiled``: a float32 device region may take
+        INT8 rows through the CPU kernel (:meth:`FetchedRows.write_into`).
         """
-        _, batch, heads_, capacity = self._tensors()[0].shape[:4]
+        tensors = self._tensors()
+        _, batch, heads_, capacity = tensors[0].shape[:4]
         flat = flat_rows(rows, heads, positions, heads_, capacity).to(self.host)
-        picked = [
-            t.view(2, batch * heads_ * capacity, -1).index_select(1, flat) for t in self._tensors()
-        ]
-        if self.pin:
-            picked = [t.pin_memory() for t in picked]
-        picked = tuple(t.to(self.device, non_blocking=True) for t in picked)
-        return FetchedRows(picked, self.pair)
+        region = tuple(t.view(2, batch * heads_ * capacity, -1) for t in tensors)
+        return FetchedRows(region, flat, self.pair, self.device, self.pin, compiled)
 
     def select_batch(self, indices: torch.Tensor) -> None:
         host = indices.to(self.host)

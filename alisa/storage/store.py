@@ -64,6 +64,12 @@ class HostRows(Protocol):
         as they are: no dequantize-requantize round trip); None otherwise."""
         ...
 
+    def write_into(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write the tokens, decoded, into rows (E,) of the caller's (M, D) ``keys`` and
+        ``values`` (its own buffers, viewed flat): :meth:`decoded` and a scatter, or one
+        compiled pass from the host codes on a CPU."""
+        ...
+
 
 class KVStore(Protocol):
     """What a cache layer needs from its storage, whatever regions it has.
@@ -304,11 +310,9 @@ class DenseStore(DeviceResident):
 
     def write_heads(self, rows, heads, slots, tokens: HostRows) -> None:
         """Write (sequence, KV head) entries at index triples (E,)."""
-        keys, values = tokens.decoded()
         batch, kv_heads, capacity, dim = self.keys.shape
         flat = flat_rows(rows, heads, slots, kv_heads, capacity)
-        self.keys.view(-1, dim).index_copy_(0, flat, keys.to(self.keys.dtype))
-        self.values.view(-1, dim).index_copy_(0, flat, values.to(self.values.dtype))
+        tokens.write_into(self.keys.view(-1, dim), self.values.view(-1, dim), flat)
 
     def reindex(self, index: torch.Tensor, capacity: int) -> None:
         """New slot j holds old slot index[b, g, j]; then grow to ``capacity`` slots."""

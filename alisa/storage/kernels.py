@@ -1,0 +1,63 @@
+"""A compiled CPU kernel for ``retention="host"``'s fetch: host codes to device slots in one pass.
+
+Each decode step brings back the tokens its selection wants that the device does not hold:
+about 12 % of the budget per layer (2,355 rows of keys and values per layer at B = 16 x 2,048,
+SmolLM2-135M). As PyTorch ops that is a gather of the codes, of the scales and of the zero
+points, a conversion, a subtraction, a multiplication and two scatters per layer, each paying its
+fixed cost: 25 ms of a 230 ms CPU step (``docs/host-speed.md``). :func:`fetch_rows` reads each
+row's INT8 codes and writes the dequantized values straight into its device slot, with the same
+float32 arithmetic as :func:`quant.dequantize` (``(code - zero) * scale``), so the values are the
+same bit for bit (``tests/test_kernels.py``). The PyTorch path stays the reference and CUDA's.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+# The float32 value of every float16, indexed by its bits read as uint16 (a 256 KiB table:
+# numba has no float16, and the conversion is exact, so a lookup is the whole of it).
+HALVES = (
+    torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16).float().numpy()
+)
+
+
+@numba.njit(cache=True, nogil=True)
+def fetch_rows(
+    codes: np.ndarray,
+    scale: np.ndarray,
+    zero: np.ndarray,
+    halves: np.ndarray,
+    source: np.ndarray,
+    target: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+) -> None:
+    """Dequantize host rows ``source`` into device rows ``target``.
+
+    Parameters
+    ----------
+    codes
+        (2, N, D) uint8 INT8 codes of keys (0) and values (1), N = B * H_kv * host capacity.
+    scale, zero
+        (2, N) int16: the bits of each row's float16 scale and zero point (one group per row).
+    halves
+        :data:`HALVES`.
+    source, target
+        (E,) int64 rows of ``codes`` to read and of ``keys`` / ``values`` to write (targets
+        distinct).
+    keys, values
+        (M, D) float32 device rows, written.
+    """
+    for entry in range(source.shape[0]):
+        row = source[entry]
+        out = target[entry]
+        step = halves[scale[0, row] & 0xFFFF]
+        offset = halves[zero[0, row] & 0xFFFF]
+        for channel in range(codes.shape[2]):
+            keys[out, channel] = (np.float32(codes[0, row, channel]) - offset) * step
+        step = halves[scale[1, row] & 0xFFFF]
+        offset = halves[zero[1, row] & 0xFFFF]
+        for channel in range(codes.shape[2]):
+            values[out, channel] = (np.float32(codes[1, row, channel]) - offset) * step
