@@ -8,6 +8,7 @@ fixed cost: 25 ms of a 230 ms CPU step (``docs/host-speed.md``). :func:`fetch_ro
 row's INT8 codes and writes the dequantized values straight into its device slot, with the same
 float32 arithmetic as :func:`quant.dequantize` (``(code - zero) * scale``), so the values are the
 same bit for bit (``tests/test_kernels.py``). The PyTorch path stays the reference and CUDA's.
+ALISA, https://arxiv.org/abs/2403.17312 (§IV, phase II: offloaded KV brought back per step).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 HALVES = (
     torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16).float().numpy()
 )
+HALVES.flags.writeable = False
 
 
 @numba.njit(cache=True, nogil=True)
