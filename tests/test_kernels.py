@@ -195,10 +195,10 @@ def test_fetched_rows_decode_into_the_slots_as_torch_does(widened):
     keys, values = torch.randn(2, batch, heads, length, dim) * magnitude
     pages.write(0, keys, values)
     assert (pages.pair.scale.dtype == torch.float16) != widened
-    entries = torch.randperm(batch * heads * slots)[:20]
-    rows, heads_, targets = entries // (heads * slots), entries // slots % heads, entries % slots
+    # Distinct device rows of a flat (B * H_kv * slots, D) view, and their sequence and KV head.
+    flat = torch.randperm(batch * heads * slots)[:20]
+    rows, heads_ = flat // (heads * slots), flat // slots % heads
     tokens = torch.randint(0, length, (20,))
-    flat = (rows * heads + heads_) * slots + targets
     written = []
     for flag in (True, False):
         buffers = torch.zeros(2, batch * heads * slots, dim)
