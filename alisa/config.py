@@ -111,6 +111,12 @@ class AlisaConfig:
         its last choice plus the tokens written since (the newest, which every choice keeps),
         so scoring, ranking and fetching cost once per this many steps, for a measured loss of
         accuracy (docs/host-speed.md). ``None``: ``alisa.settings.RESELECT_EVERY`` (1).
+    estimate_rest
+        ``retention="host"``: give each decode step's softmax one more column for the tokens
+        it leaves on the host, their mass estimated from the key sketch and their output by
+        the mean value (RetroInfer's estimation zone), instead of renormalising attention over
+        the chosen tokens alone, which overweights them when attention is spread thinly
+        (``alisa/kv/rest.py``, docs/ruler.md). ``None``: ``alisa.settings.ESTIMATE_REST``.
     min_budget_tokens
         Least tokens kept (attended) per sequence, whatever r; ``None``: 64 under the
         ``default`` preset, 0 under ``paper``.
@@ -154,6 +160,7 @@ class AlisaConfig:
     host_bits: int = 8
     history_share: float | None = None
     reselect_every: int | None = None
+    estimate_rest: bool | None = None
     min_budget_tokens: int | None = None
     observation_window: int | None = None
     preset: str = "default"
@@ -211,6 +218,12 @@ class AlisaConfig:
             raise ValueError(
                 f"reselect_every={self.reselect_every!r} needs retention='host' (with "
                 f"retention={self.retention!r} nothing is selected again)"
+            )
+        if self.estimate_rest and self.retention != "host":
+            raise ValueError(
+                f"estimate_rest={self.estimate_rest!r} needs retention='host' (with "
+                f"retention={self.retention!r} tokens left out are gone: there is nothing to "
+                "estimate)"
             )
         check_optional_int("min_budget_tokens", self.min_budget_tokens, minimum=0)
         check_optional_int("observation_window", self.observation_window, minimum=0)
@@ -273,6 +286,11 @@ class AlisaConfig:
     def host_reselect_every(self) -> int:
         """``reselect_every``, or its default (:func:`alisa.settings.resolve_settings`)."""
         return resolve_settings(self, self._any_layers).reselect_every
+
+    @property
+    def host_estimate_rest(self) -> bool:
+        """``estimate_rest``, or its default (:func:`alisa.settings.resolve_settings`)."""
+        return resolve_settings(self, self._any_layers).estimate_rest
 
     @property
     def selects_per_head(self) -> bool:

@@ -38,6 +38,11 @@ HISTORY_SHARE = 0.5
 # share 87 % of their choice, but what changes is what the current query needs: selecting every
 # 2 / 4 steps cost +7.8 / +20 % perplexity on WikiText-2 (SWA r = 0.2, docs/host-speed.md).
 RESELECT_EVERY = 1
+# retention="host": whether the tokens a step leaves on the host get one softmax column (their
+# mass from the key sketch, their mean value). Off: it finds needles at 8K that renormalising
+# over the chosen tokens misses, but costs WikiText-2 perplexity at 1K, where the mean value is
+# a worse stand-in for the tokens left out than the chosen ones are (docs/ruler.md).
+ESTIMATE_REST = False
 # What an unset field that no resolver value replaces means, as shown by describe_settings.
 UNSET_MEANS = {
     "quant_group_size": "head_dim",
@@ -68,6 +73,7 @@ class ConfigFields(Protocol):
     retention: str
     history_share: float | None
     reselect_every: int | None
+    estimate_rest: bool | None
     min_budget_tokens: int | None
     observation_window: int | None
     preset: str
@@ -139,6 +145,9 @@ class Settings:
         ``retention="host"``: the share of the budget chosen by attention history.
     reselect_every
         ``retention="host"``: decode steps per selection (1 otherwise).
+    estimate_rest
+        ``retention="host"``: whether attention estimates the tokens left on the host (False
+        otherwise).
     gpu_memory_bytes, host_memory_bytes
         Byte budgets; ``None``: no device limit, the host's available memory.
     unset
@@ -149,6 +158,7 @@ class Settings:
     per_head: bool
     history_share: float
     reselect_every: int
+    estimate_rest: bool
     gpu_memory_bytes: int | None
     host_memory_bytes: int | None
     unset: frozenset[str]
@@ -169,6 +179,7 @@ def resolve_settings(config: ConfigFields, num_layers: int) -> Settings:
         per_head=_per_head(config),
         history_share=_history_share(config),
         reselect_every=_reselect_every(config),
+        estimate_rest=_estimate_rest(config),
         gpu_memory_bytes=_bytes(config.gpu_memory, "gpu_memory"),
         host_memory_bytes=_bytes(config.host_memory, "host_memory"),
         unset=frozenset(name for name, value in vars(config).items() if value is None),
@@ -273,6 +284,13 @@ def _reselect_every(config: ConfigFields) -> int:
     return RESELECT_EVERY if config.retention == "host" else 1
 
 
+def _estimate_rest(config: ConfigFields) -> bool:
+    """``estimate_rest``, or ESTIMATE_REST with ``retention="host"`` (False otherwise)."""
+    if config.estimate_rest is not None:
+        return config.estimate_rest
+    return ESTIMATE_REST if config.retention == "host" else False
+
+
 def _bytes(value: int | str | None, name: str) -> int | None:
     return None if value is None else parse_bytes(value, field=name)
 
@@ -322,6 +340,7 @@ def effective_values(config: ConfigFields, num_layers: int) -> dict[str, str]:
         "per_head": settings.per_head,
         "history_share": settings.history_share,
         "reselect_every": settings.reselect_every,
+        "estimate_rest": settings.estimate_rest,
         "gpu_memory": settings.gpu_memory_bytes,
         "host_memory": settings.host_memory_bytes,
     }

@@ -95,7 +95,11 @@ def host_pairs(systems: list[str]) -> list[HostPair]:
             continue
         # Fields only host retention reads go back to their defaults in the drop partner.
         drop = replace(
-            config, retention="drop", history_share=None, host_bits=AlisaConfig.host_bits
+            config,
+            retention="drop",
+            history_share=None,
+            estimate_rest=None,
+            host_bits=AlisaConfig.host_bits,
         )
         if drop in named:
             full = named.get(replace(drop, caching_ratio=1.0))

@@ -91,6 +91,7 @@ WRONG_TYPES = {
     "host_bits": 8.0,
     "history_share": "half",
     "reselect_every": 2.5,
+    "estimate_rest": 1,
     "min_budget_tokens": 64.0,
     "observation_window": 32.0,
     "preset": 1,

@@ -220,8 +220,9 @@ def test_fetched_rows_decode_into_the_slots_as_torch_does(widened):
         dict(policy="tova", caching_ratio=0.25),
         dict(policy="swa", caching_ratio=0.3, host_bits=8, kv_bits=8),
         dict(policy="swa", caching_ratio=0.3, reselect_every=2),
+        dict(policy="swa", caching_ratio=0.3, reselect_every=2, estimate_rest=True),
     ],
-    ids=["swa", "swa-no-history", "h2o", "tova", "int8", "every-2"],
+    ids=["swa", "swa-no-history", "h2o", "tova", "int8", "every-2", "every-2-rest"],
 )
 def test_generation_compiled_equals_torch(settings):
     """Same tokens and the same cache state, layer by layer, with either implementation."""

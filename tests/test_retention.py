@@ -41,6 +41,10 @@ HOST = {"retention": "host"}
             AlisaConfig(policy="swa", budget_tokens=10_000, kv_bits=8, residual_tokens=0, **HOST),
             id="int8-device",
         ),
+        pytest.param(
+            AlisaConfig(policy="swa", budget_tokens=10_000, estimate_rest=True, **HOST),
+            id="estimate-rest",
+        ),
     ],
 )
 def test_unreached_budgets_match_dense_generate(make, config):
@@ -247,6 +251,7 @@ def _probabilities(query, parts, dim):
         ({"retention": "host", "policy": "streaming", "history_share": 0.5}, "policy='streaming'"),
         ({"retention": "host", "policy": "swa", "reselect_every": 0}, "reselect_every=0"),
         ({"policy": "swa", "reselect_every": 2}, "reselect_every=2 needs retention='host'"),
+        ({"policy": "swa", "estimate_rest": True}, "estimate_rest=True needs retention='host'"),
     ],
 )
 def test_bad_retention_settings_name_the_field(options, message):
@@ -262,6 +267,18 @@ def test_the_history_share_defaults_to_half_for_attention_scored_host_retention(
     assert AlisaConfig(policy="swa").host_history_share == 0.0  # drop: scores rank every token
     cache = AlisaCache(tiny_llama(), AlisaConfig(policy="swa", caching_ratio=0.2, **HOST))
     assert all(layer.keeper.history_share == 0.5 for layer in cache.layers)
+
+
+def test_the_rest_is_estimated_only_when_asked_and_only_with_host_retention():
+    from alisa.settings import ESTIMATE_REST, describe_settings
+
+    assert AlisaConfig(policy="swa", **HOST).host_estimate_rest is ESTIMATE_REST
+    assert AlisaConfig(policy="swa", estimate_rest=True, **HOST).host_estimate_rest
+    assert not AlisaConfig(policy="swa").host_estimate_rest  # dropping: nothing to estimate
+    config = AlisaConfig(policy="swa", caching_ratio=0.2, estimate_rest=True, **HOST)
+    assert all(layer.keeper.estimate_rest for layer in AlisaCache(tiny_llama(), config).layers)
+    shown = describe_settings(AlisaConfig(policy="swa", **HOST), 2).splitlines()
+    assert f"estimate_rest {ESTIMATE_REST} *" in [" ".join(line.split()) for line in shown]
 
 
 def test_reselect_every_defaults_for_host_retention_only():

@@ -113,6 +113,7 @@ CACHE_GROUPS = {
         "host_bits",
         "history_share",
         "reselect_every",
+        "estimate_rest",
     ),
     "memory budgets and tiers": ("gpu_memory", "host_memory", "recompute", "profile"),
 }

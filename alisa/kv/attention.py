@@ -27,6 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from alisa.kv.grouped import grouped_logits
 from alisa.kv.layer import AlisaLayer
 from alisa.kv.packed import PackedLayer, prompt_columns, running_columns
+from alisa.kv.rest import RestColumn
 from alisa.storage.store import Part
 
 ATTENTION_NAME = "alisa"
@@ -149,7 +150,8 @@ def _attend(
     layer.before_attention(query)
     parts = layer.parts(query)
     visible = _visible(parts, layer.get_seq_length(), query.shape[2], layer.keeper.window)
-    output, probabilities = grouped_attention_parts(query, parts, visible, scaling, options)
+    rest = layer.rest(query, scaling, options.softcap)
+    output, probabilities = grouped_attention_parts(query, parts, visible, scaling, options, rest)
     layer.after_attention(query, probabilities)
     return output
 
@@ -275,20 +277,30 @@ def grouped_probabilities(
 
 
 def _masked_softmax(
-    logits: torch.Tensor, visible: torch.Tensor, options: LogitOptions = PLAIN
+    logits: torch.Tensor,
+    visible: torch.Tensor,
+    options: LogitOptions = PLAIN,
+    rest: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax of (B, H_kv, G, q, S) logits over the slots ``visible`` (B, 1 or H_kv, q, S),
-    soft-capped and with a sink column when ``options`` say so (the sink's share dropped)."""
+    soft-capped and with a sink column when ``options`` say so (the sink's share dropped).
+
+    ``rest`` (B, H_kv, G, q): the logit of one more column, the tokens left out of the slots
+    (:mod:`alisa.kv.rest`); its share is returned as column S of the result.
+    """
     if options.softcap is not None:  # before the mask, as Gemma 2's eager attention
         logits = torch.tanh(logits / options.softcap) * options.softcap
     logits = logits.masked_fill(~visible.unsqueeze(2), float("-inf"))
-    if options.sinks is None:
+    columns = [] if rest is None else [rest.float().unsqueeze(-1)]
+    if options.sinks is not None:
+        batch, kv_heads, groups, queries, _ = logits.shape
+        # Query head h = kv * G + g, as grouped_logits lays them out.
+        sink = options.sinks.float().view(1, kv_heads, groups, 1, 1)
+        columns.append(sink.expand(batch, -1, -1, queries, 1))
+    if not columns:
         return logits.softmax(dim=-1, dtype=torch.float32)
-    batch, kv_heads, groups, queries, _ = logits.shape
-    # Query head h = kv * G + g, as grouped_logits lays them out.
-    sink = options.sinks.float().view(1, kv_heads, groups, 1, 1)
-    combined = torch.cat([logits, sink.expand(batch, -1, -1, queries, 1)], dim=-1)
-    return combined.softmax(dim=-1, dtype=torch.float32)[..., :-1]
+    combined = torch.cat([logits, *columns], dim=-1).softmax(dim=-1, dtype=torch.float32)
+    return combined[..., : logits.shape[-1] + (rest is not None)]
 
 
 def grouped_attention_parts(
@@ -297,16 +309,20 @@ def grouped_attention_parts(
     visible: torch.Tensor,
     scaling: float,
     options: LogitOptions = PLAIN,
+    rest: RestColumn | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over keys/values split in slot order (device, host, recomputed parts).
 
     One softmax over the concatenated logits (the same probabilities as one tensor), then the
-    outputs of the parts summed. Returns ((B, q, H, D) output, (B, H_kv, G, q, S) probabilities).
+    outputs of the parts summed; with ``rest``, one more column for the tokens left out of the
+    slots, whose share multiplies their estimated value. Returns ((B, q, H, D) output,
+    (B, H_kv, G, q, S) probabilities over the slots).
     """
     batch, heads, length, head_dim = query.shape
     logits = [grouped_logits(query, part.keys, scaling) for part in parts]
     logits = logits[0] if len(logits) == 1 else torch.cat(logits, dim=-1)  # one slot order
-    probabilities = _masked_softmax(logits, visible, options)
+    slots = logits.shape[-1]
+    probabilities = _masked_softmax(logits, visible, options, None if rest is None else rest.logit)
     kv_heads = probabilities.shape[1]
     flat = probabilities.view(batch, kv_heads, -1, probabilities.shape[-1])
     output, offset = None, 0
@@ -315,6 +331,9 @@ def grouped_attention_parts(
         piece = torch.matmul(flat[..., offset : offset + width].to(part.values.dtype), part.values)
         output = piece if output is None else output + piece
         offset += width
+    if rest is not None:  # (B, H_kv, G*q, 1) shares times (B, H_kv, 1, D) values
+        output = output + (flat[..., slots:] * rest.value.unsqueeze(2)).to(output.dtype)
+        probabilities = probabilities[..., :slots]
     output = output.view(batch, heads, length, head_dim).transpose(1, 2).contiguous()
     return output, probabilities
 

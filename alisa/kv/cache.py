@@ -336,6 +336,7 @@ def default_keeper(
             config.host_history_share,
             config.host_reselect_every,
             compiled=compiled,
+            estimate_rest=config.host_estimate_rest,
         )
     return DropKeeper(policy, per_head=config.selects_per_head)
 

@@ -34,6 +34,7 @@ import torch
 from alisa.kv.choice import ChoiceInputs, choose
 from alisa.kv.history import PositionHistory
 from alisa.kv.keeper import Keeper
+from alisa.kv.rest import RestColumn, ValueTotals, rest_logit
 from alisa.kv.slots import SlotMap
 from alisa.policies import KVPolicy
 from alisa.storage.pages import PAGE_TOKENS, HostPages, host_region_bytes
@@ -65,6 +66,10 @@ class HostKeeper(Keeper):
         Choose, swap slots and account attention with the compiled CPU kernels
         (:mod:`alisa.kv.kernels`); None: on a CPU. False: PyTorch ops (CUDA's path, and the
         reference the kernels are tested against).
+    estimate_rest
+        Give attention one more softmax column for the tokens a step leaves on the host: their
+        mass estimated from the key sketch, their output by the mean value
+        (:mod:`alisa.kv.rest`). False: the softmax is renormalised over the chosen tokens.
     """
 
     def __init__(
@@ -74,6 +79,7 @@ class HostKeeper(Keeper):
         history_share: float = 0.0,
         reselect_every: int = 1,
         compiled: bool | None = None,
+        estimate_rest: bool = False,
     ) -> None:
         super().__init__(policy, per_head=True)
         self.compiled_option = compiled
@@ -81,6 +87,7 @@ class HostKeeper(Keeper):
         self.sinks = policy.sink_tokens
         self.history_share = history_share
         self.reselect_every = reselect_every
+        self.estimate_rest = estimate_rest
         self.reset()
 
     def reset(self) -> None:
@@ -96,6 +103,11 @@ class HostKeeper(Keeper):
         self.flushed = 0  # positions [0, flushed) are in the host region and the sketch
         # Attention each position received while chosen, over the policy's score window.
         self.history: PositionHistory | None = None
+        # Values of every position coded, summed: the output of the tokens a step leaves out.
+        self.values: ValueTotals | None = None
+        # With estimate_rest, the query this step's selection ranked with and its (B, H_kv, G,
+        # C) sketch logits: the rest's estimate for that query reads them, then lets them go.
+        self.step_logits: tuple[torch.Tensor, torch.Tensor] | None = None
         self.compiled = False  # decided by the device at the first write
         self.steps = 0  # decode steps that selected (budget below the tokens seen)
         self.unselected = 0  # decode steps since the last selection
@@ -172,6 +184,8 @@ class HostKeeper(Keeper):
             self.sketch = KeySketch(
                 batch, heads, head_dim, start + length, keys.device, key_dtype=keys.dtype
             )
+            if self.estimate_rest:
+                self.values = ValueTotals(batch, heads, head_dim, keys.device)
         self.pending.append((keys, values))
         if start + length - self.flushed >= PAGE_TOKENS:
             self._flush(slots)
@@ -188,9 +202,12 @@ class HostKeeper(Keeper):
         self.pending = []
         start, length = self.flushed, keys.shape[2]
         self.pages.write(start, keys, values)
+        positions = torch.arange(start, start + length, device=keys.device)
+        if self.values is not None:
+            first = torch.as_tensor(slots.first, device=keys.device).view(-1, 1)
+            self.values.add(values, positions.view(1, -1) >= first)
         counted = None
         if self.sketch.choosing:
-            positions = torch.arange(start, start + length, device=keys.device)
             counted = self._counted(positions, slots)
         self.sketch.write(start, keys, counted)
         self.flushed = start + length
@@ -229,7 +246,10 @@ class HostKeeper(Keeper):
             self._flush(slots)
         batch, kv_heads = slots.positions.shape[:2]
         grouped = query[:, :, -1].reshape(batch, kv_heads, -1, query.shape[-1])
-        chosen, taken = self._choose(slots, budget, recent, grouped)
+        logits = self.sketch.logits(grouped)
+        if self.values is not None and query.shape[2] == 1:  # the rest's estimate reads them
+            self.step_logits = (query, logits)
+        chosen, taken = self._choose(slots, budget, recent, logits)
         fetch = slots.swap(chosen, taken, budget, compiled=self.compiled)
         if fetch is not None:
             rows, heads, targets, tokens = fetch
@@ -239,10 +259,10 @@ class HostKeeper(Keeper):
         self.steps += 1
 
     def _choose(
-        self, slots: SlotMap, budget: np.ndarray, recent: np.ndarray, query: torch.Tensor
+        self, slots: SlotMap, budget: np.ndarray, recent: np.ndarray, logits: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The chosen positions (:func:`alisa.kv.choice.choose`): protected tokens, the
-        history's share, then the best estimated logits.
+        history's share, then the best of this step's (B, H_kv, G, C) sketch ``logits``.
 
         ``recent`` (B,) newest tokens per sequence are protected; they include every pending
         (not yet coded) token, whose logit is never read. Returns (B, H_kv, max budget)
@@ -255,7 +275,7 @@ class HostKeeper(Keeper):
             history = self.history.ranked(slots.seen)
             shares = np.rint(np.maximum(budget - recent - sinks, 0) * self.history_share)
         inputs = ChoiceInputs(
-            logits=self.sketch.logits(query),
+            logits=logits,
             history=history,
             shares=shares.astype(np.int64),
             positions=slots.positions,
@@ -266,6 +286,36 @@ class HostKeeper(Keeper):
             seen=slots.seen,
         )
         return choose(inputs, compiled=self.compiled)
+
+    def rest(
+        self, slots: SlotMap, query: torch.Tensor, scaling: float, softcap: float | None
+    ) -> RestColumn | None:
+        """The tokens this step leaves on the host as one softmax column (:mod:`alisa.kv.rest`):
+        from the first selection on (before it, every token is on the device and attention is
+        exactly dense). The mass is estimated from the sketch logits of this step's query (the
+        choice's own, when this step chose), the output by the mean value of every token coded.
+        """
+        if self.values is None or self.steps == 0:
+            return None
+        batch, heads, queries, head_dim = query.shape
+        kv_heads = slots.positions.shape[1]
+        if self.step_logits is not None and self.step_logits[0] is query:  # this step chose
+            logits = self.step_logits[1]
+            self.step_logits = None  # held for this step only
+        else:  # a step between selections (or a query the choice did not rank with)
+            rows = query.reshape(batch, kv_heads, heads // kv_heads * queries, head_dim)
+            logits = self.sketch.logits(rows)
+        first = torch.as_tensor(slots.first, device=query.device)
+        logit = rest_logit(
+            logits,
+            slots.positions,
+            first,
+            self.flushed,
+            scaling,
+            softcap,
+            padded=bool(slots.first.any()),
+        )
+        return RestColumn(logit=logit.view(batch, kv_heads, -1, queries), value=self.values.mean())
 
     def account_history(
         self, probabilities: torch.Tensor, slots: SlotMap, window: np.ndarray | None
@@ -302,8 +352,9 @@ class HostKeeper(Keeper):
         return {"device": self.sketch.nbytes() + waiting, "host": self.pages.nbytes()}
 
     def state_bytes(self) -> int:
-        """Bytes of bookkeeping on the device: the attention history."""
-        return 0 if self.history is None else self.history.nbytes()
+        """Bytes of bookkeeping on the device: the attention history and the value sums."""
+        history = 0 if self.history is None else self.history.nbytes()
+        return history + (0 if self.values is None else self.values.nbytes())
 
     def shift_positions(self, delta: int, slots: SlotMap) -> None:
         """Move the host region, the sketch and the history with the tokens (``delta < 0``:
@@ -332,6 +383,8 @@ class HostKeeper(Keeper):
         other._flush(other_slots)
         self.pages.extend_rows(other.pages)
         self.sketch.extend_rows(other.sketch)
+        if self.values is not None:
+            self.values.extend_rows(other.values)
         if self.history is not None or other.history is not None:
             mine = self.history or other.history.empty_like(len(slots.first))
             theirs = other.history or self.history.empty_like(len(other_slots.first))
@@ -348,3 +401,5 @@ class HostKeeper(Keeper):
         if self.pages is not None:
             self.pages.select_batch(indices)
             self.sketch.select_batch(indices)
+        if self.values is not None:
+            self.values.select_batch(indices)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from alisa.kv.rest import RestColumn
 from alisa.kv.slots import SlotMap
 from alisa.policies import KVPolicy
 from alisa.storage.store import KVStore
@@ -84,6 +85,14 @@ class Keeper:
 
         ``reserve(n)`` makes room for ``n`` slots (store, slot map and keeper state grow).
         """
+
+    def rest(
+        self, slots: SlotMap, query: torch.Tensor, scaling: float, softcap: float | None
+    ) -> RestColumn | None:
+        """The attention this decode step's (B, H, q, D) query would give the tokens the slots
+        do not hold, as one softmax column (:mod:`alisa.kv.rest`); None: nothing is estimated
+        (every token the step may see is in the slots, or the keeper dropped the others)."""
+        return None
 
     def after_attention(
         self,

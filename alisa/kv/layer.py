@@ -15,6 +15,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from alisa.kv.keeper import Keeper
+from alisa.kv.rest import RestColumn
 from alisa.kv.slots import SlotMap, grown
 from alisa.kv.tiering import CallInputs, Tiering
 from alisa.storage.store import DenseStore, KVStore, Part, StoreFactory, TokenInputs
@@ -170,6 +171,13 @@ class AlisaLayer(CacheLayerMixin):
         """A decode step's (B, H, q, D) query is about to attend: the keeper may change what
         the slots hold (host retention fetches this step's tokens)."""
         self.keeper.before_attention(self.slots, self.store, query, self._ensure_capacity)
+
+    def rest(
+        self, query: torch.Tensor, scaling: float, softcap: float | None = None
+    ) -> RestColumn | None:
+        """The estimated attention of the tokens this decode step leaves out (the keeper's
+        :meth:`~alisa.kv.keeper.Keeper.rest`), or None."""
+        return self.keeper.rest(self.slots, query, scaling, softcap)
 
     def parts(self, query: torch.Tensor | None = None) -> list[Part]:
         """(K, V, positions) per storage region, on the model's device, in slot order."""
