@@ -204,21 +204,25 @@ class HostKeeper(Keeper):
         self.pages.write(start, keys, values)
         positions = torch.arange(start, start + length, device=keys.device)
         if self.values is not None:
-            first = torch.as_tensor(slots.first, device=keys.device).view(-1, 1)
-            self.values.add(values, positions.view(1, -1) >= first)
+            self.values.add(values, self._real(positions, slots))
         counted = None
         if self.sketch.choosing:
             counted = self._counted(positions, slots)
         self.sketch.write(start, keys, counted)
         self.flushed = start + length
 
+    @staticmethod
+    def _real(positions: torch.Tensor, slots: SlotMap, skip: int = 0) -> torch.Tensor:
+        """(B, m) whether each of ``positions`` (m,) is a real token of its sequence (not
+        left padding), past its first ``skip`` real ones."""
+        first = torch.as_tensor(slots.first, device=positions.device).view(-1, 1)
+        return positions.view(1, -1) >= first + skip
+
     def _counted(self, positions: torch.Tensor, slots: SlotMap) -> torch.Tensor:
         """(B, m) whether each position is a real, non-sink token (may shape the sketch); a
         sequence with only sinks so far (a short prompt padded in a batch) counts its sinks."""
-        first = torch.as_tensor(slots.first, device=positions.device).view(-1, 1)
-        real = positions.view(1, -1) >= first
-        counted = positions.view(1, -1) >= first + self.sinks
-        return torch.where(counted.any(-1, keepdim=True), counted, real)
+        counted = self._real(positions, slots, self.sinks)
+        return torch.where(counted.any(-1, keepdim=True), counted, self._real(positions, slots))
 
     # ---- the step -------------------------------------------------------------------------
 

@@ -83,9 +83,9 @@ def rest_logit(
     estimate = logits[..., :written].float() * scaling
     if softcap is not None:
         estimate = torch.tanh(estimate / softcap) * softcap
-    position = torch.arange(written, device=held.device)
     if padded:
-        estimate = estimate.masked_fill((position < first.view(-1, 1, 1, 1)), float("-inf"))
+        position = torch.arange(written, device=held.device)
+        estimate = estimate.masked_fill(position < first.view(-1, 1, 1, 1), float("-inf"))
     every = torch.logsumexp(estimate, dim=-1)  # (B, H_kv, R)
     counted = (held >= 0) & (held < written)  # padding slots hold negative positions
     index = torch.where(counted, held, 0).unsqueeze(2).expand(-1, -1, estimate.shape[2], -1)
