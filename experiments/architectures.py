@@ -86,12 +86,14 @@ def prompts(
     return ids, mask
 
 
-def run_family(name: str, family: Family, new_tokens: int = NEW_TOKENS) -> Outcome:
-    """Build one row's model, then each mode's exactness or the refusal's reason."""
+def run_family(
+    name: str, family: Family, new_tokens: int = NEW_TOKENS, device: str | torch.device = "cpu"
+) -> Outcome:
+    """Build one row's model on ``device``, then each mode's exactness or the refusal's reason."""
     from alisa import AlisaCache, AlisaConfig
 
     try:
-        model = build(family)
+        model = build(family).to(device)
     except Exception as error:  # the config or its modeling code: the row cannot be judged
         return Outcome(family=name, model="", status=NOT_BUILT, detail=_error(error))
     row = {"family": name, "model": type(model).__name__}
@@ -101,7 +103,7 @@ def run_family(name: str, family: Family, new_tokens: int = NEW_TOKENS) -> Outco
         return Outcome(**row, status=REFUSED, detail=str(error).split(": ", 1)[-1])
     except Exception as error:
         return Outcome(**row, status=CRASH, detail=f"at construction: {_error(error)}")
-    ids, mask = prompts()
+    ids, mask = (tensor.to(device) for tensor in prompts())
     options = dict(max_new_tokens=new_tokens, do_sample=False, attention_mask=mask)
     with torch.inference_mode():
         try:

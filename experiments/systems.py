@@ -1,8 +1,9 @@
 """Named KV-cache systems for benchmarks: HF's caches and ALISA configurations.
 
 ``alisa`` names take ``AlisaConfig`` fields after a colon: ``alisa:policy=swa,caching_ratio=0.2,
-kv_bits=8``. HF names: ``hf-dynamic``, ``hf-hqq8``, ``hf-quanto4``, ``hf-fp8`` (HQQ and quanto
-need the ``peers`` extra).
+kv_bits=8``. HF names: ``hf-dynamic``, ``hf-offloaded`` (``DynamicCache(offloading=True)``: each
+layer's KV waits in CPU memory between its uses, the next layer's copied ahead), ``hf-hqq8``,
+``hf-quanto4``, ``hf-fp8`` (HQQ and quanto need the ``peers`` extra).
 """
 
 from __future__ import annotations
@@ -57,10 +58,15 @@ def make_cache(name: str, model):
         # With the model's config, sliding-window layers (Gemma 3, ...) keep only their window,
         # as HF's own generate() builds the cache.
         return DynamicCache(config=model.config), None
+    if name == "hf-offloaded":
+        if model.device.type != "cuda":
+            raise ValueError("system 'hf-offloaded' needs a model on CUDA (HF copies on streams)")
+        return DynamicCache(config=model.config, offloading=True), None
     if name in HF_QUANTIZED:
         return QuantizedCache(config=model.config, **HF_QUANTIZED[name]), None
     if name == "alisa" or name.startswith("alisa:"):
         return None, parse_alisa(name)
     raise ValueError(
-        f"unknown system {name!r}; use hf-dynamic, {', '.join(HF_QUANTIZED)} or alisa:..."
+        f"unknown system {name!r}; use hf-dynamic, hf-offloaded, {', '.join(HF_QUANTIZED)} "
+        "or alisa:..."
     )

@@ -28,7 +28,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--text", default=None, help="a UTF-8 text file for the prompts instead of WikiText-2"
     )
+    add_prompts_argument(parser)
     return parser.parse_args(argv)
+
+
+def add_prompts_argument(parser: argparse.ArgumentParser) -> None:
+    """``--prompts text|random`` (the worker's, and every benchmark that passes it on)."""
+    parser.add_argument(
+        "--prompts",
+        choices=("text", "random"),
+        default="text",
+        help="text: WikiText-2 windows (or --text); random: seeded random letters, and a shape "
+        "model takes the byte tokenizer (no data or tokenizer package needed)",
+    )
 
 
 def prompts_of_length(tokenizer, text: str, tokens: int, count: int) -> list[str]:
@@ -40,39 +52,60 @@ def prompts_of_length(tokenizer, text: str, tokens: int, count: int) -> list[str
     return [tokenizer.decode(tokenizer(tokenizer.decode(w))["input_ids"][:tokens]) for w in windows]
 
 
-def measure(args: argparse.Namespace) -> dict:
+def load_workload(args: argparse.Namespace):
+    """(model, tokenizer, prompts) of a run: ``args.batch`` prompts of ``args.prompt_tokens``."""
     import torch
 
-    from alisa import AlisaCache, generate
     from experiments.data import data_dir, load_text, load_wikitext2
-    from experiments.shapes import load_benchmark_model
-    from experiments.systems import make_cache
+    from experiments.shapes import load_benchmark_model, random_prompts
 
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_benchmark_model(args.model, dtype=args.dtype)
+    random = args.prompts == "random"
+    model, tokenizer = load_benchmark_model(
+        args.model, dtype=args.dtype, tokenizer="bytes" if random else "smollm2"
+    )
+    if random:
+        return model, tokenizer, random_prompts(args.prompt_tokens, args.batch)
     if args.text is not None:
         text, _ = load_text(None, args.text)
     else:
         text = load_wikitext2(data_dir(args.data_dir))
-    prompts = prompts_of_length(tokenizer, text, args.prompt_tokens, args.batch)
+    return model, tokenizer, prompts_of_length(tokenizer, text, args.prompt_tokens, args.batch)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    model, tokenizer, prompts = load_workload(args)
+    return measure_system(model, tokenizer, prompts, args.system, args.new_tokens)
+
+
+def measure_system(model, tokenizer, prompts: list[str], system: str, new_tokens: int) -> dict:
+    """One system's row: a warm-up on short prompts, then ``prompts`` timed step by step."""
+    from alisa import AlisaCache, generate
+    from experiments.systems import make_cache
 
     def run(batch, new_tokens):
-        cache, config = make_cache(args.system, model)
+        cache, config = make_cache(system, model)
         if config is not None:  # as generate() would build it, kept to report its placement
             cache = AlisaCache(model, config, max_new_tokens=new_tokens)
         result = generate(
-            model, tokenizer, batch, config, max_new_tokens=new_tokens, past_key_values=cache
+            model,
+            tokenizer,
+            batch,
+            config,
+            max_new_tokens=new_tokens,
+            past_key_values=cache,
+            stop_at_eos=False,
         )
         return result, cache
 
     run([p[: max(1, len(p) // 8)] for p in prompts], 4)  # warm-up: kernels, allocator
-    result, cache = run(prompts, args.new_tokens)
+    result, cache = run(prompts, new_tokens)
     median = statistics.median(result.step_times_s)
     return {
-        "system": args.system,
+        "system": system,
         "placement": placement(cache) if isinstance(cache, AlisaCache) else None,
-        "batch": args.batch,
-        "decode_tokens_per_s": args.batch / median,
+        "batch": len(prompts),
+        "decode_tokens_per_s": len(prompts) / median,
         "median_step_ms": median * 1000,
         "ttft_s": result.ttft_s,
         "kv_bytes": result.kv_bytes,
@@ -80,7 +113,9 @@ def measure(args: argparse.Namespace) -> dict:
         "kv_tier_bytes": result.kv_tier_bytes,
         # what every token's K/V would take at float32 (the issue's memory ratios divide by it)
         "dense_fp32_kv_bytes": dense_fp32_bytes(model, result),
+        # resident memory on a CPU, CUDA's peak allocation on a GPU
         "peak_rss_bytes": result.peak_memory_bytes,
+        "weight_bytes": sum(p.nbytes for p in {id(p): p for p in model.parameters()}.values()),
         "generated_tokens": result.generated_tokens,
         "token_ids": result.token_ids,
     }

@@ -9,8 +9,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers/huggingface_
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from tokenizers import Tokenizer, decoders, models  # noqa: E402
-from tokenizers.pre_tokenizers import ByteLevel  # noqa: E402
 from transformers import (  # noqa: E402
     GPT2Config,
     GPT2LMHeadModel,
@@ -20,6 +18,7 @@ from transformers import (  # noqa: E402
 )
 
 from alisa.runtime.engine import Engine  # noqa: E402
+from experiments.shapes import EOS, PAD, byte_tokenizer  # noqa: E402, F401
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -33,20 +32,6 @@ def steady_threads(monkeypatch):
 
 
 VOCAB = 512
-PAD, EOS = 0, 1
-
-
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level tokenizer: ids 0/1 are pad/eos, every byte is one token (ids 2..257)."""
-    vocab = {"<pad>": PAD, "<eos>": EOS}
-    for index, char in enumerate(sorted(ByteLevel.alphabet())):
-        vocab[char] = index + 2
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", padding_side="left"
-    )
 
 
 def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:

@@ -1,7 +1,7 @@
 """The one decode loop: generate, parallel decode and profiling all step through ``Engine``."""
 
 import torch
-from conftest import tiny_llama
+from conftest import padded_batch, tiny_llama
 
 from alisa import AlisaCache, AlisaConfig, generate
 from alisa.runtime.engine import DecodeState, Engine
@@ -50,3 +50,21 @@ def test_a_state_without_mask_counts_positions_from_zero():
     assert state.positions.tolist() == [[0, 1, 2]] and state.prompt_tokens() == [3]
     state.advance(torch.tensor([8]))
     assert state.feed.tolist() == [[8]] and state.positions.tolist() == [[3]]
+
+
+def test_a_foreign_cache_reports_its_bytes_by_where_they_are():
+    """HF's offloaded cache keeps layers in CPU memory between uses: against a CUDA model those
+    bytes are the host's (no CUDA needed to count them)."""
+    from transformers import DynamicCache
+
+    from alisa.runtime.engine import cache_kv_bytes, foreign_tier_bytes
+
+    model = tiny_llama()
+    ids, mask = padded_batch()
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    total = cache_kv_bytes(cache)
+    assert total > 0
+    assert foreign_tier_bytes(cache, torch.device("cpu")) == {"device": total, "host": 0}
+    assert foreign_tier_bytes(cache, torch.device("cuda")) == {"device": 0, "host": total}

@@ -172,3 +172,54 @@ def test_the_context_sweep_reads_its_lists_and_refuses_bad_ones(capsys):
         with pytest.raises(SystemExit):
             bench_context.parse_args(["--contexts", bad])
         assert f"{bad!r} is not a comma list of positive integers" in capsys.readouterr().err
+
+
+def test_random_prompts_are_exactly_their_length_in_byte_tokens():
+    prompts = shapes.random_prompts(37, 3, seed=5)
+    tokenizer = byte_tokenizer()
+    assert [len(tokenizer(p)["input_ids"]) for p in prompts] == [37, 37, 37]
+    assert len(set(prompts)) == 3 and prompts == shapes.random_prompts(37, 3, seed=5)
+
+
+def test_hf_offloaded_cache_is_refused_off_cuda():
+    from conftest import tiny_llama
+
+    from experiments.systems import make_cache
+
+    with pytest.raises(ValueError, match="'hf-offloaded' needs a model on CUDA"):
+        make_cache("hf-offloaded", tiny_llama())
+
+
+def test_in_process_runs_every_system_on_one_model_and_reports_what_fits(monkeypatch, capsys):
+    """``--in-process`` loads once; a system that cannot run is a row with its error, the rest
+    still run; ``--budget`` adds the batch a measured peak would fit."""
+    from conftest import tiny_llama
+
+    from experiments import worker
+
+    loads = []
+
+    def load_workload(args):
+        loads.append(args.batch)
+        return tiny_llama(), byte_tokenizer(), shapes.random_prompts(args.prompt_tokens, args.batch)
+
+    monkeypatch.setattr(worker, "load_workload", load_workload)
+    host = "alisa:policy=swa,caching_ratio=0.2,retention=host"
+    argv = ["--batch", "2", "--prompt-tokens", "40", "--new-tokens", "3", "--prompts", "random"]
+    argv += ["--in-process", "--budget", "1GiB", "--systems", f"hf-dynamic;hf-offloaded;{host}"]
+    assert bench_speed.main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(loads) == 1 and report["in_process"] and report["prompts"] == "random"
+    rows = {row["system"]: row for row in report["systems"]}
+    assert "needs a model on CUDA" in rows["hf-offloaded"]["error"]
+    for name in ("hf-dynamic", host):
+        row = rows[name]
+        assert row["generated_tokens"] == 6  # equal work: EOS does not stop a benchmark row
+        assert row["batch_in_budget"] == bench_speed.fitting_batch(row, GIB) > 0
+    assert rows["hf-dynamic"]["speedup_vs_baseline"] == 1.0
+
+
+def test_the_batch_in_a_budget_scales_the_peak_above_the_weights():
+    row = {"peak_rss_bytes": 10 * GIB, "weight_bytes": 4 * GIB, "batch": 3}
+    assert bench_speed.fitting_batch(row, 40 * GIB) == 18  # (40 - 4) / 2 per row
+    assert bench_speed.fitting_batch(row, 3 * GIB) == 0

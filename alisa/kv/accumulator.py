@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from alisa.kv.selection import put_taken
+from alisa.storage.transfer import upload
 
 NO_STAMP = -(2**62)
 
@@ -126,10 +127,10 @@ class AttentionAccumulator:
         choice = np.where(eligible.any(axis=1), newest_eligible, oldest)
         if not has_snapshot.any():
             return total
-        index = torch.as_tensor(choice, device=total.device)
+        index = upload(choice, total.device)
         batch = torch.arange(total.shape[0], device=total.device)
         older = self.snapshots[index, batch, :, :width]  # (B, Hs, width)
-        keep = torch.as_tensor(has_snapshot, device=total.device).view(-1, 1, 1)
+        keep = upload(has_snapshot, total.device).view(-1, 1, 1)
         return torch.where(keep, total - older, total)
 
     def clear_slots(self, slots: torch.Tensor, taken: torch.Tensor) -> None:
@@ -199,9 +200,10 @@ class AttentionAccumulator:
         """(B, 1, A) weights (1 - 1/w[b]) ** age of rows ``age`` steps old (A = 1 for an int)."""
         if window is None:
             raise ValueError("a decayed accumulator needs the window w of each sequence")
-        keep = torch.as_tensor(1.0 - 1.0 / np.maximum(window, 1), device=self.total.device)
-        age = torch.as_tensor(age, device=self.total.device).reshape(1, 1, -1)
-        return keep.to(torch.float32).view(-1, 1, 1) ** age
+        keep = upload(1.0 - 1.0 / np.maximum(window, 1), self.total.device, torch.float32)
+        if isinstance(age, int):  # filled on the device: nothing to copy
+            age = torch.full((1,), age, device=self.total.device)
+        return keep.view(-1, 1, 1) ** age.reshape(1, 1, -1)
 
     def _interval(self, window: np.ndarray | None) -> int:
         widest = int(window.max()) if window is not None and len(window) else 1

@@ -26,6 +26,7 @@ from alisa.sizes import parse_bytes
 from alisa.storage.quantized import QuantizedStore
 from alisa.storage.recompute import KVRecomputer
 from alisa.storage.store import DenseStore, StoreFactory
+from alisa.storage.transfer import upload
 from quant import check_options
 
 TIERS = ("device", "host", "recompute")  # reported even when empty
@@ -241,7 +242,7 @@ class AlisaCache(Cache):
         taken = copy_replacing(self, lambda tensor: tensor)
         taken.keep_rows(indices)
         rest = [row for row in range(batch) if row not in chosen]
-        self.keep_rows(torch.tensor(rest, device=indices.device))
+        self.keep_rows(upload(rest, indices.device, torch.long))
         return taken
 
     def shift_positions(self, delta: int) -> None:

@@ -20,6 +20,7 @@ import torch
 
 from alisa.kv import kernels
 from alisa.kv.selection import top_k
+from alisa.storage.transfer import upload
 
 # Keys: value level << 32 | position. Protected positions above every ranked one, padding below.
 _TOP = 1 << 62
@@ -66,7 +67,7 @@ def choose(inputs: ChoiceInputs, *, compiled: bool) -> tuple[torch.Tensor, torch
     batch, heads = inputs.logits.shape[:2]
     count = int(inputs.budget.max())
     wanted = np.arange(count) < inputs.budget.reshape(-1, 1, 1)  # (B, 1, K)
-    taken = torch.from_numpy(wanted).to(inputs.logits.device).expand(batch, heads, -1)
+    taken = upload(wanted, inputs.logits.device).expand(batch, heads, -1)
     if not compiled:
         return _choose_with_torch(inputs, count), taken
     chosen = np.empty((batch, heads, count), dtype=np.int64)
@@ -106,9 +107,9 @@ def _choose_with_torch(inputs: ChoiceInputs, count: int) -> torch.Tensor:
     logits, seen = inputs.logits, inputs.seen
     device = logits.device
     every = torch.arange(seen, device=device)
-    first = torch.as_tensor(inputs.first, device=device).view(-1, 1, 1)
+    first = upload(inputs.first, device).view(-1, 1, 1)
     low = (first + inputs.sinks).clamp(max=seen)
-    high = torch.maximum(seen - torch.as_tensor(inputs.recent, device=device).view(-1, 1, 1), low)
+    high = torch.maximum(seen - upload(inputs.recent, device).view(-1, 1, 1), low)
     width = min(logits.shape[-1], seen)
     level = ordered_key(logits[..., :width].amax(dim=2)) + 32768  # (B, H, width)
     level = torch.nn.functional.pad(level, (0, seen - width))  # past C: never ranked

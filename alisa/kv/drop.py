@@ -16,6 +16,7 @@ from alisa.kv.keeper import Keeper
 from alisa.kv.selection import top_k, with_protections
 from alisa.kv.slots import SlotMap
 from alisa.storage.store import KVStore
+from alisa.storage.transfer import upload
 
 # Neighbouring tokens pooled into the observation window's vote (SnapKV's kernel, as kvpress):
 # a multi-token fact (a number, a name) is kept whole rather than its single loudest token.
@@ -133,8 +134,8 @@ class DropKeeper(Keeper):
             return None
         policy, device = self.policy, slots.device
         positions = slots.positions
-        first = torch.as_tensor(slots.first, device=device)
-        recent = torch.as_tensor(policy.recent(budget), device=device)
+        first = upload(slots.first, device)
+        recent = upload(policy.recent(budget), device)
         attention = None
         if self.scores is not None:
             attention = self.scores.window_sum(policy.steps_scored(budget), slots.capacity)

@@ -20,6 +20,7 @@ import torch
 
 from alisa.kv import kernels
 from alisa.storage.store import headroom
+from alisa.storage.transfer import upload
 
 # Stored sums are rescaled to the true ones once a scale passes this (float32 holds up to 3e38,
 # and a step adds at most a probability times the scale).
@@ -66,7 +67,7 @@ class PositionHistory:
 
     def true_sums(self, width: int) -> torch.Tensor:
         """(B, H_kv, width) the sums themselves (scale removed)."""
-        scale = torch.as_tensor(self.scale, dtype=torch.float32, device=self.total.device)
+        scale = upload(self.scale, self.total.device, torch.float32)
         return self.ranked(width) / scale.view(-1, 1, 1)
 
     def add(
@@ -101,7 +102,7 @@ class PositionHistory:
             keep = 1.0 - 1.0 / np.maximum(window, 1)
             erased = keep == 0  # a one-step window (TOVA): only this step's attention counts
             if erased.any():
-                self.total[torch.as_tensor(erased, device=self.total.device)] = 0.0
+                self.total[upload(erased, self.total.device)] = 0.0
                 self.scale[erased] = 1.0
             self.scale[~erased] /= keep[~erased]
             if self.scale.max() > RESCALE_AT:
@@ -114,7 +115,7 @@ class PositionHistory:
             )
             return
         rows = probabilities.amax(dim=2) if self.head_max else probabilities.sum(dim=2)
-        rows = rows * torch.as_tensor(scale, device=rows.device).view(-1, 1, 1)
+        rows = rows * upload(scale, rows.device).view(-1, 1, 1)
         rows = rows.masked_fill(slots < 0, 0.0)
         self.total.scatter_add_(-1, slots.clamp(min=0), rows)
 
@@ -160,6 +161,6 @@ class PositionHistory:
 
     def _rescale(self) -> None:
         """Divide the stored sums by their scale: back to the true sums, scale 1."""
-        inverse = torch.as_tensor(1.0 / self.scale, dtype=torch.float32, device=self.total.device)
+        inverse = upload(1.0 / self.scale, self.total.device, torch.float32)
         self.total *= inverse.view(-1, 1, 1)
         self.scale[:] = 1.0

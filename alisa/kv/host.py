@@ -40,6 +40,7 @@ from alisa.policies import KVPolicy
 from alisa.storage.pages import PAGE_TOKENS, HostPages, host_region_bytes
 from alisa.storage.sketch import KeySketch
 from alisa.storage.store import KVStore
+from alisa.storage.transfer import upload
 
 
 class HostKeeper(Keeper):
@@ -215,7 +216,7 @@ class HostKeeper(Keeper):
     def _real(positions: torch.Tensor, slots: SlotMap, skip: int = 0) -> torch.Tensor:
         """(B, m) whether each of ``positions`` (m,) is a real token of its sequence (not
         left padding), past its first ``skip`` real ones."""
-        first = torch.as_tensor(slots.first, device=positions.device).view(-1, 1)
+        first = upload(slots.first, positions.device).view(-1, 1)
         return positions.view(1, -1) >= first + skip
 
     def _counted(self, positions: torch.Tensor, slots: SlotMap) -> torch.Tensor:
@@ -254,12 +255,16 @@ class HostKeeper(Keeper):
         if self.values is not None and query.shape[2] == 1:  # the rest's estimate reads them
             self.step_logits = (query, logits)
         chosen, taken = self._choose(slots, budget, recent, logits)
-        fetch = slots.swap(chosen, taken, budget, compiled=self.compiled)
-        if fetch is not None:
-            rows, heads, targets, tokens = fetch
-            fetched = self.pages.fetch(rows, heads, tokens, compiled=self.compiled)
-            store.write_heads(rows, heads, targets, fetched)
-            self.fetched += int(rows.numel())
+        incoming = slots.swap(chosen, taken, budget, compiled=self.compiled)
+        if incoming is not None:
+            fetched = self.pages.fetch(
+                incoming.host_rows,
+                incoming.host_groups,
+                incoming.host_positions,
+                compiled=self.compiled,
+            )
+            store.write_heads(incoming.rows, incoming.groups, incoming.slots, fetched)
+            self.fetched += incoming.rows.numel()
         self.steps += 1
 
     def _choose(
@@ -309,7 +314,7 @@ class HostKeeper(Keeper):
         else:  # a step between selections (or a query the choice did not rank with)
             rows = query.reshape(batch, kv_heads, heads // kv_heads * queries, head_dim)
             logits = self.sketch.logits(rows)
-        first = torch.as_tensor(slots.first, device=query.device)
+        first = upload(slots.first, query.device)
         logit = rest_logit(
             logits,
             slots.positions,

@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from alisa.storage.transfer import upload
+
 
 def with_protections(
     scores: torch.Tensor,
@@ -82,5 +84,5 @@ def top_k(
     ranked = ordered or bool((counts != count).any())
     top = torch.topk(priority, count, dim=-1, largest=largest, sorted=ranked).indices
     wanted = torch.arange(count, device=priority.device).view(1, 1, -1)
-    taken = wanted < torch.as_tensor(counts, device=priority.device).view(-1, 1, 1)
+    taken = wanted < upload(counts, priority.device).view(-1, 1, 1)
     return top, taken.expand_as(top).clone()

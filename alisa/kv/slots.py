@@ -15,6 +15,8 @@ holds it; ``first`` records it), so joining costs an integer add, not a copy of 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -22,6 +24,7 @@ from alisa.kv import kernels
 from alisa.kv.kernels import FREE  # slot holds nothing; may be reused
 from alisa.kv.selection import put_taken
 from alisa.storage.store import headroom
+from alisa.storage.transfer import upload
 
 PAD = -2  # slot holds a left-padding token; masked, reclaimed at the next compaction
 
@@ -33,6 +36,21 @@ def grown(slots: int, limit: int | None = None) -> int:
     if limit is not None and slots < limit:
         capacity = min(capacity, limit)
     return capacity
+
+
+class Incoming(NamedTuple):
+    """The E tokens a :meth:`SlotMap.swap` brings in, each (E,): where they go on the model's
+    device (``rows``, ``groups``, ``slots``, ``positions``) and what the host region reads
+    (``host_rows``, ``host_groups``, ``host_positions``: the same values in host memory; the
+    same tensors on a CPU)."""
+
+    rows: torch.Tensor
+    groups: torch.Tensor
+    slots: torch.Tensor
+    positions: torch.Tensor
+    host_rows: torch.Tensor
+    host_groups: torch.Tensor
+    host_positions: torch.Tensor
 
 
 class SlotMap:
@@ -105,7 +123,7 @@ class SlotMap:
         else:
             free = self.positions[..., : self.width] == FREE
             first_free = free.to(torch.int8).argmax(dim=-1, keepdim=True)  # (B, Hs, 1)
-            appended = torch.as_tensor(append, device=self.device).view(-1, 1, 1)
+            appended = upload(append, self.device).view(-1, 1, 1)
             placed = torch.where(appended, self.width, first_free)
             self.positions.scatter_(-1, placed, self.seen)
         if append.any():
@@ -148,7 +166,7 @@ class SlotMap:
 
     def swap(
         self, chosen: torch.Tensor, taken: torch.Tensor, kept: np.ndarray, *, compiled: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    ) -> Incoming | None:
         """Make each (sequence, group)'s slots exactly its ``chosen`` positions.
 
         Slots whose token was not chosen are freed; the chosen tokens not held, in the order
@@ -169,9 +187,9 @@ class SlotMap:
 
         Returns
         -------
-        tuple or None
-            Flat (rows, groups, slots, positions) of the tokens that must be brought in (the
-            caller fills those slots), or None when every chosen token was already held.
+        Incoming or None
+            The tokens that must be brought in (the caller fills their slots), or None when
+            every chosen token was already held.
         """
         if compiled:
             return self._swap_compiled(chosen, kept)
@@ -187,9 +205,16 @@ class SlotMap:
         free = (positions == FREE) | leaving
         positions.masked_fill_(leaving, FREE)
         self.kept = kept.copy()
-        rows, groups, entries = fetch.nonzero(as_tuple=True)
-        if rows.numel() == 0:
+        # The selection's one host round trip: the positions to bring in ((B, Hs, K), -1 for
+        # the rest) come to the host, whose region reads them; the device gets the index
+        # lists back without waiting (a device-side nonzero would be a second round trip).
+        incoming = torch.where(fetch, chosen, -1)
+        on_host = incoming.cpu() if device.type != "cpu" else incoming
+        host_rows, host_groups, host_entries = (on_host >= 0).nonzero(as_tuple=True)
+        if host_rows.numel() == 0:
             return None
+        host_tokens = on_host[host_rows, host_groups, host_entries]
+        rows, groups, entries = (upload(t, device) for t in (host_rows, host_groups, host_entries))
         # The j-th fetched token of a (sequence, group) goes to its j-th free slot, lowest
         # first: free_slot[b, g, j] is that slot (an extra column takes the occupied ones).
         capacity = positions.shape[-1]
@@ -206,11 +231,9 @@ class SlotMap:
         # slots below it are all occupied: it is below kept + dead. The bound needs no read of
         # the targets (a second device round trip; the fetch list above is the one allowed).
         self.width = max(self.width, int((self.kept + self.dead).max()))
-        return rows, groups, target, tokens
+        return Incoming(rows, groups, target, tokens, host_rows, host_groups, host_tokens)
 
-    def _swap_compiled(
-        self, chosen: torch.Tensor, kept: np.ndarray
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def _swap_compiled(self, chosen: torch.Tensor, kept: np.ndarray) -> Incoming | None:
         """:meth:`swap` by the CPU kernel: the same slots, in one pass per row."""
         fetch = np.empty((4, chosen.numel()), dtype=np.int64)
         count = kernels.swap(self.positions.numpy(), chosen.numpy(), kept, self.seen, fetch)
@@ -219,7 +242,7 @@ class SlotMap:
         if count == 0:
             return None
         rows, groups, targets, tokens = torch.from_numpy(fetch[:, :count])
-        return rows, groups, targets, tokens
+        return Incoming(rows, groups, targets, tokens, rows, groups, tokens)
 
     def compaction(
         self, limit: int | None = None, *, force: bool = False

@@ -92,6 +92,19 @@ def cache_kv_bytes(cache) -> int:
     return total
 
 
+def foreign_tier_bytes(cache, device: torch.device) -> dict[str, int]:
+    """``{"device": ..., "host": ...}`` KV bytes of an HF cache by where its tensors are (HF's
+    offloaded cache keeps layers in CPU memory between uses)."""
+    total = cache_kv_bytes(cache)
+    host = 0
+    if device.type != "cpu":
+        for layer in getattr(cache, "layers", []):
+            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if isinstance(keys, torch.Tensor) and keys.device.type == "cpu":
+                host += tensor_bytes((keys, values))
+    return {"device": total - host, "host": host}
+
+
 def _nested_bytes(value, depth: int = 3) -> int:
     """Bytes of the tensors inside a backend's quantized object (quanto/hqq/fp8 layouts differ)."""
     if type(value) in (torch.Tensor, torch.nn.Parameter):
@@ -389,7 +402,7 @@ class Engine:
         result.kv_tier_bytes = (
             cache.tier_bytes()
             if isinstance(cache, AlisaCache)
-            else {"device": result.kv_bytes, "host": 0}  # foreign or sharded caches
+            else foreign_tier_bytes(cache, self.device)  # foreign or sharded caches
         )
         return result
 

@@ -22,7 +22,7 @@ import torch
 from alisa.config import KV_BITS
 from alisa.storage.kernels import HALVES, fetch_rows
 from alisa.storage.quantized import SCALE_DTYPE, QuantizedPair
-from alisa.storage.store import flat_rows, with_capacity
+from alisa.storage.store import flat_rows, page_locked, with_capacity
 
 
 @dataclass(frozen=True)
@@ -161,14 +161,18 @@ class HostPages:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self._tensors())
 
+    def pinned(self) -> bool:
+        """Whether the buffers are page-locked (on CUDA they are, once a page is written)."""
+        return page_locked(*self._tensors())
+
     def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store (B, H_kv, m, D) keys and values at positions [start, start + m)."""
         end = start + keys.shape[2]
         self._reserve(end)
-        pair = torch.stack([keys, values]).to(self.host)
+        pair = torch.stack([keys, values])  # on the model's device: coded there
         index = (slice(None), slice(None), slice(None), slice(start, end))
         if self.plain is not None:
-            self.plain[index] = pair
+            self.plain[index] = pair.to(self.host)
         else:
             self.pair.write(index, pair)
         self.length = max(self.length, end)
@@ -176,7 +180,7 @@ class HostPages:
     def fetch(
         self, rows: torch.Tensor, heads: torch.Tensor, positions: torch.Tensor, *, compiled: bool
     ) -> FetchedRows:
-        """E tokens (flat index triples), for a device region to take.
+        """E tokens (flat index triples, in host memory), for a device region to take.
 
         Only these rows are read (and dequantized, when the device region wants them decoded);
         nothing else of the history is touched. ``compiled``: a float32 device region may take

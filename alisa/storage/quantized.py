@@ -14,6 +14,7 @@ from alisa.storage.store import (
     DeviceResident,
     HostRows,
     TokenInputs,
+    page_locked,
     slot_indices,
     with_capacity,
 )
@@ -54,11 +55,20 @@ class QuantizedPair:
     def pin_memory(self) -> None:
         self.replace(tuple(t.pin_memory() for t in self.tensors()))
 
+    def pinned(self) -> bool:
+        return page_locked(*self.tensors())
+
     def write(self, index: tuple, pair: torch.Tensor) -> None:
-        """Quantize ``pair`` (shaped like ``data[index]`` with D values last) into ``index``."""
+        """Quantize ``pair`` (shaped like ``data[index]`` with D values last) into ``index``.
+
+        ``pair`` is quantized where it is and only the codes move here: for a host region fed
+        from CUDA the device does the O(n) work and half (INT8) or a quarter (INT4) of the
+        bytes cross, where quantizing on the host's cores took most of a long prompt's prefill.
+        """
         # K/V of a finite model are finite; a NaN here would already have poisoned the output.
         q = quantize(pair, self.bits, self.group, scale_dtype=self.scale.dtype, check_finite=False)
-        self.put(index, q.data, q.scale, q.zero_point)
+        here = self.data.device
+        self.put(index, q.data.to(here), q.scale.to(here), q.zero_point.to(here))
 
     def put(self, index: tuple, data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
         """Store codes already in this pair's format (bits, group) at ``index``."""
@@ -242,7 +252,7 @@ class QuantizedStore(DeviceResident):
             self.ring_keys[rows, :, entry] = keys
             self.ring_values[rows, :, entry] = values
             self.ring_slots[rows, :, entry] = slots.view(-1, 1)
-            self.ring_positions[entry] = position
+            self.ring_positions[entry].fill_(position)  # a scalar fill: no copy, no sync
 
     def write_heads(self, rows, heads, slots, tokens: HostRows) -> None:
         """Write (sequence, KV head) entries at index triples (E,).
@@ -326,6 +336,10 @@ class QuantizedStore(DeviceResident):
         self.ring_slots = self.ring_slots.pin_memory()
         self.ring_positions = self.ring_positions.pin_memory()
 
+    def pinned(self) -> bool:
+        ring = (self.ring_keys, self.ring_values, self.ring_slots, self.ring_positions)
+        return self.codes.pinned() and page_locked(*ring)
+
     def _remember(self, slots: torch.Tensor, keys, values, position: int) -> None:
         """Put one token (B, H_kv, D) into the full-precision ring at entry position % R."""
         if not self.residual:
@@ -334,4 +348,4 @@ class QuantizedStore(DeviceResident):
         self.ring_keys[:, :, entry] = keys
         self.ring_values[:, :, entry] = values
         self.ring_slots[:, :, entry] = slots[..., 0]
-        self.ring_positions[entry] = position
+        self.ring_positions[entry].fill_(position)  # a scalar fill: no copy, no sync

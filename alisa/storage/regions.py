@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from alisa.storage.store import KVStore, TokenInputs
+from alisa.storage.store import KVStore, TokenInputs, page_locked
 
 Recompute = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -85,6 +85,11 @@ class Region(Protocol):
 
     def prefetch(self) -> None: ...
 
+    def pinned(self) -> bool:
+        """Whether its host buffers are page-locked (True when it has none): on CUDA they
+        must be, or every copy to the device waits for the host."""
+        ...
+
 
 class DeviceRegion:
     """Resident KV on the model's device (dense or quantized store)."""
@@ -126,6 +131,9 @@ class DeviceRegion:
     def prefetch(self) -> None:
         """Already resident."""
 
+    def pinned(self) -> bool:
+        return True
+
 
 class HostRegion:
     """Offloaded KV in host memory (page-locked on CUDA), copied to the device when read.
@@ -139,9 +147,8 @@ class HostRegion:
     needs_inputs = False
 
     def __init__(self, store: KVStore, model_device: torch.device, stats: TierStats) -> None:
-        if torch.cuda.is_available():
-            store.pin_memory()
         self.store, self.model_device, self.stats = store, model_device, stats
+        self._pin()
         self._prefetched = None  # (keys, values, event) copied ahead
         self._stream = None  # CUDA side stream for the copies, created on first use
 
@@ -217,10 +224,20 @@ class HostRegion:
     def grow(self, slots: int) -> None:
         self._prefetched = None
         self.store.grow(slots)
+        self._pin()
 
     def select_batch(self, indices: torch.Tensor) -> None:
         self._prefetched = None
         self.store.select_batch(indices.to(self.store.device))
+        self._pin()
+
+    def pinned(self) -> bool:
+        return self.store.pinned()
+
+    def _pin(self) -> None:
+        """Page-lock the store's (new) buffers when the model is on CUDA."""
+        if self.model_device.type == "cuda":
+            self.store.pin_memory()
 
 
 class RecomputeRegion:
@@ -233,8 +250,9 @@ class RecomputeRegion:
     def __init__(
         self, hidden: torch.Tensor, rope: torch.Tensor, recompute: Recompute, context
     ) -> None:
-        self.hidden, self.rope, self.recompute = hidden, rope, recompute
         self.model_device, self.stats = context.model_device, context.stats
+        self.hidden, self.rope, self.recompute = hidden, rope, recompute
+        self._pin()
 
     @classmethod
     def build(
@@ -277,10 +295,20 @@ class RecomputeRegion:
         extra = slots - self.slots
         self.hidden = torch.nn.functional.pad(self.hidden, (0, 0, 0, extra))
         self.rope = torch.nn.functional.pad(self.rope, (0, extra))
+        self._pin()
 
     def select_batch(self, indices: torch.Tensor) -> None:
         self.hidden = self.hidden.index_select(0, indices.to(self.hidden.device))
         self.rope = self.rope.index_select(0, indices.to(self.rope.device))
+        self._pin()
 
     def prefetch(self) -> None:
         """Rebuilt on read; nothing to copy ahead."""
+
+    def pinned(self) -> bool:
+        return page_locked(self.hidden, self.rope)
+
+    def _pin(self) -> None:
+        """Page-lock the inputs when the model is on CUDA, so reading them does not wait."""
+        if self.model_device.type == "cuda" and self.hidden.device.type == "cpu":
+            self.hidden, self.rope = self.hidden.pin_memory(), self.rope.pin_memory()

@@ -161,6 +161,10 @@ class KVStore(Protocol):
 
     def pin_memory(self) -> None: ...
 
+    def pinned(self) -> bool:
+        """Whether every buffer is page-locked host memory (what :meth:`pin_memory` makes)."""
+        ...
+
 
 class StoreFactory(Protocol):
     """Builds a layer's store from its first (B, H_kv, L, D) keys and values."""
@@ -338,6 +342,15 @@ class DenseStore(DeviceResident):
     def pin_memory(self) -> None:
         """Page-lock host buffers so host-to-device copies run asynchronously (CUDA only)."""
         self.keys, self.values = self.keys.pin_memory(), self.values.pin_memory()
+
+    def pinned(self) -> bool:
+        return page_locked(self.keys, self.values)
+
+
+def page_locked(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor is in page-locked host memory (an empty one has no memory to lock:
+    it counts as locked)."""
+    return all(t.is_pinned() or t.numel() == 0 for t in tensors)
 
 
 def headroom(slots: int) -> int:

@@ -193,6 +193,10 @@ class TieredStore:
     def pin_memory(self) -> None:
         """Host regions are page-locked when built."""
 
+    def pinned(self) -> bool:
+        """Whether every host region's buffers are page-locked (on CUDA they must be)."""
+        return all(region.pinned() for region in self._regions)
+
     def _spans(self):
         offset = 0
         for region in self._regions:

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The GPU checklist in one run, each part under its own time limit so the others still report:
+#   1. exactness on CUDA (tests/test_cuda.py: every mode vs HF's dense generate, pinning,
+#      fetched rows, the sync budget),
+#   2. stalls: synchronisations per decode step per mode, and where from; one step profiled,
+#   3. speed and memory at Llama-3.1-8B shapes in bf16 (random weights and prompts): B = 16 x 8K
+#      and B = 1 x 32K, 64 new tokens; HF's offloaded cache with 8 (it moves every layer's KV
+#      across PCIe twice a step).
+#
+#   OUT=results/gpu bash experiments/gpu_checklist.sh      # PYTHON=python3 by default
+#   PARTS="tests stalls smoke" OUT=... bash experiments/gpu_checklist.sh    # some parts only
+#
+# Parts: tests, stalls, smoke (B = 1 x 32K, 4 new tokens: does every system run at all),
+# speed (B = 16 x 8K), long (B = 1 x 32K), offloaded. Writes every log under $OUT/work and packs
+# them into $OUT/gpu.tgz after each part (what ran comes back even if a later part is cut off).
+set -u
+OUT=${OUT:-results/gpu}
+PY=${PYTHON:-python3}
+WORK="$OUT/work"
+mkdir -p "$WORK"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+PARTS=${PARTS:-tests stalls speed long offloaded}
+
+part() {  # part NAME SECONDS COMMAND...: run, log, say how it ended
+    local name=$1 limit=$2 start=$SECONDS
+    shift 2
+    [[ " $PARTS " == *" $name "* ]] || return 0
+    timeout "$limit" "$@" >"$WORK/$name.out" 2>"$WORK/$name.err"
+    echo "== $name: exit $? after $((SECONDS - start)) s" | tee -a "$WORK/summary.txt"
+    tail -n 2 "$WORK/$name.out" | cut -c1-300
+    tar czf "$OUT/gpu.tgz" -C "$WORK" .
+}
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    $PY -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, \
+torch.version.cuda, transformers.__version__)"
+    nproc
+} >"$WORK/environment.txt" 2>&1
+cat "$WORK/environment.txt"
+
+SHAPE="--model shape:llama-3.1-8b --dtype bfloat16 --prompts random --in-process --budget 40GiB"
+SYSTEMS="hf-dynamic;alisa:policy=swa,caching_ratio=0.2,retention=host"
+SYSTEMS="$SYSTEMS;alisa:policy=swa,caching_ratio=0.2;alisa:policy=swa,caching_ratio=1.0"
+SYSTEMS="$SYSTEMS;alisa:policy=swa,caching_ratio=0.1,retention=host"
+SYSTEMS="$SYSTEMS;alisa:policy=swa,caching_ratio=0.1"
+
+part tests "${T_TESTS:-150}" $PY -m pytest -q --tb=short -p no:cacheprovider tests/test_cuda.py
+part stalls "${T_STALLS:-100}" $PY -m experiments.gpu_stalls --out "$WORK"
+part smoke "${T_SMOKE:-90}" $PY -m experiments.bench_speed $SHAPE --batch 1 \
+    --prompt-tokens 32768 --new-tokens 4 --systems "$SYSTEMS;alisa:gpu_memory=18GiB"
+part speed "${T_SPEED:-150}" $PY -m experiments.bench_speed $SHAPE --batch 16 \
+    --prompt-tokens 8192 --new-tokens 64 --systems "$SYSTEMS;alisa:gpu_memory=26GiB"
+part long "${T_LONG:-80}" $PY -m experiments.bench_speed $SHAPE --batch 1 \
+    --prompt-tokens 32768 --new-tokens 64 --systems "$SYSTEMS;alisa:gpu_memory=18GiB"
+part offloaded "${T_OFFLOAD:-60}" $PY -m experiments.bench_speed $SHAPE --batch 16 \
+    --prompt-tokens 8192 --new-tokens 8 --systems "hf-dynamic;hf-offloaded"
+
+grep -h '^|' "$WORK"/*.out 2>/dev/null | cut -c1-300
+grep -h -E "passed|failed|error" "$WORK/tests.out" 2>/dev/null | tail -n 30
