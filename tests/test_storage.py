@@ -1,5 +1,6 @@
 """Stores as regions: one routing loop, so a new tier is one class; grouped logits helper."""
 
+import pytest
 import torch
 from transformers.integrations.sdpa_attention import repeat_kv
 
@@ -105,3 +106,58 @@ def test_grouped_logits_match_repeated_keys():
     expected = query @ repeat_kv(key, 3).transpose(-1, -2) * 0.5  # (B, H, q, S)
     logits = grouped_logits(query, key, 0.5)  # (B, H_kv, G, q, S)
     assert torch.allclose(logits.reshape(2, 6, 3, 5), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+def test_writes_that_land_late_read_as_writes_that_land_at_once(bits):
+    """On CUDA a host region's pages land at its next read (their copies run meanwhile): every
+    read and reshaping settles first, so deferred and immediate landing hold the same rows."""
+    from alisa.storage.pages import HostPages
+
+    torch.manual_seed(0)
+    batch, heads, dim = 3, 2, 8
+    cpu = torch.device("cpu")
+    pages = [
+        HostPages(batch, heads, dim, bits=bits, dtype=torch.float32, device=cpu, defer=defer)
+        for defer in (True, False)
+    ]
+
+    def every_row(region):
+        length, batch = region.length, rows_now[0]
+        rows = torch.arange(batch).repeat_interleave(heads * length)
+        kv_heads = torch.arange(heads).repeat_interleave(length).repeat(batch)
+        positions = torch.arange(length).repeat(batch * heads)
+        return region.fetch(rows, kv_heads, positions, compiled=False).decoded()
+
+    def same():
+        first, second = (every_row(region) for region in pages)
+        assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+    rows_now = [batch]
+    start = 0
+    for length in (40, 16, 16, 3):  # a prompt, then pages
+        keys, values = torch.randn(2, batch, heads, length, dim)
+        for region in pages:
+            region.write(start, keys, values)
+        start += length
+    same()
+    keys, values = torch.randn(2, batch, heads, 16, dim)
+    for region in pages:
+        region.write(start, keys, values)
+        region.select_batch(torch.tensor([2, 0]))
+    start += 16
+    rows_now[0] = 2
+    same()
+    keys, values = torch.randn(2, 2, heads, 16, dim)
+    for region in pages:
+        region.write(start, keys, values)
+        region.shift(-5)
+    same()
+    other = HostPages(2, heads, dim, bits=bits, dtype=torch.float32, device=cpu, defer=True)
+    other.write(0, *torch.randn(2, 2, heads, pages[0].length, dim))
+    keys, values = torch.randn(2, 2, heads, 4, dim)
+    for region in pages:
+        region.write(start, keys, values)
+        region.extend_rows(other)
+    rows_now[0] = 4
+    same()

@@ -127,6 +127,11 @@ def host_region_bytes(
 class HostPages:
     """Keys and values of every position of one layer, (2, B, H_kv, capacity, ·) on the host.
 
+    Writes are coded on the model's device and land here asynchronously on CUDA: the codes are
+    copied into page-locked staging without waiting, and put into the region at the next read
+    (:meth:`settle`), by which time the copy has run (a selection reads after its fetch list's
+    round trip, which drains the queue), so a page costs no wait of its own.
+
     Parameters
     ----------
     batch, heads, head_dim
@@ -135,10 +140,20 @@ class HostPages:
         16 (the model dtype), 8 or 4.
     dtype, device
         The model's dtype and device (fetches are returned there).
+    defer
+        Land writes at the next read (default: on CUDA); else at once.
     """
 
     def __init__(
-        self, batch: int, heads: int, head_dim: int, *, bits: int, dtype, device: torch.device
+        self,
+        batch: int,
+        heads: int,
+        head_dim: int,
+        *,
+        bits: int,
+        dtype,
+        device: torch.device,
+        defer: bool | None = None,
     ) -> None:
         if bits not in KV_BITS:
             raise ValueError(f"host_bits={bits!r} must be one of {KV_BITS}")
@@ -153,6 +168,9 @@ class HostPages:
         else:
             self.pair = QuantizedPair(shape, bits, head_dim, dtype, self.host)
         self.length = 0  # positions written
+        self.defer = device.type == "cuda" if defer is None else defer
+        # (index, codes in host memory, CUDA event after their copy or None), oldest first
+        self._landing: list[tuple[tuple, tuple[torch.Tensor, ...], torch.cuda.Event | None]] = []
 
     @property
     def capacity(self) -> int:
@@ -166,16 +184,39 @@ class HostPages:
         return page_locked(*self._tensors())
 
     def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store (B, H_kv, m, D) keys and values at positions [start, start + m)."""
+        """Store (B, H_kv, m, D) keys and values at positions [start, start + m).
+
+        They are quantized where they are (on CUDA the device does the O(n) work of a long
+        prompt, and only the codes cross), then land as the class says.
+        """
         end = start + keys.shape[2]
+        self.settle(wait=False)
         self._reserve(end)
-        pair = torch.stack([keys, values])  # on the model's device: coded there
+        pair = torch.stack([keys, values])
+        codes = (pair,) if self.plain is not None else self.pair.code(pair)
         index = (slice(None), slice(None), slice(None), slice(start, end))
-        if self.plain is not None:
-            self.plain[index] = pair.to(self.host)
-        else:
-            self.pair.write(index, pair)
         self.length = max(self.length, end)
+        if not self.defer:
+            self._put(index, tuple(t.to(self.host) for t in codes))
+            return
+        staged = tuple(self._stage(t) for t in codes)
+        event = None
+        if pair.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(pair.device))
+        self._landing.append((index, staged, event))
+
+    def settle(self, *, wait: bool = True) -> None:
+        """Put every write whose copy has run into the region (``wait``: every write, waiting
+        for copies still running). Reads of the region call it first."""
+        while self._landing:
+            index, staged, event = self._landing[0]
+            if event is not None and not event.query():
+                if not wait:
+                    return
+                event.synchronize()
+            self._put(index, staged)
+            self._landing.pop(0)
 
     def fetch(
         self, rows: torch.Tensor, heads: torch.Tensor, positions: torch.Tensor, *, compiled: bool
@@ -186,6 +227,7 @@ class HostPages:
         nothing else of the history is touched. ``compiled``: a float32 device region may take
         INT8 rows through the CPU kernel (:meth:`FetchedRows.write_into`).
         """
+        self.settle()
         tensors = self._tensors()
         _, batch, heads_, capacity = tensors[0].shape[:4]
         flat = flat_rows(rows, heads, positions, heads_, capacity).to(self.host)
@@ -193,11 +235,14 @@ class HostPages:
         return FetchedRows(region, flat, self.pair, self.device, self.pin, compiled)
 
     def select_batch(self, indices: torch.Tensor) -> None:
+        self.settle()
         host = indices.to(self.host)
         self._replace(tuple(t.index_select(1, host) for t in self._tensors()))
 
     def extend_rows(self, other: HostPages) -> None:
         """Append ``other``'s sequences (same positions, heads and format) after these."""
+        self.settle()
+        other.settle()
         capacity = max(self.capacity, other.capacity)
         self._replace(
             tuple(
@@ -210,6 +255,7 @@ class HostPages:
     def shift(self, delta: int) -> None:
         """Move every token ``delta`` positions (new positions on the left are empty; positions
         moved below 0 are dropped)."""
+        self.settle()
         if delta >= 0:
             moved = tuple(torch.nn.functional.pad(t, (0, 0, delta, 0)) for t in self._tensors())
         else:
@@ -218,6 +264,19 @@ class HostPages:
         self.length = max(self.length + delta, 0)
 
     # ---- internals -----------------------------------------------------------------------
+
+    def _stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``tensor`` that may still be running (page-locked, from CUDA)."""
+        if tensor.device.type != "cuda":
+            return tensor.to(self.host)
+        staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return staged.copy_(tensor, non_blocking=True)
+
+    def _put(self, index: tuple, codes: tuple[torch.Tensor, ...]) -> None:
+        if self.plain is not None:
+            self.plain[index] = codes[0]
+        else:
+            self.pair.put(index, *codes)
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.plain,) if self.plain is not None else self.pair.tensors()

@@ -65,10 +65,14 @@ class QuantizedPair:
         from CUDA the device does the O(n) work and half (INT8) or a quarter (INT4) of the
         bytes cross, where quantizing on the host's cores took most of a long prompt's prefill.
         """
+        here = self.data.device
+        self.put(index, *(t.to(here) for t in self.code(pair)))
+
+    def code(self, pair: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(data, scale, zero point) of ``pair`` in this pair's format, where ``pair`` is."""
         # K/V of a finite model are finite; a NaN here would already have poisoned the output.
         q = quantize(pair, self.bits, self.group, scale_dtype=self.scale.dtype, check_finite=False)
-        here = self.data.device
-        self.put(index, q.data.to(here), q.scale.to(here), q.zero_point.to(here))
+        return q.data, q.scale, q.zero_point
 
     def put(self, index: tuple, data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
         """Store codes already in this pair's format (bits, group) at ``index``."""
