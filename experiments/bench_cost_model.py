@@ -1,6 +1,7 @@
 """Fidelity of the scheduler's cost model on this machine: predicted vs measured decode steps.
 
     python -m experiments.bench_cost_model     # SmolLM2 bf16 and float32, batch 8, 1024 tokens
+    python -m experiments.bench_cost_model --model shape:llama-3.2-1b --prompts random   # a GPU
     MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=67108864 \
         python -m experiments.bench_cost_model --dtype float32 --threads 1
 
@@ -32,14 +33,15 @@ from dataclasses import replace
 import torch
 from tqdm.auto import tqdm
 
-from alisa import AlisaConfig, load_model
+from alisa import AlisaConfig
 from alisa.calibration.profile import measure_report
 from alisa.calibration.steps import SELECTION_CONFIG, half_offload_budget
 from alisa.model.adapter import model_shape
 from alisa.planning.spec import config_workload, model_spec
 from experiments.bench_speed import environment, worker_options
+from experiments.shapes import load_benchmark_model
 from experiments.systems import system_name
-from experiments.worker import run_in_subprocess
+from experiments.worker import add_prompts_argument, run_in_subprocess
 from scheduler import Options, Workload, evaluate, solve
 
 HOST_ROW = "host retention r=0.2"
@@ -47,7 +49,9 @@ HOST_ROW = "host retention r=0.2"
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument(
+        "--model", default="smollm2-135m", help="alisa.load_model spec, or shape:NAME"
+    )
     parser.add_argument(
         "--dtype", default="bfloat16,float32", help="comma-separated dtypes, each benchmarked"
     )
@@ -56,12 +60,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--data-dir", default=None)
+    add_prompts_argument(parser)
     return parser.parse_args(argv)
 
 
 def bench_dtype(args: argparse.Namespace, dtype: str) -> dict:
     """Profile, run the three placements and the LP choice in one dtype."""
-    model, _ = load_model(args.model, dtype=dtype)
+    tokenizer = "bytes" if args.prompts == "random" else "smollm2"
+    model, _ = load_benchmark_model(args.model, dtype=dtype, tokenizer=tokenizer)
     report = measure_report(model, sizes=(args.batch, args.prompt_tokens))
     profile = report.profile
     spec = model_spec(model, model_shape(model), name=args.model)

@@ -5,13 +5,14 @@
 #   2. stalls: synchronisations per decode step per mode, and where from; one step profiled,
 #   3. speed and memory at Llama-3.1-8B shapes in bf16 (random weights and prompts): B = 16 x 8K
 #      and B = 1 x 32K, 64 new tokens; HF's offloaded cache with 8 (it moves every layer's KV
-#      across PCIe twice a step).
+#      across PCIe twice a step),
+#   4. the cost model on the GPU: a profile, then predicted vs measured steps (Llama-3.2-1B shape).
 #
 #   OUT=results/gpu bash experiments/gpu_checklist.sh      # PYTHON=python3 by default
 #   PARTS="tests stalls smoke" OUT=... bash experiments/gpu_checklist.sh    # some parts only
 #
 # Parts: tests, stalls, smoke (B = 1 x 32K, 4 new tokens: does every system run at all),
-# speed (B = 16 x 8K), long (B = 1 x 32K), offloaded. Writes every log under $OUT/work and packs
+# speed (B = 16 x 8K), long (B = 1 x 32K), offloaded, costmodel. Writes every log under $OUT/work and packs
 # them into $OUT/gpu.tgz after each part (what ran comes back even if a later part is cut off).
 set -u
 OUT=${OUT:-results/gpu}
@@ -20,7 +21,7 @@ WORK="$OUT/work"
 mkdir -p "$WORK"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-PARTS=${PARTS:-tests stalls speed long offloaded}
+PARTS=${PARTS:-tests stalls speed long offloaded costmodel}
 
 part() {  # part NAME SECONDS COMMAND...: run, log, say how it ended
     local name=$1 limit=$2 start=$SECONDS
@@ -54,8 +55,10 @@ part speed "${T_SPEED:-150}" $PY -m experiments.bench_speed $SHAPE --batch 16 \
     --prompt-tokens 8192 --new-tokens 64 --systems "$SYSTEMS;alisa:gpu_memory=26GiB"
 part long "${T_LONG:-80}" $PY -m experiments.bench_speed $SHAPE --batch 1 \
     --prompt-tokens 32768 --new-tokens 64 --systems "$SYSTEMS;alisa:gpu_memory=18GiB"
-part offloaded "${T_OFFLOAD:-60}" $PY -m experiments.bench_speed $SHAPE --batch 16 \
+part offloaded "${T_OFFLOAD:-120}" $PY -m experiments.bench_speed $SHAPE --batch 16 \
     --prompt-tokens 8192 --new-tokens 8 --systems "hf-dynamic;hf-offloaded"
+part costmodel "${T_COST:-150}" $PY -m experiments.bench_cost_model --model shape:llama-3.2-1b \
+    --prompts random --dtype bfloat16 --batch 8 --prompt-tokens 1024
 
 grep -h '^|' "$WORK"/*.out 2>/dev/null | cut -c1-300
 grep -h -E "passed|failed|error" "$WORK/tests.out" 2>/dev/null | tail -n 30

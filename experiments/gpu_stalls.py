@@ -7,7 +7,8 @@ comes from, and one step's kernel profile (issue 26's budget: at most one per la
 Each mode prefills ``--batch`` random prompts of a random-weight shape (speed and stalls depend
 on shapes, not values), decodes ``--warm-up`` steps, then counts the synchronisations that
 ``torch.cuda.set_sync_debug_mode("warn")`` reports over ``--steps`` greedy steps, with the
-innermost line of alisa (else transformers) that asked for each. The decode loop is the
+innermost line of alisa (else transformers) that asked for each, then times as many more
+(median, each step synchronised). The decode loop is the
 model's forward and an argmax, nothing else, so every count is the model's and its cache's.
 Writes ``stalls.json`` and one ``profile_<mode>.txt`` per profiled mode (the kernels of one
 decode step, by CUDA time) into ``--out``; prints a table and one JSON line.
@@ -17,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 import traceback
 import warnings
 from collections import Counter
@@ -135,10 +138,17 @@ def measure(
         for _ in range(args.steps):
             output = step()
     torch.cuda.synchronize()
+    times = []  # outside the sync log, whose warnings cost host time
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        output = step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
     row = {
         "mode": system,
         "syncs_per_step": log.count / args.steps,
         "syncs_per_layer_step": log.count / args.steps / model.config.num_hidden_layers,
+        "median_step_ms": 1000 * statistics.median(times),
         "sites": dict(log.sites.most_common()),
     }
     if isinstance(cache, AlisaCache):
@@ -187,16 +197,16 @@ def main(argv=None) -> int:
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
         torch.cuda.empty_cache()
-    print("| mode | syncs / step | syncs / layer / step | top sites |")
-    print("|---|---|---|---|")
+    print("| mode | syncs / step | syncs / layer / step | step ms | top sites |")
+    print("|---|---|---|---|---|")
     for row in rows:
         if "error" in row:
-            print(f"| {row['name']} | error: {row['error'][:120]} | | |")
+            print(f"| {row['name']} | error: {row['error'][:120]} | | | |")
             continue
         sites = "; ".join(f"{site} ×{n}" for site, n in list(row["sites"].items())[:3])
         print(
             f"| {row['name']} | {row['syncs_per_step']:.2f} | {row['syncs_per_layer_step']:.2f} "
-            f"| {sites} |"
+            f"| {row['median_step_ms']:.1f} | {sites} |"
         )
     report = {
         "benchmark": "gpu_stalls",

