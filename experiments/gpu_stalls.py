@@ -67,6 +67,7 @@ class SyncLog:
         self.sites: Counter[str] = Counter()
 
     def __enter__(self) -> SyncLog:
+        torch.cuda.synchronize()  # what was queued before is not the block's to count
         self._warnings = warnings.catch_warnings()
         self._warnings.__enter__()
         warnings.simplefilter("always")
@@ -132,7 +133,6 @@ def measure(
 
     for _ in range(args.warm_up):
         output = step()
-    torch.cuda.synchronize()
     log = SyncLog()
     with log:
         for _ in range(args.steps):

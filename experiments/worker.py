@@ -115,7 +115,7 @@ def measure_system(model, tokenizer, prompts: list[str], system: str, new_tokens
         "dense_fp32_kv_bytes": dense_fp32_bytes(model, result),
         # resident memory on a CPU, CUDA's peak allocation on a GPU
         "peak_rss_bytes": result.peak_memory_bytes,
-        "weight_bytes": sum(p.nbytes for p in {id(p): p for p in model.parameters()}.values()),
+        "weight_bytes": sum(p.nbytes for p in model.parameters()),  # tied ones once
         "generated_tokens": result.generated_tokens,
         "token_ids": result.token_ids,
     }

@@ -111,6 +111,21 @@ def padded_batch(seed: int = 1, lengths=(40, 33, 20)) -> tuple[torch.Tensor, tor
     return ids.masked_fill(mask == 0, PAD), mask
 
 
+@torch.inference_mode()
+def watched_decode(model, cache, ids, mask, watch, *, warm_up: int, steps: int) -> None:
+    """Prefill, ``warm_up`` greedy decode steps, then ``steps`` more inside ``watch`` (a context
+    manager that counts something: dispatched ops, CUDA synchronisations). Each step is the
+    model's forward and an argmax, nothing else, so every count is the model's and its cache's."""
+    output = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    for step in range(warm_up + steps):
+        token = output.logits[:, -1:].argmax(-1)
+        mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
+        if step == warm_up:
+            watch.__enter__()
+        output = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
+    watch.__exit__(None, None, None)
+
+
 def hf_generate(model, ids, mask, cache=None, *, max_new_tokens: int, **options):
     """HF ``generate`` for exactly ``max_new_tokens`` (EOS off, so every step is compared)."""
     model.generation_config.eos_token_id = None

@@ -11,7 +11,7 @@ from functools import partial
 
 import pytest
 import torch
-from conftest import hf_generate, padded_batch, tiny_gpt2, tiny_llama
+from conftest import hf_generate, padded_batch, tiny_gpt2, tiny_llama, watched_decode
 from transformers import DynamicCache
 
 from alisa import AlisaCache, AlisaConfig
@@ -205,21 +205,12 @@ def test_every_row_on_the_device_is_the_row_the_host_region_holds():
     assert fetched > 0  # rows really came back from the host
 
 
-def sync_count(model, cache, ids, mask, warm_up=3, steps=16) -> int:
-    """Synchronisations CUDA's sync debug mode reports over ``steps`` greedy decode steps."""
+def sync_count(model, cache, ids, mask) -> int:
+    """Synchronisations CUDA's sync debug mode reports over 16 greedy decode steps."""
     from experiments.gpu_stalls import SyncLog
 
-    with torch.inference_mode():
-        output = model(input_ids=ids, attention_mask=mask, past_key_values=cache)
-        log = SyncLog()
-        for step in range(warm_up + steps):
-            token = output.logits[:, -1:].argmax(-1)
-            mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
-            if step == warm_up:
-                torch.cuda.synchronize()
-                log.__enter__()
-            output = model(input_ids=token, attention_mask=mask, past_key_values=cache)
-        log.__exit__(None, None, None)
+    log = SyncLog()
+    watched_decode(model, cache, ids, mask, log, warm_up=3, steps=16)
     return log.count
 
 

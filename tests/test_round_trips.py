@@ -18,8 +18,7 @@ from collections import Counter
 from functools import partial
 
 import pytest
-import torch
-from conftest import padded_batch, tiny_llama
+from conftest import padded_batch, tiny_llama, watched_decode
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
@@ -62,18 +61,10 @@ class RoundTrips(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@torch.inference_mode()
 def decode_round_trips(model, cache, ids, mask) -> Counter[str]:
     """Data-dependent ops of STEPS greedy decode steps, after the prefill and WARM_UP steps."""
-    output = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
     counter = RoundTrips()
-    for step in range(WARM_UP + STEPS):
-        token = output.logits[:, -1:].argmax(-1)
-        mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
-        if step == WARM_UP:
-            counter.__enter__()
-        output = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
-    counter.__exit__(None, None, None)
+    watched_decode(model, cache, ids, mask, counter, warm_up=WARM_UP, steps=STEPS)
     return counter.counts
 
 

@@ -205,15 +205,14 @@ class HostPages:
     def _write(self, index: tuple, pair: torch.Tensor) -> None:
         """Code (2, B, H_kv, m, D) ``pair`` and land it at ``index``."""
         codes = (pair,) if self.plain is not None else self.pair.code(pair)
-        if not self.defer:
-            self._put(index, tuple(t.to(self.host) for t in codes))
-            return
         staged = tuple(self._stage(t) for t in codes)
         event = None
         if pair.device.type == "cuda":
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(pair.device))
         self._landing.append((index, staged, event))
+        if not self.defer:
+            self.settle()
 
     def settle(self, *, wait: bool = True) -> None:
         """Put every write whose copy has run into the region (``wait``: every write, waiting
