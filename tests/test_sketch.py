@@ -69,6 +69,36 @@ def test_logits_are_the_partial_logits_of_each_query_head():
     assert (top.unsqueeze(-1) == full.topk(8, dim=-1).indices.unsqueeze(-2)).any(-1).all()
 
 
+@pytest.mark.parametrize("key_dtype", [torch.float32, torch.bfloat16])
+def test_the_float32_product_gives_the_bfloat16_products_scores(key_dtype):
+    """Where the device has no fast bfloat16 product the sketch multiplies in float32: the
+    same bfloat16 operands, so the scores are the exact product rounded to bfloat16 (the
+    bfloat16 product rounds its sum the same way, up to the order of the sum)."""
+    keys = keys_with_strong_pairs(length=300, dim=64).to(key_dtype)
+    batch, heads, length, dim = keys.shape
+    counted = torch.ones(batch, length, dtype=torch.bool)
+    sketches = {}
+    for product in (torch.float32, torch.bfloat16):
+        sketch = KeySketch(batch, heads, dim, 8, keys.device, key_dtype=key_dtype, product=product)
+        sketch.write(0, keys, counted)
+        sketches[product] = sketch
+    query = torch.randn(batch, heads, 3, dim, dtype=key_dtype)
+    wide = sketches[torch.float32].logits(query)
+    narrow = sketches[torch.bfloat16].logits(query)
+    assert wide.dtype == narrow.dtype == SKETCH_DTYPE
+    torch.testing.assert_close(wide.float(), narrow.float(), rtol=1e-2, atol=1e-2)
+    sketch = sketches[torch.float32]
+    index = sketch.channels.unsqueeze(2)
+    q = query.gather(-1, index.expand(-1, -1, 3, -1)).to(SKETCH_DTYPE).double()
+    k = sketch.keys[:, :, :length].double()
+    exact = q @ k.mT
+    if sketch.scales is not None:
+        exact = exact * sketch.scales[:, :, :length].unsqueeze(2).double()
+    torch.testing.assert_close(
+        wide[..., :length].float(), exact.to(SKETCH_DTYPE).float(), rtol=8e-3, atol=1e-6
+    )
+
+
 def test_a_sequence_with_nothing_counted_chooses_from_all_its_keys_and_batches_reorder():
     keys = keys_with_strong_pairs(batch=2)
     batch, heads, length, dim = keys.shape

@@ -37,10 +37,29 @@ import torch
 from alisa.storage.store import headroom
 from quant import quantize_rows
 
-SKETCH_DTYPE = torch.bfloat16  # what the scores are computed and returned in
+SKETCH_DTYPE = torch.bfloat16  # what the scores are returned in (the choice ranks 16-bit keys)
 # Share of the key channels kept: at half the element size, 1/8 of the dense key + value bytes
 # per token and KV head. A quarter of them lost 2.3 % perplexity at r = 0.2, three eighths 0.9 %.
 KEPT_FRACTION = 0.5
+
+
+def product_dtype(device: torch.device) -> torch.dtype:
+    """The dtype the sketch's product runs in on ``device``: bfloat16 where the device has a
+    fast bfloat16 product, else float32 (the bfloat16 elements widen exactly, so only the sum's
+    rounding differs).
+
+    On a CPU without one (oneDNN's bfloat16 needs AVX-512 or Arm's BF16), a bfloat16 product
+    falls back to a slow path: on an AVX2-only AMD EPYC the sketch product of SmolLM2-135M's
+    shapes took 3-7 times as long as widening the sketch and multiplying in float32, where an
+    AVX-512 BF16 CPU ran bfloat16 2.2 times faster than float32 (docs/host-speed.md).
+    """
+    if device.type == "cpu":
+        native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    elif device.type == "cuda":
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+    else:
+        native = False
+    return SKETCH_DTYPE if native else torch.float32
 
 
 def code_dtype(key_dtype: torch.dtype) -> torch.dtype:
@@ -63,6 +82,9 @@ class KeySketch:
     key_dtype
         The keys' dtype: float32 keys are sketched in bfloat16, 16-bit ones in INT8 codes with a
         scale per (token, KV head) (:func:`code_dtype`).
+    product
+        The dtype the scores are computed in (None: :func:`product_dtype` of ``device``);
+        they are returned in bfloat16 either way.
     """
 
     def __init__(
@@ -73,6 +95,7 @@ class KeySketch:
         capacity: int,
         device: torch.device,
         key_dtype: torch.dtype = torch.float32,
+        product: torch.dtype | None = None,
     ) -> None:
         if head_dim < 2:
             raise ValueError(f"head_dim={head_dim} must be at least 2 (keys are sketched in pairs)")
@@ -88,6 +111,7 @@ class KeySketch:
             self.scales = torch.zeros(batch, heads, 0, dtype=torch.float32, device=device)
         self.grow(capacity)  # with room to spare: the first page after a prompt needs no copy
         self.channels: torch.Tensor | None = None  # (B, H, width) long, fixed at the first write
+        self.product = product_dtype(torch.device(device)) if product is None else product
 
     @property
     def capacity(self) -> int:
@@ -152,12 +176,13 @@ class KeySketch:
         if self.channels is None:
             return self.keys.new_zeros(*query.shape[:3], self.capacity)
         index = self.channels.unsqueeze(2).expand(*query.shape[:3], self.width)
-        picked = query.gather(-1, index).to(SKETCH_DTYPE)  # (B, H, G, width)
+        # (B, H, G, width), rounded to bfloat16 whatever the product's dtype: the same products.
+        picked = query.gather(-1, index).to(SKETCH_DTYPE).to(self.product)
         # Over the whole allocation, not the first L rows (see the module's note): no copy.
-        if self.scales is None:
-            return torch.matmul(picked, self.keys.mT)
-        logits = torch.matmul(picked, self.keys.to(SKETCH_DTYPE).mT)
-        return logits.mul_(self.scales.unsqueeze(2))
+        logits = torch.matmul(picked, self.keys.to(self.product).mT)
+        if self.scales is not None:
+            logits.mul_(self.scales.unsqueeze(2))
+        return logits.to(SKETCH_DTYPE)
 
     def extend_rows(self, other: KeySketch) -> None:
         """Append ``other``'s sequences (same positions; both have chosen their channels)."""
