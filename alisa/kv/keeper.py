@@ -48,6 +48,8 @@ class Keeper:
         self.per_head = per_head
         self.evicted = 0  # tokens deleted for good, all sequences and groups
         self.fetched = 0  # tokens brought back to the device, all sequences and KV heads
+        self._budget_for: bytes | None = None  # the lengths the last budget was computed for
+        self._budget = np.zeros(0, dtype=np.int64)
 
     @property
     def frees_slots(self) -> bool:
@@ -147,7 +149,14 @@ class Keeper:
         """Forget everything; the next write is a new prefill."""
         self.evicted = 0
         self.fetched = 0
+        self._budget_for = None
 
     def budget(self, slots: SlotMap) -> np.ndarray:
         """(B,) tokens each sequence may hold per group now."""
-        return self.policy.budget(slots.lengths())
+        lengths = slots.lengths()
+        key = lengths.tobytes()
+        # A step asks before and after its attention, with the same lengths: computed once.
+        if key != self._budget_for:
+            self._budget = self.policy.budget(lengths)
+            self._budget_for = key
+        return self._budget.copy()
