@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import alisa.storage.sketch as sketch_module
 from alisa.storage.sketch import SKETCH_DTYPE, KeySketch
 
 STRONG = ((1, 6, 2, 5), (3, 4, 7, 6), (2, 5, 1, 7))  # per KV head: its strong RoPE pairs
@@ -69,13 +70,17 @@ def test_logits_are_the_partial_logits_of_each_query_head():
     assert (top.unsqueeze(-1) == full.topk(8, dim=-1).indices.unsqueeze(-2)).any(-1).all()
 
 
+@pytest.mark.parametrize("pieces", [False, True])
 @pytest.mark.parametrize("key_dtype", [torch.float32, torch.bfloat16])
-def test_the_float32_product_gives_the_bfloat16_products_scores(key_dtype):
+def test_the_float32_product_gives_the_bfloat16_products_scores(key_dtype, pieces, monkeypatch):
     """Where the device has no fast bfloat16 product the sketch multiplies in float32: the
     same bfloat16 operands, so the scores are the exact product rounded to bfloat16 (the
-    bfloat16 product rounds its sum the same way, up to the order of the sum)."""
+    bfloat16 product rounds its sum the same way, up to the order of the sum); a large
+    sketch is widened a piece of positions at a time, with the same scores."""
     keys = keys_with_strong_pairs(length=300, dim=64).to(key_dtype)
     batch, heads, length, dim = keys.shape
+    if pieces:  # 7 positions per piece: the last piece is partial
+        monkeypatch.setattr(sketch_module, "WIDEN_CHUNK_BYTES", batch * heads * dim // 2 * 4 * 7)
     counted = torch.ones(batch, length, dtype=torch.bool)
     sketches = {}
     for product in (torch.float32, torch.bfloat16):
