@@ -41,7 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         setattr(args, name, values)
     for name in ("heads", "groups", "calls", "threads"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
+            parser.error(f"--{name}={getattr(args, name)} must be at least 1")
     if args.head_dim < 2:
         parser.error(f"--head-dim={args.head_dim} must be at least 2")
     return args

@@ -38,10 +38,10 @@ from alisa.storage.store import headroom
 from quant import quantize_rows
 
 SKETCH_DTYPE = torch.bfloat16  # what the scores are returned in (the choice ranks 16-bit keys)
-# Widened (float32) sketch keys per product where the product widens them: about 4 MiB stays in
-# the caches. Widening a whole B = 16 x 8,000 sketch at once made the product slower than the
-# bfloat16 one on an AVX2 CPU (37 against 31 ms); in 4 MiB pieces it took 6-9 ms
-# (`python -m experiments.bench_sketch`, docs/host-speed.md).
+# Widened sketch keys per product where a CPU's product widens them: about 4 MiB stays in its
+# caches (a GPU widens the whole sketch in one kernel). Widening a whole B = 16 x 8,000 sketch
+# at once made the product slower than the bfloat16 one on an AVX2 CPU (37 against 31 ms); in
+# 4 MiB pieces it took 6-9 ms (`python -m experiments.bench_sketch`, docs/host-speed.md).
 WIDEN_CHUNK_BYTES = 4 << 20
 # Share of the key channels kept: at half the element size, 1/8 of the dense key + value bytes
 # per token and KV head. A quarter of them lost 2.3 % perplexity at r = 0.2, three eighths 0.9 %.
@@ -186,7 +186,7 @@ class KeySketch:
         # Over the whole allocation, not the first L rows (see the module's note): no copy.
         batch, heads, capacity, width = self.keys.shape
         piece = max(1, WIDEN_CHUNK_BYTES // (batch * heads * width * self.product.itemsize))
-        if self.keys.dtype == self.product or piece >= capacity:
+        if self.keys.dtype == self.product or self.keys.device.type != "cpu" or piece >= capacity:
             logits = torch.matmul(picked, self.keys.to(self.product).mT)
         else:  # widened a piece of positions at a time, each piece still one batched product
             logits = picked.new_empty(*picked.shape[:3], capacity)
