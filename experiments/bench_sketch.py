@@ -1,12 +1,14 @@
-"""Host retention's key-sketch product per layer: bfloat16 against float32 on this machine.
+"""Host retention's key-sketch product per layer, each way it can run, on this machine.
 
     python -m experiments.bench_sketch                      # SmolLM2-135M's shapes, B = 1/4/16
     python -m experiments.bench_sketch --batches 4 --positions 8000 --heads 8 --groups 4
 
 ``KeySketch.logits`` scores every stored token against a step's queries once per layer and
-step. It runs its product in bfloat16 where the device has a fast one and widens the bfloat16
-sketch to float32 elsewhere (:func:`alisa.storage.sketch.product_dtype`); this times both on
-this machine, so the choice can be checked where it is made. Prints a table, then one JSON line.
+step. It runs its product in bfloat16 where the device has a fast one and, on a CPU without
+one, by a compiled kernel that reads the bfloat16 sketch in place
+(:func:`alisa.storage.sketch.default_product`); this times the three ways (PyTorch in bfloat16,
+PyTorch on the sketch widened to float32, the kernel) on this machine, so the choice can be
+checked where it is made. Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 
 import torch
 
-from alisa.storage.sketch import KeySketch, product_dtype
+from alisa.storage.sketch import PRODUCTS, KeySketch, default_product
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,7 +55,7 @@ def time_product(
     heads: int,
     groups: int,
     head_dim: int,
-    product: torch.dtype,
+    product: str,
     calls: int,
 ) -> float:
     """Median microseconds of one ``KeySketch.logits`` call over ``positions`` stored keys."""
@@ -77,37 +79,37 @@ def measure(args: argparse.Namespace) -> list[dict]:
     for batch in args.batches:
         for positions in args.positions:
             shape = (batch, positions, args.heads, args.groups, args.head_dim)
-            bf16 = time_product(*shape, torch.bfloat16, args.calls)
-            fp32 = time_product(*shape, torch.float32, args.calls)
-            rows.append(
-                {"batch": batch, "positions": positions, "bfloat16_us": bf16, "float32_us": fp32}
-            )
+            row = {"batch": batch, "positions": positions}
+            for product in PRODUCTS:
+                row[f"{product}_us"] = time_product(*shape, product, args.calls)
+            rows.append(row)
     return rows
 
 
-def print_table(rows: list[dict], chosen: torch.dtype) -> None:
-    print(f"product used on this CPU: {str(chosen).removeprefix('torch.')}")
-    print("| B × positions | bfloat16 product µs | float32 product µs (widening included) |")
-    print("|---|---|---|")
+def print_table(rows: list[dict], chosen: str) -> None:
+    print(f"product used on this CPU: {chosen}")
+    print(
+        "| B × positions | bfloat16 product µs | float32 product µs (widening included) "
+        "| compiled kernel µs |"
+    )
+    print("|---|---|---|---|")
     for row in rows:
-        print(
-            f"| {row['batch']} × {row['positions']:,} | {row['bfloat16_us']:,.0f} "
-            f"| {row['float32_us']:,.0f} |"
-        )
+        times = " | ".join(f"{row[f'{product}_us']:,.0f}" for product in PRODUCTS)
+        print(f"| {row['batch']} × {row['positions']:,} | {times} |")
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = measure(args)
-    chosen = product_dtype(torch.device("cpu"))
+    chosen = default_product(torch.device("cpu"))
     print_table(rows, chosen)
     print(
         json.dumps(
             {
                 "benchmark": "sketch_product",
                 "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                "chosen": str(chosen).removeprefix("torch."),
+                "chosen": chosen,
                 "threads": args.threads,
                 "torch": torch.__version__,
                 "heads": args.heads,

@@ -1,10 +1,10 @@
 """The key sketch of retention="host": the strongest RoPE channel pairs of every key."""
 
+import numpy as np
 import pytest
 import torch
 
-import alisa.storage.sketch as sketch_module
-from alisa.storage.sketch import SKETCH_DTYPE, KeySketch
+from alisa.storage.sketch import PRODUCTS, SKETCH_DTYPE, KeySketch
 
 STRONG = ((1, 6, 2, 5), (3, 4, 7, 6), (2, 5, 1, 7))  # per KV head: its strong RoPE pairs
 
@@ -70,38 +70,94 @@ def test_logits_are_the_partial_logits_of_each_query_head():
     assert (top.unsqueeze(-1) == full.topk(8, dim=-1).indices.unsqueeze(-2)).any(-1).all()
 
 
-@pytest.mark.parametrize("pieces", [False, True])
+def sequential_scores(sketch: KeySketch, query: torch.Tensor) -> torch.Tensor:
+    """The compiled product's arithmetic written out: float32 products of the bfloat16
+    operands summed channel by channel in order, times the INT8 scales, rounded to bfloat16."""
+    index = sketch.channels.unsqueeze(2).expand(*query.shape[:3], -1)
+    q = query.gather(-1, index).to(SKETCH_DTYPE).float().numpy()  # (B, H, G, W)
+    k = sketch.keys.float().numpy()  # (B, H, W, C)
+    total = np.zeros((*q.shape[:3], k.shape[-1]), dtype=np.float32)
+    for channel in range(k.shape[2]):
+        total = total + q[..., channel, None] * k[:, :, None, channel, :]
+    if sketch.scales is not None:
+        total = total * sketch.scales.numpy()[:, :, None, :]
+    return torch.from_numpy(total).to(SKETCH_DTYPE)
+
+
 @pytest.mark.parametrize("key_dtype", [torch.float32, torch.bfloat16])
-def test_the_float32_product_gives_the_bfloat16_products_scores(key_dtype, pieces, monkeypatch):
-    """Where the device has no fast bfloat16 product the sketch multiplies in float32: the
-    same bfloat16 operands, so the scores are the exact product rounded to bfloat16 (the
-    bfloat16 product rounds its sum the same way, up to the order of the sum); a large
-    sketch is widened a piece of positions at a time, with the same scores."""
+def test_every_product_gives_the_exact_scores_rounded_and_the_compiled_one_bit_for_bit(key_dtype):
+    """The three products multiply the same bfloat16 operands, so each score is the exact
+    product rounded to bfloat16 (up to the order of the sum); the compiled kernel's order is
+    fixed (channel by channel), so it gives exactly :func:`sequential_scores`, unwritten
+    positions included (they score 0)."""
     keys = keys_with_strong_pairs(length=300, dim=64).to(key_dtype)
     batch, heads, length, dim = keys.shape
-    if pieces:  # 7 positions per piece: the last piece is partial
-        monkeypatch.setattr(sketch_module, "WIDEN_CHUNK_BYTES", batch * heads * dim // 2 * 4 * 7)
     counted = torch.ones(batch, length, dtype=torch.bool)
-    sketches = {}
-    for product in (torch.float32, torch.bfloat16):
+    query = torch.randn(batch, heads, 3, dim, dtype=key_dtype)
+    query[0, 0, 0, 5] = float("nan")  # NaN stays NaN (the kernel rounds by its bits)
+    scores = {}
+    for product in PRODUCTS:
         sketch = KeySketch(batch, heads, dim, 8, keys.device, key_dtype=key_dtype, product=product)
         sketch.write(0, keys, counted)
-        sketches[product] = sketch
-    query = torch.randn(batch, heads, 3, dim, dtype=key_dtype)
-    wide = sketches[torch.float32].logits(query)
-    narrow = sketches[torch.bfloat16].logits(query)
-    assert wide.dtype == narrow.dtype == SKETCH_DTYPE
-    torch.testing.assert_close(wide.float(), narrow.float(), rtol=1e-2, atol=1e-2)
-    sketch = sketches[torch.float32]
+        scores[product] = sketch.logits(query)
+        assert scores[product].dtype == SKETCH_DTYPE
+    assert sketch.capacity > length  # headroom: positions never written
+    compiled = scores["compiled"]
+    reference = sequential_scores(sketch, query)
+    nan = compiled.isnan()
+    assert torch.equal(nan, reference.isnan())
+    assert nan[0, 0, 0].all() and nan.sum() == sketch.capacity  # one query row, all positions
+    assert (compiled.view(torch.int16)[nan] == -1).all()  # the all-ones NaN: ranks lowest
+    assert torch.equal(compiled.view(torch.int16)[~nan], reference.view(torch.int16)[~nan])
+    assert not compiled[..., length:].nan_to_num().any()
     index = sketch.channels.unsqueeze(2)
     q = query.gather(-1, index.expand(-1, -1, 3, -1)).to(SKETCH_DTYPE).double()
-    k = sketch.keys[:, :, :length].double()
-    exact = q @ k.mT
+    k = sketch.keys[..., :length].double()
+    exact = q @ k
     if sketch.scales is not None:
         exact = exact * sketch.scales[:, :, :length].unsqueeze(2).double()
-    torch.testing.assert_close(
-        wide[..., :length].float(), exact.to(SKETCH_DTYPE).float(), rtol=8e-3, atol=1e-6
-    )
+    for product, logits in scores.items():
+        torch.testing.assert_close(
+            logits[..., :length].float(),
+            exact.to(SKETCH_DTYPE).float(),
+            rtol=8e-3 if product != "bfloat16" else 2e-2,
+            atol=1e-6 if product != "bfloat16" else 1e-2,
+            equal_nan=True,
+            msg=product,
+        )
+
+
+def test_the_compiled_products_sum_runs_channel_by_channel_in_order():
+    """Scores where the order of the sum shows in bfloat16: the first and last channels'
+    products are large and cancel exactly, so what is left is the small products' sum plus the
+    float32 rounding of every partial sum on the way (which depends on the order). The
+    kernel's scores are exactly the in-order sum's, and the same sum run backwards (the check
+    could fail) differs."""
+    torch.manual_seed(1)
+    batch, heads, dim, length = 2, 3, 64, 200
+    sketch = KeySketch(batch, heads, dim, length, torch.device("cpu"), product="compiled")
+    sketch.write(0, torch.randn(batch, heads, length, dim), torch.ones(batch, length, dtype=bool))
+    width = sketch.width
+    sketch.channels = torch.arange(width).expand(batch, heads, width)
+    keys = torch.randn(batch, heads, width, sketch.capacity) / 4
+    keys[:, :, 0] = 2.0**12 * (1 + torch.randint(0, 128, (batch, heads, sketch.capacity)) / 128)
+    keys[:, :, -1] = -keys[:, :, 0]
+    sketch.keys = keys.to(SKETCH_DTYPE)
+    query = torch.randn(batch, heads, 3, dim)
+    query[..., 0] = query[..., width - 1] = 2.0**8
+    compiled = sketch.logits(query).view(torch.int16)
+    assert torch.equal(compiled, sequential_scores(sketch, query).view(torch.int16))
+    backwards = KeySketch(batch, heads, dim, length, torch.device("cpu"), product="compiled")
+    backwards.channels = sketch.channels.flip(-1)
+    backwards.keys = sketch.keys.flip(2)
+    assert not torch.equal(compiled, sequential_scores(backwards, query).view(torch.int16))
+
+
+def test_the_compiled_product_needs_a_cpu_and_a_known_name():
+    with pytest.raises(ValueError, match="product='int8'"):
+        KeySketch(1, 1, 8, 4, torch.device("cpu"), product="int8")
+    with pytest.raises(ValueError, match="runs on a CPU; the sketch is on meta"):
+        KeySketch(1, 1, 8, 4, torch.device("meta"), product="compiled")
 
 
 def test_a_sequence_with_nothing_counted_chooses_from_all_its_keys_and_batches_reorder():

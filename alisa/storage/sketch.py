@@ -15,10 +15,10 @@ chosen once per (sequence, KV head) from the first keys written (the prompt, or 
 when generating from one token), leaving sinks and padding out. Measured on SmolLM2-135M
 (``docs/retention-selection-study.md``), half the channels in bfloat16 rank better than all of
 them at 4 bits, in the same bytes, and score faster on a CPU: the product needs no conversion.
-The sketch is kept token-major and each score is one product over the whole allocation (unwritten
-rows are zeros): a product over the first L rows of a larger buffer is not one strided batch and
-makes PyTorch copy the sketch first, which cost a B = 16 step on a CPU 74 ms of scoring against
-30 ms now (measured in place, SmolLM2-135M, 2,080 tokens).
+The sketch is kept channel-major, (B, H, width, capacity), and each score is one product over
+the whole allocation (unwritten positions are zeros): a (G, width) x (width, capacity) product
+per (sequence, KV head) is one strided batch with no copy, and a compiled CPU kernel reads a
+width's positions contiguously (:mod:`alisa.storage.product`).
 
 The sketch's element is half the model's, so it costs an eighth of the dense K + V bytes whatever
 the model's dtype: bfloat16 for a float32 model; for a 16-bit model (Gemma-3 runs in bfloat16)
@@ -32,39 +32,39 @@ SmolLM2-135M in bfloat16, B = 8 x 2,048, 150-153 ms against 126-138 ms (README, 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from alisa.storage.product import sketch_logits
 from alisa.storage.store import headroom
 from quant import quantize_rows
 
 SKETCH_DTYPE = torch.bfloat16  # what the scores are returned in (the choice ranks 16-bit keys)
-# Widened sketch keys per product where a CPU's product widens them: about 4 MiB stays in its
-# caches (a GPU widens the whole sketch in one kernel). Widening a whole B = 16 x 8,000 sketch
-# at once made the product slower than the bfloat16 one on an AVX2 CPU (37 against 31 ms); in
-# 4 MiB pieces it took 6-9 ms (`python -m experiments.bench_sketch`, docs/host-speed.md).
-WIDEN_CHUNK_BYTES = 4 << 20
+# How the product runs: PyTorch in bfloat16, PyTorch on the sketch widened to float32, or the
+# compiled CPU kernel (float32 sums of the same bfloat16 operands, read in place).
+PRODUCTS = ("bfloat16", "float32", "compiled")
 # Share of the key channels kept: at half the element size, 1/8 of the dense key + value bytes
 # per token and KV head. A quarter of them lost 2.3 % perplexity at r = 0.2, three eighths 0.9 %.
 KEPT_FRACTION = 0.5
 
 
-def product_dtype(device: torch.device) -> torch.dtype:
-    """The dtype the sketch's product runs in on ``device``: bfloat16 where the device has a
-    fast bfloat16 product, else float32 (the bfloat16 elements widen exactly, so only the sum's
-    rounding differs).
+def default_product(device: torch.device) -> str:
+    """How the sketch's product runs on ``device`` (one of :data:`PRODUCTS`): in bfloat16 where
+    the device has a fast bfloat16 product; else on a CPU the compiled kernel
+    (:func:`alisa.storage.product.sketch_logits`) and elsewhere PyTorch in float32 (the bfloat16
+    elements widen exactly, so only the sum's rounding differs).
 
     On a CPU without one (oneDNN's bfloat16 needs AVX-512 or Arm's BF16), a bfloat16 product
     falls back to a slow path: on an AVX2-only AMD EPYC the sketch product of SmolLM2-135M's
-    shapes took 3-7 times as long as widening the sketch and multiplying in float32, where an
-    AVX-512 BF16 CPU ran bfloat16 2.2 times faster than float32 (docs/host-speed.md).
+    shapes took 3-7 times as long as widening the sketch and multiplying in float32, and the
+    kernel 2-6 times less than that, where an AVX-512 BF16 CPU ran bfloat16 2.2 times faster
+    than float32 (docs/host-speed.md).
     """
     if device.type == "cpu":
-        native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    elif device.type == "cuda":
-        native = torch.cuda.is_bf16_supported(including_emulation=False)
-    else:
-        native = False
-    return SKETCH_DTYPE if native else torch.float32
+        return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "compiled"
+    if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
+        return "bfloat16"
+    return "float32"
 
 
 def code_dtype(key_dtype: torch.dtype) -> torch.dtype:
@@ -88,8 +88,8 @@ class KeySketch:
         The keys' dtype: float32 keys are sketched in bfloat16, 16-bit ones in INT8 codes with a
         scale per (token, KV head) (:func:`code_dtype`).
     product
-        The dtype the scores are computed in (None: :func:`product_dtype` of ``device``);
-        they are returned in bfloat16 either way.
+        How the scores are computed, one of :data:`PRODUCTS` (None: :func:`default_product` of
+        ``device``; ``"compiled"`` needs a CPU); they are returned in bfloat16 either way.
     """
 
     def __init__(
@@ -100,27 +100,31 @@ class KeySketch:
         capacity: int,
         device: torch.device,
         key_dtype: torch.dtype = torch.float32,
-        product: torch.dtype | None = None,
+        product: str | None = None,
     ) -> None:
         if head_dim < 2:
             raise ValueError(f"head_dim={head_dim} must be at least 2 (keys are sketched in pairs)")
         # An odd head_dim's last channel has no partner and is never kept.
         self.width = min(head_dim // 2 * 2, max(2, 2 * round(head_dim * KEPT_FRACTION / 2)))
         dtype = code_dtype(key_dtype)
-        # Token-major, (B, H, capacity, width): the score is (G, width) @ (capacity, width)^T, one
+        # Channel-major, (B, H, width, capacity): the score is (G, width) @ (width, capacity), one
         # product per (sequence, KV head) over the whole allocation (see :meth:`logits`).
-        self.keys = torch.zeros(batch, heads, 0, self.width, dtype=dtype, device=device)
+        self.keys = torch.zeros(batch, heads, self.width, 0, dtype=dtype, device=device)
         # (B, H, capacity) float32 per-position scales of INT8 codes; None for bfloat16 keys.
         self.scales: torch.Tensor | None = None
         if dtype == torch.int8:
             self.scales = torch.zeros(batch, heads, 0, dtype=torch.float32, device=device)
         self.grow(capacity)  # with room to spare: the first page after a prompt needs no copy
         self.channels: torch.Tensor | None = None  # (B, H, width) long, fixed at the first write
-        self.product = product_dtype(torch.device(device)) if product is None else product
+        self.product = default_product(torch.device(device)) if product is None else product
+        if self.product not in PRODUCTS:
+            raise ValueError(f"product={self.product!r}: one of {', '.join(PRODUCTS)}")
+        if self.product == "compiled" and torch.device(device).type != "cpu":
+            raise ValueError(f"product='compiled' runs on a CPU; the sketch is on {device}")
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[2]
+        return self.keys.shape[3]
 
     @property
     def choosing(self) -> bool:
@@ -140,7 +144,7 @@ class KeySketch:
 
     def _padded(self, left: int, right: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Codes and scales with zero positions (scoring 0) before and after the allocated ones."""
-        keys = torch.nn.functional.pad(self.keys, (0, 0, left, right))
+        keys = torch.nn.functional.pad(self.keys, (left, right))
         if self.scales is None:
             return keys, None
         return keys, torch.nn.functional.pad(self.scales, (left, right))
@@ -163,9 +167,10 @@ class KeySketch:
         kept = keys.gather(-1, index)
         end = start + keys.shape[2]
         if self.scales is None:
-            self.keys[:, :, start:end] = kept
+            self.keys[..., start:end] = kept.mT
         else:
-            self.keys[:, :, start:end], self.scales[:, :, start:end] = quantize_rows(kept)
+            codes, self.scales[:, :, start:end] = quantize_rows(kept)
+            self.keys[..., start:end] = codes.mT
 
     def logits(self, query: torch.Tensor) -> torch.Tensor:
         """Estimated logits of every allocated position, (B, H, G, capacity) bfloat16.
@@ -181,21 +186,35 @@ class KeySketch:
         if self.channels is None:
             return self.keys.new_zeros(*query.shape[:3], self.capacity)
         index = self.channels.unsqueeze(2).expand(*query.shape[:3], self.width)
-        # (B, H, G, width), rounded to bfloat16 whatever the product's dtype: the same products.
-        picked = query.gather(-1, index).to(SKETCH_DTYPE).to(self.product)
-        # Over the whole allocation, not the first L rows (see the module's note): no copy.
-        batch, heads, capacity, width = self.keys.shape
-        piece = max(1, WIDEN_CHUNK_BYTES // (batch * heads * width * self.product.itemsize))
-        if self.keys.dtype == self.product or self.keys.device.type != "cpu" or piece >= capacity:
-            logits = torch.matmul(picked, self.keys.to(self.product).mT)
-        else:  # widened a piece of positions at a time, each piece still one batched product
-            logits = picked.new_empty(*picked.shape[:3], capacity)
-            for start in range(0, capacity, piece):
-                keys = self.keys[:, :, start : start + piece].to(self.product)
-                logits[..., start : start + piece] = torch.matmul(picked, keys.mT)
+        # (B, H, G, width), rounded to bfloat16 whatever the product: the same operands.
+        picked = query.gather(-1, index).to(SKETCH_DTYPE)
+        if self.product == "compiled":
+            return self._compiled_logits(picked)
+        dtype = SKETCH_DTYPE if self.product == "bfloat16" else torch.float32
+        # Over the whole allocation, not the first L positions (see the module's note): no copy.
+        logits = torch.matmul(picked.to(dtype), self.keys.to(dtype))
         if self.scales is not None:
             logits.mul_(self.scales.unsqueeze(2))
         return logits.to(SKETCH_DTYPE)
+
+    def _compiled_logits(self, picked: torch.Tensor) -> torch.Tensor:
+        """:meth:`logits` by the compiled kernel, from (B, H, G, width) bfloat16 queries."""
+        batch, heads, groups, width = picked.shape
+        rows, capacity = batch * heads, self.capacity
+        logits = torch.empty(batch, heads, groups, capacity, dtype=SKETCH_DTYPE)
+        if self.scales is None:
+            codes = self.keys.detach().view(torch.int16).numpy().view(np.uint16)
+            scales = np.zeros((rows, 0), dtype=np.float32)
+        else:
+            codes = self.keys.detach().numpy()
+            scales = self.scales.detach().numpy().reshape(rows, capacity)
+        sketch_logits(
+            picked.detach().float().numpy().reshape(rows, groups, width),
+            codes.reshape(rows, width, capacity),
+            scales,
+            logits.view(torch.int16).numpy().view(np.uint16).reshape(rows, groups, capacity),
+        )
+        return logits
 
     def extend_rows(self, other: KeySketch) -> None:
         """Append ``other``'s sequences (same positions; both have chosen their channels)."""
@@ -219,7 +238,7 @@ class KeySketch:
         if delta >= 0:
             self._pad_positions(delta, 0)
         else:
-            self.keys = self.keys[:, :, -delta:].contiguous()
+            self.keys = self.keys[..., -delta:].contiguous()
             if self.scales is not None:
                 self.scales = self.scales[:, :, -delta:].contiguous()
 
