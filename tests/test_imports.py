@@ -127,6 +127,7 @@ FLOORS = (
             "alisa.logs",
             "alisa.assignments",
             "alisa.threads",
+            "alisa.kernel_threads",
         ),
     ),
     ("settings", ("alisa.policies", "alisa.settings", "alisa.config")),

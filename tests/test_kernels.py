@@ -15,6 +15,9 @@ import pytest
 import torch
 from conftest import hf_generate, padded_batch, tiny_llama
 
+import alisa.kv.choice
+import alisa.kv.history
+import alisa.storage.pages
 from alisa import AlisaCache, AlisaConfig
 from alisa.kv.cache import default_keeper
 from alisa.kv.choice import ChoiceInputs, choose, ordered_key
@@ -88,8 +91,17 @@ def brute_force(inputs: ChoiceInputs) -> list[list[list[int]]]:
     return rows
 
 
+@pytest.fixture(params=[1, 2, 3], ids=["one-part", "two-parts", "three-parts"])
+def parts(request, monkeypatch):
+    """Rows split into 1-3 parts run in parallel (:mod:`alisa.kernel_threads`), whatever this
+    machine's threads: the results must not depend on it."""
+    for module in (alisa.kv.choice, alisa.kv.history, alisa.storage.pages):
+        monkeypatch.setattr(module, "kernel_parts", lambda rows: max(1, min(rows, request.param)))
+    return request.param
+
+
 @pytest.mark.parametrize("ties", [True, False], ids=["ties", "distinct"])
-def test_choose_compiled_equals_torch_and_the_rule(ties):
+def test_choose_compiled_equals_torch_and_the_rule(ties, parts):
     rng = np.random.default_rng(0 if ties else 1)
     for _ in range(60):
         inputs = random_choice(rng, ties=ties)
@@ -150,7 +162,7 @@ def test_swap_compiled_equals_torch():
 
 
 @pytest.mark.parametrize("head_max", [True, False])
-def test_accumulate_compiled_equals_torch_and_fades(head_max):
+def test_accumulate_compiled_equals_torch_and_fades(head_max, parts):
     torch.manual_seed(0)
     batch, heads, groups, slots, width = 3, 2, 3, 20, 50
     positions = torch.stack([torch.randperm(width)[:slots] for _ in range(batch * heads)])
@@ -180,7 +192,7 @@ def test_accumulate_compiled_equals_torch_and_fades(head_max):
 
 
 @pytest.mark.parametrize("widened", [False, True], ids=["float16-scales", "widened-scales"])
-def test_fetched_rows_decode_into_the_slots_as_torch_does(widened):
+def test_fetched_rows_decode_into_the_slots_as_torch_does(widened, parts):
     """The fetch kernel writes each host row's INT8 codes, dequantized, into its device slot
     with the values :func:`quant.dequantize` gives, bit for bit: scales of every magnitude
     (float16 subnormals included), and a region whose scales were widened past float16 (the

@@ -1,9 +1,12 @@
 """The key sketch of retention="host": the strongest RoPE channel pairs of every key."""
 
+import numba
 import numpy as np
 import pytest
 import torch
 
+import alisa.storage.sketch as sketch_module
+from alisa.kernel_threads import kernel_parts, shares_torch_threads
 from alisa.storage.sketch import PRODUCTS, SKETCH_DTYPE, KeySketch
 
 STRONG = ((1, 6, 2, 5), (3, 4, 7, 6), (2, 5, 1, 7))  # per KV head: its strong RoPE pairs
@@ -151,6 +154,31 @@ def test_the_compiled_products_sum_runs_channel_by_channel_in_order():
     backwards.channels = sketch.channels.flip(-1)
     backwards.keys = sketch.keys.flip(2)
     assert not torch.equal(compiled, sequential_scores(backwards, query).view(torch.int16))
+
+
+@pytest.mark.parametrize("parts", [1, 2, 5])
+def test_the_compiled_products_rows_split_into_parts_give_the_same_scores(parts, monkeypatch):
+    """Rows split into parts run in parallel (:mod:`alisa.kernel_threads`), whatever this
+    machine's threads: the scores do not depend on it (5 rows, so parts are uneven)."""
+    monkeypatch.setattr(sketch_module, "kernel_parts", lambda rows: max(1, min(rows, parts)))
+    keys = keys_with_strong_pairs(batch=5, heads=1, length=90)
+    sketch = KeySketch(5, 1, 16, 8, keys.device, product="compiled")
+    sketch.write(0, keys, torch.ones(5, 90, dtype=torch.bool))
+    query = torch.randn(5, 1, 3, 16)
+    scores = sketch.logits(query)
+    assert torch.equal(scores.view(torch.int16), sequential_scores(sketch, query).view(torch.int16))
+
+
+def test_kernel_parts_follow_torchs_threads_and_the_rows():
+    threads = torch.get_num_threads()
+    assert kernel_parts(1) == 1 and 1 <= kernel_parts(64) <= threads
+    if shares_torch_threads():  # numba's omp layer: the split uses torch's threads
+        assert kernel_parts(64) == min(threads, numba.get_num_threads())
+    try:
+        torch.set_num_threads(1)
+        assert kernel_parts(64) == 1
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_the_compiled_product_needs_a_cpu_and_a_known_name():

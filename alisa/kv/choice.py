@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from alisa.kernel_threads import kernel_parts
 from alisa.kv import kernels
 from alisa.kv.selection import top_k
 from alisa.storage.transfer import upload
@@ -88,6 +89,7 @@ def choose(inputs: ChoiceInputs, *, compiled: bool) -> tuple[torch.Tensor, torch
         inputs.sinks,
         inputs.seen,
         chosen,
+        kernel_parts(batch * heads),
     )
     return torch.from_numpy(chosen), taken
 

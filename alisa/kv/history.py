@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from alisa.kernel_threads import kernel_parts
 from alisa.kv import kernels
 from alisa.storage.store import headroom
 from alisa.storage.transfer import upload
@@ -111,7 +112,12 @@ class PositionHistory:
         slots = positions[..., : probabilities.shape[-1]]
         if compiled:
             kernels.accumulate(
-                probabilities.numpy(), slots.numpy(), self.total.numpy(), scale, self.head_max
+                probabilities.numpy(),
+                slots.numpy(),
+                self.total.numpy(),
+                scale,
+                self.head_max,
+                kernel_parts(slots.shape[0] * slots.shape[1]),
             )
             return
         rows = probabilities.amax(dim=2) if self.head_max else probabilities.sum(dim=2)

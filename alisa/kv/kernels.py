@@ -155,7 +155,7 @@ def _choose_row(
     chosen[written:] = seen
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def choose(
     logits: np.ndarray,
     history: np.ndarray,
@@ -167,6 +167,7 @@ def choose(
     sinks: int,
     seen: int,
     chosen: np.ndarray,
+    parts: int,
 ) -> None:
     """Each (sequence, KV head)'s chosen positions for this step, ascending.
 
@@ -184,13 +185,19 @@ def choose(
     chosen
         (B, H, K) int64 output, K >= budget.max(): row entries [0, budget[b]) ascending, the rest
         ``seen``.
+    parts
+        The (sequence, KV head) rows are split into this many parts, run in parallel
+        (:func:`alisa.kernel_threads.kernel_parts`); the result does not depend on it.
     """
     batch, heads = logits.shape[:2]
-    levels = np.empty(seen, dtype=np.int32)
-    for b in range(batch):
-        low = min(first[b] + sinks, seen)  # the ranked span [low, high): no sink, no recent
-        high = max(seen - recent[b], low)
-        for h in range(heads):
+    rows = batch * heads
+    size = (rows + parts - 1) // parts
+    for part in numba.prange(parts):
+        levels = np.empty(seen, dtype=np.int32)  # each part's own scratch
+        for row in range(part * size, min(rows, (part + 1) * size)):
+            b, h = row // heads, row % heads
+            low = min(first[b] + sinks, seen)  # the ranked span [low, high): no sink, no recent
+            high = max(seen - recent[b], low)
             _choose_row(
                 logits[b, h],
                 history[b, h],
@@ -269,13 +276,14 @@ def swap(
     return count
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def accumulate(
     probabilities: np.ndarray,
     positions: np.ndarray,
     total: np.ndarray,
     scale: np.ndarray,
     head_max: bool,
+    parts: int,
 ) -> None:
     """Add a step's attention over the slots to the history of the positions they hold.
 
@@ -291,10 +299,16 @@ def accumulate(
         (B,) float32 the history's lazy fading scale.
     head_max
         Combine a KV head's query heads by their max (else their sum, in head order).
+    parts
+        The (sequence, KV head) rows are split into this many parts, run in parallel
+        (:func:`alisa.kernel_threads.kernel_parts`); the result does not depend on it.
     """
     batch, heads, groups, width = probabilities.shape
-    for b in range(batch):
-        for h in range(heads):
+    rows = batch * heads
+    size = (rows + parts - 1) // parts
+    for part in numba.prange(parts):
+        for row in range(part * size, min(rows, (part + 1) * size)):
+            b, h = row // heads, row % heads
             for slot in range(width):
                 position = positions[b, h, slot]
                 if position < 0:

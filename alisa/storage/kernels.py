@@ -25,7 +25,7 @@ HALVES = (
 HALVES.flags.writeable = False
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def fetch_rows(
     codes: np.ndarray,
     scale: np.ndarray,
@@ -35,6 +35,7 @@ def fetch_rows(
     target: np.ndarray,
     keys: np.ndarray,
     values: np.ndarray,
+    parts: int,
 ) -> None:
     """Dequantize host rows ``source`` into device rows ``target``.
 
@@ -51,15 +52,21 @@ def fetch_rows(
         distinct).
     keys, values
         (M, D) float32 device rows, written.
+    parts
+        The rows are split into this many parts, run in parallel
+        (:func:`alisa.kernel_threads.kernel_parts`); the result does not depend on it.
     """
-    for entry in range(source.shape[0]):
-        row = source[entry]
-        out = target[entry]
-        step = halves[scale[0, row] & 0xFFFF]
-        offset = halves[zero[0, row] & 0xFFFF]
-        for channel in range(codes.shape[2]):
-            keys[out, channel] = (np.float32(codes[0, row, channel]) - offset) * step
-        step = halves[scale[1, row] & 0xFFFF]
-        offset = halves[zero[1, row] & 0xFFFF]
-        for channel in range(codes.shape[2]):
-            values[out, channel] = (np.float32(codes[1, row, channel]) - offset) * step
+    entries = source.shape[0]
+    size = (entries + parts - 1) // parts
+    for part in numba.prange(parts):
+        for entry in range(part * size, min(entries, (part + 1) * size)):
+            row = source[entry]
+            out = target[entry]
+            step = halves[scale[0, row] & 0xFFFF]
+            offset = halves[zero[0, row] & 0xFFFF]
+            for channel in range(codes.shape[2]):
+                keys[out, channel] = (np.float32(codes[0, row, channel]) - offset) * step
+            step = halves[scale[1, row] & 0xFFFF]
+            offset = halves[zero[1, row] & 0xFFFF]
+            for channel in range(codes.shape[2]):
+                values[out, channel] = (np.float32(codes[1, row, channel]) - offset) * step

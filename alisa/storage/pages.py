@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from alisa.config import KV_BITS
+from alisa.kernel_threads import kernel_parts
 from alisa.storage.kernels import HALVES, fetch_rows
 from alisa.storage.quantized import SCALE_DTYPE, QuantizedPair
 from alisa.storage.store import flat_rows, page_locked, with_capacity
@@ -79,6 +80,7 @@ class FetchedRows:
                 rows.numpy(),
                 keys.numpy(),
                 values.numpy(),
+                kernel_parts(rows.shape[0]),
             )
             return
         decoded_keys, decoded_values = self.decoded()

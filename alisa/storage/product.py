@@ -77,8 +77,10 @@ def _round_bfloat16(value: np.float32) -> np.uint16:
     return np.uint16(0xFFFF) if value != value else rounded
 
 
-@numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"contract"})
-def sketch_logits(query: np.ndarray, keys: np.ndarray, scales: np.ndarray, out: np.ndarray) -> None:
+@numba.njit(parallel=True, cache=True, nogil=True)
+def sketch_logits(
+    query: np.ndarray, keys: np.ndarray, scales: np.ndarray, out: np.ndarray, parts: int
+) -> None:
     """Estimated logits of every position: ``query @ keys`` per row, rounded to bfloat16.
 
     Parameters
@@ -91,12 +93,26 @@ def sketch_logits(query: np.ndarray, keys: np.ndarray, scales: np.ndarray, out: 
         (R, N) float32 each position's scale (INT8 codes), or (R, 0) for none.
     out
         (R, G, N) uint16, written: the bfloat16 bits of each logit.
+    parts
+        Rows are split into this many parts, run in parallel
+        (:func:`alisa.kernel_threads.kernel_parts`); the results do not depend on it.
     """
-    rows, groups, width = query.shape
+    rows = query.shape[0]
+    size = (rows + parts - 1) // parts
+    for part in numba.prange(parts):
+        _logits_rows(query, keys, scales, out, part * size, min(rows, (part + 1) * size))
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"contract"})
+def _logits_rows(
+    query: np.ndarray, keys: np.ndarray, scales: np.ndarray, out: np.ndarray, low: int, high: int
+) -> None:
+    """:func:`sketch_logits` of rows [low, high)."""
+    groups, width = query.shape[1:]
     positions = keys.shape[2]
     scaled = scales.shape[1] > 0
     total = np.empty((groups, _BLOCK), dtype=np.float32)
-    for row in range(rows):
+    for row in range(low, high):
         for begin in range(0, positions, _BLOCK):
             size = min(_BLOCK, positions - begin)
             end = begin + size

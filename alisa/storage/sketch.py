@@ -35,6 +35,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from alisa.kernel_threads import kernel_parts
 from alisa.storage.product import sketch_logits
 from alisa.storage.store import headroom
 from quant import quantize_rows
@@ -213,6 +214,7 @@ class KeySketch:
             codes.reshape(rows, width, capacity),
             scales,
             logits.view(torch.int16).numpy().view(np.uint16).reshape(rows, groups, capacity),
+            kernel_parts(rows),
         )
         return logits
 
