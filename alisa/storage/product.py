@@ -8,8 +8,9 @@ models users run. On a CPU without AVX-512 BF16 PyTorch has no fast bfloat16 pro
 widening the sketch to float32 for its product costs a copy of it per layer and step; a GEMM
 library also does poorly with three rows. :func:`sketch_logits` reads the bfloat16 bits (or the
 INT8 codes) in place, widens them in registers and accumulates over the channels in order, a
-block of positions at a time in float32 vectors: on an AVX2 AMD EPYC, 2 to 6 times faster than
-the widened PyTorch product (``python -m experiments.bench_sketch``).
+block of positions at a time in float32 vectors: on an AVX2 AMD EPYC (rows split over 2 threads,
+:mod:`alisa.kernel_threads`) 1.3-3 times faster than the widened PyTorch product at 2,080
+positions and 2.7-14 times at 8,000 (``python -m experiments.bench_sketch``).
 
 The arithmetic is fixed: each product of two bfloat16 values is exact in float32, the sum runs
 over the channels in order from 0 (so a fused multiply-add gives the same bits), an INT8 code's

@@ -58,8 +58,8 @@ def default_product(device: torch.device) -> str:
     On a CPU without one (oneDNN's bfloat16 needs AVX-512 or Arm's BF16), a bfloat16 product
     falls back to a slow path: on an AVX2-only AMD EPYC the sketch product of SmolLM2-135M's
     shapes took 3-7 times as long as widening the sketch and multiplying in float32, and the
-    kernel 2-6 times less than that, where an AVX-512 BF16 CPU ran bfloat16 2.2 times faster
-    than float32 (docs/host-speed.md).
+    kernel took 1.3-14 times less than that (B = 1 x 2,080 to 16 x 8,000), where an AVX-512
+    BF16 CPU ran bfloat16 2.2 times faster than float32 (docs/host-speed.md).
     """
     if device.type == "cpu":
         return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "compiled"
