@@ -12,7 +12,7 @@
 #   PARTS="tests stalls smoke" OUT=... bash experiments/gpu_checklist.sh    # some parts only
 #
 # Parts: tests, stalls, smoke (B = 1 x 32K, 4 new tokens: does every system run at all),
-# speed (B = 16 x 8K), long (B = 1 x 32K), offloaded, costmodel. Writes every log under $OUT/work and packs
+# speed (B = 16 x 8K), costmodel, long (B = 1 x 32K), offloaded, in that order. Writes every log under $OUT/work and packs
 # them into $OUT/gpu.tgz after each part (what ran comes back even if a later part is cut off).
 set -u
 OUT=${OUT:-results/gpu}
@@ -53,12 +53,12 @@ part smoke "${T_SMOKE:-90}" $PY -m experiments.bench_speed $SHAPE --batch 1 \
     --prompt-tokens 32768 --new-tokens 4 --systems "$SYSTEMS;alisa:gpu_memory=18GiB"
 part speed "${T_SPEED:-150}" $PY -m experiments.bench_speed $SHAPE --batch 16 \
     --prompt-tokens 8192 --new-tokens 64 --systems "$SYSTEMS;alisa:gpu_memory=26GiB"
+part costmodel "${T_COST:-150}" $PY -m experiments.bench_cost_model --model shape:llama-3.2-1b \
+    --prompts random --dtype bfloat16 --batch 8 --prompt-tokens 1024
 part long "${T_LONG:-80}" $PY -m experiments.bench_speed $SHAPE --batch 1 \
     --prompt-tokens 32768 --new-tokens 64 --systems "$SYSTEMS;alisa:gpu_memory=18GiB"
 part offloaded "${T_OFFLOAD:-120}" $PY -m experiments.bench_speed $SHAPE --batch 16 \
     --prompt-tokens 8192 --new-tokens 8 --systems "hf-dynamic;hf-offloaded"
-part costmodel "${T_COST:-150}" $PY -m experiments.bench_cost_model --model shape:llama-3.2-1b \
-    --prompts random --dtype bfloat16 --batch 8 --prompt-tokens 1024
 
 grep -h '^|' "$WORK"/*.out 2>/dev/null | cut -c1-300
 grep -h -E "passed|failed|error" "$WORK/tests.out" 2>/dev/null | tail -n 30
