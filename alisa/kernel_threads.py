@@ -35,13 +35,22 @@ def _probe(values: np.ndarray) -> float:
 def shares_torch_threads() -> bool:
     """Whether numba's parallel loops run on the OpenMP threads torch computes with (numba
     chooses its threading layer once per process, at its first parallel loop)."""
+    threads = torch.get_num_threads()
     _probe(np.zeros(2))
+    # Loading the omp layer sets OpenMP's thread count to numba's, whatever it was asked for
+    # (torch's count read back 2 after a first loop on a machine set to 1): put torch's back.
+    torch.set_num_threads(threads)
     return numba.threading_layer() == "omp"
 
 
 def kernel_parts(rows: int) -> int:
     """Parts to split ``rows`` independent rows into for a parallel kernel: torch's intra-op
-    thread count (capped by numba's and by ``rows``) where the threads are shared, else 1."""
-    if rows <= 1 or not shares_torch_threads():
+    thread count (capped by numba's and by ``rows``) where the threads are shared, else 1.
+
+    Every kernel call asks this before its first parallel loop, so numba's threads start in
+    :func:`shares_torch_threads`, which keeps torch's thread count as it was.
+    """
+    shared = shares_torch_threads()
+    if rows <= 1 or not shared:
         return 1
     return max(1, min(rows, torch.get_num_threads(), numba.get_num_threads()))

@@ -8,6 +8,10 @@ sums, bit for bit: checked here on random inputs with many ties, and end to end 
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import subprocess
+import sys
 from functools import partial
 
 import numpy as np
@@ -224,6 +228,38 @@ def test_fetched_rows_decode_into_the_slots_as_torch_does(widened, parts):
 
 
 @pytest.mark.parametrize(
+    "dtype, width",
+    [(torch.uint8, 16), (torch.float16, 1), (torch.bfloat16, 8), (torch.float32, 3)],
+    ids=["codes", "scales", "bf16-rows", "fp32-rows"],
+)
+def test_gathered_rows_equal_index_select(dtype, width, parts):
+    """The host gather (codes, scales, 16- and 32-bit rows) copies exactly the rows
+    ``index_select`` does, in the order asked, repeats and no rows included."""
+    generator = torch.Generator().manual_seed(width)
+    region = torch.randint(0, 256, (2, 37, width * dtype.itemsize), dtype=torch.uint8)
+    region = region.view(dtype)
+    for count in (0, 1, 5, 60):
+        rows = torch.randint(0, 37, (count,), generator=generator)
+        got = alisa.storage.pages.gathered(region, rows, pin=False)
+        expected = region.index_select(1, rows)
+        assert got.dtype == dtype and got.shape == expected.shape
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))  # NaN bits too
+
+
+def test_fetched_rows_refuse_a_row_past_the_region():
+    """The gather kernel reads without bounds checks, so a row past the region is refused
+    before it runs."""
+    pages = HostPages(1, 2, 8, bits=8, dtype=torch.float32, device=torch.device("cpu"))
+    pages.write(0, *torch.randn(2, 1, 2, 5, 8))
+    fetched = pages.fetch(*torch.tensor([[0], [1], [3]]), compiled=False)
+    assert fetched.decoded()[0].shape == (1, 8)
+    rows = fetched.region[0].shape[1]
+    beyond = dataclasses.replace(fetched, flat=torch.tensor([0, rows]))
+    with pytest.raises(IndexError, match=f"row {rows} of a host region of {rows} rows"):
+        beyond.decoded()
+
+
+@pytest.mark.parametrize(
     "settings",
     [
         dict(policy="swa", caching_ratio=0.3),
@@ -297,3 +333,25 @@ def test_the_cpu_kernels_are_refused_for_a_model_elsewhere():
     slots = SlotMap(1, 1, 4, 8, torch.device("meta"))
     with pytest.raises(ValueError, match="compiled=True runs host retention's CPU kernels"):
         keeper.write(0, keys, keys, slots)
+
+
+def test_kernels_leave_torch_thread_count_as_the_user_set_it():
+    """numba's ``omp`` layer shares OpenMP with torch: starting its threads sets the thread
+    count torch reads (a process set to one thread computed with every core after alisa's
+    first kernel, even one given a single row). A fresh process, since numba starts its
+    threads once per process."""
+    script = (
+        "import torch, numba\n"
+        "from alisa.storage.pages import gathered\n"
+        "region, seen = torch.zeros(2, 50, 4), []\n"
+        "for threads, count in ((1, 1), (min(2, numba.config.NUMBA_NUM_THREADS), 40), (1, 40)):\n"
+        "    torch.set_num_threads(threads)\n"
+        "    gathered(region, torch.arange(count), pin=False)\n"
+        "    seen.append((threads, torch.get_num_threads()))\n"
+        "print(seen)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300
+    )
+    seen = ast.literal_eval(result.stdout.strip().splitlines()[-1])
+    assert all(asked == kept for asked, kept in seen), seen

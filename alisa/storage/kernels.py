@@ -1,4 +1,4 @@
-"""A compiled CPU kernel for ``retention="host"``'s fetch: host codes to device slots in one pass.
+"""Compiled CPU kernels for ``retention="host"``'s fetch: host rows gathered, or decoded into slots.
 
 Each decode step brings back the tokens its selection wants that the device does not hold:
 about 12 % of the budget per layer (2,355 rows of keys and values per layer at B = 16 x 2,048,
@@ -23,6 +23,15 @@ HALVES = (
     torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16).float().numpy()
 )
 HALVES.flags.writeable = False
+
+
+@numba.njit(cache=True, inline="always")
+def _span(part: int, parts: int, count: int) -> tuple[int, int]:
+    """Rows [start, stop) of part ``part`` of ``count`` rows split into ``parts`` (a helper of
+    this module's kernels only: numba's cache notices a changed helper in the kernel's own file,
+    not in another)."""
+    size = (count + parts - 1) // parts
+    return part * size, min(count, (part + 1) * size)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -56,10 +65,9 @@ def fetch_rows(
         The rows are split into this many parts, run in parallel
         (:func:`alisa.kernel_threads.kernel_parts`); the result does not depend on it.
     """
-    entries = source.shape[0]
-    size = (entries + parts - 1) // parts
     for part in numba.prange(parts):
-        for entry in range(part * size, min(entries, (part + 1) * size)):
+        start, stop = _span(part, parts, source.shape[0])
+        for entry in range(start, stop):
             row = source[entry]
             out = target[entry]
             step = halves[scale[0, row] & 0xFFFF]
@@ -70,3 +78,32 @@ def fetch_rows(
             offset = halves[zero[1, row] & 0xFFFF]
             for channel in range(codes.shape[2]):
                 values[out, channel] = (np.float32(codes[1, row, channel]) - offset) * step
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def gather_rows(source: np.ndarray, rows: np.ndarray, out: np.ndarray, parts: int) -> None:
+    """Copy rows ``rows`` of both halves of a host region into ``out``, byte for byte.
+
+    The rows a decode step fetches lie scattered through the whole history, so each is a few
+    cache misses: a gather waits on memory, not on arithmetic, and parts running in parallel
+    keep more of those reads in flight (``torch.index_select`` runs one thread here, and on
+    CUDA its result still had to be copied into page-locked memory before the upload).
+
+    Parameters
+    ----------
+    source
+        (2, N, W) uint8: the bytes of a region's keys (0) and values (1), W per row.
+    rows
+        (E,) int64 rows to read, each below N.
+    out
+        (2, E, W) uint8, written: ``out[h, e] = source[h, rows[e]]``.
+    parts
+        As :func:`fetch_rows`'s.
+    """
+    for part in numba.prange(parts):
+        start, stop = _span(part, parts, rows.shape[0])
+        for entry in range(start, stop):
+            row = rows[entry]
+            for half in range(source.shape[0]):
+                for byte in range(source.shape[2]):
+                    out[half, entry, byte] = source[half, row, byte]

@@ -21,7 +21,7 @@ import torch
 
 from alisa.config import KV_BITS
 from alisa.kernel_threads import kernel_parts
-from alisa.storage.kernels import HALVES, fetch_rows
+from alisa.storage.kernels import HALVES, fetch_rows, gather_rows
 from alisa.storage.quantized import SCALE_DTYPE, QuantizedPair
 from alisa.storage.store import flat_rows, page_locked, with_capacity
 
@@ -44,10 +44,16 @@ class FetchedRows:
     compiled: bool
 
     def _stored(self) -> tuple[torch.Tensor, ...]:
-        """The rows as stored, each (2, E, ·), on the model's device."""
-        picked = [t.index_select(1, self.flat) for t in self.region]
-        if self.pin:  # so the copies are asynchronous (on the compute stream: see the module)
-            picked = [t.pin_memory() for t in picked]
+        """The rows as stored, each (2, E, ·), on the model's device.
+
+        Gathered on the host by :func:`alisa.storage.kernels.gather_rows`, straight into
+        page-locked memory when the device is CUDA, so each copy up is asynchronous (on the
+        compute stream: see the module) without a second host copy to pin it.
+        """
+        count, last = self.region[0].shape[1], self.flat.numpy().max(initial=-1)
+        if last >= count:  # the kernel reads without bounds checks
+            raise IndexError(f"row {last} of a host region of {count} rows")
+        picked = (gathered(t, self.flat, pin=self.pin) for t in self.region)
         return tuple(t.to(self.device, non_blocking=True) for t in picked)
 
     def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,6 +107,19 @@ class FetchedRows:
             and keys.is_contiguous()
             and values.is_contiguous()
         )
+
+
+def gathered(region: torch.Tensor, rows: torch.Tensor, *, pin: bool) -> torch.Tensor:
+    """Rows (E,) of a host (2, N, ·) tensor as a new (2, E, ·) host tensor (page-locked with
+    ``pin``): ``region.index_select(1, rows)``, by one parallel compiled pass over the bytes."""
+    out = torch.empty((2, rows.shape[0], *region.shape[2:]), dtype=region.dtype, pin_memory=pin)
+    gather_rows(
+        region.view(torch.uint8).numpy(),
+        rows.numpy(),
+        out.view(torch.uint8).numpy(),
+        kernel_parts(rows.shape[0]),
+    )
+    return out
 
 
 PAGE_TOKENS = 16
