@@ -11,9 +11,11 @@
 #   OUT=results/gpu bash experiments/gpu_checklist.sh      # PYTHON=python3 by default
 #   PARTS="tests stalls smoke" OUT=... bash experiments/gpu_checklist.sh    # some parts only
 #
-# Parts: tests, stalls, smoke (B = 1 x 32K, 4 new tokens: does every system run at all),
-# speed (B = 16 x 8K), costmodel, long (B = 1 x 32K), offloaded, in that order. Writes every log under $OUT/work and packs
-# them into $OUT/gpu.tgz after each part (what ran comes back even if a later part is cut off).
+# Parts, in this order: tests, stalls, fetch (host retention's gather of fetched rows,
+# experiments.bench_fetch), smoke (B = 1 x 32K, 4 new tokens: does every system run at all),
+# speed (B = 16 x 8K), costmodel, long (B = 1 x 32K), offloaded. Writes every log under $OUT/work
+# and packs them into $OUT/gpu.tgz after each part (what ran comes back even if a later part is
+# cut off).
 set -u
 OUT=${OUT:-results/gpu}
 PY=${PYTHON:-python3}
@@ -21,7 +23,7 @@ WORK="$OUT/work"
 mkdir -p "$WORK"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-PARTS=${PARTS:-tests stalls speed long offloaded costmodel}
+PARTS=${PARTS:-tests stalls fetch speed costmodel long offloaded}
 
 part() {  # part NAME SECONDS COMMAND...: run, log, say how it ended
     local name=$1 limit=$2 start=$SECONDS
@@ -49,9 +51,10 @@ SYSTEMS="$SYSTEMS;alisa:policy=swa,caching_ratio=0.1"
 
 part tests "${T_TESTS:-150}" $PY -m pytest -q --tb=short -p no:cacheprovider tests/test_cuda.py
 part stalls "${T_STALLS:-100}" $PY -m experiments.gpu_stalls --out "$WORK"
+part fetch "${T_FETCH:-60}" $PY -m experiments.bench_fetch --threads 2
 part smoke "${T_SMOKE:-90}" $PY -m experiments.bench_speed $SHAPE --batch 1 \
     --prompt-tokens 32768 --new-tokens 4 --systems "$SYSTEMS;alisa:gpu_memory=18GiB"
-part speed "${T_SPEED:-150}" $PY -m experiments.bench_speed $SHAPE --batch 16 \
+part speed "${T_SPEED:-210}" $PY -m experiments.bench_speed $SHAPE --batch 16 \
     --prompt-tokens 8192 --new-tokens 64 --systems "$SYSTEMS;alisa:gpu_memory=26GiB"
 part costmodel "${T_COST:-150}" $PY -m experiments.bench_cost_model --model shape:llama-3.2-1b \
     --prompts random --dtype bfloat16 --batch 8 --prompt-tokens 1024
