@@ -9,7 +9,6 @@ sums, bit for bit: checked here on random inputs with many ties, and end to end 
 from __future__ import annotations
 
 import ast
-import dataclasses
 import subprocess
 import sys
 from functools import partial
@@ -246,17 +245,17 @@ def test_gathered_rows_equal_index_select(dtype, width, parts):
         assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))  # NaN bits too
 
 
-def test_fetched_rows_refuse_a_row_past_the_region():
-    """The gather kernel reads without bounds checks, so a row past the region is refused
-    before it runs."""
+@pytest.mark.parametrize("compiled", [True, False], ids=["fetch-kernel", "gather-kernel"])
+def test_a_fetch_past_the_region_is_refused(compiled):
+    """Both kernels that read fetched rows skip bounds checks, so a row past the region is
+    refused when the fetch is made."""
     pages = HostPages(1, 2, 8, bits=8, dtype=torch.float32, device=torch.device("cpu"))
     pages.write(0, *torch.randn(2, 1, 2, 5, 8))
-    fetched = pages.fetch(*torch.tensor([[0], [1], [3]]), compiled=False)
+    fetched = pages.fetch(*torch.tensor([[0], [1], [3]]), compiled=compiled)
     assert fetched.decoded()[0].shape == (1, 8)
-    rows = fetched.region[0].shape[1]
-    beyond = dataclasses.replace(fetched, flat=torch.tensor([0, rows]))
+    rows = fetched.region[0].shape[1]  # the last head's last position is row rows - 1
     with pytest.raises(IndexError, match=f"row {rows} of a host region of {rows} rows"):
-        beyond.decoded()
+        pages.fetch(*torch.tensor([[0], [1], [pages.capacity]]), compiled=compiled)
 
 
 @pytest.mark.parametrize(

@@ -50,9 +50,6 @@ class FetchedRows:
         page-locked memory when the device is CUDA, so each copy up is asynchronous (on the
         compute stream: see the module) without a second host copy to pin it.
         """
-        count, last = self.region[0].shape[1], self.flat.numpy().max(initial=-1)
-        if last >= count:  # the kernel reads without bounds checks
-            raise IndexError(f"row {last} of a host region of {count} rows")
         picked = (gathered(t, self.flat, pin=self.pin) for t in self.region)
         return tuple(t.to(self.device, non_blocking=True) for t in picked)
 
@@ -111,7 +108,8 @@ class FetchedRows:
 
 def gathered(region: torch.Tensor, rows: torch.Tensor, *, pin: bool) -> torch.Tensor:
     """Rows (E,) of a host (2, N, ·) tensor as a new (2, E, ·) host tensor (page-locked with
-    ``pin``): ``region.index_select(1, rows)``, by one parallel compiled pass over the bytes."""
+    ``pin``): ``region.index_select(1, rows)``, by one parallel compiled pass over the bytes.
+    ``rows`` must be below N (unchecked here: :meth:`HostPages.fetch` checks the rows it makes)."""
     out = torch.empty((2, rows.shape[0], *region.shape[2:]), dtype=region.dtype, pin_memory=pin)
     gather_rows(
         region.view(torch.uint8).numpy(),
@@ -260,7 +258,10 @@ class HostPages:
         tensors = self._tensors()
         _, batch, heads_, capacity = tensors[0].shape[:4]
         flat = flat_rows(rows, heads, positions, heads_, capacity).to(self.host)
-        region = tuple(t.view(2, batch * heads_ * capacity, -1) for t in tensors)
+        count, last = batch * heads_ * capacity, flat.numpy().max(initial=-1)
+        if last >= count:  # both kernels that read these rows (gather, fetch) skip bounds checks
+            raise IndexError(f"row {last} of a host region of {count} rows")
+        region = tuple(t.view(2, count, -1) for t in tensors)
         return FetchedRows(region, flat, self.pair, self.device, self.pin, compiled)
 
     def select_batch(self, indices: torch.Tensor) -> None:
