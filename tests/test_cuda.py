@@ -242,17 +242,79 @@ def sync_count(model, cache, ids, mask) -> int:
         ),
     ],
 )
-def test_a_decode_step_synchronises_within_its_budget(config, allowed):
+@pytest.mark.parametrize("mapped", [False, True], ids=["fetch-list", "mapped"])
+def test_a_decode_step_synchronises_within_its_budget(config, allowed, mapped):
     """Issue 26: at most one synchronisation per layer and step with host retention (its fetch
-    list), none when dropping, beyond what the same loop costs with HF's ``DynamicCache``."""
+    list; none when the device reads the host rows itself), none when dropping, beyond what
+    the same loop costs with HF's ``DynamicCache``."""
     model = on_device(tiny_llama)
     layers = model.config.num_hidden_layers
     ids, mask = batch(lengths=(60, 47))
     baseline = sync_count(model, DynamicCache(), ids, mask)
-    cache = AlisaCache(model, config, keeper=partial(default_keeper, compiled=False))
+    if mapped:
+        allowed = 0
+    keeper = partial(default_keeper, compiled=False, mapped=mapped)
+    cache = AlisaCache(model, config, keeper=keeper)
     extra = sync_count(model, cache, ids, mask) - baseline
     # Gap: coding a page of new tokens into an INT8/INT4 host region checks, once per layer and
     # page (PAGE_TOKENS = 16 steps), that the quantizer's zero points fit their dtype; the
     # page's copy itself lands without waiting.
     paging = layers if config.retention == "host" and config.host_bits < 16 else 0
     assert extra <= allowed * layers * 16 + paging, extra
+
+
+@only_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("coded", [False, True], ids=["16-bit", "int8"])
+def test_the_mapped_fetch_kernel_equals_its_reference(dtype, coded):
+    """The Triton kernel reads page-locked host rows from the device and writes the same
+    values as its PyTorch reference, bit for bit."""
+    from alisa.storage.mapped import fetch_into, mapped_reads
+    from quant import quantize
+
+    assert mapped_reads(DEVICE)  # Triton ships with PyTorch's CUDA builds
+    torch.manual_seed(0)
+    batch_, heads, positions, dim, capacity, entries = 3, 2, 300, 64, 40, 33
+    pair = (torch.randn(2, batch_, heads, positions, dim) * 3 + 1).to(dtype)
+    if coded:
+        q = quantize(pair, 8, dim, scale_dtype=torch.float16, check_finite=False)
+        region = (q.data, q.scale, q.zero_point)
+    else:
+        region = (pair,)
+    region = tuple(t.pin_memory() for t in region)
+    rows = batch_ * heads
+    chosen = torch.stack([torch.randperm(positions)[:entries] for _ in range(rows)])
+    target = torch.stack([torch.randperm(capacity)[:entries] for _ in range(rows)])
+    chosen = chosen.view(batch_, heads, -1).to(DEVICE)
+    target = target.view(batch_, heads, -1).to(DEVICE)
+    fetch = (torch.rand(batch_, heads, entries) < 0.5).to(DEVICE)
+    start = torch.randn(batch_, heads, capacity, dim, device=DEVICE).to(dtype)
+    written = []
+    for kernel in (True, False):
+        keys, values = start.clone(), start + 1
+        fetch_into(region, chosen, fetch, target, keys, values, kernel=kernel)
+        written.append((keys, values))
+    torch.cuda.synchronize()
+    assert torch.equal(written[0][0], written[1][0])
+    assert torch.equal(written[0][1], written[1][1])
+
+
+@only_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [16, 8])
+def test_a_mapped_fetch_decodes_the_tokens_the_host_fetch_does(dtype, bits):
+    """At a reached budget, the device reading host rows itself changes no token and fetches
+    the same rows as the fetch list brought to the host."""
+    model = on_device(tiny_llama).to(dtype)
+    ids, mask = batch(lengths=(120, 100, 60))
+    config = AlisaConfig(
+        policy="swa", caching_ratio=0.2, min_budget_tokens=16, host_bits=bits, **HOST
+    )
+    outputs, fetched = [], []
+    for mapped in (False, True):
+        keeper = partial(default_keeper, mapped=mapped)
+        cache = AlisaCache(model, config, keeper=keeper)
+        outputs.append(hf_generate(model, ids, mask, cache, max_new_tokens=24))
+        fetched.append(sum(layer.keeper.fetched for layer in cache.layers))
+    assert torch.equal(*outputs)
+    assert fetched[0] == fetched[1] > 0

@@ -325,11 +325,16 @@ def _check_host_memory_applies(config: AlisaConfig) -> None:
 
 
 def default_keeper(
-    config: AlisaConfig, policy: KVPolicy, *, compiled: bool | None = None
+    config: AlisaConfig,
+    policy: KVPolicy,
+    *,
+    compiled: bool | None = None,
+    mapped: bool | None = None,
 ) -> Keeper:
     """Host retention when ``retention="host"`` and the policy can leave tokens out, else
     dropping (which never drops under a budget that covers every token). ``compiled``: host
-    retention's choice of kernels (None: compiled on a CPU; False: PyTorch ops, CUDA's path)."""
+    retention's choice of kernels (None: compiled on a CPU; False: PyTorch ops, CUDA's path);
+    ``mapped``: whether its fetch is read by the device (:class:`~alisa.kv.host.HostKeeper`)."""
     if config.retention == "host" and policy.can_evict():
         return HostKeeper(
             policy,
@@ -338,6 +343,7 @@ def default_keeper(
             config.host_reselect_every,
             compiled=compiled,
             estimate_rest=config.host_estimate_rest,
+            mapped=mapped,
         )
     return DropKeeper(policy, per_head=config.selects_per_head)
 

@@ -37,6 +37,7 @@ from alisa.kv.keeper import Keeper
 from alisa.kv.rest import RestColumn, ValueTotals, rest_logit
 from alisa.kv.slots import SlotMap
 from alisa.policies import KVPolicy
+from alisa.storage.mapped import mapped_reads
 from alisa.storage.pages import PAGE_TOKENS, HostPages, host_region_bytes
 from alisa.storage.sketch import KeySketch
 from alisa.storage.store import KVStore
@@ -71,6 +72,12 @@ class HostKeeper(Keeper):
         Give attention one more softmax column for the tokens a step leaves on the host: their
         mass estimated from the key sketch, their output by the mean value
         (:mod:`alisa.kv.rest`). False: the softmax is renormalised over the chosen tokens.
+    mapped
+        Fetch without a host round trip: the slot swap stays on the device and the device reads
+        the chosen rows from the page-locked host region itself (:mod:`alisa.storage.mapped`),
+        when the device region is plain and the host region 16-bit or INT8. None: on CUDA with
+        Triton. True: also elsewhere, through the kernel's PyTorch reference, which reads every
+        chosen row (for tests). False: the fetch list comes to the host, which reads the region.
     """
 
     def __init__(
@@ -81,9 +88,11 @@ class HostKeeper(Keeper):
         reselect_every: int = 1,
         compiled: bool | None = None,
         estimate_rest: bool = False,
+        mapped: bool | None = None,
     ) -> None:
         super().__init__(policy, per_head=True)
         self.compiled_option = compiled
+        self.mapped_option = mapped
         self.host_bits = host_bits
         self.sinks = policy.sink_tokens
         self.history_share = history_share
@@ -110,6 +119,7 @@ class HostKeeper(Keeper):
         # C) sketch logits: the rest's estimate for that query reads them, then lets them go.
         self.step_logits: tuple[torch.Tensor, torch.Tensor] | None = None
         self.compiled = False  # decided by the device at the first write
+        self.mapped = False  # likewise
         self.steps = 0  # decode steps that selected (budget below the tokens seen)
         self.unselected = 0  # decode steps since the last selection
 
@@ -179,6 +189,9 @@ class HostKeeper(Keeper):
                     f"{keys.device} (leave compiled unset)"
                 )
             self.compiled = on_cpu if self.compiled_option is None else self.compiled_option
+            self.mapped = self.mapped_option
+            if self.mapped is None:
+                self.mapped = mapped_reads(keys.device)
             self.pages = HostPages(
                 batch, heads, head_dim, bits=self.host_bits, dtype=keys.dtype, device=keys.device
             )
@@ -255,16 +268,23 @@ class HostKeeper(Keeper):
         if self.values is not None and query.shape[2] == 1:  # the rest's estimate reads them
             self.step_logits = (query, logits)
         chosen, taken = self._choose(slots, budget, recent, logits)
-        incoming = slots.swap(chosen, taken, budget, compiled=self.compiled)
-        if incoming is not None:
-            fetched = self.pages.fetch(
-                incoming.host_rows,
-                incoming.host_groups,
-                incoming.host_positions,
-                compiled=self.compiled,
-            )
-            store.write_heads(incoming.rows, incoming.groups, incoming.slots, fetched)
-            self.fetched += incoming.rows.numel()
+        plain = store.plain_heads() if self.mapped and self.pages.maps() else None
+        if plain is not None:  # no fetch list on the host: the device reads the rows
+            chosen, fetch, target = slots.place(chosen, taken, budget)
+            protected = slots.seen - int(recent.min())
+            self.pages.fetch_placed(chosen, fetch, target, *plain, protected=protected)
+            self.count_fetched(fetch.sum())
+        else:
+            incoming = slots.swap(chosen, taken, budget, compiled=self.compiled)
+            if incoming is not None:
+                fetched = self.pages.fetch(
+                    incoming.host_rows,
+                    incoming.host_groups,
+                    incoming.host_positions,
+                    compiled=self.compiled,
+                )
+                store.write_heads(incoming.rows, incoming.groups, incoming.slots, fetched)
+                self.count_fetched(incoming.rows.numel())
         self.steps += 1
 
     def _choose(

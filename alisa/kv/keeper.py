@@ -47,7 +47,8 @@ class Keeper:
         self.policy = policy
         self.per_head = per_head
         self.evicted = 0  # tokens deleted for good, all sequences and groups
-        self.fetched = 0  # tokens brought back to the device, all sequences and KV heads
+        self._fetched = 0  # tokens brought back to the device, counted on the host
+        self._fetched_on_device: torch.Tensor | None = None  # ... counted where they were
         self._budget_for: bytes | None = None  # the lengths the last budget was computed for
         self._budget = np.zeros(0, dtype=np.int64)
 
@@ -143,13 +144,34 @@ class Keeper:
         of the same capacity and timeline) after these; ``slots`` and ``other_slots`` are the
         two slot maps, not merged yet."""
         self.evicted += other.evicted
-        self.fetched += other.fetched
+        self._fetched += other._fetched
+        if other._fetched_on_device is not None:
+            self.count_fetched(other._fetched_on_device)
 
     def reset(self) -> None:
         """Forget everything; the next write is a new prefill."""
         self.evicted = 0
-        self.fetched = 0
+        self._fetched = 0
+        self._fetched_on_device = None
         self._budget_for = None
+
+    @property
+    def fetched(self) -> int:
+        """Tokens brought back to the device so far, all sequences and KV heads (reading it
+        waits for the device when fetches were counted there)."""
+        if self._fetched_on_device is None:
+            return self._fetched
+        return self._fetched + int(self._fetched_on_device)
+
+    def count_fetched(self, count: int | torch.Tensor) -> None:
+        """Add ``count`` fetched tokens: a host int, or a 0-d device tensor (kept there, so a
+        step that never brings its fetch list to the host does not wait to count it)."""
+        if isinstance(count, int):
+            self._fetched += count
+        elif self._fetched_on_device is None:
+            self._fetched_on_device = count.to(torch.int64)
+        else:
+            self._fetched_on_device = self._fetched_on_device + count
 
     def budget(self, slots: SlotMap) -> np.ndarray:
         """(B,) tokens each sequence may hold per group now."""

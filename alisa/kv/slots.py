@@ -53,6 +53,25 @@ class Incoming(NamedTuple):
     host_positions: torch.Tensor
 
 
+class Placement(NamedTuple):
+    """Where :meth:`SlotMap.place` puts the chosen tokens, each (B, Hs, K) on the model's device:
+    the ``chosen`` positions, whether each must be ``fetch``ed (not held before), and its
+    ``target`` slot (meaningful where ``fetch``)."""
+
+    chosen: torch.Tensor
+    fetch: torch.Tensor
+    target: torch.Tensor
+
+
+def _free_slots(free: torch.Tensor) -> torch.Tensor:
+    """(B, Hs, capacity + 1): column j of a row is its j-th free slot, lowest first, for j below
+    its free count (the rest is not meaningful; the last column takes the occupied slots)."""
+    capacity = free.shape[-1]
+    rank = torch.where(free, free.cumsum(-1) - 1, capacity)
+    slots = torch.empty(*free.shape[:2], capacity + 1, dtype=torch.long, device=free.device)
+    return slots.scatter_(-1, rank, torch.arange(capacity, device=free.device).expand_as(rank))
+
+
 class SlotMap:
     """Slot positions (B, Hs, capacity) and per-sequence counts of one layer.
 
@@ -193,6 +212,55 @@ class SlotMap:
         """
         if compiled:
             return self._swap_compiled(chosen, kept)
+        fetch, free = self._release(chosen, taken, kept)
+        device = chosen.device
+        # The selection's one host round trip: the positions to bring in ((B, Hs, K), -1 for
+        # the rest) come to the host, whose region reads them; the device gets the index
+        # lists back without waiting (a device-side nonzero would be a second round trip).
+        incoming = torch.where(fetch, chosen, -1)
+        on_host = incoming.cpu() if device.type != "cpu" else incoming
+        host_rows, host_groups, host_entries = (on_host >= 0).nonzero(as_tuple=True)
+        if host_rows.numel() == 0:
+            return None
+        host_tokens = on_host[host_rows, host_groups, host_entries]
+        rows, groups, entries = (upload(t, device) for t in (host_rows, host_groups, host_entries))
+        # The j-th fetched token of a (sequence, group) goes to its j-th free slot, lowest first.
+        rank = fetch.cumsum(-1)[rows, groups, entries] - 1
+        target = _free_slots(free)[rows, groups, rank]
+        tokens = chosen[rows, groups, entries]
+        self.positions[rows, groups, target] = tokens
+        # A target at or past the old width means every free slot below it was taken, so the
+        # slots below it are all occupied: it is below kept + dead. The bound needs no read of
+        # the targets (a second device round trip; the fetch list above is the one allowed).
+        self.width = max(self.width, int((self.kept + self.dead).max()))
+        return Incoming(rows, groups, target, tokens, host_rows, host_groups, host_tokens)
+
+    def place(self, chosen: torch.Tensor, taken: torch.Tensor, kept: np.ndarray) -> Placement:
+        """:meth:`swap` without a host round trip: the same slots, as (B, Hs, K) tensors.
+
+        Where :meth:`swap` brings the fetch list to the host (so the host region can be read
+        there), this leaves it on the device for a reader that is there too
+        (:mod:`alisa.storage.mapped`): entry ``k`` of a row is fetched when ``fetch[..., k]``,
+        into slot ``target[..., k]``. Same parameters as :meth:`swap` (PyTorch ops only).
+        """
+        fetch, free = self._release(chosen, taken, kept)
+        positions = self.positions
+        capacity = positions.shape[-1]
+        # The j-th fetched token of a row takes its j-th free slot, lowest first, as in swap.
+        free_slot = _free_slots(free)
+        rank = (fetch.cumsum(-1) - 1).clamp(min=0)
+        target = torch.where(fetch, free_slot.gather(-1, rank), capacity)  # capacity: no slot
+        placed = torch.nn.functional.pad(positions, (0, 1), value=FREE)
+        placed.scatter_(-1, target, torch.where(fetch, chosen, FREE))
+        positions.copy_(placed[..., :capacity])
+        self.width = max(self.width, int((self.kept + self.dead).max()))  # as in swap
+        return Placement(chosen, fetch, target)
+
+    def _release(
+        self, chosen: torch.Tensor, taken: torch.Tensor, kept: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Free the slots of tokens not ``chosen`` (see :meth:`swap`); returns (B, Hs, K)
+        whether each chosen token must be fetched and (B, Hs, capacity) which slots are free."""
         positions = self.positions  # (B, Hs, capacity)
         seen, device = self.seen, chosen.device
         held = positions >= 0
@@ -205,33 +273,7 @@ class SlotMap:
         free = (positions == FREE) | leaving
         positions.masked_fill_(leaving, FREE)
         self.kept = kept.copy()
-        # The selection's one host round trip: the positions to bring in ((B, Hs, K), -1 for
-        # the rest) come to the host, whose region reads them; the device gets the index
-        # lists back without waiting (a device-side nonzero would be a second round trip).
-        incoming = torch.where(fetch, chosen, -1)
-        on_host = incoming.cpu() if device.type != "cpu" else incoming
-        host_rows, host_groups, host_entries = (on_host >= 0).nonzero(as_tuple=True)
-        if host_rows.numel() == 0:
-            return None
-        host_tokens = on_host[host_rows, host_groups, host_entries]
-        rows, groups, entries = (upload(t, device) for t in (host_rows, host_groups, host_entries))
-        # The j-th fetched token of a (sequence, group) goes to its j-th free slot, lowest
-        # first: free_slot[b, g, j] is that slot (an extra column takes the occupied ones).
-        capacity = positions.shape[-1]
-        free_rank = torch.where(free, free.cumsum(-1) - 1, capacity)
-        free_slot = torch.empty(*free.shape[:2], capacity + 1, dtype=torch.long, device=device)
-        free_slot.scatter_(
-            -1, free_rank, torch.arange(capacity, device=device).expand_as(free_rank)
-        )
-        rank = fetch.cumsum(-1)[rows, groups, entries] - 1
-        target = free_slot[rows, groups, rank]
-        tokens = chosen[rows, groups, entries]
-        positions[rows, groups, target] = tokens
-        # A target at or past the old width means every free slot below it was taken, so the
-        # slots below it are all occupied: it is below kept + dead. The bound needs no read of
-        # the targets (a second device round trip; the fetch list above is the one allowed).
-        self.width = max(self.width, int((self.kept + self.dead).max()))
-        return Incoming(rows, groups, target, tokens, host_rows, host_groups, host_tokens)
+        return fetch, free
 
     def _swap_compiled(self, chosen: torch.Tensor, kept: np.ndarray) -> Incoming | None:
         """:meth:`swap` by the CPU kernel: the same slots, in one pass per row."""

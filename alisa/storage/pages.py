@@ -6,11 +6,13 @@ asymmetric min/max, :mod:`quant`) unless ``bits`` is 16. A decode step copies ba
 tokens its selection wants that the device does not already hold (:meth:`HostPages.fetch`):
 an index gather of those rows, then dequantization of just them (a device region with the same
 INT8/INT4 format takes the codes as they are; on a CPU a float32 region takes INT8 rows in one
-compiled pass, :mod:`alisa.storage.kernels`). On CUDA the buffers are pinned
-so the copy is asynchronous; it runs on the compute stream, not a side stream: the rows are known
-only once this layer's query has been scored and this layer's attention waits for them, so there
-is nothing to overlap it with (the tiered host pool, whose rows are known a step ahead, does use a
-side stream). On a CPU both regions are ordinary memory and the saving is the bytes read per step.
+compiled pass, :mod:`alisa.storage.kernels`). On CUDA the buffers are pinned, so the device can
+read the rows itself (:meth:`HostPages.fetch_placed`, :mod:`alisa.storage.mapped`: no fetch list
+on the host, no wait) or, by :meth:`HostPages.fetch`, the host gathers them and the copy up is
+asynchronous. Either runs on the compute stream, not a side stream: the rows are known only once
+this layer's query has been scored and this layer's attention waits for them, so there is nothing
+to overlap them with (the tiered host pool, whose rows are known a step ahead, does use a side
+stream). On a CPU both regions are ordinary memory and the saving is the bytes read per step.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from alisa.config import KV_BITS
 from alisa.kernel_threads import kernel_parts
 from alisa.storage.kernels import HALVES, fetch_rows, gather_rows
+from alisa.storage.mapped import fetch_into, mapped_reads
 from alisa.storage.quantized import SCALE_DTYPE, QuantizedPair
 from alisa.storage.store import flat_rows, page_locked, with_capacity
 
@@ -152,7 +155,8 @@ class HostPages:
     Writes are coded on the model's device and land here asynchronously on CUDA: the codes are
     copied into page-locked staging without waiting, and put into the region at the next read
     (:meth:`settle`), by which time the copy has run (a selection reads after its fetch list's
-    round trip, which drains the queue), so a page costs no wait of its own.
+    round trip, which drains the queue; a read by the device waits only for pages it could read,
+    and new pages are in the protected recent window), so a page costs no wait of its own.
 
     Parameters
     ----------
@@ -193,6 +197,9 @@ class HostPages:
         self.defer = device.type == "cuda" if defer is None else defer
         # (index, codes in host memory, CUDA event after their copy or None), oldest first
         self._landing: list[tuple[tuple, tuple[torch.Tensor, ...], torch.cuda.Event | None]] = []
+        # Replaced buffers the device may still be reading (fetch_placed), with an event
+        # recorded after those reads: kept alive until it has passed.
+        self._retired: list[tuple[tuple[torch.Tensor, ...], torch.cuda.Event]] = []
 
     @property
     def capacity(self) -> int:
@@ -236,6 +243,7 @@ class HostPages:
     def settle(self, *, wait: bool = True) -> None:
         """Put every write whose copy has run into the region (``wait``: every write, waiting
         for copies still running). Reads of the region call it first."""
+        self._retired = [(old, event) for old, event in self._retired if not event.query()]
         while self._landing:
             index, staged, event = self._landing[0]
             if event is not None and not event.query():
@@ -263,6 +271,46 @@ class HostPages:
             raise IndexError(f"row {last} of a host region of {count} rows")
         region = tuple(t.view(2, count, -1) for t in tensors)
         return FetchedRows(region, flat, self.pair, self.device, self.pin, compiled)
+
+    def maps(self) -> bool:
+        """Whether :meth:`fetch_placed` can take this region: 16-bit rows, or INT8 codes with
+        one float16 scale per row (INT4, or scales widened by an outlier, take :meth:`fetch`)."""
+        pair = self.pair
+        return pair is None or (
+            pair.bits == 8 and pair.group == pair.head_dim and pair.scale.dtype == torch.float16
+        )
+
+    def fetch_placed(
+        self,
+        chosen: torch.Tensor,
+        fetch: torch.Tensor,
+        target: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        *,
+        protected: int,
+    ) -> None:
+        """Write the tokens a placement fetches into their slots, read by the device itself.
+
+        Parameters
+        ----------
+        chosen, fetch, target
+            (B, H_kv, K) on the model's device (:meth:`alisa.kv.slots.SlotMap.place`).
+        keys, values
+            (B, H_kv, capacity, D) plain device buffers.
+        protected
+            Positions from here on are held on the device (the selection's protected recent
+            window), so never fetched: pages still landing there need no wait.
+
+        On CUDA with Triton the kernel of :mod:`alisa.storage.mapped` reads page-locked host
+        memory (nothing waits for the device); elsewhere its PyTorch reference runs.
+        """
+        self.settle(wait=False)
+        if any(index[3].start < protected for index, _, _ in self._landing):
+            self.settle()
+        region = self._tensors()
+        kernel = mapped_reads(keys.device) and self.pin
+        fetch_into(region, chosen, fetch, target, keys, values, kernel=kernel)
 
     def select_batch(self, indices: torch.Tensor) -> None:
         self.settle()
@@ -314,6 +362,11 @@ class HostPages:
     def _replace(self, tensors: tuple[torch.Tensor, ...]) -> None:
         if self.pin:
             tensors = tuple(t.pin_memory() for t in tensors)
+            # A mapped fetch queued on the device may still read the old buffers: PyTorch's
+            # host allocator knows only of its own copies, so they stay alive until it ran.
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._retired.append((self._tensors(), event))
         if self.plain is not None:
             (self.plain,) = tensors
         else:

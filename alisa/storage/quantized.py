@@ -273,6 +273,10 @@ class QuantizedStore(DeviceResident):
         else:
             self.codes.put(index, *codes)
 
+    def plain_heads(self) -> None:
+        """Codes, not plain rows: fetched tokens go through :meth:`write_heads`."""
+        return None
+
     def reindex(self, index: torch.Tensor, capacity: int) -> None:
         """New slot j holds old slot index[b, g, j]; grow to ``capacity``; remap the ring."""
         rows, heads, slots = slot_indices(index, self.codes.data.shape[2])

@@ -142,6 +142,12 @@ class KVStore(Protocol):
         back from the host region by ``retention="host"``."""
         ...
 
+    def plain_heads(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The (B, H_kv, capacity, D) keys and values when the store holds them as they are in
+        the model's dtype (so a fetch may write rows straight into them,
+        :func:`alisa.storage.mapped.fetch_into`); None when it codes them."""
+        ...
+
     def reindex(self, index: torch.Tensor, capacity: int) -> None: ...
 
     def grow(self, capacity: int) -> None: ...
@@ -317,6 +323,9 @@ class DenseStore(DeviceResident):
         batch, kv_heads, capacity, dim = self.keys.shape
         flat = flat_rows(rows, heads, slots, kv_heads, capacity)
         tokens.write_into(self.keys.view(-1, dim), self.values.view(-1, dim), flat)
+
+    def plain_heads(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys, self.values
 
     def reindex(self, index: torch.Tensor, capacity: int) -> None:
         """New slot j holds old slot index[b, g, j]; then grow to ``capacity`` slots."""

@@ -165,6 +165,10 @@ class TieredStore:
         ``retention="host"``, which the configuration keeps apart from tiers."""
         raise ValueError("retention='host' cannot be combined with gpu_memory tiers")
 
+    def plain_heads(self) -> None:
+        """Regions, not one buffer (and host retention does not combine with tiers)."""
+        return None
+
     def grow(self, capacity: int) -> None:
         """Extend the last region (appends land there)."""
         last = self._regions[-1]
