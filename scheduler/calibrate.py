@@ -233,6 +233,37 @@ def fit_selection(
     )
 
 
+def fit_selection_constant(
+    samples: list[StepSample],
+    base_seconds: list[float],
+    sketch_bytes_per_token: float,
+    bytes_per_s: float,
+    pick: str = "median",
+) -> SelectionFit:
+    """The selection's constant alone, its rate given: for host steps that did not grow with
+    the tokens seen (:func:`fit_selection` then has no slope to fit), whose selection still
+    costs what they take beyond ``base_seconds``.
+
+    The constant is the mean of each sample's time beyond its base and its sketch bytes at
+    ``bytes_per_s`` (the least-squares constant with the slope fixed), never below zero.
+    Parameters as :func:`fit_selection`'s; ``bytes_per_s`` is the rate kept (e.g. the KV read
+    rate).
+    """
+    if len(base_seconds) != len(samples) or not samples:
+        raise ValueError(f"base_seconds has {len(base_seconds)} entries for {len(samples)} samples")
+    if not bytes_per_s > 0:
+        raise ValueError(f"bytes_per_s={bytes_per_s!r} must be positive")
+    sketch = np.array([s.batch * s.context * sketch_bytes_per_token for s in samples], float)
+    times = np.array([CHOOSE[pick](s.seconds) for s in samples])
+    rest = np.array(base_seconds, float) + sketch / bytes_per_s
+    constant = max(0.0, float(np.mean(times - rest)))
+    return SelectionFit(
+        overhead_s=constant,
+        bytes_per_s=float(bytes_per_s),
+        worst_miss=float(np.max(np.abs((rest + constant) / times - 1.0))),
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class Spread:
     """One profile term measured several ways: lowest, median and highest estimate.

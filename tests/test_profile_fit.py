@@ -12,7 +12,13 @@ from alisa.cli import main
 from alisa.commands.profile import describe
 from alisa.planning.hardware import cpu_model
 from scheduler import HardwareProfile, load_profile
-from scheduler.calibrate import Spread, StepSample, fit_decode, fit_selection
+from scheduler.calibrate import (
+    Spread,
+    StepSample,
+    fit_decode,
+    fit_selection,
+    fit_selection_constant,
+)
 from scheduler.hardware import mismatches
 
 FLOPS_PER_TOKEN = 2.7e8  # SmolLM2-135M-like
@@ -128,6 +134,22 @@ def test_selection_fit_rejects_steps_that_do_not_grow_with_the_tokens_seen():
         fit_selection(*host_steps([128, 1024], rate=1e16), SKETCH_PER_TOKEN, device_type="cpu")
     with pytest.raises(ValueError, match="two context lengths"):
         fit_selection(*host_steps([1024, 1024]), SKETCH_PER_TOKEN)
+
+
+def test_a_selection_that_does_not_grow_keeps_its_constant():
+    """Host steps flat in the tokens seen (no slope to fit) still cost their constant: with the
+    rate given, the constant is what the steps take beyond the base and the sketch at that
+    rate, never negative."""
+    samples, bases = host_steps([128, 1024], rate=1e16)  # the sketch term is ~0
+    with pytest.raises(ValueError, match="beyond"):
+        fit_selection(samples, bases, SKETCH_PER_TOKEN, device_type="cpu")
+    fit = fit_selection_constant(samples, bases, SKETCH_PER_TOKEN, 1e16)
+    assert fit.overhead_s == pytest.approx(SELECT_OVERHEAD, rel=1e-6)
+    assert fit.worst_miss < 1e-9
+    slow = fit_selection_constant(samples, bases, SKETCH_PER_TOKEN, 1e3)  # sketch exceeds all
+    assert slow.overhead_s == 0.0
+    with pytest.raises(ValueError, match="bytes_per_s"):
+        fit_selection_constant(samples, bases, SKETCH_PER_TOKEN, 0.0)
 
 
 def profile(**overrides) -> HardwareProfile:
@@ -254,7 +276,8 @@ def test_measured_profile_records_machine_and_labels_every_term():
 
 def test_selection_calibration_keeps_the_picks_that_fit(monkeypatch):
     """A pick whose fit fails (say, the slowest repeat) is left out; only when every pick fails
-    does the calibration fall back to the KV read rate, labelled as such."""
+    does the calibration fall back to the KV read rate, with the constant fitted at that rate,
+    labelled as such."""
     import alisa.calibration.steps as calibration
     from scheduler.calibrate import SelectionFit
 
@@ -263,7 +286,16 @@ def test_selection_calibration_keeps_the_picks_that_fit(monkeypatch):
             raise ValueError("did not grow")
         return SelectionFit(bytes_per_s=2e9, overhead_s=0.01, worst_miss=0.0)
 
+    def constant(samples, bases, sketch, rate, pick):
+        assert rate == 5e9  # the KV read rate is the one kept
+        return SelectionFit(
+            bytes_per_s=rate,
+            overhead_s={"min": 0.01, "median": 0.02}.get(pick, 0.05),
+            worst_miss=0.0,
+        )
+
     monkeypatch.setattr(calibration, "fit_selection", fit)
+    monkeypatch.setattr(calibration, "fit_selection_constant", constant)
     model, device = tiny_llama(), torch.device("cpu")
     measured = profile(kv_bytes_per_s=5e9)
     failing = {"max"}
@@ -272,8 +304,8 @@ def test_selection_calibration_keeps_the_picks_that_fit(monkeypatch):
     assert "fallback" not in rate.source
     failing = {"min", "median", "max"}
     rate, overhead = calibration.calibrate_selection(model, device, measured, batch=1, context=256)
-    assert rate.median == 5e9 and overhead.median == 0.0
-    assert "fallback" in rate.source
+    assert rate.median == 5e9 and overhead.median == 0.02
+    assert "fallback" in rate.source and "fallback" in overhead.source
 
 
 def test_the_time_estimate_covers_every_run_and_grows_with_the_work():

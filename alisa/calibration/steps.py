@@ -21,7 +21,14 @@ from scheduler import (
     gathered_layers,
     make_buckets,
 )
-from scheduler.calibrate import FIT_TOLERANCE, Spread, StepSample, fit_decode, fit_selection
+from scheduler.calibrate import (
+    FIT_TOLERANCE,
+    Spread,
+    StepSample,
+    fit_decode,
+    fit_selection,
+    fit_selection_constant,
+)
 
 PICKS = ("min", "median", "max")  # fastest, median, slowest repeats: the spread of a term
 FITTED = "fitted from real decode steps"
@@ -218,9 +225,11 @@ def calibrate_selection(
     the selection (``profile``'s fitted terms over the kept tokens, the bytes really fetched over
     ``h2d_bytes_per_s``) is subtracted and the rest fitted by
     :func:`scheduler.calibrate.fit_selection`, once per repeat pick (fastest, median, slowest);
-    picks whose fit fails are left out, and when every fit fails (the steps did not grow with
-    the tokens seen) the formula's rate, the KV read rate, is kept, labelled as a fallback.
-    ``tick`` is called after each timed step (a progress bar).
+    picks whose fit fails are left out. When every fit fails (the steps did not grow with the
+    tokens seen) the formula's rate, the KV read rate, is kept and the constant alone is fitted
+    (:func:`scheduler.calibrate.fit_selection_constant`: what the steps take beyond the rest of
+    the model), both labelled as a fallback. ``tick`` is called after each timed step (a
+    progress bar).
     """
     spec = model_spec(model, model_shape(model))
     # Both contexts past the budget floor (twice it when the plan's context allows): a step
@@ -247,9 +256,12 @@ def calibrate_selection(
     if not fits:
         rate = profile.kv_bytes_per_s or profile.device_bytes_per_s
         why = "(fallback: the host steps did not grow with the tokens seen)"
+        constants = [
+            fit_selection_constant(samples, bases, sketch, rate, pick).overhead_s for pick in PICKS
+        ]
         return (
             Spread.of("select_bytes_per_s", [rate], f"KV read rate {why}"),
-            Spread.of("select_overhead_s", [0.0], f"none {why}"),
+            Spread.of("select_overhead_s", constants, f"fitted at that rate {why}"),
         )
     return (
         Spread.of("select_bytes_per_s", [f.bytes_per_s for f in fits], SELECTED),
