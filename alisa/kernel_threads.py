@@ -1,16 +1,18 @@
-"""How many parts a compiled CPU kernel splits its rows into: torch's threads, where numba's
-parallel loops run on the same OpenMP threads as torch's operators, else one.
+"""How many parts a compiled CPU kernel splits its rows into: torch's thread count, where numba's
+parallel loops run on OpenMP as torch's operators do, else one.
 
 Host retention's per-layer kernels (the key sketch's product, the choice, the fetch, the
 attention history) work row by row, one row per (sequence, KV head), and rows are independent.
 Between two torch operators, torch's OpenMP threads are idle (or spinning, waiting for work).
-numba's ``omp`` threading layer hands its parallel loops to that same OpenMP runtime (one
-``libgomp`` per process), so splitting rows over torch's thread count uses those threads
-without adding any: on a 2-core AVX2 EPYC the sketch product took 0.55 instead of 0.94 ms at
-B = 16 x 2,300 positions, and the torch operator after it did not slow down. Any other layer
-(``workqueue``, ``tbb``) starts threads of its own, which contend with torch's: the same split
-under ``workqueue`` was slower than one thread. Splitting rows never changes a result: each row
-is computed by the same code, only on another thread.
+numba's ``omp`` threading layer runs its parallel loops on an OpenMP pool as well; with PyTorch's
+pip wheels that is a second ``libgomp`` (the system's, beside the copy torch bundles), so the
+kernel's threads are not torch's, but OpenMP's way of waiting keeps them out of each other's
+way: on a 2-core AVX2 EPYC the sketch product took 0.55 instead of 0.94 ms at B = 16 x 2,300
+positions, and a torch linear right after a kernel ran at 1.01x its time after a torch operator
+(stop 46, interleaved, 750 pairs). The other layers (``workqueue``, ``tbb``) start threads that
+do contend with torch's: the same split under ``workqueue`` was slower than one thread.
+Splitting rows never changes a result: each row is computed by the same code, only on another
+thread.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ def _probe(values: np.ndarray) -> float:
 
 @functools.cache
 def shares_torch_threads() -> bool:
-    """Whether numba's parallel loops run on the OpenMP threads torch computes with (numba
-    chooses its threading layer once per process, at its first parallel loop)."""
+    """Whether numba's parallel loops run on OpenMP (the ``omp`` layer), whose threads keep out
+    of torch's way (see the module; numba chooses its layer once per process, at its first
+    parallel loop)."""
     threads = torch.get_num_threads()
     _probe(np.zeros(2))
     # Loading the omp layer sets OpenMP's thread count to numba's, whatever it was asked for
