@@ -205,13 +205,10 @@ def fit_selection(
         The samples do not span two sizes, or the fitted rate is not positive or beyond the
         device's physical bound (the selection did not grow with the tokens seen).
     """
-    if len(base_seconds) != len(samples):
-        raise ValueError(f"base_seconds has {len(base_seconds)} entries for {len(samples)} samples")
-    sketch = np.array([s.batch * s.context * sketch_bytes_per_token for s in samples], float)
+    sketch, times, base = _selection_arrays(samples, base_seconds, sketch_bytes_per_token, pick)
     if len(set(sketch.tolist())) < 2:
         raise ValueError("selection samples must span two context lengths")
-    times = np.array([CHOOSE[pick](s.seconds) for s in samples])
-    extra = times - np.array(base_seconds, float)
+    extra = times - base
     scale = sketch.max()  # unit scale: bytes are ~1e7 times a constant in seconds
     design = np.stack([np.ones_like(sketch), sketch / scale], axis=1)
     constant, slope = np.linalg.lstsq(design, extra, rcond=None)[0]
@@ -225,12 +222,23 @@ def fit_selection(
             f"selection fit gave select_bytes_per_s={rate:.3g} (not positive or beyond physical "
             "bounds): the host step did not grow with the tokens seen"
         )
-    predicted = np.array(base_seconds, float) + constant + sketch * slope
+    predicted = base + constant + sketch * slope
     return SelectionFit(
         overhead_s=float(constant),
         bytes_per_s=float(1.0 / slope),
         worst_miss=float(np.max(np.abs(predicted / times - 1.0))),
     )
+
+
+def _selection_arrays(
+    samples: list[StepSample], base_seconds: list[float], sketch_bytes_per_token: float, pick: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sketch bytes, picked seconds, base seconds) per sample, for the selection fits."""
+    if len(base_seconds) != len(samples):
+        raise ValueError(f"base_seconds has {len(base_seconds)} entries for {len(samples)} samples")
+    sketch = np.array([s.batch * s.context * sketch_bytes_per_token for s in samples], float)
+    times = np.array([CHOOSE[pick](s.seconds) for s in samples])
+    return sketch, times, np.array(base_seconds, float)
 
 
 def fit_selection_constant(
@@ -249,13 +257,12 @@ def fit_selection_constant(
     Parameters as :func:`fit_selection`'s; ``bytes_per_s`` is the rate kept (e.g. the KV read
     rate).
     """
-    if len(base_seconds) != len(samples) or not samples:
-        raise ValueError(f"base_seconds has {len(base_seconds)} entries for {len(samples)} samples")
+    if not samples:
+        raise ValueError("no host steps to fit the selection's constant to")
     if not bytes_per_s > 0:
         raise ValueError(f"bytes_per_s={bytes_per_s!r} must be positive")
-    sketch = np.array([s.batch * s.context * sketch_bytes_per_token for s in samples], float)
-    times = np.array([CHOOSE[pick](s.seconds) for s in samples])
-    rest = np.array(base_seconds, float) + sketch / bytes_per_s
+    sketch, times, base = _selection_arrays(samples, base_seconds, sketch_bytes_per_token, pick)
+    rest = base + sketch / bytes_per_s
     constant = max(0.0, float(np.mean(times - rest)))
     return SelectionFit(
         overhead_s=constant,

@@ -229,10 +229,6 @@ class SlotMap:
         target = _free_slots(free)[rows, groups, rank]
         tokens = chosen[rows, groups, entries]
         self.positions[rows, groups, target] = tokens
-        # A target at or past the old width means every free slot below it was taken, so the
-        # slots below it are all occupied: it is below kept + dead. The bound needs no read of
-        # the targets (a second device round trip; the fetch list above is the one allowed).
-        self.width = max(self.width, int((self.kept + self.dead).max()))
         return Incoming(rows, groups, target, tokens, host_rows, host_groups, host_tokens)
 
     def place(self, chosen: torch.Tensor, taken: torch.Tensor, kept: np.ndarray) -> Placement:
@@ -253,14 +249,14 @@ class SlotMap:
         placed = torch.nn.functional.pad(positions, (0, 1), value=FREE)
         placed.scatter_(-1, target, torch.where(fetch, chosen, FREE))
         positions.copy_(placed[..., :capacity])
-        self.width = max(self.width, int((self.kept + self.dead).max()))  # as in swap
         return Placement(chosen, fetch, target)
 
     def _release(
         self, chosen: torch.Tensor, taken: torch.Tensor, kept: np.ndarray
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Free the slots of tokens not ``chosen`` (see :meth:`swap`); returns (B, Hs, K)
-        whether each chosen token must be fetched and (B, Hs, capacity) which slots are free."""
+        """Free the slots of tokens not ``chosen`` (see :meth:`swap`) and widen ``width`` for the
+        tokens that will come in; returns (B, Hs, K) whether each chosen token must be fetched
+        and (B, Hs, capacity) which slots are free."""
         positions = self.positions  # (B, Hs, capacity)
         seen, device = self.seen, chosen.device
         held = positions >= 0
@@ -273,6 +269,10 @@ class SlotMap:
         free = (positions == FREE) | leaving
         positions.masked_fill_(leaving, FREE)
         self.kept = kept.copy()
+        # A fetched token's slot at or past the old width means every free slot below it was
+        # taken, so the slots below it are all occupied: it is below kept + dead. The bound needs
+        # no read of the targets (a device round trip).
+        self.width = max(self.width, int((self.kept + self.dead).max()))
         return fetch, free
 
     def _swap_compiled(self, chosen: torch.Tensor, kept: np.ndarray) -> Incoming | None:

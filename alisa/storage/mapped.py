@@ -58,8 +58,9 @@ def fetch_into(
         (B, H_kv, capacity, D) device buffers, written in place.
     kernel
         Run the Triton kernel (the device reads the host rows); False: PyTorch ops, which read
-        every chosen row on the host and write the flagged ones (the reference; no host round
-        trip either). None: the kernel where it can run (:func:`mapped_reads`).
+        every chosen row on the host and write the flagged ones (the reference: no round trip
+        on a CPU, one to list the rows on CUDA). None: the kernel where it can run
+        (:func:`mapped_reads`).
     """
     if kernel is None:
         kernel = mapped_reads(keys.device)
