@@ -148,10 +148,13 @@ def _attend(
         return output
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     layer.before_attention(query)
-    parts = layer.parts(query)
-    visible = _visible(parts, layer.get_seq_length(), query.shape[2], layer.keeper.window)
     rest = layer.rest(query, scaling, options.softcap)
-    output, probabilities = grouped_attention_parts(query, parts, visible, scaling, options, rest)
+    attended = layer.attend(query, scaling) if options.plain and rest is None else None
+    if attended is None:
+        parts = layer.parts(query)
+        visible = _visible(parts, layer.get_seq_length(), query.shape[2], layer.keeper.window)
+        attended = grouped_attention_parts(query, parts, visible, scaling, options, rest)
+    output, probabilities = attended
     layer.after_attention(query, probabilities)
     return output
 

@@ -183,6 +183,16 @@ class AlisaLayer(CacheLayerMixin):
         """(K, V, positions) per storage region, on the model's device, in slot order."""
         return self.store.parts(self.slots.positions, query)
 
+    def attend(
+        self, query: torch.Tensor, scaling: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The store's own plain attention over the slots for a decode step's (B, H, 1, D)
+        ``query`` (:meth:`~alisa.storage.store.KVStore.attend`): ((B, 1, H, D) output,
+        (B, H_kv, G, 1, capacity) probabilities), or None where attention reads :meth:`parts`."""
+        return self.store.attend(
+            self.slots.positions, query, self.slots.seen, self.keeper.window, scaling
+        )
+
     def slot_positions(self) -> torch.Tensor:
         """(B, Hs, capacity) position of each slot's token (negative: empty or padding)."""
         return self.slots.positions

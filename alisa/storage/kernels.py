@@ -1,4 +1,5 @@
-"""Compiled CPU kernels for ``retention="host"``'s fetch: host rows gathered, or decoded into slots.
+"""Compiled CPU kernels of the device and host regions: host rows gathered or decoded into
+slots, and a decode query's attention over the slots read where they are.
 
 Each decode step brings back the tokens its selection wants that the device does not hold:
 about 12 % of the budget per layer (2,355 rows of keys and values per layer at B = 16 x 2,048,
@@ -8,6 +9,8 @@ fixed cost: 25 ms of a 230 ms CPU step (``docs/host-speed.md``). :func:`fetch_ro
 row's INT8 codes and writes the dequantized values straight into its device slot, with the same
 float32 arithmetic as :func:`quant.dequantize` (``(code - zero) * scale``), so the values are the
 same bit for bit (``tests/test_kernels.py``). The PyTorch path stays the reference and CUDA's.
+:func:`slot_logits` and :func:`slot_output` compute a decode step's attention over a region's
+slots without the dequantized copy of an INT8 region (:mod:`alisa.storage.attend`).
 ALISA, https://arxiv.org/abs/2403.17312 (§IV, phase II: offloaded KV brought back per step).
 """
 
@@ -16,6 +19,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
+from numba import types
+from numba.extending import overload
 
 # The float32 value of every float16, indexed by its bits read as uint16 (a 256 KiB table:
 # numba has no float16, and the conversion is exact, so a lookup is the whole of it).
@@ -107,3 +112,198 @@ def gather_rows(source: np.ndarray, rows: np.ndarray, out: np.ndarray, parts: in
             for half in range(source.shape[0]):
                 for byte in range(source.shape[2]):
                     out[half, entry, byte] = source[half, row, byte]
+
+
+@numba.njit(inline="always")
+def _ring_rows(
+    held: np.ndarray,
+    ring_slots: np.ndarray,
+    ring_positions: np.ndarray,
+    row_of: np.ndarray,
+) -> None:
+    """``row_of[slot]`` = the ring entry holding the slot's token exactly, else -1: an entry
+    counts while its slot still holds the position it was written for."""
+    row_of[:] = -1
+    for entry in range(ring_slots.shape[0]):
+        slot = ring_slots[entry]
+        if slot >= 0 and held[slot] == ring_positions[entry]:
+            row_of[slot] = entry
+
+
+@numba.njit(inline="always")
+def _unseen(position: int, last: int, window: int) -> bool:
+    """Whether a slot holding ``position`` is hidden from the query at ``last``: empty, later,
+    or (window W > 0) outside (last - W, last]."""
+    return position < 0 or position > last or (window > 0 and position <= last - window)
+
+
+def _slot_row(stored, scale, zero, halves, ring, row, slot, entry, buffer):  # pragma: no cover
+    raise NotImplementedError  # typed by the overload below, never called from Python
+
+
+@overload(_slot_row, inline="always")
+def _slot_row_overload(stored, scale, zero, halves, ring, row, slot, entry, buffer):
+    """Slot ``slot`` of row ``row`` into ``buffer`` (D,) float32: ring entry ``entry``'s exact
+    row when ``entry`` >= 0, else the stored row: float32 as it is, INT8 codes dequantized as
+    :func:`quant.dequantize` computes them (``(code - zero) * scale`` in float32)."""
+    if stored.dtype == types.float32:
+
+        def plain(stored, scale, zero, halves, ring, row, slot, entry, buffer):
+            source = ring[row, entry] if entry >= 0 else stored[row, slot]
+            for channel in range(buffer.shape[0]):
+                buffer[channel] = source[channel]
+
+        return plain
+    if stored.dtype == types.uint8:
+
+        def coded(stored, scale, zero, halves, ring, row, slot, entry, buffer):
+            if entry >= 0:
+                for channel in range(buffer.shape[0]):
+                    buffer[channel] = ring[row, entry, channel]
+                return
+            step = halves[scale[row, slot] & 0xFFFF]
+            offset = halves[zero[row, slot] & 0xFFFF]
+            codes = stored[row, slot]
+            for channel in range(buffer.shape[0]):
+                buffer[channel] = (np.float32(codes[channel]) - offset) * step
+
+        return coded
+    return None
+
+
+@numba.njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc", "contract"})
+def slot_logits(
+    query: np.ndarray,
+    keys: np.ndarray,
+    scale: np.ndarray,
+    zero: np.ndarray,
+    halves: np.ndarray,
+    positions: np.ndarray,
+    ring_keys: np.ndarray,
+    ring_slots: np.ndarray,
+    ring_positions: np.ndarray,
+    last: int,
+    window: int,
+    scaling: float,
+    logits: np.ndarray,
+    parts: int,
+) -> None:
+    """A decode query's scaled logits over a device region's key slots, read where they are.
+
+    Each key row is loaded (INT8 codes dequantized in registers) and used at once: no copy of
+    the region is written, and the logits, the mask and the scaling are one pass instead of
+    PyTorch's product, conversion, scaling and masked fill. A slot whose full-precision ring
+    entry still holds its token reads the ring's exact row, as
+    :meth:`~alisa.storage.quantized.QuantizedStore.read` does. Sums are reassociated (vector
+    lanes): the logits match PyTorch's product to float32 rounding, not bit for bit. The
+    softmax runs in PyTorch (vectorised exponentials), then :func:`slot_output`.
+
+    Parameters
+    ----------
+    query
+        (R, G, D) float32: R = B * H_kv rows (sequence, KV head), G query heads per KV head.
+    keys
+        (R, C, D) float32 keys, or uint8 INT8 codes, of C slots.
+    scale, zero
+        (R, C) int16: the bits of each coded row's float16 scale and zero point (one group per
+        row); not read for float32 keys.
+    halves
+        :data:`HALVES`.
+    positions
+        (B, Hs, C) int64 position held by each slot (negative: empty); Hs is 1 or H_kv.
+    ring_keys
+        (R, E, D) float32 full-precision keys of the last E tokens (E may be 0).
+    ring_slots
+        (B, Hs, E) int64 slot of each ring entry (negative: none).
+    ring_positions
+        (E,) int64 position each ring entry was written for.
+    last
+        The query's position: slots holding later positions are not seen.
+    window
+        A sliding layer's window W (positions (last - W, last] are seen); 0: none.
+    scaling
+        Softmax scale applied to the float32 logits.
+    logits
+        (R, G, C) float32, written (-inf where a slot is not seen).
+    parts
+        As :func:`fetch_rows`'s.
+    """
+    rows, groups, head_dim = query.shape
+    kv_heads = rows // positions.shape[0]
+    shared = positions.shape[1] == 1
+    factor = np.float32(scaling)
+    for part in numba.prange(parts):
+        start, stop = _span(part, parts, rows)
+        row_of = np.empty(keys.shape[1], dtype=np.int64)
+        buffer = np.empty(head_dim, dtype=np.float32)
+        for row in range(start, stop):
+            sequence, head = row // kv_heads, 0 if shared else row % kv_heads
+            held = positions[sequence, head]
+            _ring_rows(held, ring_slots[sequence, head], ring_positions, row_of)
+            for slot in range(held.shape[0]):
+                if _unseen(held[slot], last, window):
+                    logits[row, :, slot] = -np.inf
+                    continue
+                _slot_row(keys, scale, zero, halves, ring_keys, row, slot, row_of[slot], buffer)
+                for group in range(groups):
+                    total = np.float32(0.0)
+                    for channel in range(head_dim):
+                        total += query[row, group, channel] * buffer[channel]
+                    logits[row, group, slot] = total * factor
+
+
+@numba.njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc", "contract"})
+def slot_output(
+    probabilities: np.ndarray,
+    values: np.ndarray,
+    scale: np.ndarray,
+    zero: np.ndarray,
+    halves: np.ndarray,
+    positions: np.ndarray,
+    ring_values: np.ndarray,
+    ring_slots: np.ndarray,
+    ring_positions: np.ndarray,
+    out: np.ndarray,
+    parts: int,
+) -> None:
+    """The attention output over a device region's value slots read where they are:
+    ``out[r, g] = sum over slots of probabilities[r, g, slot] * value[r, slot]``, each value row
+    loaded as in :func:`slot_logits` (slots of probability 0 are skipped).
+
+    Parameters
+    ----------
+    probabilities
+        (R, G, C) float32 softmax over the slots (0 where unseen; NaN in a row that sees none).
+    values
+        (R, C, D) float32 values, or uint8 INT8 codes.
+    scale, zero, halves, positions, ring_slots, ring_positions, parts
+        As :func:`slot_logits`'s (of the values).
+    ring_values
+        (R, E, D) float32 full-precision values of the ring's tokens.
+    out
+        (R, G, D) float32, written.
+    """
+    rows, groups, capacity = probabilities.shape
+    kv_heads = rows // positions.shape[0]
+    shared = positions.shape[1] == 1
+    for part in numba.prange(parts):
+        start, stop = _span(part, parts, rows)
+        row_of = np.empty(capacity, dtype=np.int64)
+        buffer = np.empty(out.shape[2], dtype=np.float32)
+        for row in range(start, stop):
+            sequence, head = row // kv_heads, 0 if shared else row % kv_heads
+            held = positions[sequence, head]
+            _ring_rows(held, ring_slots[sequence, head], ring_positions, row_of)
+            result = out[row]
+            result[:] = 0.0
+            for slot in range(capacity):
+                weighted = False  # 0 * value adds nothing; NaN (a row seeing none) does
+                for group in range(groups):
+                    weighted |= probabilities[row, group, slot] != 0.0
+                if not weighted:
+                    continue
+                _slot_row(values, scale, zero, halves, ring_values, row, slot, row_of[slot], buffer)
+                for group in range(groups):
+                    weight = probabilities[row, group, slot]
+                    for channel in range(buffer.shape[0]):
+                        result[group, channel] += weight * buffer[channel]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from alisa.storage.attend import Ring, Scales, attend_slots, takes
 from alisa.storage.store import (
     DeviceResident,
     HostRows,
@@ -140,6 +141,9 @@ class QuantizedStore(DeviceResident):
         Most recent tokens also kept in full precision (0: none).
     groups
         Selection groups of the cache layer (1, or H_kv when selecting per head).
+    compiled
+        Whether :meth:`attend` may run its compiled CPU kernel (None: when the tokens are on a
+        CPU; False: attention always reads the dequantized :meth:`read`, the reference).
     """
 
     def __init__(
@@ -152,9 +156,12 @@ class QuantizedStore(DeviceResident):
         group_size: int | None,
         residual_tokens: int,
         groups: int,
+        compiled: bool | None = None,
     ) -> None:
         batch, heads, length, head_dim = keys.shape
         group = group_size or head_dim
+        # Whether attention may read the codes in place (:meth:`attend`): on a CPU by default.
+        self.compiled = keys.device.type == "cpu" if compiled is None else compiled
         shape = (batch, heads, capacity, head_dim)
         self.codes = QuantizedPair(shape, bits, group, keys.dtype, keys.device)
         self.residual = residual_tokens
@@ -206,6 +213,66 @@ class QuantizedStore(DeviceResident):
         keys.view(-1, head_dim).index_copy_(0, index, self.ring_keys.flatten(0, 2))
         values.view(-1, head_dim).index_copy_(0, index, self.ring_values.flatten(0, 2))
         return keys[:, :, : width - 1], values[:, :, : width - 1]
+
+    def attend(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        seen: int,
+        window: int | None,
+        scaling: float,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode query's attention read from the codes in place, on a CPU.
+
+        :func:`alisa.storage.attend.attend_slots` dequantizes each row in registers as it uses
+        it, where :meth:`read` writes the whole region dequantized first (about 1 ms per layer
+        and step at B = 16 x 2,048 on SmolLM2-135M, ``docs/host-speed.md``). It takes INT8
+        codes with one float16 scale per row, a float32 model and one query per sequence;
+        anything else returns None and attention reads :meth:`parts`.
+
+        Parameters
+        ----------
+        positions
+            (B, Hs, capacity) the layer's slot map.
+        query
+            (B, H, 1, D) the step's queries.
+        seen
+            Tokens seen so far (the query's position is ``seen - 1``).
+        window
+            A sliding layer's window, or None.
+        scaling
+            Softmax scale.
+
+        Returns
+        -------
+        tuple or None
+            ((B, 1, H, D) output, (B, H_kv, G, 1, capacity) float32 probabilities).
+        """
+        codes = self.codes
+        if not (
+            self.compiled
+            and takes(query, codes.data)
+            and codes.bits == 8
+            and codes.group == codes.head_dim
+            and codes.dtype == torch.float32
+            and codes.scale.dtype == torch.float16
+        ):
+            return None
+        halves = [Scales(codes.scale[half, ..., 0], codes.zero[half, ..., 0]) for half in (0, 1)]
+        ring = None
+        if self.residual:
+            ring = Ring(self.ring_keys, self.ring_values, self.ring_slots, self.ring_positions)
+        return attend_slots(
+            query,
+            codes.data[0],
+            codes.data[1],
+            positions,
+            seen,
+            window,
+            scaling,
+            scales=(halves[0], halves[1]),
+            ring=ring,
+        )
 
     def write_range(
         self,

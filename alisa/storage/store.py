@@ -14,6 +14,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from alisa.storage.attend import attend_slots, takes
+
 
 @dataclass(frozen=True)
 class TokenInputs:
@@ -148,6 +150,20 @@ class KVStore(Protocol):
         :func:`alisa.storage.mapped.fetch_into`); None when it codes them."""
         ...
 
+    def attend(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        seen: int,
+        window: int | None,
+        scaling: float,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode step's plain softmax attention computed by the store over its slots, when
+        it has a faster way than :meth:`parts` (an INT8 region read in place on a CPU):
+        ((B, 1, H, D) output, (B, H_kv, G, 1, capacity) probabilities); None otherwise.
+        ``positions`` is the layer's slot map, the query's position ``seen - 1``."""
+        ...
+
     def reindex(self, index: torch.Tensor, capacity: int) -> None: ...
 
     def grow(self, capacity: int) -> None: ...
@@ -208,6 +224,10 @@ class DeviceResident:
         """The one region: ``read(positions)``."""
         return [Part(*self.read(positions), positions)]
 
+    def attend(self, positions, query, seen: int, window, scaling: float) -> None:
+        """No path of its own: attention reads :meth:`parts`."""
+        return None
+
     def prefetch(self) -> None:
         """Nothing to fetch: the buffers are already where attention reads them."""
 
@@ -246,12 +266,24 @@ def slot_indices(
 
 
 class DenseStore(DeviceResident):
-    """Keys and values in the model's dtype, in preallocated (B, H_kv, capacity, D) buffers."""
+    """Keys and values in the model's dtype, in preallocated (B, H_kv, capacity, D) buffers.
+
+    ``compiled`` (None: when the tokens are on a CPU) lets a float32 decode step's attention
+    run the compiled kernels of :mod:`alisa.storage.attend`; False keeps PyTorch's path.
+    """
 
     def __init__(
-        self, keys: torch.Tensor, values: torch.Tensor, capacity: int, *, groups: int = 1
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        capacity: int,
+        *,
+        groups: int = 1,
+        compiled: bool | None = None,
     ) -> None:
         batch, heads, length, head_dim = keys.shape
+        # Whether attention may run the compiled CPU kernels (:meth:`attend`): on a CPU.
+        self.compiled = keys.device.type == "cpu" if compiled is None else compiled
         # Zeroed, not empty: masked slots still enter p @ V, and 0 * NaN garbage would be NaN.
         self.keys = keys.new_zeros(batch, heads, capacity, head_dim)
         self.values = values.new_zeros(batch, heads, capacity, values.shape[-1])
@@ -269,6 +301,13 @@ class DenseStore(DeviceResident):
     def nbytes(self) -> int:
         """Bytes held by the buffers, spare capacity included."""
         return self.keys.nbytes + self.values.nbytes
+
+    def attend(self, positions, query, seen: int, window, scaling: float):
+        """A float32 decode step on a CPU: :func:`alisa.storage.attend.attend_slots` over the
+        buffers (one pass for the logits and mask, one for the output); else None."""
+        if not (self.compiled and takes(query, self.keys)):
+            return None
+        return attend_slots(query, self.keys, self.values, positions, seen, window, scaling)
 
     def read(self, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole (B, H_kv, capacity, D) buffers, contiguous (``positions`` is not needed).

@@ -169,6 +169,10 @@ class TieredStore:
         """Regions, not one buffer (and host retention does not combine with tiers)."""
         return None
 
+    def attend(self, positions, query, seen: int, window, scaling: float) -> None:
+        """Regions read part by part: attention reads :meth:`parts`."""
+        return None
+
     def grow(self, capacity: int) -> None:
         """Extend the last region (appends land there)."""
         last = self._regions[-1]
