@@ -159,7 +159,8 @@ class KVStore(Protocol):
         scaling: float,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A decode step's plain softmax attention computed by the store over its slots, when
-        it has a faster way than :meth:`parts` (an INT8 region read in place on a CPU):
+        it has a faster way than :meth:`parts` (on a CPU: compiled kernels over a float32
+        region, or over an INT8 region's codes read in place):
         ((B, 1, H, D) output, (B, H_kv, G, 1, capacity) probabilities); None otherwise.
         ``positions`` is the layer's slot map, the query's position ``seen - 1``."""
         ...
