@@ -27,6 +27,7 @@ from alisa.kv.choice import ChoiceInputs, choose, ordered_key
 from alisa.kv.history import PositionHistory
 from alisa.kv.slots import FREE, SlotMap
 from alisa.storage.pages import HostPages
+from alisa.storage.quantized import QuantizedStore
 
 
 def random_choice(rng: np.random.Generator, *, ties: bool) -> ChoiceInputs:
@@ -194,26 +195,32 @@ def test_accumulate_compiled_equals_torch_and_fades(head_max, parts):
     )
 
 
+def fetch_case(widened: bool, *, seed: int):
+    """A host region of 3 sequences x 2 KV heads x 40 tokens (D = 16) with scales of about 1e-9
+    to 10 (the smallest are float16 subnormals; ``widened``: one of 1e7, past float16), and 20
+    distinct device rows of a flat (3 * 2 * 12 slots, D) view to fetch into: (pages, flat rows,
+    (sequence, KV head, slot) of each, host token of each)."""
+    torch.manual_seed(seed)
+    batch, heads, dim, length, slots = 3, 2, 16, 40, 12
+    pages = HostPages(batch, heads, dim, bits=8, dtype=torch.float32, device=torch.device("cpu"))
+    magnitude = 10.0 ** torch.randint(-7, 3, (batch, heads, length, 1)).float()
+    if widened:
+        magnitude[0, 0, 0] = 1e7
+    pages.write(0, *(torch.randn(2, batch, heads, length, dim) * magnitude))
+    assert (pages.pair.scale.dtype == torch.float16) != widened
+    flat = torch.randperm(batch * heads * slots)[:20]
+    where = (flat // (heads * slots), flat // slots % heads, flat % slots)
+    return pages, flat, where, torch.randint(0, length, (20,))
+
+
 @pytest.mark.parametrize("widened", [False, True], ids=["float16-scales", "widened-scales"])
 def test_fetched_rows_decode_into_the_slots_as_torch_does(widened, parts):
     """The fetch kernel writes each host row's INT8 codes, dequantized, into its device slot
     with the values :func:`quant.dequantize` gives, bit for bit: scales of every magnitude
     (float16 subnormals included), and a region whose scales were widened past float16 (the
     PyTorch path takes it)."""
-    torch.manual_seed(0)
-    batch, heads, dim, length, slots = 3, 2, 16, 40, 12
-    pages = HostPages(batch, heads, dim, bits=8, dtype=torch.float32, device=torch.device("cpu"))
-    # Scales of about 1e-9 to 10 (the smallest are float16 subnormals); 1e7 needs wider ones.
-    magnitude = 10.0 ** torch.randint(-7, 3, (batch, heads, length, 1)).float()
-    if widened:
-        magnitude[0, 0, 0] = 1e7
-    keys, values = torch.randn(2, batch, heads, length, dim) * magnitude
-    pages.write(0, keys, values)
-    assert (pages.pair.scale.dtype == torch.float16) != widened
-    # Distinct device rows of a flat (B * H_kv * slots, D) view, and their sequence and KV head.
-    flat = torch.randperm(batch * heads * slots)[:20]
-    rows, heads_ = flat // (heads * slots), flat // slots % heads
-    tokens = torch.randint(0, length, (20,))
+    pages, flat, (rows, heads_, _), tokens = fetch_case(widened, seed=0)
+    batch, heads, dim, slots = 3, 2, 16, 12
     written = []
     for flag in (True, False):
         buffers = torch.zeros(2, batch * heads * slots, dim)
@@ -224,6 +231,30 @@ def test_fetched_rows_decode_into_the_slots_as_torch_does(widened, parts):
     assert torch.equal(written[0][:, flat], torch.stack(expected))
     untouched = torch.ones(batch * heads * slots, dtype=torch.bool).index_fill_(0, flat, False)
     assert (written[0][:, untouched] == 0).all()
+
+
+@pytest.mark.parametrize("widened", [False, True], ids=["float16-scales", "widened-scales"])
+def test_fetched_codes_move_into_an_int8_region_as_torch_puts_them(widened, parts, monkeypatch):
+    """An INT8 device region takes fetched rows' codes, scales and zero points as stored: the
+    compiled copy (``codes_into``) writes exactly what the gather and advanced-index writes do,
+    into exactly the fetched slots; a host region whose scales were widened past float16 (no
+    longer the device region's dtype) takes PyTorch's path, which widens the device's."""
+    pages, flat, (rows, heads_, slots_), tokens = fetch_case(widened, seed=1)
+    batch, heads, dim, slots = 3, 2, 16, 12
+    stores, keys = [], torch.randn(batch, heads, slots, dim)
+    moved, copy = [], alisa.storage.pages.move_rows
+    monkeypatch.setattr(alisa.storage.pages, "move_rows", lambda *args: moved.append(copy(*args)))
+    for flag in (True, False):
+        store = QuantizedStore(
+            keys, keys, slots, bits=8, group_size=None, residual_tokens=0, groups=heads
+        )
+        moved.clear()
+        store.write_heads(rows, heads_, slots_, pages.fetch(rows, heads_, tokens, compiled=flag))
+        assert len(moved) == (3 if flag and not widened else 0)  # codes, scales, zero points
+        stores.append(store.codes.tensors())
+    assert stores[0][1].dtype == (torch.float32 if widened else torch.float16)
+    for mine, theirs in zip(*stores, strict=True):
+        assert mine.dtype == theirs.dtype and torch.equal(mine, theirs)
 
 
 @pytest.mark.parametrize(

@@ -114,6 +114,39 @@ def gather_rows(source: np.ndarray, rows: np.ndarray, out: np.ndarray, parts: in
                     out[half, entry, byte] = source[half, row, byte]
 
 
+@numba.njit(parallel=True, cache=True, nogil=True)
+def move_rows(
+    source: np.ndarray, rows: np.ndarray, target: np.ndarray, slots: np.ndarray, parts: int
+) -> None:
+    """Copy rows ``rows`` of both halves of a host region into rows ``slots`` of a device
+    region, byte for byte: ``target[h, slots[e]] = source[h, rows[e]]``.
+
+    A fetched token's INT8 codes, scale and zero point go into the device region as they are
+    stored (one call per tensor), where gathering them and writing with advanced indices took
+    six operations per layer (0.43 against 0.13 ms for 2,355 rows at B = 16).
+
+    Parameters
+    ----------
+    source
+        (2, N, W) uint8: the bytes of a host region's keys (0) and values (1), W per row.
+    rows
+        (E,) int64 rows to read, each below N.
+    target
+        (2, M, W) uint8, written at rows ``slots``.
+    slots
+        (E,) int64 distinct rows of ``target``, each below M.
+    parts
+        As :func:`fetch_rows`'s.
+    """
+    for part in numba.prange(parts):
+        start, stop = _span(part, parts, rows.shape[0])
+        for entry in range(start, stop):
+            row, slot = rows[entry], slots[entry]
+            for half in range(source.shape[0]):
+                for byte in range(source.shape[2]):
+                    target[half, slot, byte] = source[half, row, byte]
+
+
 @numba.njit(inline="always")
 def _ring_rows(
     held: np.ndarray,

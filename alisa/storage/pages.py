@@ -23,7 +23,7 @@ import torch
 
 from alisa.config import KV_BITS
 from alisa.kernel_threads import kernel_parts
-from alisa.storage.kernels import HALVES, fetch_rows, gather_rows
+from alisa.storage.kernels import HALVES, fetch_rows, gather_rows, move_rows
 from alisa.storage.mapped import fetch_into, mapped_reads
 from alisa.storage.quantized import SCALE_DTYPE, QuantizedPair
 from alisa.storage.store import flat_rows, page_locked, with_capacity
@@ -67,6 +67,24 @@ class FetchedRows:
             return None
         return self._stored()
 
+    def codes_into(
+        self, bits: int, group: int, codes: tuple[torch.Tensor, ...], rows: torch.Tensor
+    ) -> bool:
+        mine = self.pair
+        if not (
+            self.compiled
+            and mine is not None
+            and (mine.bits, mine.group) == (bits, group)
+            and all(t.dtype == c.dtype for t, c in zip(self.region, codes, strict=True))
+            and codes[0].device.type == "cpu"
+        ):
+            return False
+        parts = kernel_parts(rows.shape[0])
+        for source, target in zip(self.region, codes, strict=True):
+            flat = target.view(2, -1, target.shape[-1])  # (2, B * H_kv * capacity, ·)
+            move_rows(_bytes(source), self.flat.numpy(), _bytes(flat), rows.numpy(), parts)
+        return True
+
     def write_into(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> None:
         """Write the tokens' keys and values into rows (E,) of (M, D) device buffers.
 
@@ -109,15 +127,20 @@ class FetchedRows:
         )
 
 
+def _bytes(tensor: torch.Tensor):
+    """A (2, N, W) tensor's rows as (2, N, W * itemsize) bytes, a view (no copy)."""
+    return tensor.view(torch.uint8).numpy()
+
+
 def gathered(region: torch.Tensor, rows: torch.Tensor, *, pin: bool) -> torch.Tensor:
     """Rows (E,) of a host (2, N, ·) tensor as a new (2, E, ·) host tensor (page-locked with
     ``pin``): ``region.index_select(1, rows)``, by one parallel compiled pass over the bytes.
     ``rows`` must be below N (unchecked here: :meth:`HostPages.fetch` checks the rows it makes)."""
     out = torch.empty((2, rows.shape[0], *region.shape[2:]), dtype=region.dtype, pin_memory=pin)
     gather_rows(
-        region.view(torch.uint8).numpy(),
+        _bytes(region),
         rows.numpy(),
-        out.view(torch.uint8).numpy(),
+        _bytes(out),
         kernel_parts(rows.shape[0]),
     )
     return out

@@ -15,6 +15,7 @@ from alisa.storage.store import (
     DeviceResident,
     HostRows,
     TokenInputs,
+    flat_rows,
     page_locked,
     slot_indices,
     with_capacity,
@@ -333,6 +334,11 @@ class QuantizedStore(DeviceResident):
         full-precision ring is left alone: its entries are used only while their slot still
         holds the token they were written for.
         """
+        pair = self.codes
+        _, batch, kv_heads, capacity, _ = pair.data.shape
+        flat = flat_rows(rows, heads, slots, kv_heads, capacity)
+        if tokens.codes_into(pair.bits, pair.group, pair.tensors(), flat):
+            return
         index = (slice(None), rows, heads, slots)
         codes = tokens.codes(self.codes.bits, self.codes.group)
         if codes is None:

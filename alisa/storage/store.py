@@ -66,6 +66,15 @@ class HostRows(Protocol):
         as they are: no dequantize-requantize round trip); None otherwise."""
         ...
 
+    def codes_into(
+        self, bits: int, group: int, codes: tuple[torch.Tensor, ...], rows: torch.Tensor
+    ) -> bool:
+        """Copy the rows' (data, scale, zero point) as stored into rows (E,) of the caller's
+        ``codes``, each (2, B, H_kv, capacity, ·) (its own buffers), when the host region codes
+        them with ``bits`` and ``group`` in the same dtypes and one compiled pass per tensor can
+        do it (a CPU); else False, nothing written (the caller takes :meth:`codes`)."""
+        ...
+
     def write_into(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> None:
         """Write the tokens, decoded, into rows (E,) of the caller's (M, D) ``keys`` and
         ``values`` (its own buffers, viewed flat): :meth:`decoded` and a scatter, or one
