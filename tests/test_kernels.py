@@ -26,7 +26,7 @@ from alisa.kv.cache import default_keeper
 from alisa.kv.choice import ChoiceInputs, choose, ordered_key
 from alisa.kv.history import PositionHistory
 from alisa.kv.slots import FREE, SlotMap
-from alisa.storage.pages import HostPages
+from alisa.storage.pages import FetchedRows, HostPages
 from alisa.storage.quantized import QuantizedStore
 
 
@@ -242,15 +242,17 @@ def test_fetched_codes_move_into_an_int8_region_as_torch_puts_them(widened, part
     pages, flat, (rows, heads_, slots_), tokens = fetch_case(widened, seed=1)
     batch, heads, dim, slots = 3, 2, 16, 12
     stores, keys = [], torch.randn(batch, heads, slots, dim)
-    moved, copy = [], alisa.storage.pages.move_rows
-    monkeypatch.setattr(alisa.storage.pages, "move_rows", lambda *args: moved.append(copy(*args)))
+    moved, copy = [], FetchedRows.codes_into
+    monkeypatch.setattr(
+        FetchedRows, "codes_into", lambda *args: moved.append(copy(*args)) or moved[-1]
+    )
     for flag in (True, False):
         store = QuantizedStore(
             keys, keys, slots, bits=8, group_size=None, residual_tokens=0, groups=heads
         )
         moved.clear()
         store.write_heads(rows, heads_, slots_, pages.fetch(rows, heads_, tokens, compiled=flag))
-        assert len(moved) == (3 if flag and not widened else 0)  # codes, scales, zero points
+        assert moved == [flag and not widened]  # the compiled copy took the rows, or not
         stores.append(store.codes.tensors())
     assert stores[0][1].dtype == (torch.float32 if widened else torch.float16)
     for mine, theirs in zip(*stores, strict=True):

@@ -102,33 +102,30 @@ def attend_slots(
     grouped = query.reshape(rows, groups, head_dim).contiguous()
     held = positions.numpy()
     if ring is None:
-        empty = np.zeros((rows, 0, head_dim), dtype=np.float32)
-        entries = (empty, empty, _NO_SLOTS, _NO_POSITIONS)
+        ring_keys = ring_values = np.zeros((rows, 0, head_dim), dtype=np.float32)
+        entries = (_NO_SLOTS, _NO_POSITIONS)
     else:
-        entries = (
-            ring.keys.reshape(rows, -1, head_dim).numpy(),
-            ring.values.reshape(rows, -1, head_dim).numpy(),
-            ring.slots.numpy(),
-            ring.positions.numpy(),
+        ring_keys, ring_values = (
+            t.reshape(rows, -1, head_dim).numpy() for t in (ring.keys, ring.values)
         )
-    coded = (
-        [(_NO_SCALES, _NO_SCALES)] * 2
-        if scales is None
-        else [
+        entries = (ring.slots.numpy(), ring.positions.numpy())
+    key_scales = value_scales = (_NO_SCALES, _NO_SCALES)
+    if scales is not None:
+        key_scales, value_scales = (
             tuple(t.view(torch.int16).reshape(rows, capacity).numpy() for t in pair)
             for pair in scales
-        ]
-    )
+        )
     parts = kernel_parts(rows)
     logits = torch.empty(rows, groups, capacity, dtype=torch.float32)
+    keys_stored = keys.reshape(rows, capacity, head_dim).numpy()
     slot_logits(
         grouped.numpy(),
-        keys.reshape(rows, capacity, head_dim).numpy(),
-        *coded[0],
+        keys_stored,
+        *key_scales,
         HALVES,
         held,
-        entries[0],
-        *entries[2:],
+        ring_keys,
+        *entries,
         seen - 1,
         window or 0,
         scaling,
@@ -137,14 +134,15 @@ def attend_slots(
     )
     probabilities = logits.softmax(dim=-1)  # PyTorch's vectorised exponentials
     out = torch.empty_like(grouped)
+    values_stored = values.reshape(rows, capacity, head_dim).numpy()
     slot_output(
         probabilities.numpy(),
-        values.reshape(rows, capacity, head_dim).numpy(),
-        *coded[1],
+        values_stored,
+        *value_scales,
         HALVES,
         held,
-        entries[1],
-        *entries[2:],
+        ring_values,
+        *entries,
         out.numpy(),
         parts,
     )

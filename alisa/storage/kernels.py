@@ -86,49 +86,24 @@ def fetch_rows(
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def gather_rows(source: np.ndarray, rows: np.ndarray, out: np.ndarray, parts: int) -> None:
-    """Copy rows ``rows`` of both halves of a host region into ``out``, byte for byte.
+def move_rows(
+    source: np.ndarray, rows: np.ndarray, target: np.ndarray, slots: np.ndarray, parts: int
+) -> None:
+    """Copy rows ``rows`` of both halves of a region into rows ``slots`` of ``target``, byte
+    for byte: ``target[h, slots[e]] = source[h, rows[e]]``.
 
-    The rows a decode step fetches lie scattered through the whole history, so each is a few
-    cache misses: a gather waits on memory, not on arithmetic, and parts running in parallel
-    keep more of those reads in flight (``torch.index_select`` runs one thread here, and on
-    CUDA its result still had to be copied into page-locked memory before the upload).
+    It serves the fetch twice: gathering the chosen host rows into a new tensor
+    (:func:`alisa.storage.pages.gathered`, ``slots`` = 0..E-1), and moving them straight into an
+    INT8 device region's slots as they are stored (codes, scales, zero points; one call per
+    tensor, where a gather and advanced-index writes took six operations per layer). The rows a
+    decode step fetches lie scattered through the whole history, so each is a few cache misses:
+    the copy waits on memory, not on arithmetic, and parts running in parallel keep more of those
+    reads in flight (``torch.index_select`` runs one thread here).
 
     Parameters
     ----------
     source
         (2, N, W) uint8: the bytes of a region's keys (0) and values (1), W per row.
-    rows
-        (E,) int64 rows to read, each below N.
-    out
-        (2, E, W) uint8, written: ``out[h, e] = source[h, rows[e]]``.
-    parts
-        As :func:`fetch_rows`'s.
-    """
-    for part in numba.prange(parts):
-        start, stop = _span(part, parts, rows.shape[0])
-        for entry in range(start, stop):
-            row = rows[entry]
-            for half in range(source.shape[0]):
-                for byte in range(source.shape[2]):
-                    out[half, entry, byte] = source[half, row, byte]
-
-
-@numba.njit(parallel=True, cache=True, nogil=True)
-def move_rows(
-    source: np.ndarray, rows: np.ndarray, target: np.ndarray, slots: np.ndarray, parts: int
-) -> None:
-    """Copy rows ``rows`` of both halves of a host region into rows ``slots`` of a device
-    region, byte for byte: ``target[h, slots[e]] = source[h, rows[e]]``.
-
-    A fetched token's INT8 codes, scale and zero point go into the device region as they are
-    stored (one call per tensor), where gathering them and writing with advanced indices took
-    six operations per layer (0.43 against 0.13 ms for 2,355 rows at B = 16).
-
-    Parameters
-    ----------
-    source
-        (2, N, W) uint8: the bytes of a host region's keys (0) and values (1), W per row.
     rows
         (E,) int64 rows to read, each below N.
     target

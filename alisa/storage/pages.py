@@ -19,11 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from alisa.config import KV_BITS
 from alisa.kernel_threads import kernel_parts
-from alisa.storage.kernels import HALVES, fetch_rows, gather_rows, move_rows
+from alisa.storage.kernels import HALVES, fetch_rows, move_rows
 from alisa.storage.mapped import fetch_into, mapped_reads
 from alisa.storage.quantized import SCALE_DTYPE, QuantizedPair
 from alisa.storage.store import flat_rows, page_locked, with_capacity
@@ -49,7 +50,7 @@ class FetchedRows:
     def _stored(self) -> tuple[torch.Tensor, ...]:
         """The rows as stored, each (2, E, ·), on the model's device.
 
-        Gathered on the host by :func:`alisa.storage.kernels.gather_rows`, straight into
+        Gathered on the host by :func:`gathered`, straight into
         page-locked memory when the device is CUDA, so each copy up is asynchronous (on the
         compute stream: see the module) without a second host copy to pin it.
         """
@@ -137,12 +138,8 @@ def gathered(region: torch.Tensor, rows: torch.Tensor, *, pin: bool) -> torch.Te
     ``pin``): ``region.index_select(1, rows)``, by one parallel compiled pass over the bytes.
     ``rows`` must be below N (unchecked here: :meth:`HostPages.fetch` checks the rows it makes)."""
     out = torch.empty((2, rows.shape[0], *region.shape[2:]), dtype=region.dtype, pin_memory=pin)
-    gather_rows(
-        _bytes(region),
-        rows.numpy(),
-        _bytes(out),
-        kernel_parts(rows.shape[0]),
-    )
+    order = np.arange(rows.shape[0], dtype=np.int64)  # out's rows, in the order asked
+    move_rows(_bytes(region), rows.numpy(), _bytes(out), order, kernel_parts(rows.shape[0]))
     return out
 
 

@@ -259,7 +259,9 @@ class QuantizedStore(DeviceResident):
             and codes.scale.dtype == torch.float16
         ):
             return None
-        halves = [Scales(codes.scale[half, ..., 0], codes.zero[half, ..., 0]) for half in (0, 1)]
+        keys, values = (
+            Scales(codes.scale[half, ..., 0], codes.zero[half, ..., 0]) for half in (0, 1)
+        )
         ring = None
         if self.residual:
             ring = Ring(self.ring_keys, self.ring_values, self.ring_slots, self.ring_positions)
@@ -271,7 +273,7 @@ class QuantizedStore(DeviceResident):
             seen,
             window,
             scaling,
-            scales=(halves[0], halves[1]),
+            scales=(keys, values),
             ring=ring,
         )
 
@@ -335,7 +337,7 @@ class QuantizedStore(DeviceResident):
         holds the token they were written for.
         """
         pair = self.codes
-        _, batch, kv_heads, capacity, _ = pair.data.shape
+        kv_heads, capacity = pair.data.shape[2:4]
         flat = flat_rows(rows, heads, slots, kv_heads, capacity)
         if tokens.codes_into(pair.bits, pair.group, pair.tensors(), flat):
             return
