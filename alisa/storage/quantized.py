@@ -8,9 +8,11 @@ and HF's ``QuantizedLayer`` keep a residual), when they still hold the token the
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from alisa.storage.attend import Ring, Scales, attend_slots, takes
+from alisa.storage.kernels import code_rows
 from alisa.storage.store import (
     DeviceResident,
     HostRows,
@@ -303,9 +305,43 @@ class QuantizedStore(DeviceResident):
         inputs: TokenInputs | None = None,
     ) -> None:
         """Store one token per (sequence, group) at ``slots`` (B, Hs, 1)."""
-        rows, heads, slots_ = slot_indices(slots, keys.shape[1])
-        self.codes.write((slice(None), rows, heads, slots_), torch.stack([keys, values]))
+        batch, kv_heads = keys.shape[:2]
+        rows, heads, slots_ = slot_indices(slots, kv_heads)
+        tokens = torch.stack([keys, values])  # (2, B, H_kv, 1, D)
+        if not (
+            self._codes_rows(tokens)
+            and code_rows(
+                *self._code_arrays(tokens.view(2, batch * kv_heads, -1)),
+                flat_rows(rows, heads, slots_, kv_heads, self.capacity).reshape(-1).numpy(),
+            )
+        ):
+            self.codes.write((slice(None), rows, heads, slots_), tokens)
         self._remember(slots, keys[:, :, 0], values[:, :, 0], position)
+
+    def _codes_rows(self, tokens: torch.Tensor) -> bool:
+        """Whether :func:`~alisa.storage.kernels.code_rows` may quantize and write ``tokens``
+        (a CPU, float32 tokens, INT8 with one float16 scale per row): one compiled call where
+        quantize and three writes are two dozen small operations per layer and step."""
+        codes = self.codes
+        return (
+            self.compiled
+            and tokens.device.type == "cpu"
+            and tokens.dtype == torch.float32
+            and codes.bits == 8
+            and codes.group == codes.head_dim
+            and codes.scale.dtype == SCALE_DTYPE
+        )
+
+    def _code_arrays(self, tokens: torch.Tensor) -> tuple[np.ndarray, ...]:
+        """``tokens`` (2, E, D) and the region's codes, scale and zero point bits as the
+        (2, E, D) / (2, N, D) / (2, N) / (2, N) arrays :func:`code_rows` takes."""
+        data, scale, zero = self.codes.tensors()
+        return (
+            tokens.contiguous().numpy(),
+            data.view(2, -1, data.shape[-1]).numpy(),
+            scale.view(torch.int16).view(2, -1).numpy(),
+            zero.view(torch.int16).view(2, -1).numpy(),
+        )
 
     def write_entries(
         self,
@@ -317,10 +353,20 @@ class QuantizedStore(DeviceResident):
         inputs: TokenInputs | None = None,
     ) -> None:
         """Store one token for some sequences: rows, slots (E,), keys/values (E, H_kv, D)."""
-        # rows/slots are advanced indices around a slice: numpy puts their dimension first.
-        self.codes.write(
-            (slice(None), rows, slice(None), slots), torch.stack([keys, values], dim=1)
-        )
+        entries, kv_heads = keys.shape[:2]
+        tokens = torch.stack([keys, values])  # (2, E, H_kv, D)
+        heads = torch.arange(kv_heads, device=rows.device).view(1, kv_heads)
+        if not (
+            self._codes_rows(tokens)
+            and code_rows(
+                *self._code_arrays(tokens.view(2, entries * kv_heads, -1)),
+                flat_rows(rows.view(-1, 1), heads, slots.view(-1, 1), kv_heads, self.capacity)
+                .reshape(-1)
+                .numpy(),
+            )
+        ):
+            # rows/slots are advanced indices around a slice: numpy puts their dimension first.
+            self.codes.write((slice(None), rows, slice(None), slots), tokens.transpose(0, 1))
         if self.residual:
             entry = position % self.residual
             self.ring_keys[rows, :, entry] = keys
