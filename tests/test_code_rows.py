@@ -110,8 +110,8 @@ def store_pair(compiled: bool, heads: int, groups: int, residual: int):
 @pytest.mark.parametrize("groups", [1, 2], ids=["one-group", "per-head"])
 @pytest.mark.parametrize("kind", ["normal", "positive"], ids=["kernel", "widening"])
 def test_a_store_writes_new_tokens_as_the_reference_does(groups, kind, monkeypatch):
-    """write_slots and write_entries, compiled and not: the same region, byte for byte; a row
-    that needs wider scales takes the reference's path (and widens the region)."""
+    """write_range, write_slots and write_entries, compiled and not: the same region, byte for
+    byte; a row that needs wider scales takes the reference's path (and widens the region)."""
     calls = []
     original = alisa.storage.quantized.code_rows
     monkeypatch.setattr(
@@ -122,11 +122,13 @@ def test_a_store_writes_new_tokens_as_the_reference_does(groups, kind, monkeypat
     rng = np.random.default_rng(3)
     regions = []
     for compiled in (True, False):
-        store = store_pair(compiled, heads=2, groups=groups, residual=2)
+        store = store_pair(compiled, heads=2, groups=groups, residual=2)  # slots 0-5
+        tokens = rows_of(kind, rng, entries=3 * 2 * 2, width=16).view(2, 3, 2, 2, 16)
+        store.write_range(6, tokens[0], tokens[1], position=6)
         for step in range(3):
             token = rows_of(kind, rng, entries=3 * 2, width=16).view(2, 3, 2, 1, 16)
-            slots = torch.tensor([[[6 + step]], [[9]], [[12 - step]]]).expand(3, groups, 1)
-            store.write_slots(slots, token[0], token[1], position=6 + step)
+            slots = torch.tensor([[[8 + step]], [[11]], [[14 - step]]]).expand(3, groups, 1)
+            store.write_slots(slots, token[0], token[1], position=8 + step)
         token = rows_of("normal", rng, entries=2 * 2, width=16).view(2, 2, 2, 16)
         store.write_entries(
             torch.tensor([0, 2]), torch.tensor([15, 16]), token[0], token[1], position=9
@@ -134,8 +136,9 @@ def test_a_store_writes_new_tokens_as_the_reference_does(groups, kind, monkeypat
         regions.append([t.clone() for t in store.codes.tensors()])
         rng = np.random.default_rng(3)
     widened = kind == "positive"
-    # widened once, the region's scales are no longer float16: the kernel is not asked again
-    assert calls == ([False] if widened else [True] * 4)
+    # construction, write_range, write_slots x 3, write_entries; widened once, the region's
+    # scales are no longer float16 and the kernel is not asked again
+    assert calls == ([True, False] if widened else [True] * 6)  # the compiled store only
     assert (regions[0][1].dtype == torch.float16) is not widened
     for mine, theirs in zip(*regions, strict=True):
         assert mine.dtype == theirs.dtype

@@ -8,6 +8,8 @@ and HF's ``QuantizedLayer`` keep a residual), when they still hold the token the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -288,10 +290,12 @@ class QuantizedStore(DeviceResident):
         inputs: TokenInputs | None = None,
     ) -> None:
         """Store (B, H_kv, q, D) tokens at slots [start, start + q); positions from ``position``."""
-        end = start + keys.shape[2]
-        self.codes.write(
-            (slice(None), slice(None), slice(None), slice(start, end)), torch.stack([keys, values])
-        )
+        batch, kv_heads, count = keys.shape[:3]
+        tokens = torch.stack([keys, values])  # (2, B, H_kv, q, D)
+        rows = np.arange(batch * kv_heads).reshape(-1, 1) * self.capacity
+        if not self._code_rows(tokens, lambda: (rows + np.arange(start, start + count)).ravel()):
+            index = (slice(None), slice(None), slice(None), slice(start, start + count))
+            self.codes.write(index, tokens)
         for offset in range(max(0, keys.shape[2] - self.residual), keys.shape[2]):
             slots = torch.full_like(self.ring_slots[..., :1], start + offset)
             self._remember(slots, keys[:, :, offset], values[:, :, offset], position + offset)
@@ -305,42 +309,39 @@ class QuantizedStore(DeviceResident):
         inputs: TokenInputs | None = None,
     ) -> None:
         """Store one token per (sequence, group) at ``slots`` (B, Hs, 1)."""
-        batch, kv_heads = keys.shape[:2]
+        kv_heads = keys.shape[1]
         rows, heads, slots_ = slot_indices(slots, kv_heads)
         tokens = torch.stack([keys, values])  # (2, B, H_kv, 1, D)
-        if not (
-            self._codes_rows(tokens)
-            and code_rows(
-                *self._code_arrays(tokens.view(2, batch * kv_heads, -1)),
-                flat_rows(rows, heads, slots_, kv_heads, self.capacity).reshape(-1).numpy(),
-            )
+        if not self._code_rows(
+            tokens, lambda: flat_rows(rows, heads, slots_, kv_heads, self.capacity).view(-1).numpy()
         ):
             self.codes.write((slice(None), rows, heads, slots_), tokens)
         self._remember(slots, keys[:, :, 0], values[:, :, 0], position)
 
-    def _codes_rows(self, tokens: torch.Tensor) -> bool:
-        """Whether :func:`~alisa.storage.kernels.code_rows` may quantize and write ``tokens``
-        (a CPU, float32 tokens, INT8 with one float16 scale per row): one compiled call where
-        quantize and three writes are two dozen small operations per layer and step."""
-        codes = self.codes
-        return (
+    def _code_rows(self, tokens: torch.Tensor, targets: Callable[[], np.ndarray]) -> bool:
+        """Quantize ``tokens`` (2, ..., D: keys and values, one row per (sequence, KV head,
+        token)) into the region rows ``targets()`` gives ((E,) int64 numpy rows of its
+        (B * H_kv * capacity) view) by :func:`~alisa.storage.kernels.code_rows`, where it takes
+        them (a CPU, float32 tokens, INT8 with one float16 scale per row): one compiled call
+        where quantize and three writes are two dozen small operations per layer and step.
+        False: nothing written, the caller takes quantize's path."""
+        pair = self.codes
+        if not (
             self.compiled
             and tokens.device.type == "cpu"
             and tokens.dtype == torch.float32
-            and codes.bits == 8
-            and codes.group == codes.head_dim
-            and codes.scale.dtype == SCALE_DTYPE
-        )
-
-    def _code_arrays(self, tokens: torch.Tensor) -> tuple[np.ndarray, ...]:
-        """``tokens`` (2, E, D) and the region's codes, scale and zero point bits as the
-        (2, E, D) / (2, N, D) / (2, N) / (2, N) arrays :func:`code_rows` takes."""
-        data, scale, zero = self.codes.tensors()
-        return (
-            tokens.contiguous().numpy(),
+            and pair.bits == 8
+            and pair.group == pair.head_dim
+            and pair.scale.dtype == SCALE_DTYPE
+        ):
+            return False
+        data, scale, zero = pair.tensors()
+        return code_rows(
+            tokens.reshape(2, -1, tokens.shape[-1]).numpy(),
             data.view(2, -1, data.shape[-1]).numpy(),
             scale.view(torch.int16).view(2, -1).numpy(),
             zero.view(torch.int16).view(2, -1).numpy(),
+            targets(),
         )
 
     def write_entries(
@@ -353,17 +354,16 @@ class QuantizedStore(DeviceResident):
         inputs: TokenInputs | None = None,
     ) -> None:
         """Store one token for some sequences: rows, slots (E,), keys/values (E, H_kv, D)."""
-        entries, kv_heads = keys.shape[:2]
+        kv_heads = keys.shape[1]
         tokens = torch.stack([keys, values])  # (2, E, H_kv, D)
         heads = torch.arange(kv_heads, device=rows.device).view(1, kv_heads)
-        if not (
-            self._codes_rows(tokens)
-            and code_rows(
-                *self._code_arrays(tokens.view(2, entries * kv_heads, -1)),
+        if not self._code_rows(
+            tokens,
+            lambda: (
                 flat_rows(rows.view(-1, 1), heads, slots.view(-1, 1), kv_heads, self.capacity)
-                .reshape(-1)
-                .numpy(),
-            )
+                .view(-1)
+                .numpy()
+            ),
         ):
             # rows/slots are advanced indices around a slice: numpy puts their dimension first.
             self.codes.write((slice(None), rows, slice(None), slots), tokens.transpose(0, 1))
