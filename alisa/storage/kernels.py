@@ -165,8 +165,8 @@ def code_rows(
     zero: np.ndarray,
     target: np.ndarray,
 ) -> bool:
-    """Quantize one new token per row to INT8 codes with a float16 scale and zero point per
-    row, written straight into its slot: the same bytes as :func:`quant.quantize` (``bits=8``,
+    """Quantize token rows to INT8 codes with a float16 scale and zero point per row, written
+    straight into their slots: the same bytes as :func:`quant.quantize` (``bits=8``,
     one group per row, float16 scales) followed by three advanced-index writes, which took
     about two dozen small operations per layer and step (0.9 ms at B = 16 on a CPU).
 
@@ -176,12 +176,13 @@ def code_rows(
     Where quantize would widen the scales to float32 (a scale past float16's range, a constant
     row float16 cannot hold, or a zero point past 2,048, where float16 stops holding every
     integer) nothing is written and False comes back: the caller then takes quantize's path.
-    Rows are few (one per sequence and KV head) and short: one thread.
+    One thread: a decode step brings one row per (sequence, KV head); a prompt's rows (B x H_kv
+    x q) take 53 ms per layer at 16 x 3 x 2,048, where quantize's path took about 300.
 
     Parameters
     ----------
     tokens
-        (2, E, D) float32 keys (0) and values (1), one row per (sequence, KV head).
+        (2, E, D) float32 keys (0) and values (1), one row per (sequence, KV head, token).
     codes
         (2, N, D) uint8 region rows, written at rows ``target``.
     scale, zero
