@@ -117,10 +117,8 @@ class FetchedRows:
         return (
             self.compiled
             and pair is not None
-            and pair.bits == 8
-            and pair.group == pair.head_dim  # one scale per row (as HostPages codes them)
+            and pair.int8_rows()  # as HostPages codes them (widened scales: PyTorch's path)
             and pair.dtype == torch.float32  # dequantize computes in float32, as the kernel
-            and pair.scale.dtype == torch.float16  # (a widened scale takes PyTorch's path)
             and keys.dtype == values.dtype == torch.float32
             and keys.device.type == "cpu"
             and keys.is_contiguous()
@@ -296,9 +294,7 @@ class HostPages:
         """Whether :meth:`fetch_placed` can take this region: 16-bit rows, or INT8 codes with
         one float16 scale per row (INT4, or scales widened by an outlier, take :meth:`fetch`)."""
         pair = self.pair
-        return pair is None or (
-            pair.bits == 8 and pair.group == pair.head_dim and pair.scale.dtype == torch.float16
-        )
+        return pair is None or pair.int8_rows()
 
     def fetch_placed(
         self,

@@ -52,6 +52,11 @@ class QuantizedPair:
     def nbytes(self) -> int:
         return self.data.nbytes + self.scale.nbytes + self.zero.nbytes
 
+    def int8_rows(self) -> bool:
+        """Whether the codes are INT8 with one float16 scale and zero point per row: the format
+        the compiled CPU kernels read and write (grouped, INT4 or widened scales are not)."""
+        return self.bits == 8 and self.group == self.head_dim and self.scale.dtype == SCALE_DTYPE
+
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.data, self.scale, self.zero
 
@@ -257,10 +262,8 @@ class QuantizedStore(DeviceResident):
         if not (
             self.compiled
             and takes(query, codes.data)
-            and codes.bits == 8
-            and codes.group == codes.head_dim
+            and codes.int8_rows()
             and codes.dtype == torch.float32
-            and codes.scale.dtype == torch.float16
         ):
             return None
         keys, values = (
@@ -292,8 +295,13 @@ class QuantizedStore(DeviceResident):
         """Store (B, H_kv, q, D) tokens at slots [start, start + q); positions from ``position``."""
         batch, kv_heads, count = keys.shape[:3]
         tokens = torch.stack([keys, values])  # (2, B, H_kv, q, D)
-        rows = np.arange(batch * kv_heads).reshape(-1, 1) * self.capacity
-        if not self._code_rows(tokens, lambda: (rows + np.arange(start, start + count)).ravel()):
+        if not self._code_rows(
+            tokens,
+            lambda: (
+                np.arange(batch * kv_heads).reshape(-1, 1) * self.capacity
+                + np.arange(start, start + count)
+            ).ravel(),
+        ):
             index = (slice(None), slice(None), slice(None), slice(start, start + count))
             self.codes.write(index, tokens)
         for offset in range(max(0, keys.shape[2] - self.residual), keys.shape[2]):
@@ -330,9 +338,7 @@ class QuantizedStore(DeviceResident):
             self.compiled
             and tokens.device.type == "cpu"
             and tokens.dtype == torch.float32
-            and pair.bits == 8
-            and pair.group == pair.head_dim
-            and pair.scale.dtype == SCALE_DTYPE
+            and pair.int8_rows()
         ):
             return False
         data, scale, zero = pair.tensors()
