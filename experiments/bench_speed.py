@@ -10,6 +10,12 @@
 
 Each system runs in its own process (same environment; allocator settings are reported) after a
 warm-up; decode speed is batch / median step time. Prints a table, then one JSON line.
+
+``--rounds N`` runs the systems N times, every other round in reverse order, so that a drift of
+the machine's speed falls on every system alike: a row gives the median of its rounds' step times,
+its speed-up the median of the rounds' paired ratios (the baseline measured in the same round).
+On a small shared CPU the same system's step moves by 20-50 % between processes
+(docs/host-speed.md, stop 49), more than the differences a target asks about.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 
 from alisa.sizes import parse_bytes
@@ -53,6 +60,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "weights cost more to draw per system than the run itself); peaks are reset per system",
     )
     parser.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        help="run the systems this many times, every other round in reverse order; rows give "
+        "medians over rounds, speed-ups the median of each round's ratio to the baseline",
+    )
+    parser.add_argument(
         "--budget",
         type=parse_bytes,
         default=None,
@@ -60,6 +74,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         "measured peak, scaled linearly in the batch, fits it",
     )
     return parser.parse_args(argv)
+
+
+def positive_int(text: str) -> int:
+    """``"3"`` -> 3; anything else is an argparse error naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
 
 
 def worker_options(args: argparse.Namespace) -> dict:
@@ -115,6 +140,46 @@ def run_in_process(systems: list[str], args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def run_rounds(systems: list[str], args: argparse.Namespace) -> list[list[dict]]:
+    """``args.rounds`` lists of rows, each in the order of ``systems`` (odd rounds run in
+    reverse), each row with its speed-up against the baseline of its own round."""
+    rounds = []
+    for index in range(args.rounds):
+        order = systems if index % 2 == 0 else systems[::-1]
+        label = f"round {index + 1}/{args.rounds} " if args.rounds > 1 else ""
+        if args.in_process:
+            rows = run_in_process(order, args)
+        else:
+            rows = run_systems(order, worker_options(args), label)
+        compare(rows, BASELINE)
+        rounds.append(rows if index % 2 == 0 else rows[::-1])
+    return rounds
+
+
+def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """One row per system from its rounds (lists of rows in the same order): the first round's
+    row with the median step time (and the decode speed it gives), the median time to first
+    token, the largest peak, the median of the rounds' speed-ups and each round's figures. A
+    system that failed in any round is that round's error row."""
+    merged = []
+    for runs in zip(*rounds, strict=True):
+        failed = next((row for row in runs if "error" in row), None)
+        if failed is not None or len(runs) == 1:
+            merged.append(failed or runs[0])
+            continue
+        steps = [row["median_step_ms"] for row in runs]
+        row = {**runs[0], "median_step_ms": statistics.median(steps), "round_step_ms": steps}
+        row["decode_tokens_per_s"] = row["batch"] / (row["median_step_ms"] / 1000)
+        row["ttft_s"] = statistics.median(run["ttft_s"] for run in runs)
+        row["peak_rss_bytes"] = max(run["peak_rss_bytes"] for run in runs)
+        if all("speedup_vs_baseline" in run for run in runs):
+            speedups = [run["speedup_vs_baseline"] for run in runs]
+            row["speedup_vs_baseline"] = statistics.median(speedups)
+            row["round_speedups"] = speedups
+        merged.append(row)
+    return merged
+
+
 def fitting_batch(row: dict, budget: int) -> int:
     """The largest batch whose peak fits ``budget`` bytes, were the run's peak above the
     weights linear in the batch (KV and activations per row; an estimate from one measured
@@ -160,10 +225,16 @@ def print_table(rows: list[dict]) -> None:
             continue
         tiers, dense = row["kv_tier_bytes"], row["dense_fp32_kv_bytes"]
         shares = f"{tiers['device'] / dense:.3f} / {tiers.get('host', 0) / dense:.3f}"
+        step = f"{row['median_step_ms']:.0f}"
+        speedup = f"{row.get('speedup_vs_baseline', 0):.2f}x"
+        if "round_step_ms" in row:  # the rounds' own figures after the median
+            step += " (" + ", ".join(f"{value:.0f}" for value in row["round_step_ms"]) + ")"
+        if "round_speedups" in row:
+            speedup += " (" + ", ".join(f"{value:.2f}" for value in row["round_speedups"]) + ")"
         print(
-            f"| {row['system']} | {row['decode_tokens_per_s']:.1f} | {row['median_step_ms']:.0f} | "
+            f"| {row['system']} | {row['decode_tokens_per_s']:.1f} | {step} | "
             f"{row['ttft_s']:.1f} | {row['kv_bytes'] / 2**20:.1f} | {shares} | "
-            f"{row['peak_rss_bytes'] / 2**20:.0f} | {row.get('speedup_vs_baseline', 0):.2f}x |"
+            f"{row['peak_rss_bytes'] / 2**20:.0f} | {speedup} |"
         )
 
 
@@ -190,12 +261,7 @@ def main(argv=None) -> int:
     if error is not None:
         print(f"bench_speed: error: {error}", file=sys.stderr)
         return 2
-    systems = args.systems.split(";")
-    if args.in_process:
-        rows = run_in_process(systems, args)
-    else:
-        rows = run_systems(systems, worker_options(args))
-    compare(rows, BASELINE)
+    rows = merge_rounds(run_rounds(args.systems.split(";"), args))
     if args.budget is not None:
         for row in rows:
             if "error" not in row:
@@ -205,6 +271,7 @@ def main(argv=None) -> int:
         "benchmark": "decode_speed",
         **worker_options(args),
         "in_process": args.in_process,
+        "rounds": args.rounds,
         "budget_bytes": args.budget,
         **environment(args),
         "systems": rows,

@@ -100,6 +100,7 @@ def test_the_benchmark_tokenizer_ids_fit_every_shape():
 
 
 FULL, DROP, HOST = bench_context.SYSTEMS[1:4]
+BASE = bench_speed.BASELINE
 
 
 def fake_rows(batch=2, context=1000):
@@ -242,3 +243,72 @@ def test_the_cost_model_benchmark_takes_a_shape_with_random_prompts(monkeypatch)
     with pytest.raises(RuntimeError, match="stop here"):
         bench_cost_model.bench_dtype(args, "bfloat16")
     assert loaded == [("shape:llama-3.2-1b", "bfloat16", "bytes")]
+
+
+def test_rounds_alternate_the_order_and_pair_each_ratio_with_its_own_rounds_baseline(
+    monkeypatch, capsys
+):
+    """``--rounds 3``: the systems run forwards, backwards, forwards; a row's step is the
+    median of its rounds, its speed-up the median of the per-round ratios (not the ratio of the
+    medians), and a system failing in one round is that round's error row."""
+    orders = []
+    # step ms per (round, system), the machine slow in round 2: the host row's ratios to the
+    # baseline are 3.0, 1.2, 1.2 (median 1.2) where the ratio of the medians would be 60 / 25
+    steps = [{BASE: 60.0, HOST: 20.0}, {BASE: 120.0, HOST: 100.0}, {BASE: 30.0, HOST: 25.0}]
+
+    def run_systems(systems, options, label=""):
+        round_ = len(orders)
+        orders.append((list(systems), label))
+        rows = []
+        for system in systems:
+            if system == "broken" and round_ == 1:
+                rows.append({"system": system, "error": "RuntimeError: out of memory"})
+                continue
+            ms = steps[round_].get(system, 10.0)
+            rows.append(
+                {
+                    "system": system,
+                    "batch": 2,
+                    "median_step_ms": ms,
+                    "decode_tokens_per_s": 2 / (ms / 1000),
+                    "ttft_s": 1.0 + round_,
+                    "kv_bytes": 2**20,
+                    "kv_tier_bytes": {"device": 2**20, "host": 0},
+                    "dense_fp32_kv_bytes": 2**20,
+                    "peak_rss_bytes": (round_ + 1) * 2**30,
+                    "token_ids": [[1]],
+                }
+            )
+        return rows
+
+    monkeypatch.setattr(bench_speed, "run_systems", run_systems)
+    assert bench_speed.main(["--rounds", "3", "--systems", f"{BASE};{HOST};broken"]) == 0
+    assert [order for order, _ in orders] == [
+        [BASE, HOST, "broken"],
+        ["broken", HOST, BASE],
+        [BASE, HOST, "broken"],
+    ]
+    assert [label for _, label in orders] == ["round 1/3 ", "round 2/3 ", "round 3/3 "]
+    out = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(out[-1])
+    assert report["rounds"] == 3
+    rows = {row["system"]: row for row in report["systems"]}
+    host = rows[HOST]
+    assert host["round_step_ms"] == [20.0, 100.0, 25.0] and host["median_step_ms"] == 25.0
+    assert host["decode_tokens_per_s"] == pytest.approx(2 / 0.025)
+    assert host["round_speedups"] == pytest.approx([3.0, 1.2, 1.2])
+    assert host["speedup_vs_baseline"] == pytest.approx(1.2)
+    assert host["ttft_s"] == 2.0 and host["peak_rss_bytes"] == 3 * 2**30
+    assert "token_ids" not in host
+    assert rows[BASE]["speedup_vs_baseline"] == 1.0
+    assert rows["broken"] == {"system": "broken", "error": "RuntimeError: out of memory"}
+    table = "\n".join(out[:-1])
+    assert "| 25 (20, 100, 25) |" in table and "| 1.20x (3.00, 1.20, 1.20) |" in table
+
+
+def test_rounds_must_be_a_positive_integer(capsys):
+    assert bench_speed.parse_args([]).rounds == 1
+    for bad in ("0", "-2", "two"):
+        with pytest.raises(SystemExit):
+            bench_speed.parse_args(["--rounds", bad])
+        assert f"{bad!r} is not a positive integer" in capsys.readouterr().err
