@@ -192,8 +192,8 @@ def test_hf_offloaded_cache_is_refused_off_cuda():
 
 
 def test_in_process_runs_every_system_on_one_model_and_reports_what_fits(monkeypatch, capsys):
-    """``--in-process`` loads once; a system that cannot run is a row with its error, the rest
-    still run; ``--budget`` adds the batch a measured peak would fit."""
+    """``--in-process`` loads once per round; a system that cannot run is a row with its error,
+    the rest still run; ``--budget`` adds the batch a measured peak would fit."""
     from conftest import tiny_llama
 
     from experiments import worker
@@ -208,15 +208,16 @@ def test_in_process_runs_every_system_on_one_model_and_reports_what_fits(monkeyp
     host = "alisa:policy=swa,caching_ratio=0.2,retention=host"
     argv = ["--batch", "2", "--prompt-tokens", "40", "--new-tokens", "3", "--prompts", "random"]
     argv += ["--in-process", "--budget", "1GiB", "--systems", f"hf-dynamic;hf-offloaded;{host}"]
-    assert bench_speed.main(argv) == 0
+    assert bench_speed.main([*argv, "--rounds", "2"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert len(loads) == 1 and report["in_process"] and report["prompts"] == "random"
+    assert len(loads) == 2 and report["in_process"] and report["prompts"] == "random"
     rows = {row["system"]: row for row in report["systems"]}
     assert "needs a model on CUDA" in rows["hf-offloaded"]["error"]
     for name in ("hf-dynamic", host):
         row = rows[name]
         assert row["generated_tokens"] == 6  # equal work: EOS does not stop a benchmark row
         assert row["batch_in_budget"] == bench_speed.fitting_batch(row, GIB) > 0
+        assert len(row["round_step_ms"]) == 2 and len(row["round_speedups"]) == 2
     assert rows["hf-dynamic"]["speedup_vs_baseline"] == 1.0
 
 
