@@ -30,7 +30,13 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from experiments.bench_speed import check_model, environment, run_systems, worker_options
+from experiments.bench_speed import (
+    check_model,
+    environment,
+    positive_int,
+    run_systems,
+    worker_options,
+)
 from experiments.worker import add_prompts_argument
 
 SYSTEMS = (
@@ -45,12 +51,10 @@ SYSTEMS = (
 def positive_ints(text: str) -> list[int]:
     """``"2048,4096"`` -> [2048, 4096]; anything else is an argparse error naming the value."""
     try:
-        values = [int(item) for item in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of positive integers")
-    return values
+        return [positive_int(item) for item in text.split(",")]
+    except argparse.ArgumentTypeError:
+        message = f"{text!r} is not a comma list of positive integers"
+        raise argparse.ArgumentTypeError(message) from None
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -112,23 +112,24 @@ def run_systems(systems: list[str], options: dict, label: str = "") -> list[dict
     return rows
 
 
-def run_in_process(systems: list[str], args: argparse.Namespace) -> list[dict]:
-    """One row per system, all on one model loaded here; each row's peak is its own (the
-    device's peak statistics are reset, and freed blocks returned, between systems)."""
+def run_in_process(systems: list[str], workload: tuple, new_tokens: int) -> list[dict]:
+    """One row per system, all on one loaded ``workload`` (model, tokenizer, prompts); each
+    row's peak is its own (the device's peak statistics are reset, and freed blocks returned,
+    between systems)."""
     import gc
 
     import torch
 
-    from experiments.worker import load_workload, measure_system
+    from experiments.worker import measure_system
 
-    model, tokenizer, prompts = load_workload(args)
+    model, tokenizer, prompts = workload
     rows = []
     for system in systems:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         try:
-            rows.append(measure_system(model, tokenizer, prompts, system, args.new_tokens))
+            rows.append(measure_system(model, tokenizer, prompts, system, new_tokens))
         except (torch.OutOfMemoryError, ValueError, RuntimeError) as error:
             # a system that does not fit, or cannot run here, is a row of the table
             rows.append({"system": system, "error": f"{type(error).__name__}: {str(error)[:300]}"})
@@ -142,13 +143,19 @@ def run_in_process(systems: list[str], args: argparse.Namespace) -> list[dict]:
 
 def run_rounds(systems: list[str], args: argparse.Namespace) -> list[list[dict]]:
     """``args.rounds`` lists of rows, each in the order of ``systems`` (odd rounds run in
-    reverse), each row with its speed-up against the baseline of its own round."""
+    reverse), each row with its speed-up against the baseline of its own round. In process,
+    the model is loaded once for every round."""
+    workload = None
+    if args.in_process:
+        from experiments.worker import load_workload
+
+        workload = load_workload(args)
     rounds = []
     for index in range(args.rounds):
         order = systems if index % 2 == 0 else systems[::-1]
         label = f"round {index + 1}/{args.rounds} " if args.rounds > 1 else ""
-        if args.in_process:
-            rows = run_in_process(order, args)
+        if workload is not None:
+            rows = run_in_process(order, workload, args.new_tokens)
         else:
             rows = run_systems(order, worker_options(args), label)
         compare(rows, BASELINE)

@@ -192,8 +192,8 @@ def test_hf_offloaded_cache_is_refused_off_cuda():
 
 
 def test_in_process_runs_every_system_on_one_model_and_reports_what_fits(monkeypatch, capsys):
-    """``--in-process`` loads once per round; a system that cannot run is a row with its error,
-    the rest still run; ``--budget`` adds the batch a measured peak would fit."""
+    """``--in-process`` loads once, for every round; a system that cannot run is a row with its
+    error, the rest still run; ``--budget`` adds the batch a measured peak would fit."""
     from conftest import tiny_llama
 
     from experiments import worker
@@ -210,7 +210,7 @@ def test_in_process_runs_every_system_on_one_model_and_reports_what_fits(monkeyp
     argv += ["--in-process", "--budget", "1GiB", "--systems", f"hf-dynamic;hf-offloaded;{host}"]
     assert bench_speed.main([*argv, "--rounds", "2"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert len(loads) == 2 and report["in_process"] and report["prompts"] == "random"
+    assert len(loads) == 1 and report["in_process"] and report["prompts"] == "random"
     rows = {row["system"]: row for row in report["systems"]}
     assert "needs a model on CUDA" in rows["hf-offloaded"]["error"]
     for name in ("hf-dynamic", host):
