@@ -98,6 +98,7 @@ def worker_options(args: argparse.Namespace) -> dict:
         "threads",
         "data_dir",
         "prompts",
+        "text",
     )
     return {key: getattr(args, key) for key in keys}
 

@@ -25,15 +25,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--data-dir", default=None)
-    parser.add_argument(
-        "--text", default=None, help="a UTF-8 text file for the prompts instead of WikiText-2"
-    )
     add_prompts_argument(parser)
     return parser.parse_args(argv)
 
 
 def add_prompts_argument(parser: argparse.ArgumentParser) -> None:
-    """``--prompts text|random`` (the worker's, and every benchmark that passes it on)."""
+    """``--prompts text|random`` and ``--text FILE`` (the worker's, and every benchmark that
+    passes them on)."""
+    parser.add_argument(
+        "--text", default=None, help="a UTF-8 text file for the prompts instead of WikiText-2"
+    )
     parser.add_argument(
         "--prompts",
         choices=("text", "random"),

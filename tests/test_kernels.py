@@ -9,6 +9,7 @@ sums, bit for bit: checked here on random inputs with many ties, and end to end 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import subprocess
 import sys
 from functools import partial
@@ -163,6 +164,30 @@ def test_swap_compiled_equals_torch():
                 held = maps[0].positions[b, h]
                 count = int(inputs.budget[b])
                 assert sorted(held[held >= 0].tolist()) == chosen[b, h, :count].tolist()
+
+
+@pytest.mark.parametrize("ties", [True, False], ids=["ties", "distinct"])
+def test_choice_and_swap_in_one_call_equal_the_two_calls(ties, parts):
+    """The fused kernel (rows chosen and swapped in parallel) leaves the same slots and lists
+    the same fetches in the same order as choose, then swap."""
+    rng = np.random.default_rng(3 if ties else 4)
+    fetches = 0
+    for _ in range(60):
+        inputs = random_choice(rng, ties=ties)
+        chosen, taken = choose(inputs, compiled=True)
+        apart, fused = slot_map(inputs), slot_map(inputs)
+        expected = apart.swap(chosen, taken, inputs.budget, compiled=True)
+        got = fused.swap_to_choice(dataclasses.replace(inputs, positions=fused.positions))
+        assert torch.equal(fused.positions, apart.positions)
+        assert (fused.width, fused.kept.tolist()) == (apart.width, apart.kept.tolist())
+        assert (got is None) == (expected is None)
+        if got is not None:
+            fetches += got.rows.numel()
+            for mine, theirs in zip(got, expected, strict=True):
+                assert torch.equal(mine, theirs)
+    assert fetches > 100  # the inputs do move tokens
+    with pytest.raises(ValueError, match="this slot map's positions"):
+        slot_map(inputs).swap_to_choice(inputs)
 
 
 @pytest.mark.parametrize("head_max", [True, False])

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -219,6 +220,27 @@ def test_in_process_runs_every_system_on_one_model_and_reports_what_fits(monkeyp
         assert row["batch_in_budget"] == bench_speed.fitting_batch(row, GIB) > 0
         assert len(row["round_step_ms"]) == 2 and len(row["round_speedups"]) == 2
     assert rows["hf-dynamic"]["speedup_vs_baseline"] == 1.0
+
+
+def test_every_benchmark_option_the_workload_reads_is_parsed(monkeypatch):
+    """``--in-process`` loads the workload from bench_speed's own arguments: text prompts from
+    ``--text`` (it failed on the missing attribute before); the subprocess rows get it too."""
+    from conftest import tiny_llama
+
+    from experiments import worker
+
+    monkeypatch.setattr(
+        "experiments.shapes.load_benchmark_model",
+        lambda spec, dtype, tokenizer: (tiny_llama(), byte_tokenizer()),
+    )
+    prose = str(Path(__file__).parent / "fixtures" / "prose.txt")
+    argv = ["--batch", "2", "--prompt-tokens", "30", "--text", prose, "--in-process"]
+    args = bench_speed.parse_args(argv)
+    _, tokenizer, prompts = worker.load_workload(args)
+    assert len(prompts) == 2 and prompts[0] != prompts[1]
+    assert all(len(tokenizer(p)["input_ids"]) == 30 for p in prompts)
+    assert prompts[0] in Path(prose).read_text(encoding="utf-8")
+    assert bench_speed.worker_options(args)["text"] == prose
 
 
 def test_the_batch_in_a_budget_scales_the_peak_above_the_weights():

@@ -72,13 +72,39 @@ def choose(inputs: ChoiceInputs, *, compiled: bool) -> tuple[torch.Tensor, torch
     if not compiled:
         return _choose_with_torch(inputs, count), taken
     chosen = np.empty((batch, heads, count), dtype=np.int64)
+    nothing = np.empty((4, 0), dtype=np.int64)  # no fetch list: choose only
+    kernels.choose(*_kernel_inputs(inputs), chosen, nothing, kernel_parts(batch * heads))
+    return torch.from_numpy(chosen), taken
+
+
+def choose_and_swap(inputs: ChoiceInputs) -> tuple[np.ndarray, int]:
+    """:func:`choose` (compiled), then the slots ``inputs.positions`` (rewritten in place) made
+    exactly the chosen positions as :meth:`alisa.kv.slots.SlotMap.swap` makes them, in one
+    kernel call (:func:`alisa.kv.kernels.choose` with a fetch list; for that method on a CPU).
+
+    Returns (fetch, E): the sequence, KV head, slot and position of each token to bring in, in
+    the first E columns of a (4, ·) int64 array, in the order ``swap`` lists them.
+    """
+    batch, heads = inputs.logits.shape[:2]
+    chosen = np.empty((batch, heads, int(inputs.budget.max())), dtype=np.int64)
+    fetch = np.empty((4, chosen.size), dtype=np.int64)
+    parts = kernel_parts(batch * heads)
+    count = kernels.choose(*_kernel_inputs(inputs), chosen, fetch, parts)
+    return fetch, count
+
+
+def _kernel_inputs(inputs: ChoiceInputs) -> tuple:
+    """``inputs`` as the compiled kernels take them: numpy arrays, the logits as the int16 bits
+    of their bfloat16 values, the history as the int32 bits of its float32 sums ((B, H, 0)
+    without one)."""
+    batch, heads = inputs.logits.shape[:2]
     history = inputs.history
     history_bits = (
         np.zeros((batch, heads, 0), dtype=np.int32)
         if history is None
         else history.view(torch.int32).numpy()
     )
-    kernels.choose(
+    return (
         inputs.logits.view(torch.int16).numpy(),
         history_bits,
         inputs.shares,
@@ -88,10 +114,7 @@ def choose(inputs: ChoiceInputs, *, compiled: bool) -> tuple[torch.Tensor, torch
         inputs.recent,
         inputs.sinks,
         inputs.seen,
-        chosen,
-        kernel_parts(batch * heads),
     )
-    return torch.from_numpy(chosen), taken
 
 
 def ordered_key(values: torch.Tensor) -> torch.Tensor:

@@ -267,15 +267,20 @@ class HostKeeper(Keeper):
         logits = self.sketch.logits(grouped)
         if self.values is not None and query.shape[2] == 1:  # the rest's estimate reads them
             self.step_logits = (query, logits)
-        chosen, taken = self._choose(slots, budget, recent, logits)
+        inputs = self._choice_inputs(slots, budget, recent, logits)
         plain = store.plain_heads() if self.mapped and self.pages.maps() else None
         if plain is not None:  # no fetch list on the host: the device reads the rows
+            chosen, taken = choose(inputs, compiled=self.compiled)
             chosen, fetch, target = slots.place(chosen, taken, budget)
             protected = slots.seen - int(recent.min())
             self.pages.fetch_placed(chosen, fetch, target, *plain, protected=protected)
             self.count_fetched(fetch.sum())
         else:
-            incoming = slots.swap(chosen, taken, budget, compiled=self.compiled)
+            if self.compiled:  # choice and swap in one kernel call
+                incoming = slots.swap_to_choice(inputs)
+            else:
+                chosen, taken = choose(inputs, compiled=False)
+                incoming = slots.swap(chosen, taken, budget, compiled=False)
             if incoming is not None:
                 fetched = self.pages.fetch(
                     incoming.host_rows,
@@ -287,15 +292,14 @@ class HostKeeper(Keeper):
                 self.count_fetched(incoming.rows.numel())
         self.steps += 1
 
-    def _choose(
+    def _choice_inputs(
         self, slots: SlotMap, budget: np.ndarray, recent: np.ndarray, logits: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The chosen positions (:func:`alisa.kv.choice.choose`): protected tokens, the
-        history's share, then the best of this step's (B, H_kv, G, C) sketch ``logits``.
+    ) -> ChoiceInputs:
+        """What this step's choice reads (:func:`alisa.kv.choice.choose`): protected tokens,
+        the history's share, then the best of this step's (B, H_kv, G, C) sketch ``logits``.
 
         ``recent`` (B,) newest tokens per sequence are protected; they include every pending
-        (not yet coded) token, whose logit is never read. Returns (B, H_kv, max budget)
-        ascending positions and a bool of the same shape, False past a sequence's budget.
+        (not yet coded) token, whose logit is never read.
         """
         sinks = self.policy.sink_tokens
         history = None
@@ -303,7 +307,7 @@ class HostKeeper(Keeper):
         if self.history is not None and self.history_share > 0:
             history = self.history.ranked(slots.seen)
             shares = np.rint(np.maximum(budget - recent - sinks, 0) * self.history_share)
-        inputs = ChoiceInputs(
+        return ChoiceInputs(
             logits=logits,
             history=history,
             shares=shares.astype(np.int64),
@@ -314,7 +318,6 @@ class HostKeeper(Keeper):
             sinks=sinks,
             seen=slots.seen,
         )
-        return choose(inputs, compiled=self.compiled)
 
     def rest(
         self, slots: SlotMap, query: torch.Tensor, scaling: float, softcap: float | None

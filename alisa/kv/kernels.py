@@ -9,7 +9,8 @@ and writes only what its caller owns:
 * :func:`choose` (for :class:`~alisa.kv.host.HostKeeper`): this step's chosen positions:
   protections, the history's picks, then the best sketch logits, found by a radix select;
 * :func:`swap` (for :class:`~alisa.kv.slots.SlotMap`): free the slots of tokens not chosen, give
-  each chosen token the device lacks a free slot, list what to fetch;
+  each chosen token the device lacks a free slot, list what to fetch; :func:`choose` does
+  both in one call per layer when given a fetch list, each row chosen and swapped in turn;
 * :func:`accumulate` (for :class:`~alisa.kv.history.PositionHistory`): add a step's attention to
   the history of the positions the slots hold.
 
@@ -155,62 +156,44 @@ def _choose_row(
     chosen[written:] = seen
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
-def choose(
-    logits: np.ndarray,
-    history: np.ndarray,
-    shares: np.ndarray,
-    positions: np.ndarray,
-    first: np.ndarray,
-    budget: np.ndarray,
-    recent: np.ndarray,
-    sinks: int,
-    seen: int,
+@numba.njit(cache=True, nogil=True)
+def _swap_row(
+    row: np.ndarray,
     chosen: np.ndarray,
-    parts: int,
-) -> None:
-    """Each (sequence, KV head)'s chosen positions for this step, ascending.
-
-    Chosen are, in order: the protections (the first ``sinks`` real tokens, the ``recent[b]``
-    newest), up to ``shares[b]`` held tokens in between with the most attention history (> 0),
-    then the rest of ``budget[b]`` by the sketch logit (the max over the KV head's query
-    heads); equal logits: the newer position first.
-
-    Parameters
-    ----------
-    logits, history, shares, positions, first, budget, recent, sinks, seen
-        As :class:`alisa.kv.choice.ChoiceInputs` holds them, as numpy arrays: ``logits`` as
-        the int16 bits of the bfloat16 logits, ``history`` as the int32 bits of the float32
-        sums, or (B, H, 0) for none. Every row has ``recent[b] >= 1``.
-    chosen
-        (B, H, K) int64 output, K >= budget.max(): row entries [0, budget[b]) ascending, the rest
-        ``seen``.
-    parts
-        The (sequence, KV head) rows are split into this many parts, run in parallel
-        (:func:`alisa.kernel_threads.kernel_parts`); the result does not depend on it.
-    """
-    batch, heads = logits.shape[:2]
-    rows = batch * heads
-    size = (rows + parts - 1) // parts
-    for part in numba.prange(parts):
-        levels = np.empty(seen, dtype=np.int32)  # each part's own scratch
-        for row in range(part * size, min(rows, (part + 1) * size)):
-            b, h = row // heads, row % heads
-            low = min(first[b] + sinks, seen)  # the ranked span [low, high): no sink, no recent
-            high = max(seen - recent[b], low)
-            _choose_row(
-                logits[b, h],
-                history[b, h],
-                positions[b, h],
-                shares[b],
-                first[b],
-                low,
-                high,
-                seen,
-                budget[b],
-                levels,
-                chosen[b, h],
-            )
+    count: int,
+    wanted: np.ndarray,
+    b: int,
+    h: int,
+    fetch: np.ndarray,
+    start: int,
+) -> int:
+    """One (sequence, KV head) of :func:`swap`: ``row`` (S,) slot positions, rewritten;
+    ``chosen[:count]`` ascending; ``wanted`` scratch of ``seen`` zeros, left zero. The tokens to
+    bring in go to ``fetch[:, start:]``; returns how many."""
+    for index in range(count):
+        wanted[chosen[index]] = 1
+    for slot in range(row.shape[0]):
+        position = row[slot]
+        if position >= 0:
+            if wanted[position]:
+                wanted[position] = 2  # held already
+            else:
+                row[slot] = FREE
+    slot = 0
+    added = 0
+    for index in range(count):
+        position = chosen[index]
+        if wanted[position] == 1:
+            while row[slot] != FREE:
+                slot += 1
+            row[slot] = position
+            fetch[0, start + added] = b
+            fetch[1, start + added] = h
+            fetch[2, start + added] = slot
+            fetch[3, start + added] = position
+            added += 1
+        wanted[position] = 0
+    return added
 
 
 @numba.njit(cache=True, nogil=True)
@@ -245,35 +228,98 @@ def swap(
     int
         E, the tokens to bring in.
     """
-    batch, heads, capacity = positions.shape
+    batch, heads = positions.shape[:2]
     wanted = np.zeros(seen, dtype=np.uint8)
     count = 0
     for b in range(batch):
         for h in range(heads):
-            row = positions[b, h]
-            for index in range(budget[b]):
-                wanted[chosen[b, h, index]] = 1
-            for slot in range(capacity):
-                position = row[slot]
-                if position >= 0:
-                    if wanted[position]:
-                        wanted[position] = 2  # held already
-                    else:
-                        row[slot] = FREE
-            slot = 0
-            for index in range(budget[b]):
-                position = chosen[b, h, index]
-                if wanted[position] == 1:
-                    while row[slot] != FREE:
-                        slot += 1
-                    row[slot] = position
-                    fetch[0, count] = b
-                    fetch[1, count] = h
-                    fetch[2, count] = slot
-                    fetch[3, count] = position
-                    count += 1
-                wanted[position] = 0
+            count += _swap_row(positions[b, h], chosen[b, h], budget[b], wanted, b, h, fetch, count)
     return count
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def choose(
+    logits: np.ndarray,
+    history: np.ndarray,
+    shares: np.ndarray,
+    positions: np.ndarray,
+    first: np.ndarray,
+    budget: np.ndarray,
+    recent: np.ndarray,
+    sinks: int,
+    seen: int,
+    chosen: np.ndarray,
+    fetch: np.ndarray,
+    parts: int,
+) -> int:
+    """Each (sequence, KV head)'s chosen positions for this step, ascending; with a ``fetch``
+    list, each row's slots then made exactly those positions, as :func:`swap` makes them.
+
+    Chosen are, in order: the protections (the first ``sinks`` real tokens, the ``recent[b]``
+    newest), up to ``shares[b]`` held tokens in between with the most attention history (> 0),
+    then the rest of ``budget[b]`` by the sketch logit (the max over the KV head's query
+    heads); equal logits: the newer position first.
+
+    Parameters
+    ----------
+    logits, history, shares, positions, first, budget, recent, sinks, seen
+        As :class:`alisa.kv.choice.ChoiceInputs` holds them, as numpy arrays: ``logits`` as
+        the int16 bits of the bfloat16 logits, ``history`` as the int32 bits of the float32
+        sums, or (B, H, 0) for none. Every row has ``recent[b] >= 1``.
+    chosen
+        (B, H, K) int64 output, K >= budget.max(): row entries [0, budget[b]) ascending, the rest
+        ``seen``.
+    fetch
+        (4, B * H * K) int64: also swap (``positions`` rewritten; the tokens to bring in listed
+        as :func:`swap` lists them, in the same order), each row right after its choice, so a
+        layer's choice and swap are one call with the rows in parallel; (4, 0): only choose.
+    parts
+        The (sequence, KV head) rows are split into this many parts, run in parallel
+        (:func:`alisa.kernel_threads.kernel_parts`); the result does not depend on it.
+
+    Returns
+    -------
+    int
+        E, the tokens to bring in (0 without a swap).
+    """
+    batch, heads = logits.shape[:2]
+    rows = batch * heads
+    width = chosen.shape[2]
+    swapping = fetch.shape[1] > 0
+    counts = np.zeros(rows, dtype=np.int64)
+    size = (rows + parts - 1) // parts
+    for part in numba.prange(parts):
+        levels = np.empty(seen, dtype=np.int32)  # each part's own scratch
+        wanted = np.zeros(seen if swapping else 0, dtype=np.uint8)
+        for row in range(part * size, min(rows, (part + 1) * size)):
+            b, h = row // heads, row % heads
+            low = min(first[b] + sinks, seen)  # the ranked span [low, high): no sink, no recent
+            high = max(seen - recent[b], low)
+            _choose_row(
+                logits[b, h],
+                history[b, h],
+                positions[b, h],
+                shares[b],
+                first[b],
+                low,
+                high,
+                seen,
+                budget[b],
+                levels,
+                chosen[b, h],
+            )
+            if swapping:
+                counts[row] = _swap_row(
+                    positions[b, h], chosen[b, h], budget[b], wanted, b, h, fetch, row * width
+                )
+    # Each row wrote its entries at row * K: close the gaps, in row order as swap lists them.
+    total = 0
+    for row in range(rows):
+        for entry in range(row * width, row * width + counts[row]):
+            for field in range(4):  # element by element: a column slice copy allocates
+                fetch[field, total] = fetch[field, entry]
+            total += 1
+    return total
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from alisa.kv import kernels
+from alisa.kv.choice import ChoiceInputs, choose_and_swap
 from alisa.kv.kernels import FREE  # slot holds nothing; may be reused
 from alisa.kv.selection import put_taken
 from alisa.storage.store import headroom
@@ -279,6 +280,20 @@ class SlotMap:
         """:meth:`swap` by the CPU kernel: the same slots, in one pass per row."""
         fetch = np.empty((4, chosen.numel()), dtype=np.int64)
         count = kernels.swap(self.positions.numpy(), chosen.numpy(), kept, self.seen, fetch)
+        return self._swapped(fetch, count, kept)
+
+    def swap_to_choice(self, inputs: ChoiceInputs) -> Incoming | None:
+        """:meth:`swap` (compiled) to the positions :func:`alisa.kv.choice.choose` picks from
+        ``inputs`` (whose ``positions`` are this map's), both in one kernel call per layer:
+        the same slots and the same :class:`Incoming` as the two one after the other."""
+        if inputs.positions is not self.positions:
+            raise ValueError("swap_to_choice takes a choice over this slot map's positions")
+        fetch, count = choose_and_swap(inputs)
+        return self._swapped(fetch, count, inputs.budget)
+
+    def _swapped(self, fetch: np.ndarray, count: int, kept: np.ndarray) -> Incoming | None:
+        """Book a compiled swap: ``kept`` (B,) tokens per row now, the first ``count`` columns
+        of (4, ·) ``fetch`` to bring in."""
         self.kept = kept.copy()
         self.width = max(self.width, int((self.kept + self.dead).max()))
         if count == 0:

@@ -98,8 +98,8 @@ class FetchedRows:
             data, scale, zero = self.region
             fetch_rows(
                 data.numpy(),
-                scale.view(torch.int16)[..., 0].numpy(),
-                zero.view(torch.int16)[..., 0].numpy(),
+                scale.numpy().view(np.int16)[..., 0],  # numpy views: no dispatched operator
+                zero.numpy().view(np.int16)[..., 0],
                 HALVES,
                 self.flat.numpy(),
                 rows.numpy(),
@@ -283,7 +283,9 @@ class HostPages:
         self.settle()
         tensors = self._tensors()
         _, batch, heads_, capacity = tensors[0].shape[:4]
-        flat = flat_rows(rows, heads, positions, heads_, capacity).to(self.host)
+        flat = flat_rows(rows, heads, positions, heads_, capacity)
+        if flat.device != self.host:
+            flat = flat.to(self.host)
         count, last = batch * heads_ * capacity, flat.numpy().max(initial=-1)
         if last >= count:  # both kernels that read these rows (gather, fetch) skip bounds checks
             raise IndexError(f"row {last} of a host region of {count} rows")

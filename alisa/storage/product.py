@@ -80,14 +80,23 @@ def _round_bfloat16(value: np.float32) -> np.uint16:
 
 @numba.njit(parallel=True, cache=True, nogil=True)
 def sketch_logits(
-    query: np.ndarray, keys: np.ndarray, scales: np.ndarray, out: np.ndarray, parts: int
+    query: np.ndarray,
+    channels: np.ndarray,
+    keys: np.ndarray,
+    scales: np.ndarray,
+    out: np.ndarray,
+    parts: int,
 ) -> None:
     """Estimated logits of every position: ``query @ keys`` per row, rounded to bfloat16.
 
     Parameters
     ----------
     query
-        (R, G, W) float32: each row's G queries at the sketch's channels (bfloat16 values).
+        (R, G, D) float32: each row's G queries, every channel (the kernel takes the sketch's
+        channels and rounds them to bfloat16 as ``Tensor.to(torch.bfloat16)`` does: in the
+        kernel, where a gather and a conversion were two dispatched operators per layer).
+    channels
+        (R, W) int64: the sketch's channels of each row, in the sketch's order.
     keys
         (R, W, N) the sketch, channel-major: uint16 bfloat16 bits or int8 codes.
     scales
@@ -101,19 +110,31 @@ def sketch_logits(
     rows = query.shape[0]
     size = (rows + parts - 1) // parts
     for part in numba.prange(parts):
-        _logits_rows(query, keys, scales, out, part * size, min(rows, (part + 1) * size))
+        _logits_rows(query, channels, keys, scales, out, part * size, min(rows, (part + 1) * size))
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"contract"})
 def _logits_rows(
-    query: np.ndarray, keys: np.ndarray, scales: np.ndarray, out: np.ndarray, low: int, high: int
+    query: np.ndarray,
+    channels: np.ndarray,
+    keys: np.ndarray,
+    scales: np.ndarray,
+    out: np.ndarray,
+    low: int,
+    high: int,
 ) -> None:
     """:func:`sketch_logits` of rows [low, high)."""
-    groups, width = query.shape[1:]
+    groups = query.shape[1]
+    width = channels.shape[1]
     positions = keys.shape[2]
     scaled = scales.shape[1] > 0
     total = np.empty((groups, _BLOCK), dtype=np.float32)
+    picked = np.empty((groups, width), dtype=np.float32)  # this row's queries, sketched
     for row in range(low, high):
+        for group in range(groups):
+            for channel in range(width):
+                value = query[row, group, channels[row, channel]]
+                picked[group, channel] = _bfloat16_value(_round_bfloat16(value))
         for begin in range(0, positions, _BLOCK):
             size = min(_BLOCK, positions - begin)
             end = begin + size
@@ -127,10 +148,10 @@ def _logits_rows(
                 k2 = keys[row, channel + 2, begin:end]
                 k3 = keys[row, channel + 3, begin:end]
                 for group in range(groups):
-                    q0 = query[row, group, channel]
-                    q1 = query[row, group, channel + 1]
-                    q2 = query[row, group, channel + 2]
-                    q3 = query[row, group, channel + 3]
+                    q0 = picked[group, channel]
+                    q1 = picked[group, channel + 1]
+                    q2 = picked[group, channel + 2]
+                    q3 = picked[group, channel + 3]
                     running = total[group]
                     for index in range(size):
                         running[index] = (
@@ -141,7 +162,7 @@ def _logits_rows(
             while channel < width:
                 k0 = keys[row, channel, begin:end]
                 for group in range(groups):
-                    q0 = query[row, group, channel]
+                    q0 = picked[group, channel]
                     running = total[group]
                     for index in range(size):
                         running[index] = running[index] + q0 * _widen(k0[index])

@@ -186,11 +186,11 @@ class KeySketch:
         """
         if self.channels is None:
             return self.keys.new_zeros(*query.shape[:3], self.capacity)
+        if self.product == "compiled":
+            return self._compiled_logits(query)
         index = self.channels.unsqueeze(2).expand(*query.shape[:3], self.width)
         # (B, H, G, width), rounded to bfloat16 whatever the product: the same operands.
         picked = query.gather(-1, index).to(SKETCH_DTYPE)
-        if self.product == "compiled":
-            return self._compiled_logits(picked)
         dtype = SKETCH_DTYPE if self.product == "bfloat16" else torch.float32
         # Over the whole allocation, not the first L positions (see the module's note): no copy.
         logits = torch.matmul(picked.to(dtype), self.keys.to(dtype))
@@ -198,11 +198,13 @@ class KeySketch:
             logits.mul_(self.scales.unsqueeze(2))
         return logits.to(SKETCH_DTYPE)
 
-    def _compiled_logits(self, picked: torch.Tensor) -> torch.Tensor:
-        """:meth:`logits` by the compiled kernel, from (B, H, G, width) bfloat16 queries."""
-        batch, heads, groups, width = picked.shape
+    def _compiled_logits(self, query: torch.Tensor) -> torch.Tensor:
+        """:meth:`logits` by the compiled kernel, from (B, H, G, D) queries: the kernel takes
+        the channels and rounds them itself (at batch 1 the operators doing that cost more
+        than the product)."""
+        batch, heads, groups, head_dim = query.shape
         rows, capacity = batch * heads, self.capacity
-        logits = torch.empty(batch, heads, groups, capacity, dtype=SKETCH_DTYPE)
+        out = np.empty((rows, groups, capacity), dtype=np.uint16)
         if self.scales is None:
             codes = self.keys.detach().view(torch.int16).numpy().view(np.uint16)
             scales = np.zeros((rows, 0), dtype=np.float32)
@@ -210,13 +212,15 @@ class KeySketch:
             codes = self.keys.detach().numpy()
             scales = self.scales.detach().numpy().reshape(rows, capacity)
         sketch_logits(
-            picked.detach().float().numpy().reshape(rows, groups, width),
-            codes.reshape(rows, width, capacity),
+            query.detach().float().numpy().reshape(rows, groups, head_dim),
+            self.channels.numpy().reshape(rows, self.width),
+            codes.reshape(rows, self.width, capacity),
             scales,
-            logits.view(torch.int16).numpy().view(np.uint16).reshape(rows, groups, capacity),
+            out,
             kernel_parts(rows),
         )
-        return logits
+        logits = torch.from_numpy(out.view(np.int16)).view(SKETCH_DTYPE)
+        return logits.view(batch, heads, groups, capacity)
 
     def extend_rows(self, other: KeySketch) -> None:
         """Append ``other``'s sequences (same positions; both have chosen their channels)."""
