@@ -33,7 +33,7 @@ def test_place_puts_the_chosen_tokens_where_swap_does():
         inputs = random_choice(rng, ties=True)
         chosen, taken = choose(inputs, compiled=True)
         swapped, placed = slot_map(inputs), slot_map(inputs)
-        incoming = swapped.swap(chosen, taken, inputs.budget, compiled=False)
+        incoming = swapped.swap(chosen, taken, inputs.budget)
         placement = placed.place(chosen, taken, inputs.budget)
         assert torch.equal(swapped.positions, placed.positions)
         assert (swapped.width, swapped.kept.tolist()) == (placed.width, placed.kept.tolist())

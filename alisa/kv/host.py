@@ -280,7 +280,7 @@ class HostKeeper(Keeper):
                 incoming = slots.swap_to_choice(inputs)
             else:
                 chosen, taken = choose(inputs, compiled=False)
-                incoming = slots.swap(chosen, taken, budget, compiled=False)
+                incoming = slots.swap(chosen, taken, budget)
             if incoming is not None:
                 fetched = self.pages.fetch(
                     incoming.host_rows,

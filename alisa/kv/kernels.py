@@ -7,10 +7,10 @@ each dominated by its fixed cost: at B = 16 x 2,048 tokens that was 130 ms of a 
 and writes only what its caller owns:
 
 * :func:`choose` (for :class:`~alisa.kv.host.HostKeeper`): this step's chosen positions:
-  protections, the history's picks, then the best sketch logits, found by a radix select;
-* :func:`swap` (for :class:`~alisa.kv.slots.SlotMap`): free the slots of tokens not chosen, give
-  each chosen token the device lacks a free slot, list what to fetch; :func:`choose` does
-  both in one call per layer when given a fetch list, each row chosen and swapped in turn;
+  protections, the history's picks, then the best sketch logits, found by a radix select; given
+  a fetch list (for :class:`~alisa.kv.slots.SlotMap`), each row's slots are then made exactly
+  those positions: the slots of tokens not chosen freed, each chosen token the device lacks
+  given a free slot and listed to fetch;
 * :func:`accumulate` (for :class:`~alisa.kv.history.PositionHistory`): add a step's attention to
   the history of the positions the slots hold.
 
@@ -167,9 +167,11 @@ def _swap_row(
     fetch: np.ndarray,
     start: int,
 ) -> int:
-    """One (sequence, KV head) of :func:`swap`: ``row`` (S,) slot positions, rewritten;
-    ``chosen[:count]`` ascending; ``wanted`` scratch of ``seen`` zeros, left zero. The tokens to
-    bring in go to ``fetch[:, start:]``; returns how many."""
+    """Make one (sequence, KV head)'s slots exactly its chosen positions: ``row`` (S,) slot
+    positions, rewritten; ``chosen[:count]`` ascending; ``wanted`` scratch of ``seen`` zeros, left
+    zero. Slots whose token is not chosen are freed; the chosen tokens not held, in ascending
+    position, take the free slots in ascending order, each listed (sequence ``b``, KV head
+    ``h``, slot, position) in ``fetch[:, start:]``. Returns how many."""
     for index in range(count):
         wanted[chosen[index]] = 1
     for slot in range(row.shape[0]):
@@ -196,47 +198,6 @@ def _swap_row(
     return added
 
 
-@numba.njit(cache=True, nogil=True)
-def swap(
-    positions: np.ndarray,
-    chosen: np.ndarray,
-    budget: np.ndarray,
-    seen: int,
-    fetch: np.ndarray,
-) -> int:
-    """Make each row's slots exactly its chosen positions (``positions`` rewritten in place).
-
-    Slots whose token is not chosen are freed; the chosen tokens not held, in ascending
-    position, take the free slots in ascending order.
-
-    Parameters
-    ----------
-    positions
-        (B, H, S) int64 slot positions (negative: empty or padding), updated.
-    chosen
-        (B, H, K) int64 ascending positions, the first ``budget[b]`` of each row count.
-    budget
-        (B,) int64.
-    seen
-        Positions so far.
-    fetch
-        (4, B * H * K) int64 output: the sequence, KV head, slot and position of each token to
-        bring in, row by row, in the first E columns.
-
-    Returns
-    -------
-    int
-        E, the tokens to bring in.
-    """
-    batch, heads = positions.shape[:2]
-    wanted = np.zeros(seen, dtype=np.uint8)
-    count = 0
-    for b in range(batch):
-        for h in range(heads):
-            count += _swap_row(positions[b, h], chosen[b, h], budget[b], wanted, b, h, fetch, count)
-    return count
-
-
 @numba.njit(parallel=True, cache=True, nogil=True)
 def choose(
     logits: np.ndarray,
@@ -253,7 +214,8 @@ def choose(
     parts: int,
 ) -> int:
     """Each (sequence, KV head)'s chosen positions for this step, ascending; with a ``fetch``
-    list, each row's slots then made exactly those positions, as :func:`swap` makes them.
+    list, each row's slots then made exactly those positions (:func:`_swap_row`), as
+    :meth:`alisa.kv.slots.SlotMap.swap` makes them.
 
     Chosen are, in order: the protections (the first ``sinks`` real tokens, the ``recent[b]``
     newest), up to ``shares[b]`` held tokens in between with the most attention history (> 0),
@@ -270,9 +232,10 @@ def choose(
         (B, H, K) int64 output, K >= budget.max(): row entries [0, budget[b]) ascending, the rest
         ``seen``.
     fetch
-        (4, B * H * K) int64: also swap (``positions`` rewritten; the tokens to bring in listed
-        as :func:`swap` lists them, in the same order), each row right after its choice, so a
-        layer's choice and swap are one call with the rows in parallel; (4, 0): only choose.
+        (4, B * H * K) int64: also swap (``positions`` rewritten; the sequence, KV head, slot
+        and position of each token to bring in, row by row, in the first E columns), each row
+        right after its choice, so a layer's choice and swap are one call with the rows in
+        parallel; (4, 0): only choose.
     parts
         The (sequence, KV head) rows are split into this many parts, run in parallel
         (:func:`alisa.kernel_threads.kernel_parts`); the result does not depend on it.
@@ -312,7 +275,7 @@ def choose(
                 counts[row] = _swap_row(
                     positions[b, h], chosen[b, h], budget[b], wanted, b, h, fetch, row * width
                 )
-    # Each row wrote its entries at row * K: close the gaps, in row order as swap lists them.
+    # Each row wrote its entries at row * K: close the gaps, keeping the row order.
     total = 0
     for row in range(rows):
         for entry in range(row * width, row * width + counts[row]):

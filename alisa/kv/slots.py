@@ -20,7 +20,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from alisa.kv import kernels
 from alisa.kv.choice import ChoiceInputs, choose_and_swap
 from alisa.kv.kernels import FREE  # slot holds nothing; may be reused
 from alisa.kv.selection import put_taken
@@ -184,9 +183,7 @@ class SlotMap:
         self.positions.masked_fill_(held & (self.positions < cutoff), FREE)
         self.kept -= leaving
 
-    def swap(
-        self, chosen: torch.Tensor, taken: torch.Tensor, kept: np.ndarray, *, compiled: bool
-    ) -> Incoming | None:
+    def swap(self, chosen: torch.Tensor, taken: torch.Tensor, kept: np.ndarray) -> Incoming | None:
         """Make each (sequence, group)'s slots exactly its ``chosen`` positions.
 
         Slots whose token was not chosen are freed; the chosen tokens not held, in the order
@@ -201,9 +198,9 @@ class SlotMap:
             (B, Hs, K) bool: which of them count (False past a sequence's budget).
         kept
             (B,) tokens each sequence holds per group afterwards (its budget).
-        compiled
-            Use the CPU kernel (:func:`alisa.kv.kernels.swap`); else PyTorch ops (the
-            reference, and CUDA's path).
+
+        PyTorch ops: the reference, and CUDA's path; on a CPU :meth:`swap_to_choice` does the
+        same in the choice's compiled call.
 
         Returns
         -------
@@ -211,8 +208,6 @@ class SlotMap:
             The tokens that must be brought in (the caller fills their slots), or None when
             every chosen token was already held.
         """
-        if compiled:
-            return self._swap_compiled(chosen, kept)
         fetch, free = self._release(chosen, taken, kept)
         device = chosen.device
         # The selection's one host round trip: the positions to bring in ((B, Hs, K), -1 for
@@ -276,25 +271,14 @@ class SlotMap:
         self.width = max(self.width, int((self.kept + self.dead).max()))
         return fetch, free
 
-    def _swap_compiled(self, chosen: torch.Tensor, kept: np.ndarray) -> Incoming | None:
-        """:meth:`swap` by the CPU kernel: the same slots, in one pass per row."""
-        fetch = np.empty((4, chosen.numel()), dtype=np.int64)
-        count = kernels.swap(self.positions.numpy(), chosen.numpy(), kept, self.seen, fetch)
-        return self._swapped(fetch, count, kept)
-
     def swap_to_choice(self, inputs: ChoiceInputs) -> Incoming | None:
-        """:meth:`swap` (compiled) to the positions :func:`alisa.kv.choice.choose` picks from
-        ``inputs`` (whose ``positions`` are this map's), both in one kernel call per layer:
-        the same slots and the same :class:`Incoming` as the two one after the other."""
+        """:meth:`swap` to the positions :func:`alisa.kv.choice.choose` picks from ``inputs``
+        (whose ``positions`` are this map's), both in one compiled call per layer (CPU): the
+        same slots and the same :class:`Incoming` as choosing, then :meth:`swap`."""
         if inputs.positions is not self.positions:
             raise ValueError("swap_to_choice takes a choice over this slot map's positions")
         fetch, count = choose_and_swap(inputs)
-        return self._swapped(fetch, count, inputs.budget)
-
-    def _swapped(self, fetch: np.ndarray, count: int, kept: np.ndarray) -> Incoming | None:
-        """Book a compiled swap: ``kept`` (B,) tokens per row now, the first ``count`` columns
-        of (4, ·) ``fetch`` to bring in."""
-        self.kept = kept.copy()
+        self.kept = inputs.budget.copy()
         self.width = max(self.width, int((self.kept + self.dead).max()))
         if count == 0:
             return None
