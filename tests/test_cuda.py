@@ -9,6 +9,7 @@ CUDA, pinning and CUDA's sync counter, still skip), so their logic is exercised 
 import os
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 from conftest import hf_generate, padded_batch, tiny_gpt2, tiny_llama, watched_decode
@@ -242,18 +243,23 @@ def sync_count(model, cache, ids, mask) -> int:
         ),
     ],
 )
-@pytest.mark.parametrize("mapped", [False, True], ids=["fetch-list", "mapped"])
-def test_a_decode_step_synchronises_within_its_budget(config, allowed, mapped):
+@pytest.mark.parametrize(
+    ("mapped", "compiled"),
+    [(False, False), (True, False), (True, None)],
+    ids=["fetch-list", "mapped", "mapped-placing-kernel"],
+)
+def test_a_decode_step_synchronises_within_its_budget(config, allowed, mapped, compiled):
     """Issue 26: at most one synchronisation per layer and step with host retention (its fetch
-    list; none when the device reads the host rows itself), none when dropping, beyond what
-    the same loop costs with HF's ``DynamicCache``."""
+    list; none when the device reads the host rows itself, chosen by PyTorch ops or by the
+    Triton kernel), none when dropping, beyond what the same loop costs with HF's
+    ``DynamicCache``."""
     model = on_device(tiny_llama)
     layers = model.config.num_hidden_layers
     ids, mask = batch(lengths=(60, 47))
     baseline = sync_count(model, DynamicCache(), ids, mask)
     if mapped:
         allowed = 0
-    keeper = partial(default_keeper, compiled=False, mapped=mapped)
+    keeper = partial(default_keeper, compiled=compiled, mapped=mapped)
     cache = AlisaCache(model, config, keeper=keeper)
     extra = sync_count(model, cache, ids, mask) - baseline
     # Gap: coding a page of new tokens into an INT8/INT4 host region checks, once per layer and
@@ -297,6 +303,63 @@ def test_the_mapped_fetch_kernel_equals_its_reference(dtype, coded):
     torch.cuda.synchronize()
     assert torch.equal(written[0][0], written[1][0])
     assert torch.equal(written[0][1], written[1][1])
+
+
+@only_cuda
+@pytest.mark.parametrize("ties", [True, False], ids=["ties", "distinct"])
+def test_the_placing_kernel_equals_choosing_then_placing(ties):
+    """The Triton kernel, compiled: the same chosen positions, fetch flags, target slots and slot
+    map as :func:`choose` then :meth:`SlotMap.place` (PyTorch ops), on random steps."""
+    import dataclasses
+
+    from test_kernels import random_choice, slot_map
+
+    from alisa.kv.choice import choose
+    from alisa.kv.placing import choose_and_place, triton_choice
+
+    assert triton_choice(DEVICE)
+    rng = np.random.default_rng(8 if ties else 9)
+    torch.manual_seed(0)
+    fetched = 0
+    for _ in range(60):
+        on_host = random_choice(rng, ties=ties)
+        apart, fused = slot_map(on_host), slot_map(on_host)
+        for slots in (apart, fused):
+            slots.positions = slots.positions.to(DEVICE)
+        history = None if on_host.history is None else on_host.history.to(DEVICE)
+        inputs = dataclasses.replace(
+            on_host, logits=on_host.logits.to(DEVICE), history=history, positions=apart.positions
+        )
+        chosen, taken = choose(inputs, compiled=False)
+        expected = apart.place(chosen, taken, inputs.budget)
+        got = choose_and_place(dataclasses.replace(inputs, positions=fused.positions))
+        for mine, theirs in zip(got, expected, strict=True):
+            assert torch.equal(mine, theirs)
+        assert torch.equal(fused.positions, apart.positions)
+        fetched += int(expected.fetch.sum())
+    assert fetched > 500
+
+
+@only_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_placing_kernel_decodes_the_tokens_pytorch_ops_do(dtype):
+    """At a reached budget with a history share and padding, choosing and placing by the
+    Triton kernel changes no token and fetches the same rows as the PyTorch ops."""
+    model = on_device(tiny_llama).to(dtype)
+    ids, mask = batch(lengths=(120, 100, 60))
+    config = AlisaConfig(
+        policy="swa", caching_ratio=0.2, min_budget_tokens=16, history_share=0.5, **HOST
+    )
+    outputs, fetched, placing = [], [], []
+    for compiled in (None, False):
+        keeper = partial(default_keeper, compiled=compiled, mapped=True)
+        cache = AlisaCache(model, config, keeper=keeper)
+        outputs.append(hf_generate(model, ids, mask, cache, max_new_tokens=24))
+        fetched.append(sum(layer.keeper.fetched for layer in cache.layers))
+        placing.append(cache.layers[0].keeper.placing)
+    assert placing == [True, False]
+    assert torch.equal(*outputs)
+    assert fetched[0] == fetched[1] > 0
 
 
 @only_cuda

@@ -34,6 +34,7 @@ import torch
 from alisa.kv.choice import ChoiceInputs, choose
 from alisa.kv.history import PositionHistory
 from alisa.kv.keeper import Keeper
+from alisa.kv.placing import triton_choice
 from alisa.kv.rest import RestColumn, ValueTotals, rest_logit
 from alisa.kv.slots import SlotMap
 from alisa.policies import KVPolicy
@@ -66,8 +67,10 @@ class HostKeeper(Keeper):
         perplexity on WikiText-2 (docs/host-speed.md), so the default is 1.
     compiled
         Choose, swap slots and account attention with the compiled CPU kernels
-        (:mod:`alisa.kv.kernels`); None: on a CPU. False: PyTorch ops (CUDA's path, and the
-        reference the kernels are tested against).
+        (:mod:`alisa.kv.kernels`); None: on a CPU, and on CUDA with Triton the choice and slot
+        placement of the device-read path (``mapped``) by one Triton kernel
+        (:mod:`alisa.kv.placing`). False: PyTorch ops (the reference the kernels are tested
+        against).
     estimate_rest
         Give attention one more softmax column for the tokens a step leaves on the host: their
         mass estimated from the key sketch, their output by the mean value
@@ -120,6 +123,7 @@ class HostKeeper(Keeper):
         self.step_logits: tuple[torch.Tensor, torch.Tensor] | None = None
         self.compiled = False  # decided by the device at the first write
         self.mapped = False  # likewise
+        self.placing = False  # likewise: the choice and placement by one Triton kernel
         self.steps = 0  # decode steps that selected (budget below the tokens seen)
         self.unselected = 0  # decode steps since the last selection
 
@@ -192,6 +196,10 @@ class HostKeeper(Keeper):
             self.mapped = self.mapped_option
             if self.mapped is None:
                 self.mapped = mapped_reads(keys.device)
+            # On CUDA the compiled kernels are Triton's, for the device-read path.
+            self.placing = (
+                self.compiled_option is not False and self.mapped and triton_choice(keys.device)
+            )
             self.pages = HostPages(
                 batch, heads, head_dim, bits=self.host_bits, dtype=keys.dtype, device=keys.device
             )
@@ -270,8 +278,11 @@ class HostKeeper(Keeper):
         inputs = self._choice_inputs(slots, budget, recent, logits)
         plain = store.plain_heads() if self.mapped and self.pages.maps() else None
         if plain is not None:  # no fetch list on the host: the device reads the rows
-            chosen, taken = choose(inputs, compiled=self.compiled)
-            chosen, fetch, target = slots.place(chosen, taken, budget)
+            if self.placing:  # choice and placement in one kernel launch
+                chosen, fetch, target = slots.place_to_choice(inputs)
+            else:
+                chosen, taken = choose(inputs, compiled=self.compiled)
+                chosen, fetch, target = slots.place(chosen, taken, budget)
             protected = slots.seen - int(recent.min())
             self.pages.fetch_placed(chosen, fetch, target, *plain, protected=protected)
             self.count_fetched(fetch.sum())

@@ -22,6 +22,7 @@ import torch
 
 from alisa.kv.choice import ChoiceInputs, choose_and_swap
 from alisa.kv.kernels import FREE  # slot holds nothing; may be reused
+from alisa.kv.placing import choose_and_place
 from alisa.kv.selection import put_taken
 from alisa.storage.store import headroom
 from alisa.storage.transfer import upload
@@ -264,12 +265,16 @@ class SlotMap:
         fetch = taken & ~holding.gather(-1, chosen)  # (B, Hs, K)
         free = (positions == FREE) | leaving
         positions.masked_fill_(leaving, FREE)
+        self._settle(kept)
+        return fetch, free
+
+    def _settle(self, kept: np.ndarray) -> None:
+        """After a swap or placement: ``kept`` (B,) tokens per group, and the width bound."""
         self.kept = kept.copy()
         # A fetched token's slot at or past the old width means every free slot below it was
         # taken, so the slots below it are all occupied: it is below kept + dead. The bound needs
         # no read of the targets (a device round trip).
         self.width = max(self.width, int((self.kept + self.dead).max()))
-        return fetch, free
 
     def swap_to_choice(self, inputs: ChoiceInputs) -> Incoming | None:
         """:meth:`swap` to the positions :func:`alisa.kv.choice.choose` picks from ``inputs``
@@ -278,12 +283,22 @@ class SlotMap:
         if inputs.positions is not self.positions:
             raise ValueError("swap_to_choice takes a choice over this slot map's positions")
         fetch, count = choose_and_swap(inputs)
-        self.kept = inputs.budget.copy()
-        self.width = max(self.width, int((self.kept + self.dead).max()))
+        self._settle(inputs.budget)
         if count == 0:
             return None
         rows, groups, targets, tokens = torch.from_numpy(fetch[:, :count])
         return Incoming(rows, groups, targets, tokens, rows, groups, tokens)
+
+    def place_to_choice(self, inputs: ChoiceInputs) -> Placement:
+        """:meth:`place` to the positions :func:`alisa.kv.choice.choose` picks from ``inputs``
+        (whose ``positions`` are this map's), both in one Triton kernel launch per layer
+        (:func:`alisa.kv.placing.choose_and_place`; CUDA): the same slots and the same
+        :class:`Placement` as choosing, then :meth:`place`, with no host round trip."""
+        if inputs.positions is not self.positions:
+            raise ValueError("place_to_choice takes a choice over this slot map's positions")
+        placement = Placement(*choose_and_place(inputs))
+        self._settle(inputs.budget)
+        return placement
 
     def compaction(
         self, limit: int | None = None, *, force: bool = False

@@ -1,0 +1,122 @@
+"""``retention="host"``'s choice and slot placement on CUDA in one Triton kernel per layer.
+
+On CUDA a host step's choice written as PyTorch operations is about forty kernel launches per
+layer and step (score, protect, rank, pick the history's share, diff against the held slots,
+find free slots), each a few microseconds of host time around a few of device time: at the
+Llama-3.1-8B shape, 16 x 8,192, the step was bound by those launches, not by the GPU
+(``docs/gpu.md``). :func:`choose_and_place` does the same work in one launch: one program per
+(sequence, KV head) row chooses the row's positions (protections, the history's picks, then the
+best sketch logits by a bitwise threshold search, equal values: the newer position first, as
+:func:`alisa.kv.kernels.choose` on a CPU), then frees the slots of tokens not chosen and gives
+each chosen token the device lacks a free slot, lowest first, as
+:meth:`alisa.kv.slots.SlotMap.place` does. Nothing comes back to the host; the fetch itself
+(:mod:`alisa.storage.mapped`) reads the flagged rows straight from the host region.
+
+The result equals :func:`alisa.kv.choice.choose` followed by :meth:`SlotMap.place` exactly
+(``tests/test_triton_kernels.py`` runs the kernel in Triton's interpreter on a CPU;
+``tests/test_cuda.py`` compiled on a GPU). ALISA, https://arxiv.org/abs/2403.17312 (§IV);
+top-k by a threshold found bit by bit, https://doi.org/10.1145/3458817.3476141.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import numpy as np
+import torch
+
+from alisa.kv.choice import ChoiceInputs
+from alisa.storage.transfer import upload
+
+# Positions per step of a program's loops over a row; the radix passes compare each with 16
+# digits at once, so they take fewer.
+BLOCK = 1024
+RADIX_BLOCK = 256
+
+
+def triton_choice(device: torch.device) -> bool:
+    """Whether :func:`choose_and_place` runs compiled on ``device`` (CUDA with Triton)."""
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+def choose_and_place(inputs: ChoiceInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This step's choice (:func:`alisa.kv.choice.choose`), then the slots ``inputs.positions``
+    (rewritten in place) made exactly the chosen positions as
+    :meth:`alisa.kv.slots.SlotMap.place` makes them, in one kernel launch.
+
+    Parameters
+    ----------
+    inputs
+        The choice's inputs; ``positions`` (B, H_kv, S) int64, contiguous, on the device the
+        kernel runs on (CUDA; a CPU only under ``TRITON_INTERPRET=1``).
+
+    Returns
+    -------
+    tuple
+        (chosen, fetch, target), each (B, H_kv, K) with K = ``budget.max()``: the positions,
+        ascending (``seen`` past a row's count); whether each must be fetched; its slot (S
+        where not fetched).
+    """
+    positions = inputs.positions
+    if not positions.is_contiguous():
+        raise ValueError("choose_and_place rewrites a contiguous slot map only")
+    batch, heads, capacity = positions.shape
+    device = positions.device
+    count = int(inputs.budget.max())
+    seen = inputs.seen
+    logits = inputs.logits
+    columns = logits.shape[-1]
+    # Per sequence, one upload: first position, budget, recent window, history share.
+    table = np.stack([inputs.first, inputs.budget, inputs.recent, inputs.shares]).astype(np.int64)
+    per_sequence = upload(np.ascontiguousarray(table), device)
+    history = inputs.history
+    picking = history is not None and int(inputs.shares.max()) > 0
+    if not picking:
+        history = logits  # not read
+    history_bits = history.view(torch.int32) if picking else logits.view(torch.int16)
+    rows = batch * heads
+    chosen = torch.empty(batch, heads, count, dtype=torch.int64, device=device)
+    fetch = torch.empty(batch, heads, count, dtype=torch.bool, device=device)
+    target = torch.empty(batch, heads, count, dtype=torch.int64, device=device)
+    levels = torch.empty(rows, seen, dtype=torch.int32, device=device)  # a row's scratch
+    keys = torch.empty(rows, capacity if picking else 1, dtype=torch.int64, device=device)
+    free = torch.empty(rows, capacity, dtype=torch.int32, device=device)
+    _kernel()[(rows,)](
+        logits.view(torch.int16),
+        history_bits,
+        per_sequence,
+        positions,
+        chosen,
+        fetch.view(torch.uint8),
+        target,
+        levels,
+        keys,
+        free,
+        heads,
+        logits.shape[2],
+        columns,
+        logits.stride(0),
+        logits.stride(1),
+        logits.stride(2),
+        history_bits.stride(0),
+        history_bits.stride(1),
+        batch,
+        capacity,
+        count,
+        inputs.sinks,
+        seen,
+        max(seen, 1).bit_length(),
+        PICKING=picking,
+        BLOCK=BLOCK,
+        RADIX_BLOCK=min(RADIX_BLOCK, BLOCK),
+    )
+    return chosen, fetch, target
+
+
+@functools.cache
+def _kernel():
+    """The Triton kernel, imported on first use (CPU builds of PyTorch do not ship Triton)."""
+    from alisa.kv.triton_kernels import choose_and_place_rows
+
+    return choose_and_place_rows
