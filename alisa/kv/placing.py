@@ -6,16 +6,16 @@ find free slots), each a few microseconds of host time around a few of device ti
 Llama-3.1-8B shape, 16 x 8,192, the step was bound by those launches, not by the GPU
 (``docs/gpu.md``). :func:`choose_and_place` does the same work in one launch: one program per
 (sequence, KV head) row chooses the row's positions (protections, the history's picks, then the
-best sketch logits by a bitwise threshold search, equal values: the newer position first, as
+best sketch logits by a radix select, equal values: the newer position first, as
 :func:`alisa.kv.kernels.choose` on a CPU), then frees the slots of tokens not chosen and gives
 each chosen token the device lacks a free slot, lowest first, as
 :meth:`alisa.kv.slots.SlotMap.place` does. Nothing comes back to the host; the fetch itself
 (:mod:`alisa.storage.mapped`) reads the flagged rows straight from the host region.
 
 The result equals :func:`alisa.kv.choice.choose` followed by :meth:`SlotMap.place` exactly
-(``tests/test_triton_kernels.py`` runs the kernel in Triton's interpreter on a CPU;
+(``tests/test_placing.py`` runs the kernel in Triton's interpreter on a CPU;
 ``tests/test_cuda.py`` compiled on a GPU). ALISA, https://arxiv.org/abs/2403.17312 (§IV);
-top-k by a threshold found bit by bit, https://doi.org/10.1145/3458817.3476141.
+top-k by radix selection, https://doi.org/10.1145/3458817.3476141.
 """
 
 from __future__ import annotations
@@ -65,16 +65,16 @@ def choose_and_place(inputs: ChoiceInputs) -> tuple[torch.Tensor, torch.Tensor, 
     device = positions.device
     count = int(inputs.budget.max())
     seen = inputs.seen
-    logits = inputs.logits
+    logits = _unit_stride(inputs.logits)
     columns = logits.shape[-1]
     # Per sequence, one upload: first position, budget, recent window, history share.
     table = np.stack([inputs.first, inputs.budget, inputs.recent, inputs.shares]).astype(np.int64)
-    per_sequence = upload(np.ascontiguousarray(table), device)
-    history = inputs.history
-    picking = history is not None and int(inputs.shares.max()) > 0
-    if not picking:
-        history = logits  # not read
-    history_bits = history.view(torch.int32) if picking else logits.view(torch.int16)
+    per_sequence = upload(table, device)
+    picking = inputs.history is not None and int(inputs.shares.max()) > 0
+    # Without picks the kernel reads no history: the logits stand in for the pointer.
+    history_bits = (
+        _unit_stride(inputs.history).view(torch.int32) if picking else logits.view(torch.int16)
+    )
     rows = batch * heads
     chosen = torch.empty(batch, heads, count, dtype=torch.int64, device=device)
     fetch = torch.empty(batch, heads, count, dtype=torch.bool, device=device)
@@ -112,6 +112,11 @@ def choose_and_place(inputs: ChoiceInputs) -> tuple[torch.Tensor, torch.Tensor, 
         RADIX_BLOCK=min(RADIX_BLOCK, BLOCK),
     )
     return chosen, fetch, target
+
+
+def _unit_stride(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with consecutive elements along its last dimension (the kernel's rows)."""
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
 @functools.cache

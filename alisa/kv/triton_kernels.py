@@ -1,10 +1,11 @@
 """The Triton kernel of :func:`alisa.kv.placing.choose_and_place` (imported only where Triton
 is: CPU builds of PyTorch do not ship it).
 
-One program per (sequence, KV head) row, in six passes over the row, each in blocks of
-positions or slots; a pass that reads what an earlier one wrote follows a barrier. Levels (the
-order of a bfloat16 logit as an integer) and history keys are ranked by a threshold found bit
-by bit (https://doi.org/10.1145/3458817.3476141), so no pass sorts.
+One program per (sequence, KV head) row, in six steps, each a loop over the row's positions or
+slots in blocks; a step that reads what an earlier one wrote (the program's scratch in global
+memory) follows a barrier. Levels (the order of a bfloat16 logit as an integer) and history keys
+(the sum's bits, then the position) are ranked by radix selection, four bits a pass
+(https://doi.org/10.1145/3458817.3476141), so nothing is sorted.
 """
 
 from __future__ import annotations
