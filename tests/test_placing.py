@@ -9,6 +9,7 @@ with distinct values, then whole generations against the PyTorch path.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,10 +18,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from test_kernels import random_choice, slot_map
 
-from alisa.kv.choice import choose
+from alisa.kv.placing import choose_and_place
 
 pytest.importorskip("triton")  # installed by `make setup` on a CPU build of PyTorch
 
@@ -35,7 +35,7 @@ import alisa.kv.host
 import alisa.kv.placing
 from alisa import AlisaCache, AlisaConfig
 from alisa.kv.cache import default_keeper
-from alisa.kv.choice import choose
+from alisa.kv.placing import choose_and_place
 from alisa.kv.placing import choose_and_place
 from conftest import hf_generate, padded_batch, tiny_llama
 from test_kernels import random_choice, slot_map
@@ -106,9 +106,14 @@ def test_the_kernel_equals_choosing_then_placing_in_the_interpreter():
     assert first == second > 0
 
 
-def test_a_placement_over_another_slot_map_is_refused():
+def test_a_placement_it_cannot_make_is_refused():
+    """Before any launch: a choice over another slot map's positions, a slot map not laid out
+    contiguously, positions past what the history keys hold."""
     inputs = random_choice(np.random.default_rng(0), ties=False)
-    chosen, taken = choose(inputs, compiled=False)
-    assert chosen.shape[-1] == int(inputs.budget.max()) and taken.dtype == torch.bool
     with pytest.raises(ValueError, match="this slot map's positions"):
         slot_map(inputs).place_to_choice(inputs)
+    strided = inputs.positions[..., ::2]  # every other slot: not contiguous
+    with pytest.raises(ValueError, match="contiguous slot map"):
+        choose_and_place(dataclasses.replace(inputs, positions=strided))
+    with pytest.raises(ValueError, match=r"2\*\*29 positions; seen=536870912"):
+        choose_and_place(dataclasses.replace(inputs, seen=1 << 29))

@@ -61,6 +61,8 @@ def choose_and_place(inputs: ChoiceInputs) -> tuple[torch.Tensor, torch.Tensor, 
     positions = inputs.positions
     if not positions.is_contiguous():
         raise ValueError("choose_and_place rewrites a contiguous slot map only")
+    if inputs.seen >= 1 << 29:  # history keys: 31 bits of sum, then the position, in 60 bits
+        raise ValueError(f"choose_and_place ranks below 2**29 positions; seen={inputs.seen}")
     batch, heads, capacity = positions.shape
     device = positions.device
     count = int(inputs.budget.max())
