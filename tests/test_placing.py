@@ -35,7 +35,7 @@ import alisa.kv.host
 import alisa.kv.placing
 from alisa import AlisaCache, AlisaConfig
 from alisa.kv.cache import default_keeper
-from alisa.kv.placing import choose_and_place
+from alisa.kv.choice import choose
 from alisa.kv.placing import choose_and_place
 from conftest import hf_generate, padded_batch, tiny_llama
 from test_kernels import random_choice, slot_map
