@@ -70,7 +70,8 @@ config = AlisaConfig(
 )
 outputs, fetched = [], []
 for kernel in (True, False):
-    alisa.kv.host.triton_choice = lambda device, kernel=kernel: kernel
+    # Where Triton runs (mapped is given, so only the placing kernel reads this name here).
+    alisa.kv.host.mapped_reads = lambda device, kernel=kernel: kernel
     keeper = partial(default_keeper, mapped=True)
     cache = AlisaCache(model, config, keeper=keeper)
     outputs.append(hf_generate(model, ids, mask, cache, max_new_tokens=6).tolist())

@@ -34,7 +34,6 @@ import torch
 from alisa.kv.choice import ChoiceInputs, choose
 from alisa.kv.history import PositionHistory
 from alisa.kv.keeper import Keeper
-from alisa.kv.placing import triton_choice
 from alisa.kv.rest import RestColumn, ValueTotals, rest_logit
 from alisa.kv.slots import SlotMap
 from alisa.policies import KVPolicy
@@ -196,9 +195,10 @@ class HostKeeper(Keeper):
             self.mapped = self.mapped_option
             if self.mapped is None:
                 self.mapped = mapped_reads(keys.device)
-            # On CUDA the compiled kernels are Triton's, for the device-read path.
+            # On CUDA the compiled kernels are Triton's, for the device-read path: where Triton
+            # runs, as the mapped fetch does.
             self.placing = (
-                self.compiled_option is not False and self.mapped and triton_choice(keys.device)
+                self.compiled_option is not False and self.mapped and mapped_reads(keys.device)
             )
             self.pages = HostPages(
                 batch, heads, head_dim, bits=self.host_bits, dtype=keys.dtype, device=keys.device

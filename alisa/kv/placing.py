@@ -21,7 +21,6 @@ top-k by radix selection, https://doi.org/10.1145/3458817.3476141.
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import numpy as np
 import torch
@@ -35,11 +34,6 @@ BLOCK = 1024
 RADIX_BLOCK = 256
 
 
-def triton_choice(device: torch.device) -> bool:
-    """Whether :func:`choose_and_place` runs compiled on ``device`` (CUDA with Triton)."""
-    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
-
-
 def choose_and_place(inputs: ChoiceInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This step's choice (:func:`alisa.kv.choice.choose`), then the slots ``inputs.positions``
     (rewritten in place) made exactly the chosen positions as
@@ -49,7 +43,8 @@ def choose_and_place(inputs: ChoiceInputs) -> tuple[torch.Tensor, torch.Tensor, 
     ----------
     inputs
         The choice's inputs; ``positions`` (B, H_kv, S) int64, contiguous, on the device the
-        kernel runs on (CUDA; a CPU only under ``TRITON_INTERPRET=1``).
+        kernel runs on (CUDA with Triton, :func:`alisa.storage.mapped.mapped_reads`; a CPU only
+        under ``TRITON_INTERPRET=1``).
 
     Returns
     -------

@@ -280,8 +280,7 @@ class SlotMap:
         """:meth:`swap` to the positions :func:`alisa.kv.choice.choose` picks from ``inputs``
         (whose ``positions`` are this map's), both in one compiled call per layer (CPU): the
         same slots and the same :class:`Incoming` as choosing, then :meth:`swap`."""
-        if inputs.positions is not self.positions:
-            raise ValueError("swap_to_choice takes a choice over this slot map's positions")
+        self._check_own(inputs, "swap_to_choice")
         fetch, count = choose_and_swap(inputs)
         self._settle(inputs.budget)
         if count == 0:
@@ -294,11 +293,15 @@ class SlotMap:
         (whose ``positions`` are this map's), both in one Triton kernel launch per layer
         (:func:`alisa.kv.placing.choose_and_place`; CUDA): the same slots and the same
         :class:`Placement` as choosing, then :meth:`place`, with no host round trip."""
-        if inputs.positions is not self.positions:
-            raise ValueError("place_to_choice takes a choice over this slot map's positions")
+        self._check_own(inputs, "place_to_choice")
         placement = Placement(*choose_and_place(inputs))
         self._settle(inputs.budget)
         return placement
+
+    def _check_own(self, inputs: ChoiceInputs, method: str) -> None:
+        """A choice that rewrites slots must be over this map's own positions."""
+        if inputs.positions is not self.positions:
+            raise ValueError(f"{method} takes a choice over this slot map's positions")
 
     def compaction(
         self, limit: int | None = None, *, force: bool = False
