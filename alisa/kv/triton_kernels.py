@@ -4,8 +4,8 @@ is: CPU builds of PyTorch do not ship it).
 One program per (sequence, KV head) row, in six steps, each a loop over the row's positions or
 slots in blocks; a step that reads what an earlier one wrote (the program's scratch in global
 memory) follows a barrier. Levels (the order of a bfloat16 logit as an integer) and history keys
-(the sum's bits, then the position) are ranked by radix selection, four bits a pass
-(https://doi.org/10.1145/3458817.3476141), so nothing is sorted.
+(the sum's bits, then the position) are ranked by radix selection, one digit (a histogram of
+``DIGIT_BITS`` bits) a pass (https://doi.org/10.1145/3458817.3476141), so nothing is sorted.
 """
 
 from __future__ import annotations
@@ -15,39 +15,43 @@ import triton.language as tl
 
 
 @triton.jit
-def kth_largest(scratch, start, end, wanted, bits, BLOCK: tl.constexpr):
+def kth_largest(scratch, start, end, wanted, bits, BLOCK: tl.constexpr, DIGIT_BITS: tl.constexpr):
     """The ``wanted``-th largest of the non-negative values of ``scratch[start:end]`` (all
-    below ``2**bits``, ``bits`` <= 60; negative ones are not counted), by radix selection four
-    bits per pass: each pass counts the values that match the digits found so far by their
-    next digit, and keeps the digit where the count from the top reaches ``wanted``.
+    below ``2**bits``, ``bits`` <= 60; negative ones are not counted), by radix selection
+    ``DIGIT_BITS`` bits per pass: each pass histograms the values that match the digits found
+    so far by their next digit, and keeps the digit where the count from the top reaches
+    ``wanted``.
 
     Returns (value, ties, equal): the value, how many of the values equal to it belong to the
     top ``wanted`` (every value above it does), and how many values equal it.
     """
-    digits = tl.arange(0, 16)
+    DIGITS: tl.constexpr = 1 << DIGIT_BITS
+    digits = tl.arange(0, DIGITS)
     prefix = tl.zeros((), dtype=tl.int64)
     remaining = wanted.to(tl.int64)
     equal = tl.zeros((), dtype=tl.int64)
-    shift = (bits + 3) // 4 * 4 - 4
+    shift = (bits + DIGIT_BITS - 1) // DIGIT_BITS * DIGIT_BITS - DIGIT_BITS
     while shift >= 0:
-        counts = tl.zeros((16,), dtype=tl.int64)
+        # Every value is below 2**60: above bit 62 all are equal (and a shift stays defined).
+        above_digit = tl.minimum(shift + DIGIT_BITS, 62)
+        counts = tl.zeros((DIGITS,), dtype=tl.int32)
         index = start
         while index < end:
             offsets = index + tl.arange(0, BLOCK)
             value = tl.load(scratch + offsets, mask=offsets < end, other=-1).to(tl.int64)
-            match = (value >= 0) & ((value >> (shift + 4)) == (prefix >> (shift + 4)))
-            digit = (value >> shift) & 15
-            hits = match[:, None] & (digit[:, None] == digits[None, :])
-            counts += tl.sum(hits.to(tl.int32), axis=0).to(tl.int64)
+            match = (value >= 0) & ((value >> above_digit) == (prefix >> above_digit))
+            digit = ((value >> shift) & (DIGITS - 1)).to(tl.int32)
+            counts += tl.histogram(digit, DIGITS, mask=match)
             index += BLOCK
+        wide = counts.to(tl.int64)
         # at_least[d]: matching values whose digit is d or above.
-        at_least = tl.sum(counts) - tl.cumsum(counts, axis=0) + counts
+        at_least = tl.sum(wide) - tl.cumsum(wide, axis=0) + wide
         found = tl.max(tl.where(at_least >= remaining, digits, 0))
-        above = tl.sum(tl.where(digits > found, counts, 0))
-        equal = tl.sum(tl.where(digits == found, counts, 0))
+        above = tl.sum(tl.where(digits > found, wide, 0))
+        equal = tl.sum(tl.where(digits == found, wide, 0))
         remaining -= above
         prefix |= found.to(tl.int64) << shift
-        shift -= 4
+        shift -= DIGIT_BITS
     return prefix, remaining, equal
 
 
@@ -94,6 +98,7 @@ def choose_and_place_rows(  # pointers, then sizes, then blocks
     PICKING: tl.constexpr,
     BLOCK: tl.constexpr,
     RADIX_BLOCK: tl.constexpr,
+    DIGIT_BITS: tl.constexpr,
 ):
     row = tl.program_id(0)
     b = row // heads
@@ -154,7 +159,7 @@ def choose_and_place_rows(  # pointers, then sizes, then blocks
             cut = tl.zeros((), dtype=tl.int64)
             if found > share:
                 cut, _, _ = kth_largest(
-                    key_row, 0, capacity, share, 31 + position_bits, RADIX_BLOCK
+                    key_row, 0, capacity, share, 31 + position_bits, RADIX_BLOCK, DIGIT_BITS
                 )
             index = 0
             while index < capacity:
@@ -176,7 +181,9 @@ def choose_and_place_rows(  # pointers, then sizes, then blocks
     if wanted <= 0:
         cut_level = tl.full((), 1 << 16, tl.int64)  # none ranked
     elif wanted < candidates:
-        cut_level, kept_ties, equal = kth_largest(level_row, low, high, wanted, 16, RADIX_BLOCK)
+        cut_level, kept_ties, equal = kth_largest(
+            level_row, low, high, wanted, 16, RADIX_BLOCK, DIGIT_BITS
+        )
         skip = equal - kept_ties
 
     # 4. The chosen positions, ascending, into the row's K entries (the rest: seen); each
