@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -242,9 +243,12 @@ def test_plan_warns_on_a_profile_from_another_cpu_or_dtype(tmp_path, capsys):
     assert "warning" not in capsys.readouterr().err
 
 
-def test_measured_profile_records_machine_and_labels_every_term():
+def test_measured_profile_records_machine_and_labels_every_term(capsys):
     torch.manual_seed(0)
     report = measure_report(tiny_llama(), torch.device("cpu"), sizes=(4, 128))
+    # The time left is announced from the model's own runs, not the micro-benchmarks' rates.
+    said = capsys.readouterr().out
+    assert "announced after the first" in said and re.search(r"about \d+ s left", said)
     measured = report.profile
     assert measured.cpu_model == cpu_model() and measured.dtype == "float32"
     assert measured.torch_version == torch.__version__ and measured.device_type == "cpu"
@@ -324,3 +328,12 @@ def test_the_time_estimate_covers_every_run_and_grows_with_the_work():
     assert all(isinstance(ms, int) and ms >= 0 for ms in decode + later)
     bigger, _ = calibration_estimate(model, micro, (8, 1024))
     assert sum(bigger) > sum(decode)
+
+
+def test_the_time_left_scales_the_estimates_by_the_runs_pace():
+    from alisa.calibration.profile import time_left
+
+    assert time_left(10.0, 100, 400) == 30.0  # a quarter of the work took 10 s
+    assert time_left(5.0, 200, 200) == 0.0
+    with pytest.raises(ValueError, match="done=0"):
+        time_left(1.0, 0, 10)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import platform
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -132,8 +133,9 @@ def _calibrated_terms(
     """The terms real steps give: the fitted decode terms, the tiered rates, then the selection
     cost of retention="host" (costed on top of the others).
 
-    The progress bar counts estimated seconds (:func:`calibration_estimate`), so its remaining
-    time is right as soon as the first steps show how fast this machine really is.
+    The progress bar counts estimated milliseconds (:func:`calibration_estimate`), so its
+    remaining time is right as soon as the first steps show how fast this machine really is;
+    after the first round of decode runs one line says the time left (:func:`time_left`).
     """
     decode, later = calibration_estimate(model, micro, sizes)
     bar = tqdm(
@@ -141,17 +143,28 @@ def _calibrated_terms(
         disable=not progress,
         bar_format="{desc}{percentage:3.0f}%|{bar}| [{elapsed}<{remaining}]",
     )
+    # No seconds announced from the micro-benchmarks: their rates can be far off the model's
+    # own (a bfloat16 model on a CPU without bfloat16 arithmetic: 9x too slow an estimate).
     bar.write(
         f"alisa profile: timing {len(decode) + len(later)} calibration runs of up to "
-        f"{sizes[0]} x {sizes[1]} tokens: about {(sum(decode) + sum(later)) / 1000:.0f} s at "
-        "this machine's measured peak FLOP rate and bandwidth; the bar's remaining time "
-        "follows the runs as they finish"
+        f"{sizes[0]} x {sizes[1]} tokens; the time they take is announced after the first "
+        f"{len(decode)}, at their own pace"
     )
     bar.set_description("alisa profile: decode steps")
     decode_units = itertools.cycle(decode)  # a second round (a fit that missed) repeats them
-    terms, resident = _fit_decode_twice(
-        model, device, micro, sizes, lambda: bar.update(next(decode_units))
-    )
+    start, first_round = time.perf_counter(), itertools.count(1)
+
+    def decode_tick() -> None:
+        bar.update(next(decode_units))
+        if next(first_round) == len(decode):
+            elapsed = time.perf_counter() - start
+            left = time_left(elapsed, sum(decode), sum(decode) + sum(later))
+            bar.write(
+                f"alisa profile: the first {len(decode)} runs took {elapsed:.0f} s; "
+                f"about {left:.0f} s left at their pace"
+            )
+
+    terms, resident = _fit_decode_twice(model, device, micro, sizes, decode_tick)
     bar.total = bar.n + sum(later)  # a first fit that held skips the second round
     later_units = iter(later)
 
@@ -176,6 +189,14 @@ def _calibrated_terms(
     )
     bar.close()
     return {**terms, **{term.field: term for term in selection}}
+
+
+def time_left(elapsed: float, done: float, total: float) -> float:
+    """Seconds left of work ``total`` (estimated units) when ``done`` of it took ``elapsed``
+    seconds: the estimates' ratios hold, their scale is this machine's."""
+    if done <= 0:
+        raise ValueError(f"time_left needs work done; done={done!r}")
+    return elapsed * max(total - done, 0.0) / done
 
 
 def calibration_estimate(
