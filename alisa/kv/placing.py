@@ -30,9 +30,10 @@ from alisa.storage.transfer import upload
 
 # A program's launch: positions per step of its loops over a row (the radix passes' own), the
 # bits of a radix digit (a 256-bin histogram a pass: 2 passes for a level, 6 for a history key),
-# and its warps. Measured on an H200 (docs/gpu.md, fifth run): at 4,096 positions and 16 warps a
-# row of 32K takes 0.22 ms, 128K 0.85 ms, 16 x 8 rows of 8K 0.12 ms (four-bit digits, 256
-# positions and 4 warps: 0.68, 3.2 and 0.20); fewer warps or positions were no faster anywhere.
+# and its warps. Measured on an H200 (docs/gpu.md, fifth run): at 4,096 positions and 16 warps 8
+# rows of 32K take 0.22 ms, of 128K 0.85 ms, 16 x 8 rows of 8K 0.12 ms (four-bit digits, 256
+# positions and 4 warps: 0.68, 3.2 and 0.20); no other setting tried was faster by more than
+# the noise of single medians, or on more than one row.
 BLOCK = 4096
 RADIX_BLOCK = 4096
 DIGIT_BITS = 8
