@@ -395,6 +395,22 @@ def test_the_report_computes_the_targets_from_the_rows(tmp_path, capsys):
         assert (run / figure).stat().st_size > 1000
 
 
+def test_score_vs_ratio_ticks_are_the_ratios_run():
+    """Over a narrow span of r (0.05-0.1) the log axis is labelled at the ratios run, plainly,
+    with no minor-tick labels written over each other."""
+    import matplotlib.pyplot as plt
+
+    from experiments.tasks.ruler.report import _panel
+
+    scores = {HOST: {"score": 1.0}, HOST_05: {"score": 0.5}, "hf-dynamic": {"score": 1.0}}
+    figure, axis = plt.subplots()
+    _panel(axis, scores, "niah_single")
+    figure.canvas.draw()
+    assert [t.get_text() for t in axis.get_xticklabels()] == ["0.05", "0.1"]
+    assert all(t.get_text() == "" for t in axis.get_xticklabels(minor=True))
+    plt.close(figure)
+
+
 def test_cost_bytes_come_from_the_cost_rows_where_no_ruler_row_has_that_length():
     from experiments.tasks.ruler.report import cost_rows
 

@@ -18,6 +18,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 
 from alisa import AlisaConfig  # noqa: E402
 from experiments.systems import parse_alisa  # noqa: E402
@@ -322,6 +323,12 @@ def _panel(axis, scores: dict, title: str) -> None:
     if DENSE in scores:
         axis.axhline(scores[DENSE]["score"], color="black", linestyle="--", label="dense")
     axis.set_xscale("log")
+    # Ticks at the ratios run, written plainly: over a narrow span (0.05-0.1) a log axis labels
+    # its minor ticks in scientific notation, one over another.
+    ratios = sorted({x for points in lines.values() for x, _ in points})
+    if ratios:
+        axis.set_xticks(ratios, [f"{ratio:g}" for ratio in ratios], fontsize=7)
+        axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axis.set_ylim(-0.05, 1.05)
     axis.set_xlabel("r", fontsize=8)
     axis.set_title(title, fontsize=9)
