@@ -41,12 +41,12 @@ from conftest import hf_generate, padded_batch, tiny_llama
 from test_kernels import random_choice, slot_map
 
 report = {"steps": 0, "fetched": 0, "mismatches": []}
-launch = (alisa.kv.placing.BLOCK, alisa.kv.placing.RADIX_BLOCK, alisa.kv.placing.DIGIT_BITS)
+launch = (alisa.kv.placing.BLOCK, alisa.kv.placing.DIGIT_BITS)
 torch.manual_seed(0)
 # Blocks of 32 positions: a row spans several, so every pass carries counts across blocks;
 # radix digits of 8 bits (the default) and of 4.
 for seed, ties, block, digit_bits in ((5, True, 32, 8), (6, False, 1024, 4), (7, True, 1024, 8)):
-    alisa.kv.placing.BLOCK = alisa.kv.placing.RADIX_BLOCK = block
+    alisa.kv.placing.BLOCK = block
     alisa.kv.placing.DIGIT_BITS = digit_bits
     rng = np.random.default_rng(seed)
     for step in range(int(sys.argv[1])):
@@ -64,8 +64,8 @@ for seed, ties, block, digit_bits in ((5, True, 32, 8), (6, False, 1024, 4), (7,
 
 # A generation: the kernel (as on CUDA) against the PyTorch path, both reading host rows on the
 # device's path (mapped), at a reached budget with a history share.
-# The generation with the module's own launch settings.
-alisa.kv.placing.BLOCK, alisa.kv.placing.RADIX_BLOCK, alisa.kv.placing.DIGIT_BITS = launch
+# (with the module's own launch settings)
+alisa.kv.placing.BLOCK, alisa.kv.placing.DIGIT_BITS = launch
 model = tiny_llama()
 ids, mask = padded_batch(lengths=(70, 41))
 config = AlisaConfig(

@@ -28,14 +28,13 @@ import torch
 from alisa.kv.choice import ChoiceInputs
 from alisa.storage.transfer import upload
 
-# A program's launch: positions per step of its loops over a row (the radix passes' own), the
+# A program's launch: positions per step of its loops over a row (the radix passes' too), the
 # bits of a radix digit (a 256-bin histogram a pass: 2 passes for a level, 6 for a history key),
 # and its warps. Measured on an H200 (docs/gpu.md, fifth run): at 4,096 positions and 16 warps 8
 # rows of 32K take 0.22 ms, of 128K 0.85 ms, 16 x 8 rows of 8K 0.12 ms (four-bit digits, 256
 # positions and 4 warps: 0.68, 3.2 and 0.20); no other setting tried was faster by more than
 # the noise of single medians, or on more than one row.
 BLOCK = 4096
-RADIX_BLOCK = 4096
 DIGIT_BITS = 8
 WARPS = 16
 
@@ -112,7 +111,6 @@ def choose_and_place(inputs: ChoiceInputs) -> tuple[torch.Tensor, torch.Tensor, 
         max(seen, 1).bit_length(),
         PICKING=picking,
         BLOCK=BLOCK,
-        RADIX_BLOCK=RADIX_BLOCK,
         DIGIT_BITS=DIGIT_BITS,
         num_warps=WARPS,
     )

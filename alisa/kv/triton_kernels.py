@@ -97,7 +97,6 @@ def choose_and_place_rows(  # pointers, then sizes, then blocks
     position_bits,
     PICKING: tl.constexpr,
     BLOCK: tl.constexpr,
-    RADIX_BLOCK: tl.constexpr,
     DIGIT_BITS: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -159,7 +158,7 @@ def choose_and_place_rows(  # pointers, then sizes, then blocks
             cut = tl.zeros((), dtype=tl.int64)
             if found > share:
                 cut, _, _ = kth_largest(
-                    key_row, 0, capacity, share, 31 + position_bits, RADIX_BLOCK, DIGIT_BITS
+                    key_row, 0, capacity, share, 31 + position_bits, BLOCK, DIGIT_BITS
                 )
             index = 0
             while index < capacity:
@@ -182,7 +181,7 @@ def choose_and_place_rows(  # pointers, then sizes, then blocks
         cut_level = tl.full((), 1 << 16, tl.int64)  # none ranked
     elif wanted < candidates:
         cut_level, kept_ties, equal = kth_largest(
-            level_row, low, high, wanted, 16, RADIX_BLOCK, DIGIT_BITS
+            level_row, low, high, wanted, 16, BLOCK, DIGIT_BITS
         )
         skip = equal - kept_ties
 
