@@ -1,6 +1,8 @@
 """The ``alisa`` attention function, registered with transformers' ``AttentionInterface``.
 
-Prefill runs HF's own SDPA path (so it is exact and never materialises L x L scores), then seeds
+Prefill runs HF's own SDPA path (so it is exact and never materialises L x L scores; a long
+prompt in a sliding-window layer goes by blocks of queries against the keys their window sees,
+:mod:`alisa.kv.banded`, with the same result), then seeds
 the policy's attention sums from the last prompt queries. Decode runs over the kept slots
 directly on the grouped KV heads (no ``repeat_kv``). Either way the function then hands the step
 to the cache layer's :meth:`~alisa.kv.layer.AlisaLayer.after_attention` (its keeper evicts or
@@ -24,6 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 # Re-exported only for alisa/parallel/generate.py until it imports it from alisa.model.adapter.
+from alisa.kv.banded import banded_prefill
 from alisa.kv.grouped import grouped_logits
 from alisa.kv.layer import AlisaLayer
 from alisa.kv.packed import PackedLayer, prompt_columns, running_columns
@@ -129,16 +132,28 @@ def _attend(
         )
     if layer is None or layer.prefilling:
         if options.plain:
-            output, _ = sdpa_attention_forward(
+            output = banded_prefill(
                 module,
                 query,
                 key,
                 value,
                 attention_mask,
-                dropout=dropout,
+                window,
                 scaling=scaling,
+                dropout=dropout,
                 **kwargs,
             )
+            if output is None:  # not a long sliding-window prompt: HF's own call
+                output, _ = sdpa_attention_forward(
+                    module,
+                    query,
+                    key,
+                    value,
+                    attention_mask,
+                    dropout=dropout,
+                    scaling=scaling,
+                    **kwargs,
+                )
         else:
             scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
             output = _prefill_attention(query, key, value, attention_mask, scaling, options, window)
