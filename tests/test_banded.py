@@ -39,10 +39,11 @@ def inputs(lengths: tuple[int, ...], seed: int = 0):
     return query, key, value
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [300, KEY_BLOCK, KEY_BLOCK + 2, 700])
-def test_the_banded_prefill_is_the_full_calls_output_bit_for_bit(window):
+def test_the_banded_prefill_is_the_full_calls_output_bit_for_bit(window, dtype):
     lengths = (2 * KEY_BLOCK + window + 77, 2 * KEY_BLOCK + window - 40)  # one row padded
-    query, key, value = inputs(lengths)
+    query, key, value = (tensor.to(dtype) for tensor in inputs(lengths))
     mask = sliding_mask(lengths, window)
     full, _ = sdpa_attention_forward(Attention(), query, key, value, mask, scaling=0.2)
     banded = banded_prefill(Attention(), query, key, value, mask, window, scaling=0.2)
