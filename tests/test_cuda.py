@@ -382,3 +382,22 @@ def test_a_mapped_fetch_decodes_the_tokens_the_host_fetch_does(dtype, bits):
         fetched.append(sum(layer.keeper.fetched for layer in cache.layers))
     assert torch.equal(*outputs)
     assert fetched[0] == fetched[1] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_banded_sliding_prefill_equals_the_full_call_on_the_device(dtype):
+    """A long prompt's sliding-window prefill by blocks (alisa.kv.banded) against SDPA's full
+    call on the device's own kernels: bit for bit where they add keys in blocks that divide 512
+    (as the CPU's flash kernel does; tests/test_banded.py)."""
+    from test_banded import Attention, inputs, sliding_mask
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from alisa.kv.banded import KEY_BLOCK, banded_prefill
+
+    window = 700
+    lengths = (2 * KEY_BLOCK + window + 77, 2 * KEY_BLOCK + window - 40)
+    query, key, value = (tensor.to(DEVICE, dtype) for tensor in inputs(lengths))
+    mask = sliding_mask(lengths, window).to(DEVICE)
+    full, _ = sdpa_attention_forward(Attention(), query, key, value, mask, scaling=0.2)
+    banded = banded_prefill(Attention(), query, key, value, mask, window, scaling=0.2)
+    torch.testing.assert_close(banded, full, rtol=0, atol=0, equal_nan=True)

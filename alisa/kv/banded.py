@@ -14,6 +14,7 @@ ATen's ``FlashAttentionKernel.cpp``) with an online softmax, where a fully maske
 nothing (its exponentials are 0 and the running maximum stays). A band that starts at a multiple
 of 512 therefore adds the same blocks in the same order, and the output is bit-identical to the
 full call's (``tests/test_banded.py`` checks it, so a kernel that changes this fails there).
+``tests/test_cuda.py`` checks the same on a CUDA device's kernels (not yet run on one).
 """
 
 from __future__ import annotations
