@@ -25,7 +25,6 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-# Re-exported only for alisa/parallel/generate.py until it imports it from alisa.model.adapter.
 from alisa.kv.banded import banded_prefill
 from alisa.kv.grouped import grouped_logits
 from alisa.kv.layer import AlisaLayer
