@@ -102,3 +102,43 @@ def test_a_sliding_window_model_decodes_a_long_prompt_as_hf_does(monkeypatch):
         cache = AlisaCache(model, config, max_new_tokens=4)
         assert torch.equal(hf_generate(model, ids, mask, cache, max_new_tokens=4), reference)
         assert calls.count(True) == 2  # each sliding layer's prefill went by blocks
+
+
+def test_each_capped_or_sink_prefill_chunk_reads_the_keys_its_queries_see():
+    """The soft-capped / sink prefill's chunks (``_chunk_bands``): from the first key any of a
+    chunk's queries sees to the last; a chunk that sees none reads every key."""
+    causal = sliding_mask((10,), window=3)  # keys (p - 3, p]
+    assert attention_module._chunk_bands(causal, 4) == [(0, 4), (2, 8), (6, 10)]
+    padded = sliding_mask((10, 6), window=3)  # the second sequence's 4 pads see nothing
+    assert attention_module._chunk_bands(padded, 4) == [(0, 4), (2, 8), (6, 10)]
+    only_pads = padded[1:]
+    assert attention_module._chunk_bands(only_pads, 4) == [(0, 10), (4, 8), (6, 10)]
+    full = torch.ones(1, 1, 3, 5, dtype=torch.bool)  # a bidirectional mask: every key
+    assert attention_module._chunk_bands(full, 2) == [(0, 5), (0, 5)]
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
+def test_a_capped_or_sink_prefill_by_chunk_bands_gives_hfs_tokens(name, monkeypatch):
+    """Gemma 2 (soft-capping) and GPT-OSS (sinks) prefill by chunks of a few queries, each
+    reading only its band of keys (narrower than the prompt on both the sliding and the full
+    layers), generate HF's tokens from a padded batch, dropping or keeping on the host."""
+    monkeypatch.setattr(attention_module, "SEED_CHUNK_VALUES", 2 * 4 * 60 * 5)  # 5 queries
+    bands = []
+    chunk_bands = attention_module._chunk_bands
+
+    def recorded(visible, chunk):
+        mine = chunk_bands(visible, chunk)
+        bands.extend(mine)
+        return mine
+
+    monkeypatch.setattr(attention_module, "_chunk_bands", recorded)
+    model = build(FAMILIES[name])
+    ids, mask = padded_batch(lengths=(60, 41))
+    reference = hf_generate(model, ids, mask, max_new_tokens=8)
+    for config in (AlisaConfig(), AlisaConfig(policy="swa", caching_ratio=1.0, retention="host")):
+        bands.clear()
+        ours = hf_generate(model, ids, mask, AlisaCache(model, config), max_new_tokens=8)
+        assert torch.equal(ours, reference), config
+        assert len(bands) == 2 * 12  # two layers, 60 queries in chunks of 5
+        assert all(high - low < 60 for low, high in bands[1:12])  # sliding: (p - 8, p]
+        assert any(high - low < 60 for low, high in bands[12:])  # full: causal

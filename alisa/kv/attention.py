@@ -229,21 +229,55 @@ def _prefill_attention(
 
     A padding query sees no key: its row is zero instead of NaN, so no NaN reaches a later
     layer's values (HF's eager path gives such rows a uniform softmax; both are masked out).
+    Each chunk reads only the keys from the first one a query of it sees to the last one
+    (:func:`_chunk_bands`): a causal layer's chunk skips the keys after it, a sliding one's those
+    before its window too, where every query of a chunk read the whole prompt before (masked
+    keys add exactly nothing to a softmax's sum or to the product with the values).
     """
     batch, heads, queries, head_dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     visible = _prefill_visible(attention_mask, queries, length, window, key.device)
     chunk = max(1, SEED_CHUNK_VALUES // max(1, batch * heads * length))
     outputs = []
-    for start in range(0, queries, chunk):
+    for start, (low, high) in zip(
+        range(0, queries, chunk), _chunk_bands(visible, chunk), strict=True
+    ):
         stop = min(start + chunk, queries)
         probabilities = grouped_probabilities(
-            query[:, :, start:stop], key, visible[:, :, start:stop], scaling, options
+            query[:, :, start:stop],
+            key[:, :, low:high],
+            visible[:, :, start:stop, low:high],
+            scaling,
+            options,
         )
         probabilities = torch.nan_to_num(probabilities, nan=0.0).to(value.dtype)
-        flat = probabilities.view(batch, kv_heads, -1, length)  # (B, Hkv, G*q, S)
-        outputs.append(torch.matmul(flat, value).view(batch, heads, stop - start, head_dim))
+        flat = probabilities.view(batch, kv_heads, -1, high - low)  # (B, Hkv, G*q, S')
+        band = value[:, :, low:high]
+        outputs.append(torch.matmul(flat, band).view(batch, heads, stop - start, head_dim))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+
+
+def _chunk_bands(visible: torch.Tensor, chunk: int) -> list[tuple[int, int]]:
+    """For each chunk of ``chunk`` queries of a (B or 1, 1, q, S) boolean mask, the keys [low,
+    high) from the first any of its queries sees to the last (all S for a chunk that sees none):
+    one host read per layer's prefill.
+
+    Returns
+    -------
+    list
+        ceil(q / chunk) (low, high) pairs.
+    """
+    queries, length = visible.shape[-2:]
+    seen = visible.any(dim=1).any(dim=0)  # (q, S): any sequence's query sees the key
+    found = seen.any(dim=-1)
+    marks = seen.to(torch.uint8)
+    first = torch.where(found, marks.argmax(dim=-1), length)
+    last = torch.where(found, length - marks.flip(-1).argmax(dim=-1), 0)
+    padding = -queries % chunk  # padding queries constrain nothing
+    first = torch.nn.functional.pad(first, (0, padding), value=length).view(-1, chunk)
+    last = torch.nn.functional.pad(last, (0, padding), value=0).view(-1, chunk)
+    bands = torch.stack([first.amin(dim=-1), last.amax(dim=-1)], dim=-1).tolist()
+    return [(low, high) if low < high else (0, length) for low, high in bands]
 
 
 def _prefill_visible(
