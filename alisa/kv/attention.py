@@ -259,8 +259,10 @@ def _prefill_attention(
 
 def _chunk_bands(visible: torch.Tensor, chunk: int) -> list[tuple[int, int]]:
     """For each chunk of ``chunk`` queries of a (B or 1, 1, q, S) boolean mask, the keys [low,
-    high) from the first any of its queries sees to the last (all S for a chunk that sees none):
-    one host read per layer's prefill.
+    high) from the first any of its queries sees to the last (all S for a chunk that sees none).
+
+    Computed chunk by chunk where the mask is (no temporary larger than a chunk's rows: the mask
+    itself is q x S), then read by the host once per layer's prefill.
 
     Returns
     -------
@@ -268,16 +270,13 @@ def _chunk_bands(visible: torch.Tensor, chunk: int) -> list[tuple[int, int]]:
         ceil(q / chunk) (low, high) pairs.
     """
     queries, length = visible.shape[-2:]
-    seen = visible.any(dim=1).any(dim=0)  # (q, S): any sequence's query sees the key
-    found = seen.any(dim=-1)
-    marks = seen.to(torch.uint8)
-    first = torch.where(found, marks.argmax(dim=-1), length)
-    last = torch.where(found, length - marks.flip(-1).argmax(dim=-1), 0)
-    padding = -queries % chunk  # padding queries constrain nothing
-    first = torch.nn.functional.pad(first, (0, padding), value=length).view(-1, chunk)
-    last = torch.nn.functional.pad(last, (0, padding), value=0).view(-1, chunk)
-    bands = torch.stack([first.amin(dim=-1), last.amax(dim=-1)], dim=-1).tolist()
-    return [(low, high) if low < high else (0, length) for low, high in bands]
+    bounds = []
+    for start in range(0, queries, chunk):
+        seen = visible[..., start : start + chunk, :].any(dim=-2).any(dim=1).any(dim=0)  # (S,)
+        marks = seen.to(torch.uint8)
+        bounds.append(torch.stack([marks.argmax(), length - marks.flip(0).argmax(), seen.any()]))
+    read = torch.stack(bounds).tolist()
+    return [(low, high) if found else (0, length) for low, high, found in read]
 
 
 def _prefill_visible(
