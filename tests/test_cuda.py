@@ -401,3 +401,19 @@ def test_the_banded_sliding_prefill_equals_the_full_call_on_the_device(dtype):
     full, _ = sdpa_attention_forward(Attention(), query, key, value, mask, scaling=0.2)
     banded = banded_prefill(Attention(), query, key, value, mask, window, scaling=0.2)
     torch.testing.assert_close(banded, full, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
+def test_a_capped_or_sink_prefill_by_chunk_bands_gives_hfs_tokens_on_the_device(name, monkeypatch):
+    """Gemma 2's soft-capped and GPT-OSS's sink prefill, in chunks of 5 queries each reading its
+    band of keys (tests/test_banded.py), generate HF's tokens on the device's kernels."""
+    import alisa.kv.attention as attention_module
+    from experiments.architecture_table import build
+
+    monkeypatch.setattr(attention_module, "SEED_CHUNK_VALUES", 2 * 4 * 60 * 5)
+    model = build(FAMILIES[name]).to(DEVICE)
+    ids, mask = batch(lengths=(60, 41))
+    reference = hf_generate(model, ids, mask, max_new_tokens=8)
+    for config in (AlisaConfig(), AlisaConfig(policy="swa", caching_ratio=1.0, **HOST)):
+        ours = hf_generate(model, ids, mask, AlisaCache(model, config), max_new_tokens=8)
+        assert torch.equal(ours, reference), config
