@@ -117,12 +117,16 @@ def test_each_capped_or_sink_prefill_chunk_reads_the_keys_its_queries_see():
     assert attention_module._chunk_bands(full, 2) == [(0, 5), (0, 5)]
 
 
+# SEED_CHUNK_VALUES for chunks of 5 queries: 2 sequences x 4 query heads x 60 keys x 5 queries.
+FIVE_QUERY_CHUNKS = 2 * 4 * 60 * 5
+
+
 @pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
 def test_a_capped_or_sink_prefill_by_chunk_bands_gives_hfs_tokens(name, monkeypatch):
     """Gemma 2 (soft-capping) and GPT-OSS (sinks) prefill by chunks of a few queries, each
     reading only its band of keys (narrower than the prompt on both the sliding and the full
     layers), generate HF's tokens from a padded batch, dropping or keeping on the host."""
-    monkeypatch.setattr(attention_module, "SEED_CHUNK_VALUES", 2 * 4 * 60 * 5)  # 5 queries
+    monkeypatch.setattr(attention_module, "SEED_CHUNK_VALUES", FIVE_QUERY_CHUNKS)
     bands = []
     chunk_bands = attention_module._chunk_bands
 

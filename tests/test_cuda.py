@@ -407,10 +407,12 @@ def test_the_banded_sliding_prefill_equals_the_full_call_on_the_device(dtype):
 def test_a_capped_or_sink_prefill_by_chunk_bands_gives_hfs_tokens_on_the_device(name, monkeypatch):
     """Gemma 2's soft-capped and GPT-OSS's sink prefill, in chunks of 5 queries each reading its
     band of keys (tests/test_banded.py), generate HF's tokens on the device's kernels."""
+    from test_banded import FIVE_QUERY_CHUNKS
+
     import alisa.kv.attention as attention_module
     from experiments.architecture_table import build
 
-    monkeypatch.setattr(attention_module, "SEED_CHUNK_VALUES", 2 * 4 * 60 * 5)
+    monkeypatch.setattr(attention_module, "SEED_CHUNK_VALUES", FIVE_QUERY_CHUNKS)
     model = build(FAMILIES[name]).to(DEVICE)
     ids, mask = batch(lengths=(60, 41))
     reference = hf_generate(model, ids, mask, max_new_tokens=8)

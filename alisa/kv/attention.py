@@ -274,10 +274,10 @@ def _chunk_bands(visible: torch.Tensor, chunk: int) -> list[tuple[int, int]]:
     bounds = []
     for start in range(0, queries, chunk):
         seen = visible[..., start : start + chunk, :].any(dim=-2).any(dim=1).any(dim=0)  # (S,)
+        # argmax gives the first True; where there is none it gives 0 both ways: (0, S).
         marks = seen.to(torch.uint8)
-        bounds.append(torch.stack([marks.argmax(), length - marks.flip(0).argmax(), seen.any()]))
-    read = torch.stack(bounds).tolist()
-    return [(low, high) if found else (0, length) for low, high, found in read]
+        bounds.append(torch.stack([marks.argmax(), length - marks.flip(0).argmax()]))
+    return [(low, high) for low, high in torch.stack(bounds).tolist()]
 
 
 def _prefill_visible(
