@@ -19,7 +19,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Every value comes back as ``code * scale`` within ``scale / 2`` of the original (a row of
     zeros has scale 0 and codes 0, as has a row whose ``max |x| / 127`` underflows float32: its
-    values are below 127 x 2^-149). Inputs must be finite (the caller's keys are).
+    values are below 127 x 2^-149). Where that scale is subnormal (``max |x|`` below 127 x
+    2^-126), its own rounding to a multiple of 2^-149 adds to the error, at most 127 x 2^-150.
+    Inputs must be finite (the caller's keys are).
 
     Returns
     -------
