@@ -351,6 +351,7 @@ class Engine:
         prefill_s: float = 0.0,
         kv_bytes: Callable[[], int] | None = None,
         announce: Callable[[bool], None] | None = None,
+        observe: Callable[[torch.Tensor], None] | None = None,
         **options,
     ) -> GenerationOutput:
         """Prefill (unless ``prefill_logits`` (B, V) are given) and decode up to ``max_new_tokens``.
@@ -369,6 +370,9 @@ class Engine:
             Reads the KV bytes held (default: :func:`cache_kv_bytes` of ``cache``).
         announce
             Told before each later forward pass whether one follows (sharded decode workers).
+        observe
+            Shown each step's (B, V) logits before its tokens are chosen (diagnostics such as
+            ``experiments.ruler_probe``; nothing in the loop waits on it).
         options
             Extra model keyword arguments of every forward pass (they reach attention).
         """
@@ -381,9 +385,12 @@ class Engine:
         for step in range(max_new_tokens):
             start = self.clock()
             if step == 0 and prefill_logits is not None:
-                tokens = self.choose(state, prefill_logits)
+                logits = prefill_logits
             else:
-                tokens = self.step(state, cache, **options)
+                logits = self.forward(state, cache, **options)
+            if observe is not None:
+                observe(logits)
+            tokens = self.choose(state, logits)
             generated[state.active, step] = tokens
             times.append(self.clock() - start)
             steps, peak_kv = step + 1, max(peak_kv, kv_bytes())

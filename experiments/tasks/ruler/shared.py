@@ -13,7 +13,7 @@ cache stores the prompt). Each system then decodes alone from the shared first-t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import AttentionInterface
@@ -182,15 +182,23 @@ def decode_after_prefill(
     max_new_tokens: int,
     prefill_s: float = 0.0,
     prune: bool = False,
+    observe: Callable[[torch.Tensor], None] | None = None,
 ) -> GenerationOutput:
     """Greedy decode from a prefilled ``cache`` and its prefill's (B, V) ``logits``, as
     :func:`alisa.generate` decodes (EOS stops a row; step times, KV bytes per tier, peak memory
-    of the decode). ``prune``: finished rows leave the batch (``generate(prune_finished=True)``)."""
+    of the decode). ``prune``: finished rows leave the batch (``generate(prune_finished=True)``).
+    ``observe``: shown each step's (B, V) logits before its tokens are chosen."""
     engine = Engine(model, tokenizer)
     state = DecodeState.start(input_ids, attention_mask)
     with attached(model), PeakMemory(input_ids.device) as memory:
         result = engine.run(
-            state, cache, max_new_tokens, prune=prune, prefill_logits=logits, prefill_s=prefill_s
+            state,
+            cache,
+            max_new_tokens,
+            prune=prune,
+            prefill_logits=logits,
+            prefill_s=prefill_s,
+            observe=observe,
         )
     result.peak_memory_bytes = memory.peak_bytes
     return result
