@@ -25,6 +25,7 @@ import sys
 import torch
 
 from experiments.tasks.ruler.families import FAMILIES
+from experiments.tasks.ruler.sample import Sample
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -140,7 +141,7 @@ def departure(reference: list[dict], steps: list[dict]) -> dict | None:
     return None
 
 
-def probe(model, tokenizer, sample, systems: list[str], steps: int, top: int) -> list[dict]:
+def probe(model, tokenizer, sample: Sample, systems: list[str], steps: int, top: int) -> list[dict]:
     """Prefill ``sample`` once for every system and decode each; one row per system.
 
     Returns
