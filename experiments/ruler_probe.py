@@ -214,9 +214,9 @@ def main(argv=None) -> int:
         model, tokenizer = load_benchmark_model(args.model, dtype=args.dtype)
         haystack = Haystack.from_text(text, tokenizer, source=source)
         options = RulerOptions(samples=args.samples, seed=args.seed)
-        sample = generate_samples(tokenizer, haystack, args.family, args.length, options, model)[
-            args.sample
-        ]
+        (sample,) = generate_samples(
+            tokenizer, haystack, args.family, args.length, options, model, indices=[args.sample]
+        )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -12,7 +12,7 @@ from alisa import generate
 from experiments.architectures import FAMILIES as ARCHITECTURES
 from experiments.architectures import build
 from experiments.systems import make_cache
-from experiments.tasks.ruler.evaluate import RulerOptions
+from experiments.tasks.ruler.evaluate import RulerOptions, generate_samples
 from experiments.tasks.ruler.families import FAMILIES
 from experiments.tasks.ruler.haystack import Haystack
 from experiments.tasks.ruler.prompts import fit, prompt_format
@@ -56,6 +56,14 @@ def test_generation_is_deterministic_and_fits_the_length(haystack, name):
         # Within one haystack unit of the length: a sentence (at most 223 bytes here) or, for
         # the word lists, one word's entries.
         assert LENGTH - 240 <= total <= LENGTH, (name, total)
+
+
+@pytest.mark.parametrize("name", ["niah_single", "niah_grid"])
+def test_samples_at_chosen_indices_are_those_of_the_whole_set(haystack, name):
+    options = RulerOptions(samples=4)
+    whole = generate_samples(byte_tokenizer(), haystack, name, LENGTH, options)
+    chosen = generate_samples(byte_tokenizer(), haystack, name, LENGTH, options, indices=[3, 1])
+    assert chosen == [whole[3], whole[1]]
 
 
 @pytest.mark.parametrize("name", ["niah_single", "niah_multikey", "niah_multivalue", "vt"])

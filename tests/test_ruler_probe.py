@@ -1,35 +1,24 @@
 """experiments.ruler_probe: one sample's steps per system, as the runner decodes them."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import byte_tokenizer, saved_tiny_llama, tiny_llama
+from test_ruler import PROSE, request
 
 from experiments.ruler_probe import departure, main, parse_args, probe
 from experiments.tasks.ruler.families import FAMILIES
 from experiments.tasks.ruler.haystack import Haystack
-from experiments.tasks.ruler.prompts import prompt_format
-from experiments.tasks.ruler.sample import Request
 from experiments.tasks.ruler.shared import decode_after_prefill, shared_prefill, system_cache
 
-PROSE = Path(__file__).parent / "fixtures" / "prose.txt"
 # An 8-token budget departs from dense at the second step on this model and prompt.
 SYSTEMS = ["hf-dynamic", "alisa", "alisa:policy=streaming,budget_tokens=8,min_budget_tokens=0"]
 
 
 def one_sample(tokenizer, length=600):
     haystack = Haystack.from_text(PROSE.read_text(), tokenizer, source="prose fixture")
-    request = Request(
-        haystack=haystack,
-        tokenizer=tokenizer,
-        format=prompt_format(tokenizer, False),
-        length=length,
-        samples=1,
-        seed=0,
-    )
-    return FAMILIES["niah_single"].sample(request, 0)
+    return FAMILIES["niah_single"].sample(request(haystack, tokenizer, length=length, samples=1), 0)
 
 
 def test_each_system_decodes_as_the_runner_and_departs_where_its_tokens_do():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -167,9 +168,17 @@ def _padded(
 
 
 def generate_samples(
-    tokenizer, haystack: Haystack, name: str, length: int, options: RulerOptions, model=None
+    tokenizer,
+    haystack: Haystack,
+    name: str,
+    length: int,
+    options: RulerOptions,
+    model=None,
+    indices: Sequence[int] | None = None,
 ) -> list[Sample]:
-    """``options.samples`` samples of family ``name`` at ``length`` tokens.
+    """``options.samples`` samples of family ``name`` at ``length`` tokens, or only those at
+    ``indices`` (each the same as in the whole set: a sample depends on its index, the seed and
+    ``options.samples``, not on which others are generated).
 
     Raises
     ------
@@ -190,7 +199,8 @@ def generate_samples(
         seed=options.seed,
     )
     chosen = family(name)
-    return [chosen.sample(request, i, options.new_tokens) for i in range(options.samples)]
+    chosen_indices = range(options.samples) if indices is None else indices
+    return [chosen.sample(request, i, options.new_tokens) for i in chosen_indices]
 
 
 def ruler_points(context, points: list[dict], options: dict) -> list[dict]:
