@@ -22,6 +22,7 @@ import functools
 import numba
 import numpy as np
 import torch
+from numba.core import config
 
 
 @numba.njit(parallel=True, cache=True)
@@ -48,12 +49,19 @@ def shares_torch_threads() -> bool:
 
 def kernel_parts(rows: int) -> int:
     """Parts to split ``rows`` independent rows into for a parallel kernel: torch's intra-op
-    thread count (capped by numba's and by ``rows``) where the threads are shared, else 1.
+    thread count (capped by numba's and by ``rows``) where the threads are shared, else 1; numba's
+    next parallel loop on this thread runs exactly that many threads.
 
     Every kernel call asks this before its first parallel loop, so numba's threads start in
     :func:`shares_torch_threads`, which keeps torch's thread count as it was.
     """
     shared = shares_torch_threads()
-    if rows <= 1 or not shared:
-        return 1
-    return max(1, min(rows, torch.get_num_threads(), numba.get_num_threads()))
+    parts = 1
+    if rows > 1 and shared:
+        parts = max(1, min(rows, torch.get_num_threads(), config.NUMBA_NUM_THREADS))
+    # numba sizes a parallel loop's team by its own thread count, not by the loop's length: a
+    # larger team than the parts wakes threads with nothing to do, whose wait at the loop's end
+    # (a spin, by OpenMP's default) takes cores that other processes may be using. The count is
+    # per calling thread.
+    numba.set_num_threads(parts)
+    return parts

@@ -181,6 +181,22 @@ def test_kernel_parts_follow_torchs_threads_and_the_rows():
         torch.set_num_threads(threads)
 
 
+def test_numbas_next_parallel_loop_runs_as_many_threads_as_there_are_parts():
+    """A team larger than the parts wakes threads with nothing to do: numba's count follows the
+    parts, down and back up, and torch's own count is left as it was."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert kernel_parts(64) == 1 and numba.get_num_threads() == 1
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(threads)
+        parts = kernel_parts(64)
+        assert numba.get_num_threads() == parts and torch.get_num_threads() == threads
+        assert kernel_parts(1) == 1 and numba.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_compiled_product_needs_a_cpu_and_a_known_name():
     with pytest.raises(ValueError, match="product='int8'"):
         KeySketch(1, 1, 8, 4, torch.device("cpu"), product="int8")
