@@ -2,6 +2,7 @@
 
     python -m experiments.report results/NAME            # the newest run of NAME
     python -m experiments.report results/NAME/<timestamp>
+    python -m experiments.report RUN RUN ... --out DIR    # RULER runs of different seeds, pooled
 
 Writes ``report.md`` and plots (accuracy vs KV sparsity, throughput vs batch, per-layer attention
 sparsity; for RULER runs the scores, cost and targets, the NIAH grid heatmaps and score vs r) into
@@ -22,6 +23,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from experiments.data import read_jsonl  # noqa: E402
+from experiments.tasks.ruler.pool import pool_runs, seed_of  # noqa: E402
 
 MAIN_METRIC = {
     "perplexity": "perplexity",
@@ -156,46 +158,63 @@ RULER_TASKS = ("ruler", "ruler_cost")  # one section for both (experiments.tasks
 def build_report(folder: Path) -> str:
     """``report.md`` (returned) and the plots of a run; a run with RULER rows also writes
     ``summary.json`` (what :func:`main` prints as its last line)."""
-    return _build(folder)[0]
+    return _build([folder], folder)[0]
 
 
-def _build(folder: Path) -> tuple[str, dict | None]:
-    rows = read_jsonl(folder / "results.jsonl")
+def _environment(env: dict) -> str:
+    return (
+        f"torch {env['torch']}, transformers {env['transformers']}, "
+        f"{env['cpu']} x{env['cpu_count']} ({env['threads']} threads), "
+        f"GPU: {env['gpu'] or 'none'}, commit {str(env['git_commit'])[:10]}"
+    )
+
+
+def _build(folders: list[Path], out: Path) -> tuple[str, dict | None]:
+    """The report of one run, or of several RULER runs' rows pooled (written into ``out``)."""
+    runs = [
+        (
+            folder,
+            json.loads((folder / "config.json").read_text()),
+            read_jsonl(folder / "results.jsonl"),
+        )
+        for folder in folders
+    ]
+    config = runs[0][1]
+    rows = runs[0][2] if len(runs) == 1 else pool_runs(runs)
+    out.mkdir(parents=True, exist_ok=True)
     by_task = defaultdict(list)
     for row in rows:
         if row["point"]["task"] not in RULER_TASKS:
             by_task[row["point"]["task"]].append(row)
-    config = json.loads((folder / "config.json").read_text())
-    env = json.loads((folder / "env.json").read_text())
-    sections = [
-        f"# {config['name']}",
-        "",
-        f"{len(rows)} points; torch {env['torch']}, transformers {env['transformers']}, "
-        f"{env['cpu']} x{env['cpu_count']} ({env['threads']} threads), "
-        f"GPU: {env['gpu'] or 'none'}, "
-        f"commit {str(env['git_commit'])[:10]}",
-        "",
-    ]
+    envs = [json.loads((folder / "env.json").read_text()) for folder in folders]
+    sections = [f"# {config['name']}", "", f"{len(rows)} points; {_environment(envs[0])}", ""]
+    if len(runs) > 1:
+        sections[2] = f"{len(rows)} points pooled from {len(runs)} runs:"
+        sections[3:3] = [
+            f"- `{folder}` (options.ruler.seed={seed_of(run_config)}): {_environment(env)}"
+            for (folder, run_config, _), env in zip(runs, envs, strict=True)
+        ] + ["", f"Samples per point: {_sample_counts(rows)}", ""]
     for task, task_rows in sorted(by_task.items()):
         sections += [metric_table(task, task_rows), ""]
         plots = []
         if task == "throughput":
-            plots.append(plot_throughput(task_rows, folder))
+            plots.append(plot_throughput(task_rows, out))
         elif task == "attention_sparsity":
-            plots.append(plot_layer_sparsity(task_rows, folder))
+            plots.append(plot_layer_sparsity(task_rows, out))
         else:
-            plots.append(plot_sparsity_curves(task, task_rows, folder))
+            plots.append(plot_sparsity_curves(task, task_rows, out))
         sections += [f"![{p.stem}]({p.name})" for p in plots if p is not None] + [""]
     summary = None
     ruler = [row for row in rows if row["point"]["task"] in RULER_TASKS]
     if ruler:
         from experiments.tasks.ruler.report import section
 
-        text, summary = section(ruler, folder, expected=_ruler_points(config))
+        expected = _ruler_points(config) if len(runs) == 1 else None
+        text, summary = section(ruler, out, expected=expected, runs=len(runs))
         sections.append(text)
-        (folder / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     text = "\n".join(sections)
-    (folder / "report.md").write_text(text)
+    (out / "report.md").write_text(text)
     return text, summary
 
 
@@ -210,13 +229,35 @@ def _ruler_points(config: dict) -> int | None:
     return sum(1 for point in points if point["task"] == "ruler")
 
 
+def _sample_counts(rows: list[dict]) -> str:
+    """``length family: samples`` of the pooled ``ruler`` points (a point some runs did not
+    measure has fewer samples; systems of one point differing show as ``10-20``)."""
+    counts = defaultdict(set)
+    for row in rows:
+        if row["point"]["task"] == "ruler":
+            counts[(row["point"]["length"], row["point"]["family"])].add(row["metrics"]["samples"])
+    return "; ".join(
+        f"{length} {family}: {min(n)}" + (f"-{max(n)}" if len(n) > 1 else "")
+        for (length, family), n in sorted(counts.items())
+    )
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="experiments.report", description=__doc__.splitlines()[0])
-    parser.add_argument("path", type=Path)
+    parser.add_argument("path", type=Path, nargs="+", help="a run, or results/NAME (its newest)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="folder for the report of several runs pooled (required with more than one path)",
+    )
     args = parser.parse_args(argv)
     try:
-        folder = find_run(args.path)
-        text, summary = _build(folder)
+        folders = [find_run(path) for path in args.path]
+        if len(folders) > 1 and args.out is None:
+            raise ValueError(f"{len(folders)} runs given: --out names the pooled report's folder")
+        if len(folders) == 1 and args.out is not None:
+            raise ValueError(f"--out={str(args.out)!r} is for several runs pooled; one was given")
+        text, summary = _build(folders, args.out if args.out is not None else folders[0])
         print(text)
         if summary is not None:
             print(json.dumps(summary))  # the last line: every figure, for scripts

@@ -340,6 +340,8 @@ def _row(family, length, system, scores, depths=None, task="ruler"):
         "decode_tokens_per_s": 10.0,
         "decode_s": 1.0,
         "median_step_ms": 100.0,
+        "peak_kv_bytes": 2000.0,
+        "load_average": 1.0,
     }
     point = {"task": task, "model": "m", "length": length, "family": family, "batch": 1}
     return {"point": {**point, "system": system}, "metrics": metrics, "seconds": 10.0}

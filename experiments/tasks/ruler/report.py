@@ -83,11 +83,12 @@ def share(scores: dict, system: str) -> float | None:
     return scores[system]["score"] / dense
 
 
-def targets(rows: list[dict], expected: int | None = None) -> dict:
+def targets(rows: list[dict], expected: int | None = None, runs: int = 1) -> dict:
     """Issue 29's targets on what the run measured (None where it measured nothing).
 
     ``expected``: how many ``ruler`` points the run's config asks for; a run with fewer rows is
-    partial and its time target is not judged (its seconds are still given)."""
+    partial and its time target is not judged (its seconds are still given), nor is it for rows
+    pooled from several ``runs`` (:mod:`.pool`): they are not one run."""
     table = score_table(rows)
     result = {}
     for ratio, floor in ((0.1, 0.90), (0.05, 0.80)):
@@ -117,6 +118,8 @@ def targets(rows: list[dict], expected: int | None = None) -> dict:
             "seconds": round(seconds, 1),
             "partial": f"{done} of {expected} ruler points",
         }
+    if runs > 1:
+        result["run_under_2h"] = {"met": None, "seconds": round(seconds, 1), "pooled_runs": runs}
     return result
 
 
@@ -126,13 +129,18 @@ def _grid_target(table: dict) -> dict:
         host = next((s for s in scores if System.of(s).is_("host", 0.1)), None)
         if key[3] != "niah_grid" or host is None or DENSE not in scores:
             continue
-        dense = {r["index"]: r for r in scores[DENSE]["per_sample"]}
+        dense = {_sample(r): r for r in scores[DENSE]["per_sample"]}
         for record in scores[host]["per_sample"]:
-            if dense[record["index"]]["score"] == 1.0:
+            if dense[_sample(record)]["score"] == 1.0:
                 cells += 1
                 if record["score"] < 1.0:
                     misses.append({"length": key[2], "depth": record["depths"][0]})
     return {"met": None if cells == 0 else not misses, "cells": cells, "missed": misses}
+
+
+def _sample(record: dict) -> tuple:
+    """A sample's identity: its index, and its run's seed in a pooled report (:mod:`.pool`)."""
+    return record.get("seed"), record["index"]
 
 
 def _fmt_bytes(value: float | None) -> str:
@@ -260,6 +268,8 @@ def markdown_targets(result: dict) -> str:
         met = {None: "not measured", True: "yes", False: "**no**"}[outcome["met"]]
         if "partial" in outcome:
             met = "not judged: partial run"
+        if "pooled_runs" in outcome:
+            met = "not judged: pooled runs"
         details = {k: v for k, v in outcome.items() if k != "met"}
         lines.append(f"| {name} | {details} | {met} |")
     return "\n".join(lines)
@@ -274,12 +284,15 @@ def plot_grid(rows: list[dict], folder: Path) -> Path | None:
     lengths = sorted({key[2] for key in table})
     figure, axes = plt.subplots(1, len(systems), figsize=(3.2 * len(systems), 3.4), squeeze=False)
     for axis, system in zip(axes[0], systems, strict=True):
-        cells: dict = {}
+        cells: dict = defaultdict(list)  # pooled runs: several samples a cell, their mean
         for key, scores in table.items():
             for record in scores.get(system, {}).get("per_sample", []):
-                cells[(round(record["depths"][0], 1), key[2])] = record["score"]
+                cells[(round(record["depths"][0], 1), key[2])].append(record["score"])
         depths = sorted({depth for depth, _ in cells})
-        grid = [[cells.get((d, n), float("nan")) for n in lengths] for d in depths]
+        grid = [
+            [_mean(cells[(d, n)]) if (d, n) in cells else float("nan") for n in lengths]
+            for d in depths
+        ]
         axis.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto", origin="upper")
         axis.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n >= 1024 else n for n in lengths])
         axis.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
@@ -341,7 +354,7 @@ def _save(figure, path: Path) -> Path:
     return path
 
 
-def summary(rows: list[dict], expected: int | None = None) -> dict:
+def summary(rows: list[dict], expected: int | None = None, runs: int = 1) -> dict:
     """What the report's JSON line carries: every score, the targets, the run's seconds."""
     scores = {
         f"{key[0]}|b{key[1]}|{key[2]}|{key[3]}": {
@@ -349,14 +362,17 @@ def summary(rows: list[dict], expected: int | None = None) -> dict:
         }
         for key, systems in sorted(score_table(rows).items())
     }
-    return {"benchmark": "ruler", "scores": scores, "targets": targets(rows, expected)}
+    return {"benchmark": "ruler", "scores": scores, "targets": targets(rows, expected, runs)}
 
 
-def section(rows: list[dict], folder: Path, expected: int | None = None) -> tuple[str, dict]:
-    """The markdown section of a run's RULER rows (figures written beside it) and its summary."""
+def section(
+    rows: list[dict], folder: Path, expected: int | None = None, runs: int = 1
+) -> tuple[str, dict]:
+    """The markdown section of a run's RULER rows (figures written beside it) and its summary
+    (``runs``: how many runs the rows were pooled from)."""
     parts = ["## RULER", "", "Score (RULER string match, 0-1; share of dense in parentheses):", ""]
     parts += [markdown_scores(rows), "", "Cost (per sequence):", "", markdown_cost(rows), ""]
-    parts += ["Targets:", "", markdown_targets(targets(rows, expected)), ""]
+    parts += ["Targets:", "", markdown_targets(targets(rows, expected, runs)), ""]
     figures = [plot_grid(rows, folder), *plot_vs_ratio(rows, folder)]
     parts += [f"![{path.stem}]({path.name})" for path in figures if path is not None]
-    return "\n".join(parts) + "\n", summary(rows, expected)
+    return "\n".join(parts) + "\n", summary(rows, expected, runs)
