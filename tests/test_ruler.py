@@ -443,3 +443,27 @@ def test_ruler_options_are_validated():
     for field, value in (("samples", 0), ("seed", -1), ("new_tokens", 0), ("chat", "yes")):
         with pytest.raises(ValueError, match=f"options.ruler.{field}="):
             RulerOptions(**{field: value})
+
+
+def test_a_setting_beyond_policy_ratio_and_bits_gets_its_own_column_and_not_the_target():
+    """Host r = 0.1 with ``estimate_rest`` is another system than host r = 0.1: its own label
+    (in the table, the JSON line and the figure's lines), and the targets read the default one."""
+    from experiments.tasks.ruler.report import System, summary
+
+    rest = HOST + ",estimate_rest=true"
+    assert System.of(rest).label == "swa host r=0.1 estimate_rest=True"
+    assert System.of(HOST).label == "swa host r=0.1"
+    rows = [
+        _row("niah_single", 4096, "hf-dynamic", [1, 1, 1, 1, 1]),
+        _row("niah_single", 4096, rest, [1, 1, 1, 1, 1]),  # listed first: still not the target's
+        _row("niah_single", 4096, HOST, [1, 1, 1, 1, 0]),
+    ]
+    result = summary(rows)
+    assert result["scores"]["m|b1|4096|niah_single"] == {
+        "dense": 1.0,
+        "swa host r=0.1 estimate_rest=True": 1.0,
+        "swa host r=0.1": 0.8,
+    }
+    assert result["targets"]["host_r0.1_share_ge_0.9"]["below"] == [
+        {"family": "niah_single", "length": 4096, "share": 0.8}
+    ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import matplotlib
@@ -28,6 +28,10 @@ HOLDS = 0.5  # dense must score at least this for a task to count in the share t
 TIME_TARGET_S = 2 * 3600
 
 
+# The settings every label names in its own words.
+_LABELLED = ("policy", "retention", "caching_ratio", "kv_bits")
+
+
 @dataclass(frozen=True, kw_only=True)
 class System:
     """What the report reads from a system's name."""
@@ -42,18 +46,39 @@ class System:
 
     @property
     def label(self) -> str:
-        """A short name: ``dense``, ``swa drop r=0.1``, ``swa host r=0.1 INT8``."""
+        """A short name: ``dense``, ``swa drop r=0.1``, ``swa host r=0.1 INT8``, then any other
+        setting that differs from the defaults (``swa host r=0.1 estimate_rest=True``), so that
+        two systems never share a column name."""
         if self.config is None:
             return "dense" if self.name == DENSE else self.name
-        bits = f" INT{self.config.kv_bits}" if self.config.kv_bits != 16 else ""
-        if self.config.policy == "dense":
-            return f"alisa dense{bits}"
-        return f"{self.config.policy} {self.config.retention} r={self.config.caching_ratio:g}{bits}"
+        config = self.config
+        bits = f" INT{config.kv_bits}" if config.kv_bits != 16 else ""
+        if config.policy == "dense":
+            label = f"alisa dense{bits}"
+        else:
+            label = f"{config.policy} {config.retention} r={config.caching_ratio:g}{bits}"
+        return " ".join([label, *self.others])
+
+    @property
+    def others(self) -> list[str]:
+        """``name=value`` of the settings besides policy, retention, r and bits that differ from
+        the defaults."""
+        if self.config is None:
+            return []
+        default = AlisaConfig()
+        return [
+            f"{f.name}={getattr(self.config, f.name)}"
+            for f in fields(AlisaConfig)
+            if f.name not in _LABELLED and getattr(self.config, f.name) != getattr(default, f.name)
+        ]
 
     def is_(self, retention: str, ratio: float, policy: str = "swa", bits: int = 16) -> bool:
+        """Whether this is that system with every other setting at its default (the one the
+        targets name: not, say, the same r with ``estimate_rest``)."""
         config = self.config
         return (
             config is not None
+            and not self.others
             and config.retention == retention
             and config.policy == policy
             and config.caching_ratio == ratio
@@ -322,12 +347,13 @@ def plot_vs_ratio(rows: list[dict], folder: Path) -> list[Path]:
 def _panel(axis, scores: dict, title: str) -> None:
     lines: dict = defaultdict(list)
     for name, metrics in scores.items():
-        config = System.of(name).config
+        system = System.of(name)
+        config = system.config
         if config is None or config.policy == "dense":
             continue
-        series = f"{config.policy} {config.retention}" + (
-            f" INT{config.kv_bits}" if config.kv_bits != 16 else ""
-        )
+        bits = f" INT{config.kv_bits}" if config.kv_bits != 16 else ""
+        # One line per setting, r along it: other settings make their own line.
+        series = " ".join([f"{config.policy} {config.retention}{bits}", *system.others])
         lines[series].append((config.caching_ratio, metrics["score"]))
     for series, points in sorted(lines.items()):
         points.sort()
