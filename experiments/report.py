@@ -22,7 +22,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from experiments.data import read_jsonl  # noqa: E402
+from experiments.data import REPO_ROOT, read_jsonl  # noqa: E402
 from experiments.tasks.ruler.pool import pool_runs, seed_of  # noqa: E402
 
 MAIN_METRIC = {
@@ -209,8 +209,8 @@ def _build(folders: list[Path], out: Path) -> tuple[str, dict | None]:
     if ruler:
         from experiments.tasks.ruler.report import section
 
-        expected = _ruler_points(config) if len(runs) == 1 else None
-        text, summary = section(ruler, out, expected=expected, runs=len(runs))
+        partial = _partial(config, ruler) if len(runs) == 1 else None
+        text, summary = section(ruler, out, partial=partial, runs=len(runs))
         sections.append(text)
         (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     text = "\n".join(sections)
@@ -218,15 +218,38 @@ def _build(folders: list[Path], out: Path) -> tuple[str, dict | None]:
     return text, summary
 
 
-def _ruler_points(config: dict) -> int | None:
-    """How many ``ruler`` points the run's config asks for (None: a config without a sweep)."""
-    from experiments.runconfig import RunConfig
+def _partial(config: dict, rows: list[dict]) -> str | None:
+    """Why a run is not its config's whole RULER report (None: it is): points not written yet,
+    or, for a config shipped as ``experiments/configs/NAME.toml``, a narrower sweep or fewer
+    samples than that file asks (a run of some families with ``--set`` is not the report)."""
+    from experiments.runconfig import RunConfig, load_config
+    from experiments.tasks.ruler.options import RulerOptions
 
+    def ruler_points(run: RunConfig) -> int:
+        return sum(1 for point in run.points() if point["task"] == "ruler")
+
+    def samples(options: dict) -> int:
+        return RulerOptions.read(options.get("ruler", {})).samples
+
+    done = sum(1 for row in rows if row["point"]["task"] == "ruler")
     try:
-        points = RunConfig(**config).points()
+        asked = ruler_points(RunConfig(**config))
     except (TypeError, KeyError, ValueError):
         return None
-    return sum(1 for point in points if point["task"] == "ruler")
+    if done < asked:
+        return f"{done} of {asked} ruler points"
+    shipped = REPO_ROOT / "experiments" / "configs" / f"{config['name']}.toml"
+    if not shipped.is_file():
+        return None
+    full = load_config(shipped)
+    if asked < ruler_points(full):
+        return f"{asked} of {shipped.name}'s {ruler_points(full)} ruler points"
+    if samples(config.get("options", {})) < samples(full.options):
+        return (
+            f"{samples(config.get('options', {}))} of {shipped.name}'s "
+            f"{samples(full.options)} samples a point"
+        )
+    return None
 
 
 def _sample_counts(rows: list[dict]) -> str:

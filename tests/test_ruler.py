@@ -383,11 +383,8 @@ def test_the_report_computes_the_targets_from_the_rows(tmp_path, capsys):
     grid = result["grid_host_r0.1_finds_what_dense_finds"]
     assert grid == {"met": False, "cells": 2, "missed": [{"length": 2048, "depth": 1.0}]}
     assert result["run_under_2h"] == {"met": True, "seconds": 100.0}
-    partial = targets(rows, expected=len(rows) + 1)["run_under_2h"]  # a point still missing
-    assert (
-        partial["met"] is None
-        and partial["partial"] == f"{len(rows)} of {len(rows) + 1} ruler points"
-    )
+    partial = targets(rows, partial="3 of 4 ruler points")["run_under_2h"]
+    assert partial == {"met": None, "seconds": 100.0, "partial": "3 of 4 ruler points"}
     run = tmp_path / "results" / "r" / "1"
     run.mkdir(parents=True)
     (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -467,3 +464,34 @@ def test_a_setting_beyond_policy_ratio_and_bits_gets_its_own_column_and_not_the_
     assert result["targets"]["host_r0.1_share_ge_0.9"]["below"] == [
         {"family": "niah_single", "length": 4096, "share": 0.8}
     ]
+
+
+@pytest.mark.parametrize(
+    ("sweep", "samples", "partial"),
+    [
+        # Every point of the shipped config, its samples: the time target is judged.
+        (None, 10, None),
+        # Fewer samples than the file asks: not the report.
+        (None, 5, "5 of ruler_smollm2.toml's 10 samples a point"),
+        # Two of its families (with --set): not the report either.
+        (
+            {"family": ["niah_single", "niah_multikey"]},
+            10,
+            "48 of ruler_smollm2.toml's 168 ruler points",
+        ),
+    ],
+)
+def test_the_time_target_is_judged_only_on_the_whole_report_of_a_shipped_config(
+    sweep, samples, partial
+):
+    from experiments.data import REPO_ROOT
+    from experiments.report import _partial
+    from experiments.runconfig import RunConfig, load_config
+
+    config = load_config(REPO_ROOT / "experiments" / "configs" / "ruler_smollm2.toml").as_dict()
+    config["sweep"] = {**config["sweep"], **(sweep or {})}
+    config["options"] = {**config["options"], "ruler": {"samples": samples}}
+    rows = [{"point": point} for point in RunConfig(**config).points()]
+    ruler = [row for row in rows if row["point"]["task"] == "ruler"]
+    assert _partial(config, ruler) == partial
+    assert _partial(config, ruler[1:]) == f"{len(ruler) - 1} of {len(ruler)} ruler points"

@@ -108,12 +108,12 @@ def share(scores: dict, system: str) -> float | None:
     return scores[system]["score"] / dense
 
 
-def targets(rows: list[dict], expected: int | None = None, runs: int = 1) -> dict:
+def targets(rows: list[dict], partial: str | None = None, runs: int = 1) -> dict:
     """Issue 29's targets on what the run measured (None where it measured nothing).
 
-    ``expected``: how many ``ruler`` points the run's config asks for; a run with fewer rows is
-    partial and its time target is not judged (its seconds are still given), nor is it for rows
-    pooled from several ``runs`` (:mod:`.pool`): they are not one run."""
+    ``partial``: why the run is not a whole report (points missing, a narrower sweep or fewer
+    samples than its config file): its time target is not judged (its seconds are still given),
+    nor is it for rows pooled from several ``runs`` (:mod:`.pool`): they are not one run."""
     table = score_table(rows)
     result = {}
     for ratio, floor in ((0.1, 0.90), (0.05, 0.80)):
@@ -136,13 +136,8 @@ def targets(rows: list[dict], expected: int | None = None, runs: int = 1) -> dic
     result["grid_host_r0.1_finds_what_dense_finds"] = _grid_target(table)
     seconds = sum(row.get("seconds", 0.0) for row in rows)
     result["run_under_2h"] = {"met": seconds < TIME_TARGET_S, "seconds": round(seconds, 1)}
-    done = len(_rows(rows, "ruler"))
-    if expected is not None and done < expected:
-        result["run_under_2h"] = {
-            "met": None,
-            "seconds": round(seconds, 1),
-            "partial": f"{done} of {expected} ruler points",
-        }
+    if partial is not None:
+        result["run_under_2h"] = {"met": None, "seconds": round(seconds, 1), "partial": partial}
     if runs > 1:
         result["run_under_2h"] = {"met": None, "seconds": round(seconds, 1), "pooled_runs": runs}
     return result
@@ -380,7 +375,7 @@ def _save(figure, path: Path) -> Path:
     return path
 
 
-def summary(rows: list[dict], expected: int | None = None, runs: int = 1) -> dict:
+def summary(rows: list[dict], partial: str | None = None, runs: int = 1) -> dict:
     """What the report's JSON line carries: every score, the targets, the run's seconds."""
     scores = {
         f"{key[0]}|b{key[1]}|{key[2]}|{key[3]}": {
@@ -388,17 +383,17 @@ def summary(rows: list[dict], expected: int | None = None, runs: int = 1) -> dic
         }
         for key, systems in sorted(score_table(rows).items())
     }
-    return {"benchmark": "ruler", "scores": scores, "targets": targets(rows, expected, runs)}
+    return {"benchmark": "ruler", "scores": scores, "targets": targets(rows, partial, runs)}
 
 
 def section(
-    rows: list[dict], folder: Path, expected: int | None = None, runs: int = 1
+    rows: list[dict], folder: Path, partial: str | None = None, runs: int = 1
 ) -> tuple[str, dict]:
     """The markdown section of a run's RULER rows (figures written beside it) and its summary
     (``runs``: how many runs the rows were pooled from)."""
     parts = ["## RULER", "", "Score (RULER string match, 0-1; share of dense in parentheses):", ""]
     parts += [markdown_scores(rows), "", "Cost (per sequence):", "", markdown_cost(rows), ""]
-    parts += ["Targets:", "", markdown_targets(targets(rows, expected, runs)), ""]
+    parts += ["Targets:", "", markdown_targets(targets(rows, partial, runs)), ""]
     figures = [plot_grid(rows, folder), *plot_vs_ratio(rows, folder)]
     parts += [f"![{path.stem}]({path.name})" for path in figures if path is not None]
-    return "\n".join(parts) + "\n", summary(rows, expected, runs)
+    return "\n".join(parts) + "\n", summary(rows, partial, runs)
