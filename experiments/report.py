@@ -242,13 +242,12 @@ def _partial(config: dict, rows: list[dict]) -> str | None:
     if not shipped.is_file():
         return None
     full = load_config(shipped)
-    if asked < ruler_points(full):
-        return f"{asked} of {shipped.name}'s {ruler_points(full)} ruler points"
-    if samples(config.get("options", {})) < samples(full.options):
-        return (
-            f"{samples(config.get('options', {}))} of {shipped.name}'s "
-            f"{samples(full.options)} samples a point"
-        )
+    full_points = ruler_points(full)
+    if asked < full_points:
+        return f"{asked} of {shipped.name}'s {full_points} ruler points"
+    ran, full_samples = samples(config.get("options", {})), samples(full.options)
+    if ran < full_samples:
+        return f"{ran} of {shipped.name}'s {full_samples} samples a point"
     return None
 
 

@@ -38,15 +38,20 @@ def point_overrides(point: dict) -> dict:
     return {key: value for key, value in point.items() if key in names}
 
 
-def system_name(config: AlisaConfig) -> str:
-    """The ``alisa:...`` name of a config (its fields that differ from the defaults), which
-    :func:`parse_alisa` reads back to an equal config."""
+def changed_settings(config: AlisaConfig) -> list[str]:
+    """``name=value`` of each field of ``config`` that differs from the defaults, in field order."""
     default = AlisaConfig()
-    changed = [
+    return [
         f"{f.name}={getattr(config, f.name)}"
         for f in fields(AlisaConfig)
         if getattr(config, f.name) != getattr(default, f.name)
     ]
+
+
+def system_name(config: AlisaConfig) -> str:
+    """The ``alisa:...`` name of a config (its fields that differ from the defaults), which
+    :func:`parse_alisa` reads back to an equal config."""
+    changed = changed_settings(config)
     return "alisa:" + ",".join(changed) if changed else "alisa"
 
 

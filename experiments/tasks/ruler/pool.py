@@ -34,6 +34,8 @@ def seed_of(config: dict) -> int:
 def _check(runs: list[tuple[Path, dict]]) -> None:
     """Refuse runs whose prompts overlap or differ in anything but the seed and sample count."""
     first_path, first = runs[0]
+    reference = _options(first)
+    reference_dtype = first.get("runtime", {}).get("dtype")
     seeds: dict[int, Path] = {}
     for path, config in runs:
         options = _options(config)
@@ -44,18 +46,17 @@ def _check(runs: list[tuple[Path, dict]]) -> None:
             )
         seeds[options.seed] = path
         for name in _SAME_OPTIONS:
-            mine, theirs = getattr(options, name), getattr(_options(first), name)
+            mine, theirs = getattr(options, name), getattr(reference, name)
             if mine != theirs:
                 raise ValueError(
                     f"options.ruler.{name}={mine!r} in {str(path)!r} but {theirs!r} in "
                     f"{str(first_path)!r}: pooled runs must ask the same prompts"
                 )
         dtype = config.get("runtime", {}).get("dtype")
-        if dtype != first.get("runtime", {}).get("dtype"):
+        if dtype != reference_dtype:
             raise ValueError(
-                f"runtime.dtype={dtype!r} in {str(path)!r} but "
-                f"{first.get('runtime', {}).get('dtype')!r} in {str(first_path)!r}: "
-                "pooled runs must run the model alike"
+                f"runtime.dtype={dtype!r} in {str(path)!r} but {reference_dtype!r} in "
+                f"{str(first_path)!r}: pooled runs must run the model alike"
             )
 
 

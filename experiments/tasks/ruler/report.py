@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 
 from alisa import AlisaConfig  # noqa: E402
-from experiments.systems import parse_alisa  # noqa: E402
+from experiments.systems import changed_settings, parse_alisa  # noqa: E402
 
 DENSE = "hf-dynamic"
 HOLDS = 0.5  # dense must score at least this for a task to count in the share targets
@@ -65,11 +65,10 @@ class System:
         the defaults."""
         if self.config is None:
             return []
-        default = AlisaConfig()
         return [
-            f"{f.name}={getattr(self.config, f.name)}"
-            for f in fields(AlisaConfig)
-            if f.name not in _LABELLED and getattr(self.config, f.name) != getattr(default, f.name)
+            setting
+            for setting in changed_settings(self.config)
+            if setting.partition("=")[0] not in _LABELLED
         ]
 
     def is_(self, retention: str, ratio: float, policy: str = "swa", bits: int = 16) -> bool:
