@@ -67,6 +67,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         "medians over rounds, speed-ups the median of each round's ratio to the baseline",
     )
     parser.add_argument(
+        "--interleave",
+        type=positive_int,
+        default=None,
+        metavar="STEPS",
+        help="run every system in this process, prefilled once each, decoding in turns of STEPS "
+        "steps (experiments.interleave): a drift of the machine falls on every system alike; "
+        "speed-ups are the median of each turn's ratio to the baseline (no per-system peak)",
+    )
+    parser.add_argument(
         "--budget",
         type=parse_bytes,
         default=None,
@@ -146,6 +155,17 @@ def run_rounds(systems: list[str], args: argparse.Namespace) -> list[list[dict]]
     """``args.rounds`` lists of rows, each in the order of ``systems`` (odd rounds run in
     reverse), each row with its speed-up against the baseline of its own round. In process,
     the model is loaded once for every round."""
+    if args.interleave is not None:
+        from experiments.interleave import interleaved_rows
+        from experiments.worker import load_workload
+
+        model, tokenizer, prompts = load_workload(args)
+        rows = interleaved_rows(
+            model, tokenizer, prompts, systems, args.new_tokens, args.interleave, BASELINE
+        )
+        for row in rows:
+            row.pop("token_ids")
+        return [rows]
     workload = None
     if args.in_process:
         from experiments.worker import load_workload
@@ -237,12 +257,13 @@ def print_table(rows: list[dict]) -> None:
         speedup = f"{row.get('speedup_vs_baseline', 0):.2f}x"
         if "round_step_ms" in row:  # the rounds' own figures after the median
             step += " (" + ", ".join(f"{value:.0f}" for value in row["round_step_ms"]) + ")"
+        peak = "–" if row["peak_rss_bytes"] is None else f"{row['peak_rss_bytes'] / 2**20:.0f}"
         if "round_speedups" in row:
             speedup += " (" + ", ".join(f"{value:.2f}" for value in row["round_speedups"]) + ")"
         print(
             f"| {row['system']} | {row['decode_tokens_per_s']:.1f} | {step} | "
             f"{row['ttft_s']:.1f} | {row['kv_bytes'] / 2**20:.1f} | {shares} | "
-            f"{row['peak_rss_bytes'] / 2**20:.0f} | {speedup} |"
+            f"{peak} | {speedup} |"
         )
 
 
@@ -265,6 +286,14 @@ def environment(args: argparse.Namespace) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.interleave is not None and (args.rounds > 1 or args.budget is not None):
+        which = "--rounds" if args.rounds > 1 else "--budget"
+        print(
+            f"bench_speed: error: --interleave takes no {which} (one process, one run; "
+            "no per-system peak to fit a budget with)",
+            file=sys.stderr,
+        )
+        return 2
     error = check_model(args.model, args.dtype)
     if error is not None:
         print(f"bench_speed: error: {error}", file=sys.stderr)
@@ -280,6 +309,7 @@ def main(argv=None) -> int:
         **worker_options(args),
         "in_process": args.in_process,
         "rounds": args.rounds,
+        "interleave": args.interleave,
         "budget_bytes": args.budget,
         **environment(args),
         "systems": rows,

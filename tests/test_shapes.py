@@ -335,3 +335,45 @@ def test_rounds_must_be_a_positive_integer(capsys):
         with pytest.raises(SystemExit):
             bench_speed.parse_args(["--rounds", bad])
         assert f"{bad!r} is not a positive integer" in capsys.readouterr().err
+
+
+def test_interleaved_systems_take_turns_and_decode_what_generate_decodes(monkeypatch, capsys):
+    """``--interleave``: one process, each system prefilled once, then turns of the given
+    steps; each system's tokens are those of its own ``generate`` (turns share nothing but the
+    model) and each speed-up is paired turn by turn with the baseline."""
+    from conftest import tiny_llama
+
+    from alisa import generate
+    from experiments import interleave, worker
+    from experiments.systems import make_cache
+
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    prompts = shapes.random_prompts(40, 2)
+    monkeypatch.setattr(worker, "load_workload", lambda args: (model, tokenizer, prompts))
+    host = "alisa:policy=swa,caching_ratio=0.2,retention=host"
+    drop = "alisa:policy=swa,caching_ratio=0.2"
+    argv = ["--batch", "2", "--prompt-tokens", "40", "--new-tokens", "8", "--prompts", "random"]
+    assert bench_speed.main([*argv, "--interleave", "3", "--systems", f"{BASE};{host};{drop}"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(out[-1])
+    assert report["interleave"] == 3 and "| – |" in out[2]  # no per-system peak
+    rows = {row["system"]: row for row in report["systems"]}
+    for row in rows.values():
+        assert row["generated_tokens"] == 16 and row["peak_rss_bytes"] is None
+        assert len(row["turn_step_ms"]) == 3  # 7 decode steps in turns of 3, 3, 1
+        assert row["kv_tier_bytes"]["device"] > 0
+    assert rows[BASE]["turn_speedups"] == [1.0, 1.0, 1.0]
+    turns = zip(rows[BASE]["turn_step_ms"], rows[host]["turn_step_ms"], strict=True)
+    paired = [b / h for b, h in turns]
+    assert rows[host]["speedup_vs_baseline"] == pytest.approx(sorted(paired)[1])
+
+    rows = interleave.interleaved_rows(model, tokenizer, prompts, [drop, host], 6, 2, BASE)
+    for row in rows:
+        cache, config = make_cache(row["system"], model)
+        alone = generate(model, tokenizer, prompts, config, max_new_tokens=6, stop_at_eos=False)
+        assert row["token_ids"] == alone.token_ids
+        assert "speedup_vs_baseline" not in row  # no baseline among the systems
+    with pytest.raises(ValueError, match="interleave=0 must be at least 1"):
+        interleave.interleaved_rows(model, tokenizer, prompts, [host], 6, 0, BASE)
+    assert bench_speed.main([*argv, "--interleave", "2", "--rounds", "2"]) == 2
+    assert "--interleave takes no --rounds" in capsys.readouterr().err

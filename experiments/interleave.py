@@ -1,0 +1,171 @@
+"""Decode steps of several KV-cache systems taken in turns in one process (``bench_speed
+--interleave``).
+
+On a small shared CPU a system's step time moves by 20-50 % between processes run minutes apart
+(docs/host-speed.md), more than the ratios issue 26 asks about (host retention / dropping at
+most 1.25, ...). Here every system is prefilled once on the same model and prompts, then the
+systems decode in turns of a few steps each, round after round, so a slow spell of the machine
+falls on every system alike. A row's step time is the median of all its timed steps; its
+speed-up is the median over rounds of the baseline's median step in that round over the
+system's (a paired ratio). What one process cannot give is a per-system peak of memory (every
+cache is alive at once): rows carry ``peak_rss_bytes = None``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+
+from alisa import AlisaCache
+from alisa.kv.hooks import attached
+from alisa.runtime.engine import DecodeState, Engine, cache_kv_bytes, foreign_tier_bytes
+
+
+@dataclass
+class Turns:
+    """One system's state between turns: its cache, decode state and what was measured."""
+
+    system: str
+    cache: object
+    state: DecodeState
+    prompt_tokens: list[int]
+    ttft_s: float
+    generated: list[torch.Tensor] = field(default_factory=list)  # (B,) per step
+    step_s: list[list[float]] = field(default_factory=list)  # per round
+    peak_kv: int = 0
+
+
+def interleaved_rows(
+    model,
+    tokenizer,
+    prompts: list[str],
+    systems: list[str],
+    new_tokens: int,
+    turn: int,
+    baseline: str,
+) -> list[dict]:
+    """One row per system (``experiments.worker.measure_system``'s fields) from decode steps
+    taken in turns of ``turn`` steps, after a warm-up on short prompts.
+
+    Parameters
+    ----------
+    model, tokenizer, prompts
+        The workload, shared by every system.
+    systems
+        System names (``experiments.systems``); each keeps its cache for the whole run.
+    new_tokens
+        Tokens per sequence: the first comes from the prefill, the other ``new_tokens - 1``
+        are timed decode steps, ``turn`` at a time per system.
+    turn
+        Decode steps a system takes before the next system's turn.
+    baseline
+        The system each row's paired speed-up divides (``speedup_vs_baseline``), if listed.
+
+    Raises
+    ------
+    ValueError
+        ``turn`` < 1 or ``new_tokens`` < 2 (no decode step to time).
+    """
+    from experiments.worker import dense_fp32_bytes, placement
+
+    if turn < 1:
+        raise ValueError(f"interleave={turn!r} must be at least 1 step per turn")
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens={new_tokens!r} must be at least 2 to time decode steps")
+    engine = Engine(model, tokenizer, stop_at_eos=False)
+    with torch.inference_mode(), attached(model):
+        short = [prompt[: max(1, len(prompt) // 8)] for prompt in prompts]
+        warm = [_start(engine, model, tokenizer, short, system, 3) for system in systems]
+        for _ in range(2):  # kernels compiled, allocator warm, for each system
+            for run in warm:
+                _turn(engine, run, 1)
+        del warm
+        runs = [_start(engine, model, tokenizer, prompts, s, new_tokens) for s in systems]
+        left = new_tokens - 1
+        while left > 0:
+            steps = min(turn, left)
+            for run in runs:
+                run.step_s.append([])
+                _turn(engine, run, steps)
+            left -= steps
+    rows = []
+    for run in runs:
+        generated = torch.stack(run.generated, dim=1)
+        result = engine.output(
+            generated,
+            run.prompt_tokens,
+            run.ttft_s,
+            [t for turn_s in run.step_s for t in turn_s],
+            cache_kv_bytes(run.cache),
+            run.peak_kv,
+        )
+        median = statistics.median(result.step_times_s)
+        alisa = isinstance(run.cache, AlisaCache)
+        tiers = run.cache.tier_bytes() if alisa else foreign_tier_bytes(run.cache, engine.device)
+        rows.append(
+            {
+                "system": run.system,
+                "placement": placement(run.cache) if alisa else None,
+                "batch": len(prompts),
+                "decode_tokens_per_s": len(prompts) / median,
+                "median_step_ms": median * 1000,
+                "ttft_s": run.ttft_s,
+                "kv_bytes": result.kv_bytes,
+                "peak_kv_bytes": result.peak_kv_bytes,
+                "kv_tier_bytes": tiers,
+                "dense_fp32_kv_bytes": dense_fp32_bytes(model, result),
+                "peak_rss_bytes": None,  # every system's cache is alive at once
+                "weight_bytes": sum(p.nbytes for p in model.parameters()),
+                "generated_tokens": result.generated_tokens,
+                "token_ids": result.token_ids,
+                "turn_step_ms": [1000 * statistics.median(s) for s in run.step_s],
+            }
+        )
+    _pair(rows, baseline)
+    return rows
+
+
+def _start(
+    engine: Engine, model, tokenizer, prompts: list[str], system: str, new_tokens: int
+) -> Turns:
+    """A system's cache (sized for ``new_tokens``, as ``generate`` sizes it), prefilled on
+    ``prompts``, its first token chosen."""
+    from experiments.systems import make_cache
+
+    cache, config = make_cache(system, model)
+    if config is not None:
+        cache = AlisaCache(model, config, max_new_tokens=new_tokens)
+    batch = tokenizer(prompts, return_tensors="pt", padding=True).to(engine.device)
+    state = DecodeState.start(batch["input_ids"], batch["attention_mask"])
+    run = Turns(system, cache, state, state.prompt_tokens(), 0.0)
+    start = engine.clock()
+    tokens = engine.step(state, cache)
+    run.ttft_s = engine.clock() - start
+    run.generated.append(tokens)
+    state.advance(tokens)
+    return run
+
+
+def _turn(engine: Engine, run: Turns, steps: int) -> None:
+    """``steps`` timed decode steps of one system (as :meth:`Engine.run` times them)."""
+    for _ in range(steps):
+        start = engine.clock()
+        tokens = engine.step(run.state, run.cache)
+        if run.step_s:
+            run.step_s[-1].append(engine.clock() - start)
+        run.generated.append(tokens)
+        run.state.advance(tokens)
+        run.peak_kv = max(run.peak_kv, cache_kv_bytes(run.cache))
+
+
+def _pair(rows: list[dict], baseline: str) -> None:
+    """Each row's speed-up: the median over turns of the baseline's median step over its own."""
+    base = next((row for row in rows if row["system"] == baseline), None)
+    if base is None:
+        return
+    for row in rows:
+        ratios = [b / s for b, s in zip(base["turn_step_ms"], row["turn_step_ms"], strict=True)]
+        row["speedup_vs_baseline"] = statistics.median(ratios)
+        row["turn_speedups"] = ratios
