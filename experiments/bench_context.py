@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 from experiments.bench_speed import (
@@ -37,6 +36,7 @@ from experiments.bench_speed import (
     run_systems,
     worker_options,
 )
+from experiments.systems import HostPair, host_pairs
 from experiments.worker import add_prompts_argument
 
 SYSTEMS = (
@@ -76,42 +76,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--plot", type=Path, default=None, help="PNG of step time vs context")
     add_prompts_argument(parser)
     return parser.parse_args(argv)
-
-
-@dataclass(frozen=True, kw_only=True)
-class HostPair:
-    """A host-retention system, its drop partner at the same r, and the r = 1 drop system."""
-
-    host: str
-    drop: str
-    full: str | None
-    caching_ratio: float
-
-
-def host_pairs(systems: list[str]) -> list[HostPair]:
-    """The :class:`HostPair` of every ``retention=host`` system whose drop partner is listed."""
-    from alisa import AlisaConfig
-    from experiments.systems import parse_alisa
-
-    configs = {name: parse_alisa(name) for name in systems if name.split(":")[0] == "alisa"}
-    named = {config: name for name, config in configs.items()}
-    pairs = []
-    for name, config in configs.items():
-        if config.retention != "host":
-            continue
-        # Fields only host retention reads go back to their defaults in the drop partner.
-        drop = replace(
-            config,
-            retention="drop",
-            history_share=None,
-            estimate_rest=None,
-            host_bits=AlisaConfig.host_bits,
-        )
-        if drop in named:
-            full = named.get(replace(drop, caching_ratio=1.0))
-            ratio = config.caching_ratio
-            pairs.append(HostPair(host=name, drop=named[drop], full=full, caching_ratio=ratio))
-    return pairs
 
 
 def overheads(steps_ms: dict[str, float], batch: int, context: int, pair: HostPair) -> dict:

@@ -241,6 +241,24 @@ def compare(rows: list[dict], baseline: str) -> None:
         row.pop("token_ids", None)
 
 
+def host_vs_drop(rows: list[dict]) -> dict[str, float]:
+    """Each ``retention=host`` row's step over its drop partner's (same configuration, dropping;
+    issue 26's target is at most 1.25), where both ran: with ``--interleave`` the median of the
+    turns' ratios, else the ratio of the medians."""
+    from experiments.systems import host_pairs
+
+    ran = {row["system"]: row for row in rows if "error" not in row}
+    ratios = {}
+    for pair in host_pairs(list(ran)):
+        host, drop = ran[pair.host], ran[pair.drop]
+        if "turn_step_ms" in host:
+            turns = zip(host["turn_step_ms"], drop["turn_step_ms"], strict=True)
+            ratios[pair.host] = statistics.median(h / d for h, d in turns)
+        else:
+            ratios[pair.host] = host["median_step_ms"] / drop["median_step_ms"]
+    return ratios
+
+
 def print_table(rows: list[dict]) -> None:
     print(
         "| system | decode tok/s | median step ms | TTFT s | KV MiB | device / host KV vs fp32 "
@@ -304,6 +322,7 @@ def main(argv=None) -> int:
             if "error" not in row:
                 row["batch_in_budget"] = fitting_batch(row, args.budget)
     speed = {row["system"]: row.get("speedup_vs_baseline") for row in rows}
+    paired = host_vs_drop(rows)
     report = {
         "benchmark": "decode_speed",
         **worker_options(args),
@@ -313,10 +332,13 @@ def main(argv=None) -> int:
         "budget_bytes": args.budget,
         **environment(args),
         "systems": rows,
+        "host_vs_drop_step": paired,
         "target_swa_r0.2_2x": speed.get(SPARSE) is not None and speed[SPARSE] >= 2.0,
         "target_r1_within_10pct": speed.get(FULL) is not None and speed[FULL] >= 1 / 1.1,
     }
     print_table(rows)
+    for host, ratio in paired.items():
+        print(f"host / drop step, {host}: {ratio:.3f}")
     print(json.dumps(report))
     return 0
 

@@ -17,6 +17,7 @@ import statistics
 from dataclasses import dataclass, field
 
 import torch
+from tqdm.auto import tqdm
 
 from alisa import AlisaCache
 from alisa.kv.hooks import attached
@@ -82,14 +83,20 @@ def interleaved_rows(
             for run in warm:
                 _turn(engine, run, 1)
         del warm
-        runs = [_start(engine, model, tokenizer, prompts, s, new_tokens) for s in systems]
-        left = new_tokens - 1
-        while left > 0:
-            steps = min(turn, left)
-            for run in runs:
-                run.step_s.append([])
-                _turn(engine, run, steps)
-            left -= steps
+        total = len(systems) * new_tokens  # a prefill and the decode steps per system
+        with tqdm(total=total, desc="interleaved decode", unit="step") as bar:
+            runs = []
+            for system in systems:
+                runs.append(_start(engine, model, tokenizer, prompts, system, new_tokens))
+                bar.update()
+            left = new_tokens - 1
+            while left > 0:
+                steps = min(turn, left)
+                for run in runs:
+                    run.step_s.append([])
+                    _turn(engine, run, steps)
+                    bar.update(steps)
+                left -= steps
     rows = []
     for run in runs:
         generated = torch.stack(run.generated, dim=1)

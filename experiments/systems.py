@@ -8,7 +8,7 @@ layer's KV waits in CPU memory between its uses, the next layer's copied ahead),
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import dataclass, fields, replace
 
 from alisa import AlisaConfig
 from alisa.assignments import parse_assignments
@@ -53,6 +53,39 @@ def system_name(config: AlisaConfig) -> str:
     :func:`parse_alisa` reads back to an equal config."""
     changed = changed_settings(config)
     return "alisa:" + ",".join(changed) if changed else "alisa"
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostPair:
+    """A host-retention system, its drop partner at the same r, and the r = 1 drop system."""
+
+    host: str
+    drop: str
+    full: str | None
+    caching_ratio: float
+
+
+def host_pairs(systems: list[str]) -> list[HostPair]:
+    """The :class:`HostPair` of every ``retention=host`` system whose drop partner is listed."""
+    configs = {name: parse_alisa(name) for name in systems if name.split(":")[0] == "alisa"}
+    named = {config: name for name, config in configs.items()}
+    pairs = []
+    for name, config in configs.items():
+        if config.retention != "host":
+            continue
+        # Fields only host retention reads go back to their defaults in the drop partner.
+        drop = replace(
+            config,
+            retention="drop",
+            history_share=None,
+            estimate_rest=None,
+            host_bits=AlisaConfig.host_bits,
+        )
+        if drop in named:
+            full = named.get(replace(drop, caching_ratio=1.0))
+            ratio = config.caching_ratio
+            pairs.append(HostPair(host=name, drop=named[drop], full=full, caching_ratio=ratio))
+    return pairs
 
 
 def make_cache(name: str, model):

@@ -9,7 +9,7 @@ import torch
 from conftest import EOS, PAD, byte_tokenizer
 
 from alisa import AlisaConfig, generate
-from experiments import bench_context, bench_speed, shapes
+from experiments import bench_context, bench_speed, shapes, systems
 
 GIB = 2**30
 
@@ -113,9 +113,9 @@ def fake_rows(batch=2, context=1000):
 
 
 def test_the_host_overhead_and_dense_estimate_follow_the_docstring():
-    pairs = bench_context.host_pairs(list(bench_context.SYSTEMS))
+    pairs = systems.host_pairs(list(bench_context.SYSTEMS))
     # r=0.1 host has no r=0.1 drop system in the defaults, so only r=0.2 is paired.
-    assert pairs == [bench_context.HostPair(host=HOST, drop=DROP, full=FULL, caching_ratio=0.2)]
+    assert pairs == [systems.HostPair(host=HOST, drop=DROP, full=FULL, caching_ratio=0.2)]
     figures = bench_context.summary(fake_rows(), list(bench_context.SYSTEMS))[0]["hosts"][HOST]
     assert figures["host_minus_drop_ms"] == pytest.approx(4.0)
     assert figures["host_overhead_ns_per_token"] == pytest.approx(4e6 / 2000)
@@ -366,6 +366,9 @@ def test_interleaved_systems_take_turns_and_decode_what_generate_decodes(monkeyp
     turns = zip(rows[BASE]["turn_step_ms"], rows[host]["turn_step_ms"], strict=True)
     paired = [b / h for b, h in turns]
     assert rows[host]["speedup_vs_baseline"] == pytest.approx(sorted(paired)[1])
+    turns = zip(rows[host]["turn_step_ms"], rows[drop]["turn_step_ms"], strict=True)
+    assert report["host_vs_drop_step"] == {host: pytest.approx(sorted(h / d for h, d in turns)[1])}
+    assert out[-2] == f"host / drop step, {host}: {report['host_vs_drop_step'][host]:.3f}"
 
     rows = interleave.interleaved_rows(model, tokenizer, prompts, [drop, host], 6, 2, BASE)
     for row in rows:
