@@ -83,12 +83,12 @@ def interleaved_rows(
             for run in warm:
                 _turn(engine, run, 1)
         del warm
-        total = len(systems) * new_tokens  # a prefill and the decode steps per system
-        with tqdm(total=total, desc="interleaved decode", unit="step") as bar:
-            runs = []
-            for system in systems:
-                runs.append(_start(engine, model, tokenizer, prompts, system, new_tokens))
-                bar.update()
+        runs = [
+            _start(engine, model, tokenizer, prompts, system, new_tokens)
+            for system in tqdm(systems, desc="prefill", unit="system")
+        ]
+        steps = len(systems) * (new_tokens - 1)
+        with tqdm(total=steps, desc="decode in turns", unit="step") as bar:
             left = new_tokens - 1
             while left > 0:
                 steps = min(turn, left)

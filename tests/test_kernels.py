@@ -120,6 +120,15 @@ def test_choose_compiled_equals_torch_and_the_rule(ties, parts):
                 assert len(positions) == count
                 assert compiled[b, h, :count].tolist() == positions
                 assert (compiled[b, h, count:] == inputs.seen).all()
+        # Logits only up to the shortest recent window's start (KeySketch's ``upto``): the
+        # same choice; one position fewer is refused.
+        needed = inputs.seen - int(inputs.recent.min())
+        narrow = dataclasses.replace(inputs, logits=inputs.logits[..., :needed])
+        assert torch.equal(choose(narrow, compiled=True)[0], compiled)
+        assert torch.equal(choose(narrow, compiled=False)[0], compiled)
+        if needed > 0:
+            with pytest.raises(ValueError, match=f"seen - min\\(recent\\) = {needed}"):
+                dataclasses.replace(inputs, logits=inputs.logits[..., : needed - 1])
 
 
 def test_ordered_key_sorts_like_the_values():

@@ -121,4 +121,6 @@ def test_a_placement_it_cannot_make_is_refused():
     with pytest.raises(ValueError, match="contiguous slot map"):
         choose_and_place(dataclasses.replace(inputs, positions=strided))
     with pytest.raises(ValueError, match=r"2\*\*29 positions; seen=536870912"):
-        choose_and_place(dataclasses.replace(inputs, seen=1 << 29))
+        # (recent windows covering every position the logits do not: ChoiceInputs' own check)
+        recent = np.full_like(inputs.recent, (1 << 29) - inputs.logits.shape[-1])
+        choose_and_place(dataclasses.replace(inputs, seen=1 << 29, recent=recent))

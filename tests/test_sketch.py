@@ -104,6 +104,13 @@ def test_every_product_gives_the_exact_scores_rounded_and_the_compiled_one_bit_f
         sketch.write(0, keys, counted)
         scores[product] = sketch.logits(query)
         assert scores[product].dtype == SKETCH_DTYPE
+        # ``upto``: the compiled kernel scores only the positions a caller reads (the same
+        # bits), the library products every allocated one.
+        upto = sketch.logits(query, upto=length - 7)
+        width = length - 7 if product == "compiled" else sketch.capacity
+        assert upto.shape == (*query.shape[:3], width)
+        assert torch.equal(upto.view(torch.int16), scores[product][..., :width].view(torch.int16))
+        assert sketch.logits(query, upto=10**6).shape[-1] == sketch.capacity
     assert sketch.capacity > length  # headroom: positions never written
     compiled = scores["compiled"]
     reference = sequential_scores(sketch, query)

@@ -61,6 +61,16 @@ class ChoiceInputs:
     sinks: int
     seen: int
 
+    def __post_init__(self) -> None:
+        # The ranked span ends where a sequence's recent window starts: past the shortest
+        # window's start no logit is read, so the sketch need not score it (KeySketch's upto).
+        needed = self.seen - int(self.recent.min())
+        if self.logits.shape[-1] < needed:
+            raise ValueError(
+                f"logits of {self.logits.shape[-1]} positions cannot rank positions up to "
+                f"seen - min(recent) = {needed}"
+            )
+
 
 def choose(inputs: ChoiceInputs, *, compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The chosen positions, (B, H_kv, K) ascending with K = max budget, and a bool of the

@@ -272,9 +272,11 @@ class HostKeeper(Keeper):
             self._flush(slots)
         batch, kv_heads = slots.positions.shape[:2]
         grouped = query[:, :, -1].reshape(batch, kv_heads, -1, query.shape[-1])
-        logits = self.sketch.logits(grouped)
         if self.values is not None and query.shape[2] == 1:  # the rest's estimate reads them
+            logits = self.sketch.logits(grouped)  # every position (it reads held ones too)
             self.step_logits = (query, logits)
+        else:  # the choice ranks only positions below every sequence's recent window
+            logits = self.sketch.logits(grouped, upto=slots.seen - int(recent.min()))
         inputs = self._choice_inputs(slots, budget, recent, logits)
         plain = store.plain_heads() if self.mapped and self.pages.maps() else None
         if plain is not None:  # no fetch list on the host: the device reads the rows

@@ -102,7 +102,8 @@ def sketch_logits(
     scales
         (R, N) float32 each position's scale (INT8 codes), or (R, 0) for none.
     out
-        (R, G, N) uint16, written: the bfloat16 bits of each logit.
+        (R, G, M) uint16, M <= N, written: the bfloat16 bits of the logits of positions
+        [0, M) (the positions a caller ranks; later ones are not read).
     parts
         Rows are split into this many parts, run in parallel
         (:func:`alisa.kernel_threads.kernel_parts`); the results do not depend on it.
@@ -126,7 +127,7 @@ def _logits_rows(
     """:func:`sketch_logits` of rows [low, high)."""
     groups = query.shape[1]
     width = channels.shape[1]
-    positions = keys.shape[2]
+    positions = out.shape[2]  # positions [0, M) are scored
     scaled = scales.shape[1] > 0
     total = np.empty((groups, _BLOCK), dtype=np.float32)
     picked = np.empty((groups, width), dtype=np.float32)  # this row's queries, sketched

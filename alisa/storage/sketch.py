@@ -173,13 +173,20 @@ class KeySketch:
             codes, self.scales[:, :, start:end] = quantize_rows(kept)
             self.keys[..., start:end] = codes.mT
 
-    def logits(self, query: torch.Tensor) -> torch.Tensor:
-        """Estimated logits of every allocated position, (B, H, G, capacity) bfloat16.
+    def logits(self, query: torch.Tensor, upto: int | None = None) -> torch.Tensor:
+        """Estimated logits, (B, H, G, C) bfloat16, of positions [0, C): every allocated
+        position, or with ``upto`` at least [0, upto).
 
         Parameters
         ----------
         query
             (B, H, G, D) this step's queries grouped by KV head (G query heads per KV head).
+        upto
+            The positions a caller reads are below it (a choice ranks none of the recent
+            window, which every selection keeps). The compiled kernel then scores only those,
+            C = min(upto, capacity): at SWA r = 0.2 the recent window and the allocation's
+            headroom are about a fifth of the positions. The library products still score
+            every allocated position (a slice of the channel-major sketch would be copied).
 
         Positions not written yet score 0 (their rows are zeros); callers rank only written
         ones.
@@ -187,7 +194,8 @@ class KeySketch:
         if self.channels is None:
             return self.keys.new_zeros(*query.shape[:3], self.capacity)
         if self.product == "compiled":
-            return self._compiled_logits(query)
+            scored = self.capacity if upto is None else max(0, min(upto, self.capacity))
+            return self._compiled_logits(query, scored)
         index = self.channels.unsqueeze(2).expand(*query.shape[:3], self.width)
         # (B, H, G, width), rounded to bfloat16 whatever the product: the same operands.
         picked = query.gather(-1, index).to(SKETCH_DTYPE)
@@ -198,13 +206,13 @@ class KeySketch:
             logits.mul_(self.scales.unsqueeze(2))
         return logits.to(SKETCH_DTYPE)
 
-    def _compiled_logits(self, query: torch.Tensor) -> torch.Tensor:
-        """:meth:`logits` by the compiled kernel, from (B, H, G, D) queries: the kernel takes
-        the channels and rounds them itself (at batch 1 the operators doing that cost more
-        than the product)."""
+    def _compiled_logits(self, query: torch.Tensor, scored: int) -> torch.Tensor:
+        """:meth:`logits` of positions [0, ``scored``) by the compiled kernel, from (B, H, G,
+        D) queries: the kernel takes the channels and rounds them itself (at batch 1 the
+        operators doing that cost more than the product)."""
         batch, heads, groups, head_dim = query.shape
         rows, capacity = batch * heads, self.capacity
-        out = np.empty((rows, groups, capacity), dtype=np.uint16)
+        out = np.empty((rows, groups, scored), dtype=np.uint16)
         if self.scales is None:
             codes = self.keys.detach().view(torch.int16).numpy().view(np.uint16)
             scales = np.zeros((rows, 0), dtype=np.float32)
@@ -220,7 +228,7 @@ class KeySketch:
             kernel_parts(rows),
         )
         logits = torch.from_numpy(out.view(np.int16)).view(SKETCH_DTYPE)
-        return logits.view(batch, heads, groups, capacity)
+        return logits.view(batch, heads, groups, scored)
 
     def extend_rows(self, other: KeySketch) -> None:
         """Append ``other``'s sequences (same positions; both have chosen their channels)."""
