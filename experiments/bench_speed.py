@@ -16,6 +16,12 @@ the machine's speed falls on every system alike: a row gives the median of its r
 its speed-up the median of the rounds' paired ratios (the baseline measured in the same round).
 On a small shared CPU the same system's step moves by 20-50 % between processes
 (docs/host-speed.md, stop 49), more than the differences a target asks about.
+
+``--interleave STEPS`` runs every system in this process instead, each prefilled once, then
+decoding in turns of STEPS steps (:mod:`experiments.interleave`): the systems share every minute
+of the run, so a ratio between them is read within minutes, not across a quarter of an hour.
+Each ``retention=host`` row's step over its drop partner's (the same configuration, dropping) is
+printed after the table and in the JSON line (``host_vs_drop_step``).
 """
 
 from __future__ import annotations
