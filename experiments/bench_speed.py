@@ -318,6 +318,13 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.interleave is not None and args.new_tokens < 2:
+        print(
+            f"bench_speed: error: --new-tokens {args.new_tokens} times no decode step; "
+            "--interleave needs at least 2",
+            file=sys.stderr,
+        )
+        return 2
     error = check_model(args.model, args.dtype)
     if error is not None:
         print(f"bench_speed: error: {error}", file=sys.stderr)

@@ -6,7 +6,7 @@ On a small shared CPU a system's step time moves by 20-50 % between processes ru
 most 1.25, ...). Here every system is prefilled once on the same model and prompts, then the
 systems decode in turns of a few steps each, round after round, so a slow spell of the machine
 falls on every system alike. A row's step time is the median of all its timed steps; its
-speed-up is the median over rounds of the baseline's median step in that round over the
+speed-up is the median over turns of the baseline's median step in that turn over the
 system's (a paired ratio). What one process cannot give is a per-system peak of memory (every
 cache is alive at once): rows carry ``peak_rss_bytes = None``.
 """
@@ -34,7 +34,7 @@ class Turns:
     prompt_tokens: list[int]
     ttft_s: float
     generated: list[torch.Tensor] = field(default_factory=list)  # (B,) per step
-    step_s: list[list[float]] = field(default_factory=list)  # per round
+    step_s: list[list[float]] = field(default_factory=list)  # seconds per step, per turn
     peak_kv: int = 0
 
 
@@ -87,8 +87,8 @@ def interleaved_rows(
             _start(engine, model, tokenizer, prompts, system, new_tokens)
             for system in tqdm(systems, desc="prefill", unit="system")
         ]
-        steps = len(systems) * (new_tokens - 1)
-        with tqdm(total=steps, desc="decode in turns", unit="step") as bar:
+        total = len(systems) * (new_tokens - 1)
+        with tqdm(total=total, desc="decode in turns", unit="step") as bar:
             left = new_tokens - 1
             while left > 0:
                 steps = min(turn, left)

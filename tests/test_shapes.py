@@ -380,3 +380,5 @@ def test_interleaved_systems_take_turns_and_decode_what_generate_decodes(monkeyp
         interleave.interleaved_rows(model, tokenizer, prompts, [host], 6, 0, BASE)
     assert bench_speed.main([*argv, "--interleave", "2", "--rounds", "2"]) == 2
     assert "--interleave takes no --rounds" in capsys.readouterr().err
+    assert bench_speed.main([*argv[:-4], "--new-tokens", "1", "--interleave", "2"]) == 2
+    assert "--new-tokens 1 times no decode step" in capsys.readouterr().err
