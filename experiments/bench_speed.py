@@ -160,7 +160,8 @@ def run_in_process(systems: list[str], workload: tuple, new_tokens: int) -> list
 def run_rounds(systems: list[str], args: argparse.Namespace) -> list[list[dict]]:
     """``args.rounds`` lists of rows, each in the order of ``systems`` (odd rounds run in
     reverse), each row with its speed-up against the baseline of its own round. In process,
-    the model is loaded once for every round."""
+    the model is loaded once for every round; with ``--interleave`` one list, the systems'
+    turns in one process (:func:`experiments.interleave.interleaved_rows`)."""
     if args.interleave is not None:
         from experiments.interleave import interleaved_rows
         from experiments.worker import load_workload

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from alisa import AlisaCache
 from alisa.kv.hooks import attached
-from alisa.runtime.engine import DecodeState, Engine, cache_kv_bytes, foreign_tier_bytes
+from alisa.runtime.engine import DecodeState, Engine, cache_kv_bytes, cache_tier_bytes
 
 
 @dataclass
@@ -69,7 +69,7 @@ def interleaved_rows(
     ValueError
         ``turn`` < 1 or ``new_tokens`` < 2 (no decode step to time).
     """
-    from experiments.worker import dense_fp32_bytes, placement
+    from experiments.worker import system_row
 
     if turn < 1:
         raise ValueError(f"interleave={turn!r} must be at least 1 step per turn")
@@ -99,37 +99,19 @@ def interleaved_rows(
                 left -= steps
     rows = []
     for run in runs:
-        generated = torch.stack(run.generated, dim=1)
         result = engine.output(
-            generated,
+            torch.stack(run.generated, dim=1),
             run.prompt_tokens,
             run.ttft_s,
             [t for turn_s in run.step_s for t in turn_s],
             cache_kv_bytes(run.cache),
             run.peak_kv,
         )
-        median = statistics.median(result.step_times_s)
-        alisa = isinstance(run.cache, AlisaCache)
-        tiers = run.cache.tier_bytes() if alisa else foreign_tier_bytes(run.cache, engine.device)
-        rows.append(
-            {
-                "system": run.system,
-                "placement": placement(run.cache) if alisa else None,
-                "batch": len(prompts),
-                "decode_tokens_per_s": len(prompts) / median,
-                "median_step_ms": median * 1000,
-                "ttft_s": run.ttft_s,
-                "kv_bytes": result.kv_bytes,
-                "peak_kv_bytes": result.peak_kv_bytes,
-                "kv_tier_bytes": tiers,
-                "dense_fp32_kv_bytes": dense_fp32_bytes(model, result),
-                "peak_rss_bytes": None,  # every system's cache is alive at once
-                "weight_bytes": sum(p.nbytes for p in model.parameters()),
-                "generated_tokens": result.generated_tokens,
-                "token_ids": result.token_ids,
-                "turn_step_ms": [1000 * statistics.median(s) for s in run.step_s],
-            }
-        )
+        result.kv_tier_bytes = cache_tier_bytes(run.cache, engine.device)
+        row = system_row(run.system, model, prompts, result, run.cache)
+        row["peak_rss_bytes"] = None  # every system's cache is alive at once
+        row["turn_step_ms"] = [1000 * statistics.median(s) for s in run.step_s]
+        rows.append(row)
     _pair(rows, baseline)
     return rows
 

@@ -101,6 +101,14 @@ def measure_system(model, tokenizer, prompts: list[str], system: str, new_tokens
 
     run([p[: max(1, len(p) // 8)] for p in prompts], 4)  # warm-up: kernels, allocator
     result, cache = run(prompts, new_tokens)
+    return system_row(system, model, prompts, result, cache)
+
+
+def system_row(system: str, model, prompts: list[str], result, cache) -> dict:
+    """A benchmark row of one system's timed ``result`` (a ``GenerationOutput`` with its tier
+    bytes and peak memory) on ``prompts``, with the ``cache`` it ran on."""
+    from alisa import AlisaCache
+
     median = statistics.median(result.step_times_s)
     return {
         "system": system,

@@ -268,7 +268,9 @@ class HostKeeper(Keeper):
         if (budget >= slots.lengths()).all():  # budgets only fall behind n: nothing has left yet
             return
         recent = np.maximum(self.policy.recent(budget), 1)  # the new token is always attended
-        if slots.seen - self.flushed > recent.min():  # a pending token could be left out
+        # Every position from here on is in each sequence's recent window: chosen, never ranked.
+        ranked_end = slots.seen - int(recent.min())
+        if self.flushed < ranked_end:  # a pending token could be left out
             self._flush(slots)
         batch, kv_heads = slots.positions.shape[:2]
         grouped = query[:, :, -1].reshape(batch, kv_heads, -1, query.shape[-1])
@@ -276,7 +278,7 @@ class HostKeeper(Keeper):
             logits = self.sketch.logits(grouped)  # every position (it reads held ones too)
             self.step_logits = (query, logits)
         else:  # the choice ranks only positions below every sequence's recent window
-            logits = self.sketch.logits(grouped, upto=slots.seen - int(recent.min()))
+            logits = self.sketch.logits(grouped, upto=ranked_end)
         inputs = self._choice_inputs(slots, budget, recent, logits)
         plain = store.plain_heads() if self.mapped and self.pages.maps() else None
         if plain is not None:  # no fetch list on the host: the device reads the rows
@@ -285,8 +287,7 @@ class HostKeeper(Keeper):
             else:
                 chosen, taken = choose(inputs, compiled=self.compiled)
                 chosen, fetch, target = slots.place(chosen, taken, budget)
-            protected = slots.seen - int(recent.min())
-            self.pages.fetch_placed(chosen, fetch, target, *plain, protected=protected)
+            self.pages.fetch_placed(chosen, fetch, target, *plain, protected=ranked_end)
             self.count_fetched(fetch.sum())
         else:
             if self.compiled:  # choice and swap in one kernel call

@@ -92,6 +92,14 @@ def cache_kv_bytes(cache) -> int:
     return total
 
 
+def cache_tier_bytes(cache, device: torch.device) -> dict[str, int]:
+    """KV bytes per tier (:attr:`GenerationOutput.kv_tier_bytes`) of an ALISA cache, or of any
+    other cache by where its tensors are (:func:`foreign_tier_bytes`)."""
+    if isinstance(cache, AlisaCache):
+        return cache.tier_bytes()
+    return foreign_tier_bytes(cache, device)  # foreign or sharded caches
+
+
 def foreign_tier_bytes(cache, device: torch.device) -> dict[str, int]:
     """``{"device": ..., "host": ...}`` KV bytes of an HF cache by where its tensors are (HF's
     offloaded cache keeps layers in CPU memory between uses)."""
@@ -406,11 +414,7 @@ class Engine:
         result = self.output(
             generated[:, :steps], prompt_tokens, ttft, times[1:], kv_bytes(), peak_kv
         )
-        result.kv_tier_bytes = (
-            cache.tier_bytes()
-            if isinstance(cache, AlisaCache)
-            else foreign_tier_bytes(cache, self.device)  # foreign or sharded caches
-        )
+        result.kv_tier_bytes = cache_tier_bytes(cache, self.device)
         return result
 
     def output(
