@@ -29,6 +29,8 @@ from alisa.kv.history import PositionHistory
 from alisa.kv.slots import FREE, SlotMap
 from alisa.storage.pages import FetchedRows, HostPages
 from alisa.storage.quantized import QuantizedStore
+from alisa.storage.sketch import KeySketch
+from alisa.storage.store import DenseStore
 
 
 def random_choice(rng: np.random.Generator, *, ties: bool) -> ChoiceInputs:
@@ -344,6 +346,105 @@ def test_generation_compiled_equals_torch(settings):
         assert mine.keeper.fetched == theirs.keeper.fetched
         fetched += mine.keeper.fetched
     assert fetched > 0  # the budget was reached: tokens moved
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(policy="swa", caching_ratio=0.3),
+        dict(policy="swa", caching_ratio=0.15, history_share=0.0),
+        dict(policy="h2o", budget_tokens=20),
+        dict(policy="tova", caching_ratio=0.25),
+        dict(policy="swa", caching_ratio=0.3, reselect_every=2),
+    ],
+    ids=["swa", "swa-no-history", "h2o", "tova", "every-2"],
+)
+def test_selection_in_one_call_equals_the_separate_calls(settings, parts):
+    """Scoring, choosing, swapping and fetching in one compiled call per layer
+    (:mod:`alisa.kv.fused`) leaves every layer as the separate kernels do, bit for bit: the
+    same tokens, slots, device rows, history and fetch counts, on a padded batch whose rows are
+    split over 1-3 threads."""
+    model = tiny_llama()
+    ids, mask = padded_batch()
+    config = AlisaConfig(retention="host", min_budget_tokens=0, **settings)
+    outputs, caches, calls = [], [], []
+    for fused in (True, False):
+        cache = AlisaCache(model, config, keeper=partial(default_keeper, fused=fused))
+        outputs.append(hf_generate(model, ids, mask, cache, max_new_tokens=40))
+        caches.append(cache)
+        calls.append(sum(layer.keeper.steps for layer in cache.layers))
+    assert torch.equal(outputs[0], outputs[1])
+    assert calls[0] == calls[1] > 0
+    fetched = 0
+    for mine, theirs in zip(caches[0].layers, caches[1].layers, strict=True):
+        assert torch.equal(mine.slots.positions, theirs.slots.positions)
+        assert torch.equal(mine.store.keys, theirs.store.keys)
+        assert torch.equal(mine.store.values, theirs.store.values)
+        if mine.keeper.history is not None:
+            assert torch.equal(mine.keeper.history.total, theirs.keeper.history.total)
+        assert mine.keeper.fetched == theirs.keeper.fetched
+        fetched += mine.keeper.fetched
+    assert fetched > 0  # tokens came back from the host region
+
+
+def test_the_one_call_selection_runs_where_its_layout_is_and_only_there(monkeypatch):
+    """The fused call takes the float32 model's default host retention (INT8 host rows, a
+    plain device region); a 16-bit host region, an INT8 device region, the rest's estimate and
+    ``fused=False`` take the separate calls."""
+    model = tiny_llama()
+    ids, mask = padded_batch()
+    counts = {"fused": 0}
+    fused = SlotMap.swap_fetching
+
+    def counting(self, *args):
+        counts["fused"] += 1
+        return fused(self, *args)
+
+    monkeypatch.setattr(SlotMap, "swap_fetching", counting)
+    cases = [
+        (dict(), {}, True),
+        (dict(host_bits=16), {}, False),
+        (dict(kv_bits=8), {}, False),
+        (dict(estimate_rest=True), {}, False),
+        (dict(), dict(fused=False), False),
+    ]
+    for settings, keeper, expected in cases:
+        counts["fused"] = 0
+        config = AlisaConfig(
+            retention="host", policy="swa", caching_ratio=0.3, min_budget_tokens=0, **settings
+        )
+        cache = AlisaCache(model, config, keeper=partial(default_keeper, **keeper))
+        hf_generate(model, ids, mask, cache, max_new_tokens=8)
+        assert (counts["fused"] > 0) == expected, settings
+
+
+def test_a_fused_fetch_past_the_host_region_is_refused():
+    """The fused call reads host rows without bounds checks, so a chosen position the host
+    region does not hold (a broken invariant: every ranked position is coded) is refused."""
+    cpu = torch.device("cpu")
+    sketch = KeySketch(1, 1, 8, 40, cpu)
+    keys = torch.randn(1, 1, 40, 8)
+    sketch.write(0, keys, torch.ones(1, 40, dtype=torch.bool))
+    pages = HostPages(1, 1, 8, bits=8, dtype=torch.float32, device=cpu)
+    pages.write(0, keys[:, :, :10], keys[:, :, :10])
+    assert pages.capacity < 40
+    slots = SlotMap(1, 1, 40, 48, cpu)
+    slots.positions.fill_(FREE)  # nothing held: every chosen token is fetched
+    store = DenseStore(torch.zeros(1, 1, 0, 8), torch.zeros(1, 1, 0, 8), 48)
+    scoring = sketch.scoring(torch.randn(1, 1, 1, 8), 36)
+    inputs = ChoiceInputs(
+        logits=scoring.logits,
+        history=None,
+        shares=np.zeros(1, dtype=np.int64),
+        positions=slots.positions,
+        first=np.zeros(1, dtype=np.int64),
+        budget=np.array([12]),
+        recent=np.array([4]),
+        sinks=0,
+        seen=40,
+    )
+    with pytest.raises(IndexError, match="past the host region"):
+        slots.swap_fetching(inputs, scoring, pages.row_codes(), store.keys, store.values)
 
 
 def test_a_history_grows_moves_and_joins_with_its_scales():

@@ -1,10 +1,13 @@
 """Stores as regions: one routing loop, so a new tier is one class; grouped logits helper."""
 
+import numpy as np
 import pytest
 import torch
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from alisa.kv.grouped import grouped_logits
+from alisa.kv.kernels import FREE
+from alisa.kv.slots import SlotMap
 from alisa.storage.quantized import QuantizedStore
 from alisa.storage.regions import DeviceRegion, TierStats
 from alisa.storage.store import DenseStore, KVStore, TokenInputs
@@ -161,3 +164,36 @@ def test_writes_that_land_late_read_as_writes_that_land_at_once(bits):
         region.extend_rows(other)
     rows_now[0] = 4
     same()
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_a_new_token_takes_each_rows_lowest_free_slot_and_its_keys_land_there(groups):
+    # SlotMap.place_one and DenseStore.write_slots as a decode step uses them once slots were
+    # freed (eviction, or host retention's swap): per (sequence, group), the lowest free slot
+    # below the frontier; a sequence without a hole appends at the frontier.
+    batch, heads, dim, length = 3, 3, 4, 6
+    slots = SlotMap(batch, groups, length, 8, torch.device("cpu"))
+    # Sequence 0 frees slot 4 in every group, and slot 1 too in its last group; sequence 1 frees
+    # slot 2; sequence 2 frees nothing (it appends).
+    slots.positions[0, :, 4] = FREE
+    slots.positions[0, -1, 1] = FREE
+    slots.positions[1, :, 2] = FREE
+    slots.kept = np.array([length - 1, length - 1, length])
+    append = slots.appends()
+    assert append.tolist() == [False, False, True]
+    placed = slots.place_one(append)
+    expected = torch.tensor([[4] * groups, [2] * groups, [6] * groups]).view(batch, groups, 1)
+    expected[0, -1, 0] = 1
+    assert torch.equal(placed, expected)
+    assert (slots.positions.gather(-1, placed) == length).all()
+    assert slots.width == length + 1 and slots.seen == length + 1
+
+    store = DenseStore(torch.zeros(batch, heads, 0, dim), torch.zeros(batch, heads, 0, dim), 8)
+    keys, values = torch.randn(batch, heads, 1, dim), torch.randn(batch, heads, 1, dim)
+    store.write_slots(placed, keys, values)
+    reference = torch.zeros(batch, heads, 8, dim), torch.zeros(batch, heads, 8, dim)
+    for b in range(batch):
+        for h in range(heads):
+            slot = int(placed[b, h if groups > 1 else 0, 0])
+            reference[0][b, h, slot], reference[1][b, h, slot] = keys[b, h, 0], values[b, h, 0]
+    assert torch.equal(store.keys, reference[0]) and torch.equal(store.values, reference[1])

@@ -330,11 +330,13 @@ def default_keeper(
     *,
     compiled: bool | None = None,
     mapped: bool | None = None,
+    fused: bool = True,
 ) -> Keeper:
     """Host retention when ``retention="host"`` and the policy can leave tokens out, else
     dropping (which never drops under a budget that covers every token). ``compiled``: host
     retention's choice of kernels (None: compiled on a CPU; False: PyTorch ops, CUDA's path);
-    ``mapped``: whether its fetch is read by the device (:class:`~alisa.kv.host.HostKeeper`)."""
+    ``mapped``: whether its fetch is read by the device; ``fused``: whether its selection may run
+    as one compiled call (:class:`~alisa.kv.host.HostKeeper`)."""
     if config.retention == "host" and policy.can_evict():
         return HostKeeper(
             policy,
@@ -344,6 +346,7 @@ def default_keeper(
             compiled=compiled,
             estimate_rest=config.host_estimate_rest,
             mapped=mapped,
+            fused=fused,
         )
     return DropKeeper(policy, per_head=config.selects_per_head)
 

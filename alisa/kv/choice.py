@@ -19,8 +19,10 @@ import numpy as np
 import torch
 
 from alisa.kernel_threads import kernel_parts
-from alisa.kv import kernels
+from alisa.kv import fused, kernels
 from alisa.kv.selection import top_k
+from alisa.storage.kernels import HALVES
+from alisa.storage.sketch import Scoring
 from alisa.storage.transfer import upload
 
 # Keys: value level << 32 | position. Protected positions above every ranked one, padding below.
@@ -101,6 +103,52 @@ def choose_and_swap(inputs: ChoiceInputs) -> tuple[np.ndarray, int]:
     parts = kernel_parts(batch * heads)
     count = kernels.choose(*_kernel_inputs(inputs), chosen, fetch, parts)
     return fetch, count
+
+
+def choose_swap_fetch(
+    inputs: ChoiceInputs,
+    scoring: Scoring,
+    codes: tuple[np.ndarray, np.ndarray, np.ndarray],
+    keys: torch.Tensor,
+    values: torch.Tensor,
+) -> int:
+    """:func:`choose_and_swap` from logits the same call scores first, then the tokens to
+    bring in decoded from the host region into their slots, all in one compiled call
+    (:func:`alisa.kv.fused.select_and_fetch`, CPU).
+
+    Parameters
+    ----------
+    inputs
+        The choice's inputs; ``inputs.logits`` is ``scoring.logits``, written by the call.
+    scoring
+        The key sketch's product for this step (:meth:`alisa.storage.sketch.KeySketch.scoring`).
+    codes
+        The host region's INT8 rows (:meth:`alisa.storage.pages.HostPages.row_codes`).
+    keys, values
+        (B, H_kv, S, D) float32 contiguous device buffers; fetched tokens land in their slots.
+
+    Returns
+    -------
+    int
+        Tokens fetched.
+    """
+    if inputs.logits is not scoring.logits:
+        raise ValueError("choose_swap_fetch chooses from the logits its scoring writes")
+    batch, heads, slots, dim = keys.shape
+    chosen = np.empty((batch, heads, int(inputs.budget.max())), dtype=np.int64)
+    fetched, missing = fused.select_and_fetch(
+        *scoring.operands,
+        *_kernel_inputs(inputs)[1:],
+        chosen,
+        *codes,
+        HALVES,
+        keys.detach().numpy().reshape(-1, dim),  # views: the rows land in the buffers
+        values.detach().numpy().reshape(-1, values.shape[-1]),
+        kernel_parts(batch * heads),
+    )
+    if missing:
+        raise IndexError(f"{missing} chosen positions are past the host region")
+    return fetched
 
 
 def _kernel_inputs(inputs: ChoiceInputs) -> tuple:

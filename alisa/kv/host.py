@@ -80,6 +80,10 @@ class HostKeeper(Keeper):
         when the device region is plain and the host region 16-bit or INT8. None: on CUDA with
         Triton. True: also elsewhere, through the kernel's PyTorch reference, which reads every
         chosen row (for tests). False: the fetch list comes to the host, which reads the region.
+    fused
+        With the compiled CPU kernels, score, choose, swap and fetch in one compiled call per
+        layer (:mod:`alisa.kv.fused`) where the layout allows (INT8 host rows, a plain float32
+        device region, no ``estimate_rest``); False: the separate calls (the same result).
     """
 
     def __init__(
@@ -91,9 +95,11 @@ class HostKeeper(Keeper):
         compiled: bool | None = None,
         estimate_rest: bool = False,
         mapped: bool | None = None,
+        fused: bool = True,
     ) -> None:
         super().__init__(policy, per_head=True)
         self.compiled_option = compiled
+        self.fused_option = fused
         self.mapped_option = mapped
         self.host_bits = host_bits
         self.sinks = policy.sink_tokens
@@ -274,6 +280,13 @@ class HostKeeper(Keeper):
             self._flush(slots)
         batch, kv_heads = slots.positions.shape[:2]
         grouped = query[:, :, -1].reshape(batch, kv_heads, -1, query.shape[-1])
+        fused = None if self.values is not None else self._fused_layout(store)
+        if fused is not None:  # scored, chosen, swapped and fetched in one compiled call
+            scoring = self.sketch.scoring(grouped, ranked_end)
+            inputs = self._choice_inputs(slots, budget, recent, scoring.logits)
+            self.count_fetched(slots.swap_fetching(inputs, scoring, *fused))
+            self.steps += 1
+            return
         if self.values is not None and query.shape[2] == 1:  # the rest's estimate reads them
             logits = self.sketch.logits(grouped)  # every position (it reads held ones too)
             self.step_logits = (query, logits)
@@ -305,6 +318,21 @@ class HostKeeper(Keeper):
                 store.write_heads(incoming.rows, incoming.groups, incoming.slots, fetched)
                 self.count_fetched(incoming.rows.numel())
         self.steps += 1
+
+    def _fused_layout(self, store: KVStore) -> tuple | None:
+        """(host codes, device keys, device values) when this step's selection can run as one
+        compiled call (:meth:`~alisa.kv.slots.SlotMap.swap_fetching`): the compiled CPU
+        kernels, the sketch's compiled product with its channels chosen, INT8 host rows and a
+        plain float32 device region; else None (the separate calls)."""
+        if not (self.compiled and self.fused_option) or self.mapped or self.sketch.choosing:
+            return None
+        if self.sketch.product != "compiled":
+            return None
+        plain = store.plain_heads()
+        if plain is None or not all(t.dtype == torch.float32 and t.is_contiguous() for t in plain):
+            return None
+        codes = self.pages.row_codes()
+        return None if codes is None else (codes, *plain)
 
     def _choice_inputs(
         self, slots: SlotMap, budget: np.ndarray, recent: np.ndarray, logits: torch.Tensor

@@ -97,7 +97,7 @@ def _pick_history(
 
 
 @numba.njit(cache=True, nogil=True)
-def _choose_row(
+def choose_row(
     logits: np.ndarray,
     history: np.ndarray,
     slots: np.ndarray,
@@ -157,7 +157,43 @@ def _choose_row(
 
 
 @numba.njit(cache=True, nogil=True)
-def _swap_row(
+def choose_at(
+    logits: np.ndarray,
+    history: np.ndarray,
+    shares: np.ndarray,
+    positions: np.ndarray,
+    first: np.ndarray,
+    budget: np.ndarray,
+    recent: np.ndarray,
+    sinks: int,
+    seen: int,
+    b: int,
+    h: int,
+    levels: np.ndarray,
+    chosen: np.ndarray,
+) -> None:
+    """Row (``b``, ``h``) of :func:`choose` (its arrays as it takes them) from the row's (G, C)
+    ``logits``, into its (K,) ``chosen``: the ranked span [low, high) holds no sink and no
+    recent token, then :func:`choose_row`."""
+    low = min(first[b] + sinks, seen)
+    high = max(seen - recent[b], low)
+    choose_row(
+        logits,
+        history[b, h],
+        positions[b, h],
+        shares[b],
+        first[b],
+        low,
+        high,
+        seen,
+        budget[b],
+        levels,
+        chosen,
+    )
+
+
+@numba.njit(cache=True, nogil=True)
+def swap_row(
     row: np.ndarray,
     chosen: np.ndarray,
     count: int,
@@ -214,7 +250,7 @@ def choose(
     parts: int,
 ) -> int:
     """Each (sequence, KV head)'s chosen positions for this step, ascending; with a ``fetch``
-    list, each row's slots then made exactly those positions (:func:`_swap_row`), as
+    list, each row's slots then made exactly those positions (:func:`swap_row`), as
     :meth:`alisa.kv.slots.SlotMap.swap` makes them.
 
     Chosen are, in order: the protections (the first ``sinks`` real tokens, the ``recent[b]``
@@ -256,23 +292,10 @@ def choose(
         wanted = np.zeros(seen if swapping else 0, dtype=np.uint8)
         for row in range(part * size, min(rows, (part + 1) * size)):
             b, h = row // heads, row % heads
-            low = min(first[b] + sinks, seen)  # the ranked span [low, high): no sink, no recent
-            high = max(seen - recent[b], low)
-            _choose_row(
-                logits[b, h],
-                history[b, h],
-                positions[b, h],
-                shares[b],
-                first[b],
-                low,
-                high,
-                seen,
-                budget[b],
-                levels,
-                chosen[b, h],
-            )
+            args = (history, shares, positions, first, budget, recent, sinks, seen)
+            choose_at(logits[b, h], *args, b, h, levels, chosen[b, h])
             if swapping:
-                counts[row] = _swap_row(
+                counts[row] = swap_row(
                     positions[b, h], chosen[b, h], budget[b], wanted, b, h, fetch, row * width
                 )
     # Each row wrote its entries at row * K: close the gaps, keeping the row order.

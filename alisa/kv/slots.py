@@ -20,10 +20,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from alisa.kv.choice import ChoiceInputs, choose_and_swap
+from alisa.kv.choice import ChoiceInputs, choose_and_swap, choose_swap_fetch
 from alisa.kv.kernels import FREE  # slot holds nothing; may be reused
 from alisa.kv.placing import choose_and_place
 from alisa.kv.selection import put_taken
+from alisa.storage.sketch import Scoring
 from alisa.storage.store import headroom
 from alisa.storage.transfer import upload
 
@@ -140,6 +141,15 @@ class SlotMap:
         if append.all():
             placed: int | torch.Tensor = self.width
             self.positions[..., self.width] = self.seen
+        elif self.positions.device.type == "cpu":
+            # numpy: three small ops, where each dispatched PyTorch op of the branch below costs
+            # more than its work in a decode step (a host-retention step refills a slot per layer).
+            held = self.positions.numpy()
+            slots = (held[..., : self.width] == FREE).argmax(axis=-1)  # (B, Hs)
+            slots[append] = self.width
+            batch, groups = slots.shape
+            held[np.arange(batch).reshape(-1, 1), np.arange(groups), slots] = self.seen
+            placed = torch.from_numpy(slots.reshape(batch, groups, 1))
         else:
             free = self.positions[..., : self.width] == FREE
             first_free = free.to(torch.int8).argmax(dim=-1, keepdim=True)  # (B, Hs, 1)
@@ -287,6 +297,23 @@ class SlotMap:
             return None
         rows, groups, targets, tokens = torch.from_numpy(fetch[:, :count])
         return Incoming(rows, groups, targets, tokens, rows, groups, tokens)
+
+    def swap_fetching(
+        self,
+        inputs: ChoiceInputs,
+        scoring: Scoring,
+        codes: tuple[np.ndarray, np.ndarray, np.ndarray],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> int:
+        """:meth:`swap_to_choice` with the sketch's scoring before and the fetch after, in one
+        compiled call per layer (:func:`alisa.kv.choice.choose_swap_fetch`, CPU): the same
+        slots, and the tokens to bring in decoded from the host region's ``codes`` straight
+        into their slots of the (B, H_kv, S, D) ``keys`` and ``values``. Returns how many."""
+        self._check_own(inputs, "swap_fetching")
+        count = choose_swap_fetch(inputs, scoring, codes, keys, values)
+        self._settle(inputs.budget)
+        return count
 
     def place_to_choice(self, inputs: ChoiceInputs) -> Placement:
         """:meth:`place` to the positions :func:`alisa.kv.choice.choose` picks from ``inputs``

@@ -76,16 +76,31 @@ def fetch_rows(
     for part in numba.prange(parts):
         start, stop = _span(part, parts, source.shape[0])
         for entry in range(start, stop):
-            row = source[entry]
-            out = target[entry]
-            step = halves[scale[0, row] & 0xFFFF]
-            offset = halves[zero[0, row] & 0xFFFF]
-            for channel in range(codes.shape[2]):
-                keys[out, channel] = (np.float32(codes[0, row, channel]) - offset) * step
-            step = halves[scale[1, row] & 0xFFFF]
-            offset = halves[zero[1, row] & 0xFFFF]
-            for channel in range(codes.shape[2]):
-                values[out, channel] = (np.float32(codes[1, row, channel]) - offset) * step
+            decode_row(codes, scale, zero, halves, source[entry], target[entry], keys, values)
+
+
+@numba.njit(cache=True, nogil=True)
+def decode_row(
+    codes: np.ndarray,
+    scale: np.ndarray,
+    zero: np.ndarray,
+    halves: np.ndarray,
+    row: int,
+    out: int,
+    keys: np.ndarray,
+    values: np.ndarray,
+) -> None:
+    """Dequantize host row ``row`` into device row ``out`` (:func:`fetch_rows`'s arrays), keys
+    then values: ``(code - zero) * scale`` in float32, each scale and zero point widened from
+    its float16 bits by ``halves``."""
+    step = halves[scale[0, row] & 0xFFFF]
+    offset = halves[zero[0, row] & 0xFFFF]
+    for channel in range(codes.shape[2]):
+        keys[out, channel] = (np.float32(codes[0, row, channel]) - offset) * step
+    step = halves[scale[1, row] & 0xFFFF]
+    offset = halves[zero[1, row] & 0xFFFF]
+    for channel in range(codes.shape[2]):
+        values[out, channel] = (np.float32(codes[1, row, channel]) - offset) * step
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)

@@ -95,11 +95,8 @@ class FetchedRows:
         scatters.
         """
         if self._kernel_takes(keys, values):
-            data, scale, zero = self.region
             fetch_rows(
-                data.numpy(),
-                scale.numpy().view(np.int16)[..., 0],  # numpy views: no dispatched operator
-                zero.numpy().view(np.int16)[..., 0],
+                *decodable(self.region),
                 HALVES,
                 self.flat.numpy(),
                 rows.numpy(),
@@ -124,6 +121,14 @@ class FetchedRows:
             and keys.is_contiguous()
             and values.is_contiguous()
         )
+
+
+def decodable(region: tuple[torch.Tensor, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A (2, N, ·) INT8 region's (data, scale, zero point) as :func:`fetch_rows` reads them:
+    (2, N, D) uint8 codes, and the (2, N) int16 bits of each row's float16 scale and zero point
+    (numpy views: no dispatched operator)."""
+    data, scale, zero = (t.detach().numpy() for t in region)
+    return data, scale.view(np.int16)[..., 0], zero.view(np.int16)[..., 0]
 
 
 def _bytes(tensor: torch.Tensor):
@@ -212,6 +217,8 @@ class HostPages:
         else:
             self.pair = QuantizedPair(shape, bits, head_dim, dtype, self.host)
         self.length = 0  # positions written
+        # row_codes' numpy views of the region, until its buffers are replaced.
+        self._codes: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self.defer = device.type == "cuda" if defer is None else defer
         # (index, codes in host memory, CUDA event after their copy or None), oldest first
         self._landing: list[tuple[tuple, tuple[torch.Tensor, ...], torch.cuda.Event | None]] = []
@@ -291,6 +298,22 @@ class HostPages:
             raise IndexError(f"row {last} of a host region of {count} rows")
         region = tuple(t.view(2, count, -1) for t in tensors)
         return FetchedRows(region, flat, self.pair, self.device, self.pin, compiled)
+
+    def row_codes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The region as :func:`alisa.storage.kernels.fetch_rows` reads it, (2, N, ·) with N =
+        B * H_kv * capacity (:func:`decodable`), for a compiled call that decodes the rows it
+        chooses itself (:mod:`alisa.kv.fused`); None unless the region is in host memory as
+        INT8 rows with a float16 scale each, coded from float32 (the kernel's format)."""
+        pair = self.pair
+        if pair is None or not pair.int8_rows() or pair.dtype != torch.float32 or self.pin:
+            self._codes = None  # scales widened by an outlier replace the pair's buffers
+            return None
+        self.settle()
+        if self._codes is None:  # views made once per buffer (each is dispatched operators)
+            tensors = self._tensors()
+            count = tensors[0].shape[1] * tensors[0].shape[2] * tensors[0].shape[3]
+            self._codes = decodable(tuple(t.view(2, count, -1) for t in tensors))
+        return self._codes
 
     def maps(self) -> bool:
         """Whether :meth:`fetch_placed` can take this region: 16-bit rows, or INT8 codes with
@@ -389,6 +412,7 @@ class HostPages:
             (self.plain,) = tensors
         else:
             self.pair.replace(tensors)
+        self._codes = None
 
     def _reserve(self, length: int) -> None:
         """Grow by whole pages, 1/64 of the length at least: the host region is the largest

@@ -111,11 +111,11 @@ def sketch_logits(
     rows = query.shape[0]
     size = (rows + parts - 1) // parts
     for part in numba.prange(parts):
-        _logits_rows(query, channels, keys, scales, out, part * size, min(rows, (part + 1) * size))
+        logits_rows(query, channels, keys, scales, out, part * size, min(rows, (part + 1) * size))
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"contract"})
-def _logits_rows(
+def logits_rows(
     query: np.ndarray,
     channels: np.ndarray,
     keys: np.ndarray,
@@ -124,7 +124,7 @@ def _logits_rows(
     low: int,
     high: int,
 ) -> None:
-    """:func:`sketch_logits` of rows [low, high)."""
+    """:func:`sketch_logits` of rows [low, high) (also called per row by :mod:`alisa.kv.fused`)."""
     groups = query.shape[1]
     width = channels.shape[1]
     positions = out.shape[2]  # positions [0, M) are scored

@@ -32,6 +32,8 @@ SmolLM2-135M in bfloat16, B = 8 x 2,048, 150-153 ms against 126-138 ms (README, 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -72,6 +74,23 @@ def code_dtype(key_dtype: torch.dtype) -> torch.dtype:
     """The sketch's element for keys of ``key_dtype``: half its size (bfloat16 for float32
     keys, INT8 codes for 16-bit ones), so the sketch is an eighth of the dense K + V bytes."""
     return SKETCH_DTYPE if key_dtype.itemsize >= 4 else torch.int8
+
+
+class Scoring(NamedTuple):
+    """A step's sketch product, ready to run (:meth:`KeySketch.scoring`).
+
+    Attributes
+    ----------
+    operands
+        The arguments of :func:`alisa.storage.product.sketch_logits` but ``parts``: (R, G, D)
+        float32 queries, (R, W) channels, (R, W, N) codes, (R, N) or (R, 0) scales and the (R,
+        G, C) uint16 output, R = B * H.
+    logits
+        (B, H, G, C) bfloat16: the output's values (a view), once the product ran.
+    """
+
+    operands: tuple[np.ndarray, ...]
+    logits: torch.Tensor
 
 
 class KeySketch:
@@ -117,6 +136,8 @@ class KeySketch:
             self.scales = torch.zeros(batch, heads, 0, dtype=torch.float32, device=device)
         self.grow(capacity)  # with room to spare: the first page after a prompt needs no copy
         self.channels: torch.Tensor | None = None  # (B, H, width) long, fixed at the first write
+        # The compiled product's numpy views of channels, codes and scales (see _views).
+        self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self.product = default_product(torch.device(device)) if product is None else product
         if self.product not in PRODUCTS:
             raise ValueError(f"product={self.product!r}: one of {', '.join(PRODUCTS)}")
@@ -152,6 +173,7 @@ class KeySketch:
 
     def _pad_positions(self, left: int, right: int) -> None:
         self.keys, self.scales = self._padded(left, right)
+        self._arrays = None
 
     def write(self, start: int, keys: torch.Tensor, counted: torch.Tensor | None) -> None:
         """Keep the sketched channels of keys (B, H, m, D) of positions [start, start + m).
@@ -163,6 +185,7 @@ class KeySketch:
             if counted is None:
                 raise ValueError("the first sketch write needs `counted` to choose channels")
             self.channels = self._choose(keys, counted)
+            self._arrays = None
         self.grow(start + keys.shape[2])
         index = self.channels.unsqueeze(2).expand(*keys.shape[:3], self.width)
         kept = keys.gather(-1, index)
@@ -210,25 +233,45 @@ class KeySketch:
         """:meth:`logits` of positions [0, ``scored``) by the compiled kernel, from (B, H, G,
         D) queries: the kernel takes the channels and rounds them itself (at batch 1 the
         operators doing that cost more than the product)."""
+        scoring = self.scoring(query, scored)
+        sketch_logits(*scoring.operands, kernel_parts(scoring.operands[0].shape[0]))
+        return scoring.logits
+
+    def scoring(self, query: torch.Tensor, upto: int) -> Scoring:
+        """The compiled product's operands for (B, H, G, D) ``query`` over positions [0, C),
+        C = min(upto, capacity) (see :meth:`logits`), and the (B, H, G, C) bfloat16 logits its
+        output fills; for a caller that runs the product inside its own compiled call
+        (:mod:`alisa.kv.fused`). Only with the ``compiled`` product, once channels are chosen.
+        """
+        if self.product != "compiled" or self.channels is None:
+            raise ValueError(
+                f"scoring takes the compiled product with its channels chosen (product="
+                f"{self.product!r}, channels chosen: {self.channels is not None})"
+            )
         batch, heads, groups, head_dim = query.shape
-        rows, capacity = batch * heads, self.capacity
+        rows = batch * heads
+        scored = max(0, min(upto, self.capacity))
         out = np.empty((rows, groups, scored), dtype=np.uint16)
+        if self._arrays is None:
+            self._arrays = self._views()
+        grouped = query.detach().float().numpy().reshape(rows, groups, head_dim)
+        logits = torch.from_numpy(out.view(np.int16)).view(SKETCH_DTYPE)
+        return Scoring((grouped, *self._arrays, out), logits.view(batch, heads, groups, scored))
+
+    def _views(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(R, W) channels, (R, W, N) codes and (R, N) or (R, 0) scales as the compiled product
+        reads them: numpy views, kept until a buffer is replaced (making them is several
+        dispatched operators, each a few microseconds of a decode step's every layer)."""
+        batch, heads, width, capacity = self.keys.shape
+        rows = batch * heads
         if self.scales is None:
             codes = self.keys.detach().view(torch.int16).numpy().view(np.uint16)
             scales = np.zeros((rows, 0), dtype=np.float32)
         else:
             codes = self.keys.detach().numpy()
             scales = self.scales.detach().numpy().reshape(rows, capacity)
-        sketch_logits(
-            query.detach().float().numpy().reshape(rows, groups, head_dim),
-            self.channels.numpy().reshape(rows, self.width),
-            codes.reshape(rows, self.width, capacity),
-            scales,
-            out,
-            kernel_parts(rows),
-        )
-        logits = torch.from_numpy(out.view(np.int16)).view(SKETCH_DTYPE)
-        return logits.view(batch, heads, groups, scored)
+        channels = self.channels.numpy().reshape(rows, width)
+        return channels, codes.reshape(rows, width, capacity), scales
 
     def extend_rows(self, other: KeySketch) -> None:
         """Append ``other``'s sequences (same positions; both have chosen their channels)."""
@@ -245,6 +288,7 @@ class KeySketch:
         if self.scales is not None:
             self.scales = torch.cat([self.scales, scales])
         self.channels = torch.cat([self.channels, other.channels])
+        self._arrays = None
 
     def shift(self, delta: int) -> None:
         """Move every key ``delta`` positions (new ones on the left are zero; positions moved
@@ -255,6 +299,7 @@ class KeySketch:
             self.keys = self.keys[..., -delta:].contiguous()
             if self.scales is not None:
                 self.scales = self.scales[:, :, -delta:].contiguous()
+            self._arrays = None
 
     def select_batch(self, indices: torch.Tensor) -> None:
         self.keys = self.keys.index_select(0, indices)
@@ -262,6 +307,7 @@ class KeySketch:
             self.scales = self.scales.index_select(0, indices)
         if self.channels is not None:
             self.channels = self.channels.index_select(0, indices)
+        self._arrays = None
 
     def _choose(self, keys: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
         """(B, H, width) channels: the RoPE pairs with the largest mean norm over counted keys

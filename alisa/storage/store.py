@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from alisa.storage.attend import attend_slots, takes
@@ -350,6 +351,17 @@ class DenseStore(DeviceResident):
         inputs: TokenInputs | None = None,
     ) -> None:
         """Write one token per (sequence, group): slots (B, Hs, 1), keys/values (B, H_kv, 1, D)."""
+        if slots.device.type == "cpu":  # one row index, one index_copy_ per buffer (flat_rows)
+            batch, kv_heads, capacity = self.keys.shape[:3]
+            flat = np.arange(batch * kv_heads).reshape(batch, kv_heads) * capacity
+            rows = torch.from_numpy((flat + slots.numpy()[..., 0]).reshape(-1))
+            self.keys.view(-1, keys.shape[-1]).index_copy_(
+                0, rows, keys.reshape(-1, keys.shape[-1])
+            )
+            self.values.view(-1, values.shape[-1]).index_copy_(
+                0, rows, values.reshape(-1, values.shape[-1])
+            )
+            return
         index = slot_indices(slots, self.keys.shape[1])
         self.keys[index] = keys
         self.values[index] = values
