@@ -101,11 +101,13 @@ class PositionHistory:
             if window is None:
                 raise ValueError("a decayed history needs the window w of each sequence")
             keep = 1.0 - 1.0 / np.maximum(window, 1)
-            erased = keep == 0  # a one-step window (TOVA): only this step's attention counts
-            if erased.any():
+            if keep.min() > 0:  # every sequence fades (one array op: this runs every layer)
+                self.scale /= keep
+            else:
+                erased = keep == 0  # a one-step window (TOVA): only this step's attention counts
                 self.total[upload(erased, self.total.device)] = 0.0
                 self.scale[erased] = 1.0
-            self.scale[~erased] /= keep[~erased]
+                self.scale[~erased] /= keep[~erased]
             if self.scale.max() > RESCALE_AT:
                 self._rescale()
         scale = self.scale.astype(np.float32)
