@@ -6,14 +6,14 @@ fetches the tokens the device lacks from the host region. On a CPU each of those
 kernel (:func:`alisa.storage.product.sketch_logits`, :func:`alisa.kv.kernels.choose`,
 :func:`alisa.storage.kernels.fetch_rows`), but the Python between them cost more than the
 kernels at one sequence: each line runs after the layer's weights have streamed through the
-caches, at several microseconds a line: at B = 1 the selection took 584 us a layer, 172 of them
-in its three kernels (line timings, ``docs/host-speed.md``, stop 58). :func:`select_and_fetch` runs the same
-row functions in one call, row after row on each thread: the sketch's logits of a (sequence, KV
-head) row (:func:`~alisa.storage.product.logits_rows`), its choice
-(:func:`~alisa.kv.kernels.choose_at`), its slot swap (:func:`~alisa.kv.kernels.swap_row`), then
-each token it lacks decoded from its INT8 host row into its new slot
-(:func:`~alisa.storage.kernels.decode_row`). The same code computes the same bits: the result
-equals the three calls' exactly (``tests/test_kernels.py``).
+caches, at several microseconds a line: at B = 1 the selection took 584 us a layer, 172 of
+them in its three kernels (line timings, ``docs/host-speed.md``, stop 58).
+:func:`select_and_fetch` runs the same row functions in one call, row after row on each thread:
+the sketch's logits of a (sequence, KV head) row (:func:`~alisa.storage.product.logits_rows`),
+its choice (:func:`~alisa.kv.kernels.choose_at`), its slot swap
+(:func:`~alisa.kv.kernels.swap_row`), then each token it lacks decoded from its INT8 host row into
+its new slot (:func:`~alisa.storage.kernels.decode_row`). The same code computes the same bits:
+the result equals the three calls' exactly (``tests/test_kernels.py``).
 
 It takes the layout the separate path takes through its fastest kernels: a float32 device region
 held plain, INT8 host rows with one float16 scale per row, the compiled sketch product. Anything
