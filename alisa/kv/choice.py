@@ -138,7 +138,7 @@ def choose_swap_fetch(
     chosen = np.empty((batch, heads, int(inputs.budget.max())), dtype=np.int64)
     fetched, missing = fused.select_and_fetch(
         *scoring.operands,
-        *_kernel_inputs(inputs)[1:],
+        *_rule_inputs(inputs),  # the logits are the call's own scoring
         chosen,
         *codes,
         HALVES,
@@ -153,9 +153,14 @@ def choose_swap_fetch(
 
 def _kernel_inputs(inputs: ChoiceInputs) -> tuple:
     """``inputs`` as the compiled kernels take them: numpy arrays, the logits as the int16 bits
-    of their bfloat16 values, the history as the int32 bits of its float32 sums ((B, H, 0)
-    without one)."""
-    batch, heads = inputs.logits.shape[:2]
+    of their bfloat16 values, then :func:`_rule_inputs`."""
+    return (inputs.logits.view(torch.int16).numpy(), *_rule_inputs(inputs))
+
+
+def _rule_inputs(inputs: ChoiceInputs) -> tuple:
+    """``inputs`` but the logits as the compiled kernels take them: numpy arrays, the history
+    as the int32 bits of its float32 sums ((B, H, 0) without one)."""
+    batch, heads = inputs.positions.shape[:2]
     history = inputs.history
     history_bits = (
         np.zeros((batch, heads, 0), dtype=np.int32)
@@ -163,7 +168,6 @@ def _kernel_inputs(inputs: ChoiceInputs) -> tuple:
         else history.view(torch.int32).numpy()
     )
     return (
-        inputs.logits.view(torch.int16).numpy(),
         history_bits,
         inputs.shares,
         inputs.positions.numpy(),

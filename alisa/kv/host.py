@@ -324,9 +324,9 @@ class HostKeeper(Keeper):
         compiled call (:meth:`~alisa.kv.slots.SlotMap.swap_fetching`): the compiled CPU
         kernels, the sketch's compiled product with its channels chosen, INT8 host rows and a
         plain float32 device region; else None (the separate calls)."""
-        if not (self.compiled and self.fused_option) or self.mapped or self.sketch.choosing:
+        if not (self.compiled and self.fused_option) or self.mapped:
             return None
-        if self.sketch.product != "compiled":
+        if not self.sketch.scores_compiled:
             return None
         plain = store.plain_heads()
         if plain is None or not all(t.dtype == torch.float32 and t.is_contiguous() for t in plain):

@@ -97,7 +97,7 @@ def _pick_history(
 
 
 @numba.njit(cache=True, nogil=True)
-def choose_row(
+def _choose_row(
     logits: np.ndarray,
     history: np.ndarray,
     slots: np.ndarray,
@@ -174,10 +174,10 @@ def choose_at(
 ) -> None:
     """Row (``b``, ``h``) of :func:`choose` (its arrays as it takes them) from the row's (G, C)
     ``logits``, into its (K,) ``chosen``: the ranked span [low, high) holds no sink and no
-    recent token, then :func:`choose_row`."""
+    recent token, then :func:`_choose_row`."""
     low = min(first[b] + sinks, seen)
     high = max(seen - recent[b], low)
-    choose_row(
+    _choose_row(
         logits,
         history[b, h],
         positions[b, h],

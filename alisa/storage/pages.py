@@ -110,17 +110,21 @@ class FetchedRows:
         values.index_copy_(0, rows, decoded_values.to(values.dtype))
 
     def _kernel_takes(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
-        pair = self.pair
         return (
             self.compiled
-            and pair is not None
-            and pair.int8_rows()  # as HostPages codes them (widened scales: PyTorch's path)
-            and pair.dtype == torch.float32  # dequantize computes in float32, as the kernel
+            and kernel_decodes(self.pair)
             and keys.dtype == values.dtype == torch.float32
             and keys.device.type == "cpu"
             and keys.is_contiguous()
             and values.is_contiguous()
         )
+
+
+def kernel_decodes(pair: QuantizedPair | None) -> bool:
+    """Whether :func:`fetch_rows` decodes a region coded as ``pair``: INT8 rows with one float16
+    scale each (widened scales take PyTorch's path), coded from float32 (dequantization computes
+    in float32, as the kernel)."""
+    return pair is not None and pair.int8_rows() and pair.dtype == torch.float32
 
 
 def decodable(region: tuple[torch.Tensor, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -288,15 +292,14 @@ class HostPages:
         INT8 rows through the CPU kernel (:meth:`FetchedRows.write_into`).
         """
         self.settle()
-        tensors = self._tensors()
-        _, batch, heads_, capacity = tensors[0].shape[:4]
+        _, _, heads_, capacity = self._tensors()[0].shape[:4]
         flat = flat_rows(rows, heads, positions, heads_, capacity)
         if flat.device != self.host:
             flat = flat.to(self.host)
-        count, last = batch * heads_ * capacity, flat.numpy().max(initial=-1)
+        region = self._rows()
+        count, last = region[0].shape[1], flat.numpy().max(initial=-1)
         if last >= count:  # both kernels that read these rows (gather, fetch) skip bounds checks
             raise IndexError(f"row {last} of a host region of {count} rows")
-        region = tuple(t.view(2, count, -1) for t in tensors)
         return FetchedRows(region, flat, self.pair, self.device, self.pin, compiled)
 
     def row_codes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -304,15 +307,12 @@ class HostPages:
         B * H_kv * capacity (:func:`decodable`), for a compiled call that decodes the rows it
         chooses itself (:mod:`alisa.kv.fused`); None unless the region is in host memory as
         INT8 rows with a float16 scale each, coded from float32 (the kernel's format)."""
-        pair = self.pair
-        if pair is None or not pair.int8_rows() or pair.dtype != torch.float32 or self.pin:
+        if not kernel_decodes(self.pair) or self.pin:
             self._codes = None  # scales widened by an outlier replace the pair's buffers
             return None
         self.settle()
         if self._codes is None:  # views made once per buffer (each is dispatched operators)
-            tensors = self._tensors()
-            count = tensors[0].shape[1] * tensors[0].shape[2] * tensors[0].shape[3]
-            self._codes = decodable(tuple(t.view(2, count, -1) for t in tensors))
+            self._codes = decodable(self._rows())
         return self._codes
 
     def maps(self) -> bool:
@@ -399,6 +399,11 @@ class HostPages:
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.plain,) if self.plain is not None else self.pair.tensors()
+
+    def _rows(self) -> tuple[torch.Tensor, ...]:
+        """The region's tensors as (2, N, ·) views, a row per (sequence, KV head, position):
+        N = B * H_kv * capacity."""
+        return tuple(t.flatten(1, 3) for t in self._tensors())
 
     def _replace(self, tensors: tuple[torch.Tensor, ...]) -> None:
         if self.pin:

@@ -153,6 +153,11 @@ class KeySketch:
         """Whether the next write chooses the channels (it needs to know which keys count)."""
         return self.channels is None
 
+    @property
+    def scores_compiled(self) -> bool:
+        """Whether :meth:`scoring` applies: the compiled product, with the channels chosen."""
+        return self.product == "compiled" and self.channels is not None
+
     def nbytes(self) -> int:
         channels = 0 if self.channels is None else self.channels.nbytes
         scales = 0 if self.scales is None else self.scales.nbytes
@@ -243,7 +248,7 @@ class KeySketch:
         output fills; for a caller that runs the product inside its own compiled call
         (:mod:`alisa.kv.fused`). Only with the ``compiled`` product, once channels are chosen.
         """
-        if self.product != "compiled" or self.channels is None:
+        if not self.scores_compiled:
             raise ValueError(
                 f"scoring takes the compiled product with its channels chosen (product="
                 f"{self.product!r}, channels chosen: {self.channels is not None})"
