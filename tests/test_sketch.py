@@ -7,6 +7,7 @@ import torch
 
 import alisa.storage.sketch as sketch_module
 from alisa.kernel_threads import kernel_parts, shares_torch_threads
+from alisa.storage.product import BLOCK
 from alisa.storage.sketch import PRODUCTS, SKETCH_DTYPE, KeySketch
 
 STRONG = ((1, 6, 2, 5), (3, 4, 7, 6), (2, 5, 1, 7))  # per KV head: its strong RoPE pairs
@@ -137,14 +138,21 @@ def test_every_product_gives_the_exact_scores_rounded_and_the_compiled_one_bit_f
         )
 
 
-def test_the_compiled_products_sum_runs_channel_by_channel_in_order():
+@pytest.mark.parametrize(
+    ("groups", "dim", "length"),
+    # The kernel adds one to three query heads a pass and four channels a pass, a block of
+    # positions at a time: head counts 1-7, a width that is not a multiple of four (dim 12:
+    # 6 channels), and a row longer than a block.
+    [(3, 64, 200), (1, 12, 200), (2, 64, 200), (4, 64, BLOCK + 100), (5, 12, 200), (7, 64, 300)],
+)
+def test_the_compiled_products_sum_runs_channel_by_channel_in_order(groups, dim, length):
     """Scores where the order of the sum shows in bfloat16: the first and last channels'
     products are large and cancel exactly, so what is left is the small products' sum plus the
     float32 rounding of every partial sum on the way (which depends on the order). The
     kernel's scores are exactly the in-order sum's, and the same sum run backwards (the check
     could fail) differs."""
     torch.manual_seed(1)
-    batch, heads, dim, length = 2, 3, 64, 200
+    batch, heads = 2, 3
     sketch = KeySketch(batch, heads, dim, length, torch.device("cpu"), product="compiled")
     sketch.write(0, torch.randn(batch, heads, length, dim), torch.ones(batch, length, dtype=bool))
     width = sketch.width
@@ -153,7 +161,7 @@ def test_the_compiled_products_sum_runs_channel_by_channel_in_order():
     keys[:, :, 0] = 2.0**12 * (1 + torch.randint(0, 128, (batch, heads, sketch.capacity)) / 128)
     keys[:, :, -1] = -keys[:, :, 0]
     sketch.keys = keys.to(SKETCH_DTYPE)
-    query = torch.randn(batch, heads, 3, dim)
+    query = torch.randn(batch, heads, groups, dim)
     query[..., 0] = query[..., width - 1] = 2.0**8
     compiled = sketch.logits(query).view(torch.int16)
     assert torch.equal(compiled, sequential_scores(sketch, query).view(torch.int16))

@@ -29,8 +29,10 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
-# Positions per block: the G accumulators of a block (G x 512 float32) stay in the L1 cache.
-_BLOCK = 512
+# Positions per block: the G running sums of a block (G x 16 KB of float32) stay in the L2
+# cache, and each channel's codes are read in runs of up to 8 KB, long enough for the hardware
+# prefetcher to follow (512-position blocks, 1 KB runs, were 1.1-1.3 times slower from memory).
+BLOCK = 4096
 
 
 @intrinsic
@@ -114,6 +116,41 @@ def sketch_logits(
         logits_rows(query, channels, keys, scales, out, part * size, min(rows, (part + 1) * size))
 
 
+@numba.njit(inline="always", error_model="numpy", fastmath={"contract"})
+def _add_four(total, picked, group, groups, channel, k0, k1, k2, k3, size):
+    """Add four channels' products to the running sums of query heads ``group`` to ``group +
+    groups`` (1-3; each its own loop, so that it vectorises) over a block of ``size``
+    positions. The heads of one loop share the widened codes, and their sums are independent
+    chains: one head's sum alone is a chain of dependent multiply-adds whose latency, not the
+    arithmetic, set the pace (1.4-1.8 times slower, ``docs/host-speed.md``, stop 59)."""
+    a = picked[group, channel : channel + 4]
+    first = total[group]
+    if groups == 1:
+        for index in range(size):
+            first[index] = (
+                ((first[index] + a[0] * _widen(k0[index])) + a[1] * _widen(k1[index]))
+                + a[2] * _widen(k2[index])
+            ) + a[3] * _widen(k3[index])
+        return
+    b = picked[group + 1, channel : channel + 4]
+    second = total[group + 1]
+    if groups == 2:
+        for index in range(size):
+            w0, w1 = _widen(k0[index]), _widen(k1[index])
+            w2, w3 = _widen(k2[index]), _widen(k3[index])
+            first[index] = (((first[index] + a[0] * w0) + a[1] * w1) + a[2] * w2) + a[3] * w3
+            second[index] = (((second[index] + b[0] * w0) + b[1] * w1) + b[2] * w2) + b[3] * w3
+        return
+    c = picked[group + 2, channel : channel + 4]
+    third = total[group + 2]
+    for index in range(size):
+        w0, w1 = _widen(k0[index]), _widen(k1[index])
+        w2, w3 = _widen(k2[index]), _widen(k3[index])
+        first[index] = (((first[index] + a[0] * w0) + a[1] * w1) + a[2] * w2) + a[3] * w3
+        second[index] = (((second[index] + b[0] * w0) + b[1] * w1) + b[2] * w2) + b[3] * w3
+        third[index] = (((third[index] + c[0] * w0) + c[1] * w1) + c[2] * w2) + c[3] * w3
+
+
 @numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"contract"})
 def logits_rows(
     query: np.ndarray,
@@ -129,17 +166,17 @@ def logits_rows(
     width = channels.shape[1]
     positions = out.shape[2]  # positions [0, M) are scored
     scaled = scales.shape[1] > 0
-    total = np.empty((groups, _BLOCK), dtype=np.float32)
+    total = np.empty((groups, BLOCK), dtype=np.float32)
     picked = np.empty((groups, width), dtype=np.float32)  # this row's queries, sketched
     for row in range(low, high):
         for group in range(groups):
             for channel in range(width):
                 value = query[row, group, channels[row, channel]]
                 picked[group, channel] = _bfloat16_value(_round_bfloat16(value))
-        for begin in range(0, positions, _BLOCK):
-            size = min(_BLOCK, positions - begin)
+        for begin in range(0, positions, BLOCK):
+            size = min(BLOCK, positions - begin)
             end = begin + size
-            total[:] = 0.0
+            total[:, :size] = 0.0
             channel = 0
             # Four channels per pass over the block: the sum keeps the channel order (each step
             # adds one product to the running sum), with a quarter of the loads and stores.
@@ -148,17 +185,13 @@ def logits_rows(
                 k1 = keys[row, channel + 1, begin:end]
                 k2 = keys[row, channel + 2, begin:end]
                 k3 = keys[row, channel + 3, begin:end]
-                for group in range(groups):
-                    q0 = picked[group, channel]
-                    q1 = picked[group, channel + 1]
-                    q2 = picked[group, channel + 2]
-                    q3 = picked[group, channel + 3]
-                    running = total[group]
-                    for index in range(size):
-                        running[index] = (
-                            ((running[index] + q0 * _widen(k0[index])) + q1 * _widen(k1[index]))
-                            + q2 * _widen(k2[index])
-                        ) + q3 * _widen(k3[index])
+                group = 0
+                while group < groups:
+                    # Three heads a pass, or two (four heads are two passes of two, not 3 + 1).
+                    step = 3 if groups - group in (3, 5) or groups - group > 5 else 2
+                    step = min(step, groups - group)
+                    _add_four(total, picked, group, step, channel, k0, k1, k2, k3, size)
+                    group += step
                 channel += 4
             while channel < width:
                 k0 = keys[row, channel, begin:end]
