@@ -70,6 +70,18 @@ def _threshold(keys: np.ndarray, count: int, bits: int) -> tuple[int, int, int]:
         wanted -= above
         prefix |= digit << shift
         mask |= 0xFF << shift
+        if histogram[digit] == wanted and shift > 0:
+            # Every key left under this prefix is taken: the cut is the least of them and the
+            # later bytes need no pass (the history's distinct keys get here after about half
+            # of their eight bytes).
+            least = -1
+            for key in keys:
+                if key >= 0 and (key & mask) == prefix and (least < 0 or key < least):
+                    least = key
+            equal = 0
+            for key in keys:
+                equal += key == least
+            return least, equal, equal
     return prefix, wanted, histogram[prefix & 0xFF]
 
 
