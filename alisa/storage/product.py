@@ -122,7 +122,7 @@ def _add_four(total, picked, group, groups, channel, k0, k1, k2, k3, size):
     groups`` (1-3; each its own loop, so that it vectorises) over a block of ``size``
     positions. The heads of one loop share the widened codes, and their sums are independent
     chains: one head's sum alone is a chain of dependent multiply-adds whose latency, not the
-    arithmetic, set the pace (1.4-1.8 times slower, ``docs/host-speed.md``, stop 59)."""
+    arithmetic, set the pace (1.4-1.7 times slower, ``docs/host-speed.md``, stop 59)."""
     a = picked[group, channel : channel + 4]
     first = total[group]
     if groups == 1:
