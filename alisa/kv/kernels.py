@@ -56,21 +56,16 @@ def _threshold(keys: np.ndarray, count: int, bits: int) -> tuple[int, int, int]:
     ``count`` (every key above it does) and how many keys equal it.
     """
     prefix, mask, wanted = 0, 0, count
-    histogram = np.zeros(1 << _RADIX, dtype=np.int64)
+    histogram = np.zeros((1, 1 << _RADIX), dtype=np.int64)
     for shift in range(bits - _RADIX, -1, -_RADIX):
         histogram[:] = 0
         for key in keys:
             if key >= 0 and (key & mask) == prefix:
-                histogram[(key >> shift) & 0xFF] += 1
-        above = 0
-        digit = 0xFF
-        while above + histogram[digit] < wanted:
-            above += histogram[digit]
-            digit -= 1
-        wanted -= above
+                histogram[0, (key >> shift) & 0xFF] += 1
+        digit, wanted = _digit(histogram, wanted)
         prefix |= digit << shift
         mask |= 0xFF << shift
-        if histogram[digit] == wanted and shift > 0:
+        if histogram[0, digit] == wanted and shift > 0:
             # Every key left under this prefix is taken: the cut is the least of them and the
             # later bytes need no pass (the history's distinct keys get here after about half
             # of their eight bytes).
@@ -82,7 +77,7 @@ def _threshold(keys: np.ndarray, count: int, bits: int) -> tuple[int, int, int]:
             for key in keys:
                 equal += key == least
             return least, equal, equal
-    return prefix, wanted, histogram[prefix & 0xFF]
+    return prefix, wanted, histogram[0, prefix & 0xFF]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -97,39 +92,47 @@ def _level_threshold(levels: np.ndarray, count: int) -> tuple[int, int, int]:
     took 3.1 us against 5.4 for a row of 1,844 levels (B = 16 x 2,048 step, stop 59).
     """
     histogram = np.zeros((4, 257), dtype=np.int32)  # bucket 256: not counted
+    _count_digits(levels, 8, 0, histogram)  # the high bytes (every level is below 2**16)
+    high, wanted = _digit(histogram, count)
+    histogram[:] = 0
+    _count_digits(levels, 0, high, histogram)  # the low bytes of the levels under ``high``
+    low, wanted = _digit(histogram, wanted)
+    return high << 8 | low, wanted, histogram[:, low].sum()
+
+
+@numba.njit(inline="always")
+def _count_digits(levels: np.ndarray, shift: int, prefix: int, histogram: np.ndarray) -> None:
+    """Add to the four histograms, in turn, the byte at ``shift`` of every non-negative level
+    whose bits above that byte are ``prefix``; the others go to bucket 256 (no branch)."""
     size = levels.shape[0]
     whole = size - size % 4
     for start in range(0, whole, 4):
         for lane in range(4):
-            level = levels[start + lane]
-            histogram[lane, level >> 8 if level >= 0 else 256] += 1
+            _count_level(levels[start + lane], shift, prefix, histogram, lane)
     for index in range(whole, size):
-        level = levels[index]
-        histogram[0, level >> 8 if level >= 0 else 256] += 1
-    high, above, wanted = _digit(histogram, count)
-    histogram[:] = 0
-    for start in range(0, whole, 4):
-        for lane in range(4):
-            level = levels[start + lane]
-            histogram[lane, level & 0xFF if level >> 8 == high else 256] += 1
-    for index in range(whole, size):
-        level = levels[index]
-        histogram[0, level & 0xFF if level >> 8 == high else 256] += 1
-    low, above, wanted = _digit(histogram, wanted)
-    return high << 8 | low, wanted, histogram[:, low].sum()
+        _count_level(levels[index], shift, prefix, histogram, 0)
+
+
+@numba.njit(inline="always")
+def _count_level(level: int, shift: int, prefix: int, histogram: np.ndarray, lane: int) -> None:
+    """One level into histogram ``lane``: its byte at ``shift`` when counted, else bucket 256."""
+    counted = level >= 0 and level >> (shift + 8) == prefix
+    histogram[lane, (level >> shift) & 0xFF if counted else 256] += 1
 
 
 @numba.njit(cache=True, nogil=True)
-def _digit(histogram: np.ndarray, count: int) -> tuple[int, int, int]:
-    """The digit holding the ``count``-th largest key of a (4, 257) histogram pass (four
-    histograms of the 256 digits summed), the keys above it, and how many of the ``count`` are
-    left to take at that digit."""
+def _digit(histogram: np.ndarray, count: int) -> tuple[int, int]:
+    """The digit holding the ``count``-th largest key of a histogram pass ((L, 256 or more):
+    L histograms of the 256 digits, summed) and how many of the ``count`` are left to take at
+    that digit (the keys of higher digits all are)."""
     above = 0
     digit = 255
     while True:
-        here = histogram[0, digit] + histogram[1, digit] + histogram[2, digit] + histogram[3, digit]
+        here = 0
+        for lane in range(histogram.shape[0]):
+            here += histogram[lane, digit]
         if above + here >= count:
-            return digit, above, count - above
+            return digit, count - above
         above += here
         digit -= 1
 

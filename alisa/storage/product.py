@@ -188,8 +188,8 @@ def logits_rows(
                 group = 0
                 while group < groups:
                     # Three heads a pass, or two (four heads are two passes of two, not 3 + 1).
-                    step = 3 if groups - group in (3, 5) or groups - group > 5 else 2
-                    step = min(step, groups - group)
+                    left = groups - group
+                    step = 2 if left in (2, 4) else min(3, left)
                     _add_four(total, picked, group, step, channel, k0, k1, k2, k3, size)
                     group += step
                 channel += 4
