@@ -92,6 +92,19 @@ def test_code_rows_writes_quantize_bytes_or_nothing(kind, written):
     assert (codes[:, untouched] == 7).all() and (scale[:, untouched] == 5).all()
 
 
+@pytest.fixture
+def kernel_calls(monkeypatch) -> list[bool]:
+    """What each call of the compiled writer returned, in order (the kernel still runs)."""
+    calls = []
+    original = alisa.storage.quantized.code_rows
+    monkeypatch.setattr(
+        alisa.storage.quantized,
+        "code_rows",
+        lambda *a: calls.append(original(*a)) or calls[-1],
+    )
+    return calls
+
+
 def store_pair(compiled: bool, heads: int, groups: int, residual: int):
     torch.manual_seed(2)
     keys = torch.randn(3, heads, 6, 16)
@@ -109,16 +122,9 @@ def store_pair(compiled: bool, heads: int, groups: int, residual: int):
 
 @pytest.mark.parametrize("groups", [1, 2], ids=["one-group", "per-head"])
 @pytest.mark.parametrize("kind", ["normal", "positive"], ids=["kernel", "widening"])
-def test_a_store_writes_new_tokens_as_the_reference_does(groups, kind, monkeypatch):
+def test_a_store_writes_new_tokens_as_the_reference_does(groups, kind, kernel_calls):
     """write_range, write_slots and write_entries, compiled and not: the same region, byte for
     byte; a row that needs wider scales takes the reference's path (and widens the region)."""
-    calls = []
-    original = alisa.storage.quantized.code_rows
-    monkeypatch.setattr(
-        alisa.storage.quantized,
-        "code_rows",
-        lambda *a: calls.append(original(*a)) or calls[-1],
-    )
     rng = np.random.default_rng(3)
     regions = []
     for compiled in (True, False):
@@ -138,8 +144,39 @@ def test_a_store_writes_new_tokens_as_the_reference_does(groups, kind, monkeypat
     widened = kind == "positive"
     # construction, write_range, write_slots x 3, write_entries; widened once, the region's
     # scales are no longer float16 and the kernel is not asked again
-    assert calls == ([True, False] if widened else [True] * 6)  # the compiled store only
+    assert kernel_calls == ([True, False] if widened else [True] * 6)  # the compiled store only
     assert (regions[0][1].dtype == torch.float16) is not widened
     for mine, theirs in zip(*regions, strict=True):
         assert mine.dtype == theirs.dtype
         assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8))
+
+
+@pytest.mark.parametrize("kind", ["normal", "scaled", "positive"], ids=["kernel", "s", "widening"])
+def test_a_host_region_codes_its_pages_as_the_reference_does(kind, kernel_calls):
+    """Host retention's region (HostPages), compiled and not: a prompt of two chunks, then
+    pages, then a row that needs wider scales: the same bytes and dtypes after each write (the
+    kernel writes all or nothing; from a widening on, quantize's path codes the region)."""
+    from alisa.storage.pages import WRITE_CHUNK, HostPages
+
+    cpu = torch.device("cpu")
+    batch, heads, dim = 2, 3, 8
+    pages = [
+        HostPages(batch, heads, dim, bits=8, dtype=torch.float32, device=cpu, compiled=compiled)
+        for compiled in (True, False)
+    ]
+    rng = np.random.default_rng(4)
+    start = 0
+    for length in (WRITE_CHUNK + 24, 16, 16, 5):
+        entries = batch * heads * length
+        tokens = rows_of("normal" if start else kind, rng, entries, dim)
+        tokens = tokens.view(2, batch, heads, length, dim)
+        for region in pages:
+            region.write(start, tokens[0], tokens[1])
+        start += length
+        mine, theirs = (region.pair.tensors() for region in pages)
+        for a, b in zip(mine, theirs, strict=True):
+            assert a.dtype == b.dtype
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    widened = kind == "positive"
+    assert kernel_calls == ([False] if widened else [True] * 5)  # the compiled region only
+    assert (pages[0].pair.scale.dtype == torch.float16) is not widened

@@ -197,3 +197,50 @@ def test_a_new_token_takes_each_rows_lowest_free_slot_and_its_keys_land_there(gr
             slot = int(placed[b, h if groups > 1 else 0, 0])
             reference[0][b, h, slot], reference[1][b, h, slot] = keys[b, h, 0], values[b, h, 0]
     assert torch.equal(store.keys, reference[0]) and torch.equal(store.values, reference[1])
+
+
+def test_compiled_placement_is_the_first_free_slot_rule():
+    """alisa.kv.kernels.place_one against the rule as array ops (the CUDA branch's): random
+    holes, appending rows, and a row claimed to have a hole that has none (slot 0, as argmax)."""
+    from alisa.kv import kernels
+
+    rng = np.random.default_rng(5)
+    for trial in range(40):
+        batch, groups, width = rng.integers(1, 5), rng.integers(1, 4), rng.integers(1, 30)
+        held = rng.integers(0, 100, (batch, groups, width + 3))
+        held[rng.random(held.shape) < 0.2] = FREE
+        held[rng.random(held.shape) < 0.05] = -2  # padding is never reused
+        append = rng.random(batch) < 0.4
+        if trial == 0:
+            held[0, :, :width] = 7  # no free slot below the frontier
+            append[0] = False
+        mine, slots = held.copy(), np.empty((batch, groups), dtype=np.int64)
+        grows = kernels.place_one(mine, width, 500, append, slots)
+        expected = (held[..., :width] == FREE).argmax(axis=-1)
+        expected[append] = width
+        assert np.array_equal(slots, expected) and grows == append.any()
+        theirs = held.copy()
+        theirs[np.arange(batch).reshape(-1, 1), np.arange(groups), expected] = 500
+        assert np.array_equal(mine, theirs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_compiled_slot_write_copies_each_token_and_refuses_a_slot_outside(dtype, groups):
+    batch, heads, dim, capacity = 3, 2, 4, 8
+    store = DenseStore(
+        torch.zeros(batch, heads, 0, dim, dtype=dtype),
+        torch.zeros(batch, heads, 0, dim, dtype=dtype),
+        capacity,
+    )
+    keys, values = torch.randn(2, batch, heads, 1, dim).to(dtype)
+    placed = torch.tensor([[5, 1], [0, 0], [7, 3]])[:, :groups, None]
+    store.write_slots(placed, keys, values)
+    reference = torch.zeros(2, batch, heads, capacity, dim, dtype=dtype)
+    index = placed.expand(batch, heads, 1)
+    reference[0].scatter_(2, index[..., None].expand(-1, -1, -1, dim), keys)
+    reference[1].scatter_(2, index[..., None].expand(-1, -1, -1, dim), values)
+    assert torch.equal(store.keys, reference[0]) and torch.equal(store.values, reference[1])
+    with pytest.raises(IndexError, match="outside"):
+        store.write_slots(torch.full((batch, groups, 1), capacity), keys, values)
+    assert torch.equal(store.keys, reference[0])  # nothing written

@@ -207,7 +207,13 @@ class HostKeeper(Keeper):
                 self.compiled_option is not False and self.mapped and mapped_reads(keys.device)
             )
             self.pages = HostPages(
-                batch, heads, head_dim, bits=self.host_bits, dtype=keys.dtype, device=keys.device
+                batch,
+                heads,
+                head_dim,
+                bits=self.host_bits,
+                dtype=keys.dtype,
+                device=keys.device,
+                compiled=self.compiled,
             )
             self.sketch = KeySketch(
                 batch, heads, head_dim, start + length, keys.device, key_dtype=keys.dtype

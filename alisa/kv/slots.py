@@ -20,6 +20,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from alisa.kv import kernels
 from alisa.kv.choice import ChoiceInputs, choose_and_swap, choose_swap_fetch
 from alisa.kv.kernels import FREE  # slot holds nothing; may be reused
 from alisa.kv.placing import choose_and_place
@@ -138,25 +139,24 @@ class SlotMap:
         Returns the frontier slot when every sequence appends (plain slice writes), else the
         (B, Hs, 1) slots: the first free one below width, or the frontier for appending rows.
         """
+        grows = True  # some sequence appends at the frontier
         if append.all():
             placed: int | torch.Tensor = self.width
             self.positions[..., self.width] = self.seen
         elif self.positions.device.type == "cpu":
-            # numpy: three small ops, where each dispatched PyTorch op of the branch below costs
-            # more than its work in a decode step (a host-retention step refills a slot per layer).
-            held = self.positions.numpy()
-            slots = (held[..., : self.width] == FREE).argmax(axis=-1)  # (B, Hs)
-            slots[append] = self.width
-            batch, groups = slots.shape
-            held[np.arange(batch).reshape(-1, 1), np.arange(groups), slots] = self.seen
-            placed = torch.from_numpy(slots.reshape(batch, groups, 1))
+            # One compiled call, where each dispatched PyTorch op of the branch below costs more
+            # than its work in a decode step (a host-retention step refills a slot per layer).
+            slots = np.empty(self.positions.shape[:2], dtype=np.int64)
+            grows = kernels.place_one(self.positions.numpy(), self.width, self.seen, append, slots)
+            placed = torch.from_numpy(slots[..., None])
         else:
             free = self.positions[..., : self.width] == FREE
             first_free = free.to(torch.int8).argmax(dim=-1, keepdim=True)  # (B, Hs, 1)
             appended = upload(append, self.device).view(-1, 1, 1)
             placed = torch.where(appended, self.width, first_free)
             self.positions.scatter_(-1, placed, self.seen)
-        if append.any():
+            grows = bool(append.any())
+        if grows:
             self.width += 1
         self.seen += 1
         self.kept += 1

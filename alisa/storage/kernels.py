@@ -11,7 +11,8 @@ float32 arithmetic as :func:`quant.dequantize` (``(code - zero) * scale``), so t
 same bit for bit (``tests/test_kernels.py``). The PyTorch path stays the reference and CUDA's.
 :func:`slot_logits` and :func:`slot_output` compute a decode step's attention over a region's
 slots without the dequantized copy of an INT8 region (:mod:`alisa.storage.attend`), and
-:func:`code_rows` quantizes each new token into such a region in one call.
+:func:`code_rows` quantizes each new token into such a region in one call, and :func:`put_slots`
+copies a plain region's new token into its slots.
 ALISA, https://arxiv.org/abs/2403.17312 (§IV, phase II: offloaded KV brought back per step).
 """
 
@@ -170,6 +171,46 @@ def _half_bits(value: float) -> int:
         mantissa, exponent = math.frexp(magnitude)
         bits |= ((exponent + 14) << 10) | int((mantissa * 2.0 - 1.0) * 1024.0)
     return bits - 0x10000 if bits >= 0x8000 else bits
+
+
+@numba.njit(cache=True, nogil=True)
+def put_slots(
+    keys: np.ndarray,
+    values: np.ndarray,
+    new_keys: np.ndarray,
+    new_values: np.ndarray,
+    slots: np.ndarray,
+) -> bool:
+    """Copy a decode step's new token of each (sequence, KV head) into its slot, as bytes (any
+    dtype): where the flat row index and two ``index_copy_`` calls were five dispatched
+    operations per layer and step.
+
+    Parameters
+    ----------
+    keys, values
+        (B, H_kv, C, W) uint8 views of the region's rows; written.
+    new_keys, new_values
+        (B, H_kv, 1, W) uint8 views of the new token's rows.
+    slots
+        (B, Hs, 1) int64 slot per (sequence, group), Hs = 1 (every KV head alike) or H_kv.
+
+    Returns
+    -------
+    bool
+        False (nothing written) when a slot is outside [0, C).
+    """
+    batch, heads, capacity = keys.shape[:3]
+    shared = slots.shape[1] == 1
+    for row in range(batch):
+        for group in range(slots.shape[1]):
+            if not 0 <= slots[row, group, 0] < capacity:
+                return False
+    for row in range(batch):
+        for head in range(heads):
+            slot = slots[row, 0 if shared else head, 0]
+            keys[row, head, slot, :] = new_keys[row, head, 0, :]
+            values[row, head, slot, :] = new_values[row, head, 0, :]
+    return True
 
 
 @numba.njit(cache=True, nogil=True)

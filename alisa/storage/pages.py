@@ -27,7 +27,7 @@ from alisa.kernel_threads import kernel_parts
 from alisa.storage.kernels import HALVES, fetch_rows, move_rows
 from alisa.storage.mapped import fetch_into, mapped_reads
 from alisa.storage.quantized import SCALE_DTYPE, QuantizedPair
-from alisa.storage.store import flat_rows, page_locked, with_capacity
+from alisa.storage.store import byte_view, flat_rows, page_locked, range_rows, with_capacity
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class FetchedRows:
         parts = kernel_parts(rows.shape[0])
         for source, target in zip(self.region, codes, strict=True):
             flat = target.view(2, -1, target.shape[-1])  # (2, B * H_kv * capacity, ·)
-            move_rows(_bytes(source), self.flat.numpy(), _bytes(flat), rows.numpy(), parts)
+            move_rows(byte_view(source), self.flat.numpy(), byte_view(flat), rows.numpy(), parts)
         return True
 
     def write_into(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> None:
@@ -135,18 +135,13 @@ def decodable(region: tuple[torch.Tensor, ...]) -> tuple[np.ndarray, np.ndarray,
     return data, scale.view(np.int16)[..., 0], zero.view(np.int16)[..., 0]
 
 
-def _bytes(tensor: torch.Tensor):
-    """A (2, N, W) tensor's rows as (2, N, W * itemsize) bytes, a view (no copy)."""
-    return tensor.view(torch.uint8).numpy()
-
-
 def gathered(region: torch.Tensor, rows: torch.Tensor, *, pin: bool) -> torch.Tensor:
     """Rows (E,) of a host (2, N, ·) tensor as a new (2, E, ·) host tensor (page-locked with
     ``pin``): ``region.index_select(1, rows)``, by one parallel compiled pass over the bytes.
     ``rows`` must be below N (unchecked here: :meth:`HostPages.fetch` checks the rows it makes)."""
     out = torch.empty((2, rows.shape[0], *region.shape[2:]), dtype=region.dtype, pin_memory=pin)
     order = np.arange(rows.shape[0], dtype=np.int64)  # out's rows, in the order asked
-    move_rows(_bytes(region), rows.numpy(), _bytes(out), order, kernel_parts(rows.shape[0]))
+    move_rows(byte_view(region), rows.numpy(), byte_view(out), order, kernel_parts(rows.shape[0]))
     return out
 
 
@@ -195,6 +190,9 @@ class HostPages:
         The model's dtype and device (fetches are returned there).
     defer
         Land writes at the next read (default: on CUDA); else at once.
+    compiled
+        Code writes to an INT8 region in host memory by the compiled CPU kernel (default: on
+        a CPU); the same bytes as quantize's path, which is the reference.
     """
 
     def __init__(
@@ -207,6 +205,7 @@ class HostPages:
         dtype,
         device: torch.device,
         defer: bool | None = None,
+        compiled: bool | None = None,
     ) -> None:
         if bits not in KV_BITS:
             raise ValueError(f"host_bits={bits!r} must be one of {KV_BITS}")
@@ -224,6 +223,7 @@ class HostPages:
         # row_codes' numpy views of the region, until its buffers are replaced.
         self._codes: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self.defer = device.type == "cuda" if defer is None else defer
+        self.compiled = device.type == "cpu" if compiled is None else compiled
         # (index, codes in host memory, CUDA event after their copy or None), oldest first
         self._landing: list[tuple[tuple, tuple[torch.Tensor, ...], torch.cuda.Event | None]] = []
         # Replaced buffers the device may still be reading (fetch_placed), with an event
@@ -252,10 +252,18 @@ class HostPages:
         self.settle(wait=False)
         self._reserve(end)
         self.length = max(self.length, end)
+        batch, heads = keys.shape[:2]
         for first in range(0, keys.shape[2], WRITE_CHUNK):
             last = min(first + WRITE_CHUNK, keys.shape[2])
+            pair = torch.stack([keys[:, :, first:last], values[:, :, first:last]])
+            # In host memory (nothing is landing) the compiled coder writes the rows in place:
+            # a page of a decode step's tokens cost a dozen dispatched operators per layer.
+            if self.compiled and not self._landing and self.pair is not None:
+                rows = range_rows(batch * heads, self.capacity, start + first, last - first)
+                if self.pair.code_rows(pair, lambda rows=rows: rows):
+                    continue
             index = (slice(None), slice(None), slice(None), slice(start + first, start + last))
-            self._write(index, torch.stack([keys[:, :, first:last], values[:, :, first:last]]))
+            self._write(index, pair)
 
     def _write(self, index: tuple, pair: torch.Tensor) -> None:
         """Code (2, B, H_kv, m, D) ``pair`` and land it at ``index``."""

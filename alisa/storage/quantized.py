@@ -21,6 +21,7 @@ from alisa.storage.store import (
     TokenInputs,
     flat_rows,
     page_locked,
+    range_rows,
     slot_indices,
     with_capacity,
 )
@@ -84,6 +85,28 @@ class QuantizedPair:
         # K/V of a finite model are finite; a NaN here would already have poisoned the output.
         q = quantize(pair, self.bits, self.group, scale_dtype=self.scale.dtype, check_finite=False)
         return q.data, q.scale, q.zero_point
+
+    def code_rows(self, tokens: torch.Tensor, targets: Callable[[], np.ndarray]) -> bool:
+        """Quantize ``tokens`` (2, ..., D: keys and values, one row per (sequence, KV head,
+        token)) into the rows ``targets()`` gives ((E,) int64 numpy rows of the (2, B * H *
+        capacity, ·) view) by :func:`~alisa.storage.kernels.code_rows`, the same bytes as
+        :meth:`code` and :meth:`put`, where the kernel takes them: host memory, float32 tokens,
+        INT8 rows with one float16 scale each. False: nothing written (the caller takes
+        :meth:`write`, which widens the scales where a row needs it)."""
+        if not (
+            tokens.device.type == "cpu"
+            and self.data.device.type == "cpu"
+            and tokens.dtype == torch.float32
+            and self.int8_rows()
+        ):
+            return False
+        return code_rows(
+            tokens.detach().reshape(2, -1, tokens.shape[-1]).numpy(),
+            self.data.view(2, -1, self.data.shape[-1]).numpy(),
+            self.scale.view(torch.int16).view(2, -1).numpy(),
+            self.zero.view(torch.int16).view(2, -1).numpy(),
+            targets(),
+        )
 
     def put(self, index: tuple, data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
         """Store codes already in this pair's format (bits, group) at ``index``."""
@@ -297,10 +320,7 @@ class QuantizedStore(DeviceResident):
         tokens = torch.stack([keys, values])  # (2, B, H_kv, q, D)
         if not self._code_rows(
             tokens,
-            lambda: (
-                np.arange(batch * kv_heads).reshape(-1, 1) * self.capacity
-                + np.arange(start, start + count)
-            ).ravel(),
+            lambda: range_rows(batch * kv_heads, self.capacity, start, count),
         ):
             index = (slice(None), slice(None), slice(None), slice(start, start + count))
             self.codes.write(index, tokens)
@@ -327,28 +347,10 @@ class QuantizedStore(DeviceResident):
         self._remember(slots, keys[:, :, 0], values[:, :, 0], position)
 
     def _code_rows(self, tokens: torch.Tensor, targets: Callable[[], np.ndarray]) -> bool:
-        """Quantize ``tokens`` (2, ..., D: keys and values, one row per (sequence, KV head,
-        token)) into the region rows ``targets()`` gives ((E,) int64 numpy rows of its
-        (B * H_kv * capacity) view) by :func:`~alisa.storage.kernels.code_rows`, where it takes
-        them (a CPU, float32 tokens, INT8 with one float16 scale per row): one compiled call
-        where quantize and three writes are two dozen small operations per layer and step.
-        False: nothing written, the caller takes quantize's path."""
-        pair = self.codes
-        if not (
-            self.compiled
-            and tokens.device.type == "cpu"
-            and tokens.dtype == torch.float32
-            and pair.int8_rows()
-        ):
-            return False
-        data, scale, zero = pair.tensors()
-        return code_rows(
-            tokens.reshape(2, -1, tokens.shape[-1]).numpy(),
-            data.view(2, -1, data.shape[-1]).numpy(),
-            scale.view(torch.int16).view(2, -1).numpy(),
-            zero.view(torch.int16).view(2, -1).numpy(),
-            targets(),
-        )
+        """:meth:`QuantizedPair.code_rows` where this store runs its compiled kernels: one
+        compiled call where quantize and three writes are two dozen small operations per layer
+        and step. False: nothing written, the caller takes quantize's path."""
+        return self.compiled and self.codes.code_rows(tokens, targets)
 
     def write_entries(
         self,

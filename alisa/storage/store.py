@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from alisa.storage.attend import attend_slots, takes
+from alisa.storage.kernels import put_slots
 
 
 @dataclass(frozen=True)
@@ -262,6 +263,20 @@ def flat_rows(
     return (rows * kv_heads + heads) * capacity + slots
 
 
+def byte_view(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's bytes as a numpy view (no copy), its last dimension widened by the item
+    size: for compiled kernels that move rows of any dtype (numba has no 16-bit floats)."""
+    return tensor.detach().view(torch.uint8).numpy()
+
+
+def range_rows(sequences: int, capacity: int, start: int, count: int) -> np.ndarray:
+    """(sequences * count,) int64 rows of slots [start, start + count) of every (sequence, KV
+    head) in a (``sequences`` * capacity, ·) view, in (sequence, slot) order: where a
+    (``sequences``, count, ·) block of tokens lands."""
+    rows = np.arange(sequences, dtype=np.int64).reshape(-1, 1) * capacity
+    return (rows + np.arange(start, start + count, dtype=np.int64)).ravel()
+
+
 def slot_indices(
     index: torch.Tensor, heads: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -351,16 +366,10 @@ class DenseStore(DeviceResident):
         inputs: TokenInputs | None = None,
     ) -> None:
         """Write one token per (sequence, group): slots (B, Hs, 1), keys/values (B, H_kv, 1, D)."""
-        if slots.device.type == "cpu":  # one row index, one index_copy_ per buffer (flat_rows)
-            batch, kv_heads, capacity = self.keys.shape[:3]
-            flat = np.arange(batch * kv_heads).reshape(batch, kv_heads) * capacity
-            rows = torch.from_numpy((flat + slots.numpy()[..., 0]).reshape(-1))
-            self.keys.view(-1, keys.shape[-1]).index_copy_(
-                0, rows, keys.reshape(-1, keys.shape[-1])
-            )
-            self.values.view(-1, values.shape[-1]).index_copy_(
-                0, rows, values.reshape(-1, values.shape[-1])
-            )
+        if slots.device.type == "cpu":  # one compiled copy of the rows' bytes
+            rows = (byte_view(t) for t in (self.keys, self.values, keys, values))
+            if not put_slots(*rows, slots.numpy()):
+                raise IndexError(f"a slot outside [0, {self.capacity}) in {slots.view(-1)}")
             return
         index = slot_indices(slots, self.keys.shape[1])
         self.keys[index] = keys
