@@ -63,7 +63,7 @@ class DropKeeper(Keeper):
             return 0
         if self.observes:
             return self.policy.observation_window
-        window = self.policy.steps_scored(self.budget(slots))
+        window = self.steps_scored(slots)
         return None if window is None else int(window.max())
 
     def account(self, probabilities: torch.Tensor, slots: SlotMap, *, vote: bool = False) -> None:
@@ -77,7 +77,7 @@ class DropKeeper(Keeper):
         rows = self.policy.combine_heads(
             probabilities[..., : slots.capacity], slots.groups, vote=vote
         )
-        window = self.policy.steps_scored(self.budget(slots))
+        window = self.steps_scored(slots)
         if vote:
             self._observe(rows.sum(dim=2), window)
         elif rows.shape[2] == 1:
@@ -135,10 +135,10 @@ class DropKeeper(Keeper):
         policy, device = self.policy, slots.device
         positions = slots.positions
         first = upload(slots.first, device)
-        recent = upload(policy.recent(budget), device)
+        recent = upload(self.recent(slots), device)
         attention = None
         if self.scores is not None:
-            attention = self.scores.window_sum(policy.steps_scored(budget), slots.capacity)
+            attention = self.scores.window_sum(self.steps_scored(slots), slots.capacity)
         score = policy.score(positions, attention, first).to(torch.float32)
         protected = policy.protected(positions, first, slots.seen, recent) | (positions < 0)
         priority = with_protections(score, protected)

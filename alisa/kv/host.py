@@ -177,7 +177,7 @@ class HostKeeper(Keeper):
                 self.prompt = None
             self.select(slots, store, query[:, :, -1:], self.budget(slots))
         elif probabilities is not None:
-            window = self.policy.steps_scored(self.budget(slots))
+            window = self.steps_scored(slots)
             self.account_history(probabilities[:, :, :, 0, : slots.capacity], slots, window)
 
     # ---- writes --------------------------------------------------------------------------
@@ -279,7 +279,7 @@ class HostKeeper(Keeper):
         self.unselected = 0
         if (budget >= slots.lengths()).all():  # budgets only fall behind n: nothing has left yet
             return
-        recent = np.maximum(self.policy.recent(budget), 1)  # the new token is always attended
+        recent = np.maximum(self.recent(slots), 1)  # the new token is always attended
         # Every position from here on is in each sequence's recent window: chosen, never ranked.
         ranked_end = slots.seen - int(recent.min())
         if self.flushed < ranked_end:  # a pending token could be left out

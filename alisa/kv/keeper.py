@@ -51,6 +51,10 @@ class Keeper:
         self._fetched_on_device: torch.Tensor | None = None  # ... counted where they were
         self._budget_for: bytes | None = None  # the lengths the last budget was computed for
         self._budget = np.zeros(0, dtype=np.int64)
+        # The policy's shares of that budget, computed when first asked: (B,) recent tokens and
+        # the (B,) score window (None: every step); a layer asks for each twice a step.
+        self._recent: np.ndarray | None = None
+        self._window: tuple[np.ndarray | None] | None = None
 
     @property
     def frees_slots(self) -> bool:
@@ -181,4 +185,21 @@ class Keeper:
         if key != self._budget_for:
             self._budget = self.policy.budget(lengths)
             self._budget_for = key
+            self._recent = self._window = None
         return self._budget.copy()
+
+    def recent(self, slots: SlotMap) -> np.ndarray:
+        """(B,) newest tokens each sequence keeps now (:meth:`KVPolicy.recent` of the budget)."""
+        budget = self.budget(slots)
+        if self._recent is None:
+            self._recent = self.policy.recent(budget)
+        return self._recent.copy()
+
+    def steps_scored(self, slots: SlotMap) -> np.ndarray | None:
+        """(B,) decode steps whose attention is summed now, None: every step
+        (:meth:`KVPolicy.steps_scored` of the budget)."""
+        budget = self.budget(slots)
+        if self._window is None:
+            self._window = (self.policy.steps_scored(budget),)
+        window = self._window[0]
+        return None if window is None else window.copy()
