@@ -52,7 +52,7 @@ class Keeper:
         self._budget_for: bytes | None = None  # the lengths the last budget was computed for
         self._budget = np.zeros(0, dtype=np.int64)
         # The policy's shares of that budget, computed when first asked: (B,) recent tokens and
-        # the (B,) score window (None: every step); a layer asks for each twice a step.
+        # the (B,) score window (None: every step); a step asks for them up to three times.
         self._recent: np.ndarray | None = None
         self._window: tuple[np.ndarray | None] | None = None
 
