@@ -23,6 +23,7 @@ import numba
 import numpy as np
 import torch
 from numba.core import config
+from numba.np.ufunc import parallel
 
 
 @numba.njit(parallel=True, cache=True)
@@ -62,6 +63,10 @@ def kernel_parts(rows: int) -> int:
     # numba sizes a parallel loop's team by its own thread count, not by the loop's length: a
     # larger team than the parts wakes threads with nothing to do, whose wait at the loop's end
     # (a spin, by OpenMP's default) takes cores that other processes may be using. The count is
-    # per calling thread.
-    numba.set_num_threads(parts)
+    # per calling thread. It is read by numba's own getter, which its threads' start (above)
+    # defines, without numba.get_num_threads's initialisation lock (a multiprocessing lock): the
+    # kernels ask every layer and step, and setting an unchanged size through that lock cost
+    # more than some of the kernels' own work at one sequence.
+    if parallel._get_num_threads() != parts:
+        numba.set_num_threads(parts)
     return parts

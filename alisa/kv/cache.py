@@ -11,6 +11,7 @@ from transformers.cache_utils import Cache
 
 from alisa.config import AlisaConfig, config_or_default, policy_for_layer
 from alisa.kv.attention import ATTENTION_NAME
+from alisa.kv.budgets import BudgetBook
 from alisa.kv.drop import DropKeeper
 from alisa.kv.hooks import attach
 from alisa.kv.host import HostKeeper
@@ -88,19 +89,35 @@ class AlisaCache(Cache):
             )
         if self.config.gpu_memory is not None:
             self.planner = _planner(model, adapter, self.config, factory, max_new_tokens)
-        layers = [self._layer(index, factory, keeper) for index in range(self.shape.num_layers)]
+        # One book of budgets for every layer: a step computes each policy's once, not per layer
+        # (layers with equal policies are given one policy object, which the book knows by id).
+        budgets = BudgetBook()
+        policies: dict[KVPolicy, KVPolicy] = {}
+        layers = [
+            self._layer(index, factory, keeper, budgets, policies)
+            for index in range(self.shape.num_layers)
+        ]
         super().__init__(layers=layers)
         attach(model, adapter=adapter)
         self._model_config = model.config
 
-    def _layer(self, index: int, factory: StoreFactory, keeper: KeeperFactory | None):
+    def _layer(
+        self,
+        index: int,
+        factory: StoreFactory,
+        keeper: KeeperFactory | None,
+        budgets: BudgetBook,
+        policies: dict[KVPolicy, KVPolicy],
+    ) -> AlisaLayer:
         window = self.shape.window(index)
         if window is not None:
             # The model's own window bounds a sliding layer: no policy applies there.
             chosen: Keeper = WindowKeeper(DensePolicy(), window)
         else:
             policy = policy_for_layer(self.config, index, self.shape.num_layers)
+            policy = policies.setdefault(policy, policy)  # equal policies: one object
             chosen = (keeper or default_keeper)(self.config, policy)
+        chosen.share_budgets(budgets)
         return AlisaLayer(chosen, layer_idx=index, store_factory=factory, tiering=self.planner)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

@@ -27,10 +27,12 @@ recent window, which every selection keeps on the device.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from alisa.kv.budgets import StepShares
 from alisa.kv.choice import ChoiceInputs, choose
 from alisa.kv.history import PositionHistory
 from alisa.kv.keeper import Keeper
@@ -42,6 +44,35 @@ from alisa.storage.pages import PAGE_TOKENS, HostPages, host_region_bytes
 from alisa.storage.sketch import KeySketch
 from alisa.storage.store import KVStore
 from alisa.storage.transfer import upload
+
+
+class HostStep(NamedTuple):
+    """A host-retention step's numbers for the current lengths: the same in every layer that
+    runs an equal policy with the same history share, so computed once a step
+    (:meth:`alisa.kv.budgets.BudgetBook.derived`). Arrays are (B,) int64, read, never written.
+
+    Attributes
+    ----------
+    budget
+        Tokens each sequence attends to per KV head.
+    most
+        The largest budget.
+    covers
+        Every budget covers every token its sequence has seen: nothing has left the device.
+    recent
+        Newest tokens protected (at least the new token).
+    nearest
+        The fewest protected: positions from ``seen - nearest`` on are never ranked.
+    shares
+        The history's picks at most (ALISA's "globally dynamic" tokens).
+    """
+
+    budget: np.ndarray
+    most: int
+    covers: bool
+    recent: np.ndarray
+    nearest: int
+    shares: np.ndarray
 
 
 class HostKeeper(Keeper):
@@ -155,9 +186,9 @@ class HostKeeper(Keeper):
         self.unselected += 1
         if self.unselected < self.reselect_every:
             return
-        budget = self.budget(slots)
-        reserve(int(budget.max()) + int(slots.dead.max(initial=0)) + 1)
-        self.select(slots, store, query, budget)
+        step = self.step(slots)
+        reserve(step.most + int(slots.dead.max(initial=0)) + 1)
+        self.select(slots, store, query, step)
 
     def after_attention(
         self,
@@ -175,7 +206,7 @@ class HostKeeper(Keeper):
             if self.prompt is not None:
                 self.write(0, *self.prompt, slots)
                 self.prompt = None
-            self.select(slots, store, query[:, :, -1:], self.budget(slots))
+            self.select(slots, store, query[:, :, -1:], self.step(slots))
         elif probabilities is not None:
             window = self.steps_scored(slots)
             self.account_history(probabilities[:, :, :, 0, : slots.capacity], slots, window)
@@ -260,9 +291,30 @@ class HostKeeper(Keeper):
 
     # ---- the step -------------------------------------------------------------------------
 
-    def select(
-        self, slots: SlotMap, store: KVStore, query: torch.Tensor, budget: np.ndarray
-    ) -> None:
+    def step(self, slots: SlotMap) -> HostStep:
+        """This step's :class:`HostStep`, from the book the cache's layers share."""
+        lengths = slots.lengths()
+        name = ("host", self.history_share)  # what _host_step reads besides the policy's shares
+
+        def make(shares: StepShares) -> HostStep:
+            return self._host_step(shares, lengths)
+
+        return self.budgets.derived(self.policy, lengths, name, make)
+
+    def _host_step(self, shares: StepShares, lengths: np.ndarray) -> HostStep:
+        budget = shares.budget.copy()
+        recent = np.maximum(shares.recent, 1)  # the new token is always attended
+        spare = np.maximum(budget - recent - self.policy.sink_tokens, 0)
+        return HostStep(
+            budget=budget,
+            most=int(budget.max()),
+            covers=bool((budget >= lengths).all()),
+            recent=recent,
+            nearest=int(recent.min()),
+            shares=np.rint(spare * self.history_share).astype(np.int64),
+        )
+
+    def select(self, slots: SlotMap, store: KVStore, query: torch.Tensor, step: HostStep) -> None:
         """Make each (sequence, KV head)'s device slots exactly this step's chosen tokens.
 
         Parameters
@@ -273,15 +325,14 @@ class HostKeeper(Keeper):
             The device region; fetched tokens are written with ``write_heads``.
         query
             (B, H, 1, D) this step's query.
-        budget
-            (B,) the policy's budget for the current lengths (the slots are sized for it).
+        step
+            This step's budgets (:meth:`step`; the slots are sized for them).
         """
         self.unselected = 0
-        if (budget >= slots.lengths()).all():  # budgets only fall behind n: nothing has left yet
+        if step.covers:  # budgets only fall behind n: nothing has left yet
             return
-        recent = np.maximum(self.recent(slots), 1)  # the new token is always attended
         # Every position from here on is in each sequence's recent window: chosen, never ranked.
-        ranked_end = slots.seen - int(recent.min())
+        ranked_end = slots.seen - step.nearest
         if self.flushed < ranked_end:  # a pending token could be left out
             self._flush(slots)
         batch, kv_heads = slots.positions.shape[:2]
@@ -289,7 +340,7 @@ class HostKeeper(Keeper):
         fused = None if self.values is not None else self._fused_layout(store)
         if fused is not None:  # scored, chosen, swapped and fetched in one compiled call
             scoring = self.sketch.scoring(grouped, ranked_end)
-            inputs = self._choice_inputs(slots, budget, recent, scoring.logits)
+            inputs = self._choice_inputs(slots, step, scoring.logits)
             self.count_fetched(slots.swap_fetching(inputs, scoring, *fused))
             self.steps += 1
             return
@@ -298,14 +349,14 @@ class HostKeeper(Keeper):
             self.step_logits = (query, logits)
         else:  # the choice ranks only positions below every sequence's recent window
             logits = self.sketch.logits(grouped, upto=ranked_end)
-        inputs = self._choice_inputs(slots, budget, recent, logits)
+        inputs = self._choice_inputs(slots, step, logits)
         plain = store.plain_heads() if self.mapped and self.pages.maps() else None
         if plain is not None:  # no fetch list on the host: the device reads the rows
             if self.placing:  # choice and placement in one kernel launch
                 chosen, fetch, target = slots.place_to_choice(inputs)
             else:
                 chosen, taken = choose(inputs, compiled=self.compiled)
-                chosen, fetch, target = slots.place(chosen, taken, budget)
+                chosen, fetch, target = slots.place(chosen, taken, step.budget)
             self.pages.fetch_placed(chosen, fetch, target, *plain, protected=ranked_end)
             self.count_fetched(fetch.sum())
         else:
@@ -313,7 +364,7 @@ class HostKeeper(Keeper):
                 incoming = slots.swap_to_choice(inputs)
             else:
                 chosen, taken = choose(inputs, compiled=False)
-                incoming = slots.swap(chosen, taken, budget)
+                incoming = slots.swap(chosen, taken, step.budget)
             if incoming is not None:
                 fetched = self.pages.fetch(
                     incoming.host_rows,
@@ -340,30 +391,28 @@ class HostKeeper(Keeper):
         codes = self.pages.row_codes()
         return None if codes is None else (codes, *plain)
 
-    def _choice_inputs(
-        self, slots: SlotMap, budget: np.ndarray, recent: np.ndarray, logits: torch.Tensor
-    ) -> ChoiceInputs:
+    def _choice_inputs(self, slots: SlotMap, step: HostStep, logits: torch.Tensor) -> ChoiceInputs:
         """What this step's choice reads (:func:`alisa.kv.choice.choose`): protected tokens,
         the history's share, then the best of this step's (B, H_kv, G, C) sketch ``logits``.
 
-        ``recent`` (B,) newest tokens per sequence are protected; they include every pending
+        ``step.recent`` newest tokens per sequence are protected; they include every pending
         (not yet coded) token, whose logit is never read.
         """
-        sinks = self.policy.sink_tokens
         history = None
-        shares = np.zeros(len(budget), dtype=np.int64)
+        shares = step.shares
         if self.history is not None and self.history_share > 0:
             history = self.history.ranked(slots.seen)
-            shares = np.rint(np.maximum(budget - recent - sinks, 0) * self.history_share)
+        else:
+            shares = np.zeros_like(shares)
         return ChoiceInputs(
             logits=logits,
             history=history,
-            shares=shares.astype(np.int64),
+            shares=shares,
             positions=slots.positions,
             first=slots.first,
-            budget=budget,
-            recent=recent,
-            sinks=sinks,
+            budget=step.budget,
+            recent=step.recent,
+            sinks=self.policy.sink_tokens,
             seen=slots.seen,
         )
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from alisa.kv.budgets import BudgetBook, StepShares
 from alisa.kv.rest import RestColumn
 from alisa.kv.slots import SlotMap
 from alisa.policies import KVPolicy
@@ -49,12 +50,9 @@ class Keeper:
         self.evicted = 0  # tokens deleted for good, all sequences and groups
         self._fetched = 0  # tokens brought back to the device, counted on the host
         self._fetched_on_device: torch.Tensor | None = None  # ... counted where they were
-        self._budget_for: bytes | None = None  # the lengths the last budget was computed for
-        self._budget = np.zeros(0, dtype=np.int64)
-        # The policy's shares of that budget, computed when first asked: (B,) recent tokens and
-        # the (B,) score window (None: every step); a step asks for them up to three times.
-        self._recent: np.ndarray | None = None
-        self._window: tuple[np.ndarray | None] | None = None
+        # The policy's budget and its shares for the current lengths: the cache's layers share
+        # one book (:meth:`share_budgets`), which computes them once a step for all of them.
+        self.budgets = BudgetBook()
 
     @property
     def frees_slots(self) -> bool:
@@ -157,7 +155,6 @@ class Keeper:
         self.evicted = 0
         self._fetched = 0
         self._fetched_on_device = None
-        self._budget_for = None
 
     @property
     def fetched(self) -> int:
@@ -177,29 +174,26 @@ class Keeper:
         else:
             self._fetched_on_device = self._fetched_on_device + count
 
+    def share_budgets(self, book: BudgetBook) -> None:
+        """Read budgets from ``book``, shared with the other layers of a cache (each layer
+        asking its own policy every step cost about 2 % of a step at one sequence)."""
+        self.budgets = book
+
+    def shares(self, slots: SlotMap) -> StepShares:
+        """The policy's budget, recent share and score window for the current lengths (the
+        book's arrays: read them, or copy)."""
+        return self.budgets.shares(self.policy, slots.lengths())
+
     def budget(self, slots: SlotMap) -> np.ndarray:
         """(B,) tokens each sequence may hold per group now."""
-        lengths = slots.lengths()
-        key = lengths.tobytes()
-        # A step asks before and after its attention, with the same lengths: computed once.
-        if key != self._budget_for:
-            self._budget = self.policy.budget(lengths)
-            self._budget_for = key
-            self._recent = self._window = None
-        return self._budget.copy()
+        return self.shares(slots).budget.copy()
 
     def recent(self, slots: SlotMap) -> np.ndarray:
         """(B,) newest tokens each sequence keeps now (:meth:`KVPolicy.recent` of the budget)."""
-        budget = self.budget(slots)
-        if self._recent is None:
-            self._recent = self.policy.recent(budget)
-        return self._recent.copy()
+        return self.shares(slots).recent.copy()
 
     def steps_scored(self, slots: SlotMap) -> np.ndarray | None:
         """(B,) decode steps whose attention is summed now, None: every step
         (:meth:`KVPolicy.steps_scored` of the budget)."""
-        budget = self.budget(slots)
-        if self._window is None:
-            self._window = (self.policy.steps_scored(budget),)
-        window = self._window[0]
+        window = self.shares(slots).window
         return None if window is None else window.copy()
