@@ -312,6 +312,61 @@ def test_selection_calibration_keeps_the_picks_that_fit(monkeypatch):
     assert "fallback" in rate.source and "fallback" in overhead.source
 
 
+def test_the_selection_is_a_host_steps_time_beyond_a_resident_step_timed_in_turns(monkeypatch):
+    """Each context's host step is timed in turns with a resident step over the tokens it
+    attends, and the selection is fitted to the difference: the machine's drift between
+    contexts (here the resident step's time triples) does not reach the fitted terms."""
+    import alisa.calibration.steps as calibration
+    from alisa.model.adapter import model_shape
+    from alisa.planning.spec import model_spec
+
+    model, device = tiny_llama(), torch.device("cpu")
+    spec = model_spec(model, model_shape(model))
+    sketch = spec.sketch_bytes_per_token()
+    drift = iter([0.1, 0.3, 0.2])
+
+    class NothingFetched:
+        config, layers = calibration.SELECTION_CONFIG, []
+
+    def in_turns(model, device, batch, runs, repeats=7):
+        (context, config), (attended, base) = runs
+        assert config is calibration.SELECTION_CONFIG and base is None
+        assert attended == calibration.selection_attended(spec.num_layers, context) < context
+        speed = next(drift)  # this context's resident step, the machine's speed at the time
+        resident = [speed + 0.001 * r for r in range(repeats)]
+        host = [t + 0.004 + batch * context * sketch / 2e9 for t in resident]
+        return [(host, NothingFetched()), (resident, None)]
+
+    monkeypatch.setattr(calibration, "steps_in_turns", in_turns)
+    rate, overhead = calibration.calibrate_selection(model, device, profile(), batch=2, context=512)
+    assert "fallback" not in rate.source
+    for term, expected in ((rate, 2e9), (overhead, 0.004)):
+        assert term.low == pytest.approx(expected, rel=1e-6)
+        assert term.high == pytest.approx(expected, rel=1e-6)
+
+
+def test_runs_timed_in_turns_take_one_step_each_per_turn(monkeypatch):
+    import alisa.calibration.steps as calibration
+
+    order = []
+
+    class Recording(calibration.Engine):
+        def step(self, state, cache):
+            order.append(id(cache))
+            return super().step(state, cache)
+
+    monkeypatch.setattr(calibration, "Engine", Recording)
+    model, device = tiny_llama(), torch.device("cpu")
+    runs = [(40, calibration.SELECTION_CONFIG), (12, None)]
+    (host, host_cache), (base, base_cache) = calibration.steps_in_turns(
+        model, device, 2, runs, repeats=3
+    )
+    first, second = id(host_cache), id(base_cache)
+    assert order == [first, first, second, second] + [first, second] * 3  # prefill, warm-up
+    assert len(host) == len(base) == 3 and min(host + base) > 0
+    assert host_cache.get_seq_length() == 40 + 4 and base_cache.get_seq_length() == 12 + 4
+
+
 def test_the_time_estimate_covers_every_run_and_grows_with_the_work():
     from alisa.calibration.profile import calibration_estimate
     from alisa.calibration.steps import SELECTION_CONTEXTS, decode_points

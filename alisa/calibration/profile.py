@@ -28,6 +28,7 @@ from alisa.calibration.steps import (
     decode_samples,
     estimated_seconds,
     fit_decode_terms,
+    selection_attended,
     selection_contexts,
     timings,
 )
@@ -211,8 +212,9 @@ def calibration_estimate(
     batch, context = sizes
     decode = [estimated_seconds(spec, *rates, b, n) for b, n in decode_points(batch, context)]
     tiered = [estimated_seconds(spec, *rates, batch, context)] * 2
-    selection = [
+    selection = [  # each host step in turns with a resident step over what it attends
         estimated_seconds(spec, *rates, batch, n)
+        + estimated_seconds(spec, *rates, batch, selection_attended(spec.num_layers, n))
         for n in selection_contexts(spec.num_layers, context)
     ]
     # Whole milliseconds: the bar's counts add up exactly to its total.

@@ -4,24 +4,24 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from dataclasses import replace
 
+import numpy as np
 import torch
 
 from alisa.config import AlisaConfig
 from alisa.kv.cache import AlisaCache
 from alisa.model.adapter import model_shape
-from alisa.planning.spec import config_workload, model_spec
+from alisa.planning.spec import model_spec
 from alisa.runtime.engine import DecodeState, Engine, device_clock
 from scheduler import (
-    CostModel,
     HardwareProfile,
     ModelSpec,
     activation_bytes,
     gathered_layers,
-    make_buckets,
+    mean_kept,
 )
 from scheduler.calibrate import (
+    CHOOSE,
     FIT_TOLERANCE,
     Spread,
     StepSample,
@@ -77,19 +77,54 @@ def decode_step(
     repeats: int = 7,
 ) -> tuple[list[float], AlisaCache]:
     """(seconds of each repeat of one decode step of ``batch`` x ``context`` tokens, cache)."""
+    [(seconds, cache)] = steps_in_turns(model, device, batch, [(context, config)], repeats)
+    return seconds, cache
+
+
+def steps_in_turns(
+    model,
+    device: torch.device,
+    batch: int,
+    runs: list[tuple[int, AlisaConfig | None]],
+    repeats: int = 7,
+) -> list[tuple[list[float], AlisaCache]]:
+    """Decode steps of several (context, config) runs of ``batch`` sequences, timed in turns:
+    every run's first step, then every run's second, ... (after one warm-up step each).
+
+    Two runs compared by their difference (a host step and a resident step over the tokens it
+    attends) are then timed under the same conditions: on a shared or throttling machine the
+    speed moves between minutes by more than the difference (±20 % on the 2-core EPYC), and
+    repeats taken one run after the other would carry that drift into it.
+
+    Returns
+    -------
+    list
+        Per run, in order: (seconds of each repeat, its cache).
+    """
     vocab = model.get_input_embeddings().num_embeddings
-    ids = torch.randint(min(10, vocab - 1), min(1000, vocab), (batch, context), device=device)
-    cache = AlisaCache(model, config, max_new_tokens=repeats + 8)
-    # generate()'s own step (mask, positions, forward, pick): all of it is what a step costs.
-    engine = Engine(model)
-    state = DecodeState.start(ids, torch.ones_like(ids))
+    engine = Engine(model)  # generate()'s own step (mask, positions, forward, pick)
+    steps, caches = [], []
     with torch.inference_mode():
+        for context, config in runs:
+            shape = (batch, context)
+            ids = torch.randint(min(10, vocab - 1), min(1000, vocab), shape, device=device)
+            cache = AlisaCache(model, config, max_new_tokens=repeats + 8)
+            state = DecodeState.start(ids, torch.ones_like(ids))
 
-        def step() -> None:
-            state.advance(engine.step(state, cache))
+            def step(state: DecodeState = state, cache: AlisaCache = cache) -> None:
+                state.advance(engine.step(state, cache))
 
-        step()  # the prefill
-        return timings(step, device, repeats), cache
+            step()  # the prefill
+            step()  # warm-up: allocation, kernels, caches
+            steps.append(step)
+            caches.append(cache)
+        times: list[list[float]] = [[] for _ in runs]
+        for _ in range(repeats):
+            for step, run in zip(steps, times, strict=True):
+                start = device_clock(device)
+                step()
+                run.append(device_clock(device) - start)
+    return list(zip(times, caches, strict=True))
 
 
 def decode_points(batch: int, context: int) -> list[tuple[int, int]]:
@@ -221,43 +256,56 @@ def calibrate_selection(
     ``select_overhead_s`` with their spreads, from real host steps.
 
     :data:`SELECTION_CONFIG` steps (each one selects) of ``batch`` sequences are timed at
-    :data:`SELECTION_CONTEXTS` evenly spaced contexts; what the cost model charges them without
-    the selection (``profile``'s fitted terms over the kept tokens, the bytes really fetched over
-    ``h2d_bytes_per_s``) is subtracted and the rest fitted by
-    :func:`scheduler.calibrate.fit_selection`, once per repeat pick (fastest, median, slowest);
-    picks whose fit fails are left out. When every fit fails (the steps did not grow with the
-    tokens seen) the formula's rate, the KV read rate, is kept and the constant alone is fitted
-    (:func:`scheduler.calibrate.fit_selection_constant`: what the steps take beyond the rest of
-    the model), both labelled as a fallback. ``tick`` is called after each timed step (a
-    progress bar).
+    :data:`SELECTION_CONTEXTS` evenly spaced contexts, each in turns with a resident step over
+    as many tokens as the host step attends (:func:`steps_in_turns`). The host step's time
+    beyond that step and its fetch (the bytes really fetched over ``h2d_bytes_per_s``, as the
+    cost model charges them) is the selection's, fitted by
+    :func:`scheduler.calibrate.fit_selection` once per repeat pick (fastest, median, slowest:
+    the same pick of both runs); picks whose fit fails are left out. When every fit fails (the
+    steps did not grow with the tokens seen) the formula's rate, the KV read rate, is kept and
+    the constant alone is fitted (:func:`scheduler.calibrate.fit_selection_constant`), both
+    labelled as a fallback. ``tick`` is called after each context's runs (a progress bar).
+
+    Until stop 61 the base was the cost model's own time of that resident step, fitted
+    minutes earlier: its error at the calibration's sizes, and the machine's drift since, went
+    into the selection's terms (a 43 ms constant in one run, 10-29 ms between the repeat picks
+    of another: docs/host-speed.md, "The planner's cost of a host step").
     """
     spec = model_spec(model, model_shape(model))
-    # Both contexts past the budget floor (twice it when the plan's context allows): a step
-    # that keeps every token it has seen does not select, and would hide the selection's
-    # constant.
-    samples, bases = [], []
+    samples, resident, fetches = [], [], []
     for tokens in selection_contexts(spec.num_layers, context):
-        seconds, cache = decode_step(model, device, batch, tokens, SELECTION_CONFIG)
+        attended = selection_attended(spec.num_layers, tokens)
+        runs = [(tokens, SELECTION_CONFIG), (attended, None)]
+        (seconds, cache), (base, _) = steps_in_turns(model, device, batch, runs)
         samples.append(StepSample(batch=batch, context=tokens, seconds=tuple(seconds)))
+        resident.append(base)
         # Per selection: every decode step selected and fetched, the warm-up and the timed ones
         # (the prefill's selection holds its tokens and fetches none).
-        fetched = fetched_bytes(cache, spec) / (len(seconds) + 1)
-        bases.append(unselected_seconds(profile, spec, batch, tokens, fetched))
+        fetches.append(fetched_bytes(cache, spec) / (len(seconds) + 1) / profile.h2d_bytes_per_s)
         tick()
+
+    def bases(pick: str) -> list[float]:
+        """The resident steps' picked seconds plus the fetch, as the cost model adds them."""
+        steps = [CHOOSE[pick](times) for times in resident]
+        if profile.overlap:  # copies beside the compute
+            return [max(step, fetch) for step, fetch in zip(steps, fetches, strict=True)]
+        return [step + fetch for step, fetch in zip(steps, fetches, strict=True)]
+
     sketch = spec.sketch_bytes_per_token()
     fits = []
     for pick in PICKS:
         # One noisy repeat (the slowest step may be the one that codes a page of new tokens)
         # must not discard the fits of the others.
         try:
-            fits.append(fit_selection(samples, bases, sketch, pick, profile.device_type))
+            fits.append(fit_selection(samples, bases(pick), sketch, pick, profile.device_type))
         except ValueError:
             continue
     if not fits:
         rate = profile.kv_bytes_per_s or profile.device_bytes_per_s
         why = "(fallback: the host steps did not grow with the tokens seen)"
         constants = [
-            fit_selection_constant(samples, bases, sketch, rate, pick).overhead_s for pick in PICKS
+            fit_selection_constant(samples, bases(pick), sketch, rate, pick).overhead_s
+            for pick in PICKS
         ]
         return (
             Spread.of("select_bytes_per_s", [rate], f"KV read rate {why}"),
@@ -267,6 +315,13 @@ def calibrate_selection(
         Spread.of("select_bytes_per_s", [f.bytes_per_s for f in fits], SELECTED),
         Spread.of("select_overhead_s", [f.overhead_s for f in fits], SELECTED),
     )
+
+
+def selection_attended(num_layers: int, context: int) -> int:
+    """Tokens a :data:`SELECTION_CONFIG` step attends to per sequence at ``context`` tokens
+    seen: its budget, averaged over the layers (rounded up)."""
+    rules = SELECTION_CONFIG.keep_rules(num_layers)
+    return int(mean_kept(rules, np.array([context]))[0])
 
 
 def selection_contexts(num_layers: int, context: int) -> list[int]:
@@ -300,24 +355,6 @@ def fetched_bytes(cache: AlisaCache, spec: ModelSpec) -> float:
     tokens = sum(layer.keeper.fetched for layer in cache.layers)
     per_head = spec.kv_bytes_per_token(config.host_bits) / (spec.num_layers * spec.num_kv_heads)
     return tokens * per_head
-
-
-def unselected_seconds(
-    profile: HardwareProfile, spec: ModelSpec, batch: int, context: int, fetch_bytes: float
-) -> float:
-    """The cost model's time of one :data:`SELECTION_CONFIG` step without its selection.
-
-    All kept tokens on the device, plus ``fetch_bytes`` over ``h2d_bytes_per_s`` (after the
-    compute on a CPU, beside it with overlapping copies), as the cost model charges a host step.
-    """
-    selected = config_workload(
-        SELECTION_CONFIG, spec.num_layers, batch=batch, prompt_len=context, gen_len=1
-    )
-    # Without its selection the step is a drop-mode step over the same kept tokens.
-    workload = replace(selected, retention="drop")
-    step = CostModel(profile, spec, workload).step_time(make_buckets(workload, 1)[0], {"g": 1.0})
-    fetch = fetch_bytes / profile.h2d_bytes_per_s
-    return max(step, fetch) if profile.overlap else step + fetch
 
 
 def _picks(times: list[float]) -> list[float]:
