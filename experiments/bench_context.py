@@ -4,7 +4,11 @@
     python -m experiments.bench_context --contexts 256,512 --batches 1 --new-tokens 4   # quick
 
 Every batch x prompt length (context) x system runs in its own :mod:`experiments.worker` process,
-as in :mod:`experiments.bench_speed` (``--model`` takes its specs, ``shape:NAME`` included).
+as in :mod:`experiments.bench_speed` (``--model`` takes its specs, ``shape:NAME`` included); with
+``--interleave STEPS`` each cell's systems run in one process instead, decoding in turns
+(:mod:`experiments.interleave`), so that the differences the overhead columns read (host - drop,
+r = 1 - drop) are taken under the same minute's conditions: one process per cell made single
+cells noisier than those differences on a 2-core machine (docs/host-speed.md, stop 55).
 Prints a markdown table of median decode step times, then one JSON line with every row.
 
 For each ``retention=host`` system H, its drop partner D (the same config with
@@ -33,6 +37,7 @@ from experiments.bench_speed import (
     check_model,
     environment,
     positive_int,
+    run_rounds,
     run_systems,
     worker_options,
 )
@@ -74,6 +79,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="';'-separated system names (see experiments.systems)",
     )
     parser.add_argument("--plot", type=Path, default=None, help="PNG of step time vs context")
+    parser.add_argument(
+        "--interleave",
+        type=positive_int,
+        default=None,
+        metavar="STEPS",
+        help="run each cell's systems in one process, decoding in turns of STEPS steps "
+        "(experiments.interleave): the machine's drift falls on every system of a cell alike",
+    )
     add_prompts_argument(parser)
     return parser.parse_args(argv)
 
@@ -181,6 +194,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     systems = args.systems.split(";")
     error = check_model(args.model, args.dtype)
+    if error is None and args.interleave is not None and args.new_tokens < 2:
+        error = f"--new-tokens {args.new_tokens} times no decode step; --interleave needs 2"
     if error is not None:
         print(f"bench_context: error: {error}", file=sys.stderr)
         return 2
@@ -188,8 +203,11 @@ def main(argv=None) -> int:
     for batch in args.batches:
         for context in args.contexts:
             cell = argparse.Namespace(**vars(args), batch=batch, prompt_tokens=context)
-            label = f"B={batch} T={context} "
-            for row in run_systems(systems, worker_options(cell), label):
+            if args.interleave is not None:  # one process, the systems in turns
+                [measured] = run_rounds(systems, cell)
+            else:
+                measured = run_systems(systems, worker_options(cell), f"B={batch} T={context} ")
+            for row in measured:
                 row.pop("token_ids", None)
                 rows.append({**row, "context": context})
     print("\n".join(table_lines(rows, systems)))

@@ -165,6 +165,30 @@ def test_the_context_sweep_runs_each_cell_prints_a_table_json_and_plot(
     assert figure.stat().st_size > 0
 
 
+def test_an_interleaved_context_sweep_runs_each_cells_systems_in_turns(monkeypatch, capsys):
+    """``--interleave``: one in-process run of a cell's systems in turns per cell, never a
+    worker process; fewer than 2 new tokens (no decode step to time) is refused."""
+    calls = []
+
+    def in_turns(systems, args):
+        calls.append((args.batch, args.prompt_tokens, args.interleave, tuple(systems)))
+        rows = fake_rows(args.batch, args.prompt_tokens)
+        return [[row for row in rows if row["system"] in systems]]
+
+    def no_workers(*_):
+        raise AssertionError("an interleaved sweep starts no worker process")
+
+    monkeypatch.setattr(bench_context, "run_rounds", in_turns)
+    monkeypatch.setattr(bench_context, "run_systems", no_workers)
+    argv = ["--contexts", "256,512", "--batches", "2", "--systems", f"{FULL};{DROP};{HOST}"]
+    assert bench_context.main([*argv, "--interleave", "4"]) == 0
+    assert calls == [(2, 256, 4, (FULL, DROP, HOST)), (2, 512, 4, (FULL, DROP, HOST))]
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["interleave"] == 4 and len(report["rows"]) == 6
+    assert bench_context.main([*argv, "--interleave", "4", "--new-tokens", "1"]) == 2
+    assert "--interleave needs 2" in capsys.readouterr().err
+
+
 def test_the_context_sweep_reads_its_lists_and_refuses_bad_ones(capsys):
     args = bench_context.parse_args([])
     assert (args.contexts, args.batches, args.new_tokens) == ([2048, 4096, 8192], [1, 4], 32)
