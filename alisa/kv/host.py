@@ -302,6 +302,8 @@ class HostKeeper(Keeper):
         return self.budgets.derived(self.policy, lengths, name, make)
 
     def _host_step(self, shares: StepShares, lengths: np.ndarray) -> HostStep:
+        # A writable copy: the compiled kernels read it, and numba compiles another version of
+        # each kernel for a read-only array (the book's are read-only).
         budget = shares.budget.copy()
         recent = np.maximum(shares.recent, 1)  # the new token is always attended
         spare = np.maximum(budget - recent - self.policy.sink_tokens, 0)
