@@ -9,7 +9,8 @@ as in :mod:`experiments.bench_speed` (``--model`` takes its specs, ``shape:NAME`
 (:mod:`experiments.interleave`), so that the differences the overhead columns read (host - drop,
 r = 1 - drop) are taken under the same minute's conditions: one process per cell made single
 cells noisier than those differences on a 2-core machine (docs/host-speed.md, stop 55).
-Prints a markdown table of median decode step times, then one JSON line with every row.
+Prints a markdown table of median decode step times, then the marginal table (below), then one
+JSON line with every row.
 
 For each ``retention=host`` system H, its drop partner D (the same config with
 ``retention=drop``) and the r = 1 drop system F (D with ``caching_ratio=1.0``), per cell of batch
@@ -23,6 +24,14 @@ B and context T:
   The default r = 0.2 gives ``(F - D) / (B * T * 0.8)``;
 - their ratio: how many dense-attention token reads one retained host token costs a step.
 
+Those per-cell figures divide the whole overhead by the context, so a cost paid once a step
+(per-layer calls, whatever the context) reads as a per-token cost that falls as the context grows.
+The marginal table separates the two, per batch size over the contexts swept (at least two): a
+least-squares line through ``H - D`` against ``B * T`` gives the fixed cost of a step (its
+intercept, ms) and the cost of each further context token (its slope, ns), and one through
+``(F - D) / (1 - r)`` gives dense attention's cost of each further token; the ratio of the slopes
+is what selecting over one more stored token costs against attending to it densely.
+
 Systems without their partners in ``--systems`` get no overhead columns.
 """
 
@@ -32,6 +41,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+import numpy as np
 
 from experiments.bench_speed import (
     check_model,
@@ -131,8 +142,69 @@ def summary(rows: list[dict], systems: list[str]) -> list[dict]:
     ]
 
 
+def _line(tokens: list[int], values: list[float]) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line through ``values`` against ``tokens``."""
+    slope, intercept = np.polyfit(np.asarray(tokens, float), np.asarray(values, float), 1)
+    return float(slope), float(intercept)
+
+
+def marginal(rows: list[dict], systems: list[str]) -> list[dict]:
+    """Per batch size with two or more contexts and per host system, the fixed and per-token
+    parts of its overhead and dense attention's cost per further token (module docstring); None
+    for a figure whose systems did not all run in every context of the batch."""
+    steps = cells(rows)
+    out = []
+    for batch in sorted({batch for batch, _ in steps}):
+        contexts = sorted(context for b, context in steps if b == batch)
+        if len(contexts) < 2:
+            continue
+        hosts = {}
+        for pair in host_pairs(systems):
+            tokens = [batch * context for context in contexts]
+            runs = [steps[batch, context] for context in contexts]
+            figures = dict.fromkeys(
+                ("fixed_ms", "overhead_ns_per_token", "dense_ns_per_token", "overhead_vs_dense")
+            )
+            if all(pair.host in run and pair.drop in run for run in runs):
+                slope, intercept = _line(tokens, [run[pair.host] - run[pair.drop] for run in runs])
+                figures.update(fixed_ms=intercept, overhead_ns_per_token=slope * 1e6)
+            if pair.full and pair.caching_ratio < 1 and all(pair.full in run for run in runs):
+                saved = [
+                    (run[pair.full] - run[pair.drop]) / (1 - pair.caching_ratio) for run in runs
+                ]
+                figures["dense_ns_per_token"] = _line(tokens, saved)[0] * 1e6
+            over, dense = figures["overhead_ns_per_token"], figures["dense_ns_per_token"]
+            if over is not None and dense is not None and dense > 0:
+                figures["overhead_vs_dense"] = over / dense
+            hosts[pair.host] = figures
+        out.append({"batch": batch, "contexts": contexts, "hosts": hosts})
+    return out
+
+
+def marginal_lines(rows: list[dict], systems: list[str]) -> list[str]:
+    """The markdown table of :func:`marginal`: one row per batch size and host system."""
+    lines = [
+        "| B | contexts | system | fixed ms a step | ns per further token | dense ns per further"
+        " token | x dense |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for entry in marginal(rows, systems):
+        for host, figures in entry["hosts"].items():
+            values = [str(entry["batch"]), ",".join(map(str, entry["contexts"])), host]
+            values += _columns(figures)
+            lines.append("| " + " | ".join(values) + " |")
+    return lines
+
+
 def _figure(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _columns(figures: dict[str, float | None]) -> list[str]:
+    """A host system's overhead figures as table cells, in their order; ratios to 2 digits."""
+    return [
+        _figure(value, 2 if key == "overhead_vs_dense" else 1) for key, value in figures.items()
+    ]
 
 
 def table_lines(rows: list[dict], systems: list[str]) -> list[str]:
@@ -150,13 +222,7 @@ def table_lines(rows: list[dict], systems: list[str]) -> list[str]:
         values = [str(batch), str(context)]
         values += [_figure(steps[batch, context].get(system), 0) for system in systems]
         for pair in pairs:
-            figures = cell["hosts"][pair.host]
-            values += [
-                _figure(figures["host_minus_drop_ms"]),
-                _figure(figures["host_overhead_ns_per_token"]),
-                _figure(figures["dense_attention_ns_per_token"]),
-                _figure(figures["overhead_vs_dense"], 2),
-            ]
+            values += _columns(cell["hosts"][pair.host])
         lines.append("| " + " | ".join(values) + " |")
     return lines
 
@@ -211,6 +277,7 @@ def main(argv=None) -> int:
                 row.pop("token_ids", None)
                 rows.append({**row, "context": context})
     print("\n".join(table_lines(rows, systems)))
+    print("\n".join(["", *marginal_lines(rows, systems)]))
     if args.plot is not None:
         plot(rows, systems, args.plot, title=f"{args.model}, {args.dtype}")
     report = {
@@ -220,6 +287,7 @@ def main(argv=None) -> int:
         **environment(args),
         "rows": rows,
         "cells": summary(rows, systems),
+        "marginal": marginal(rows, systems),
     }
     print(json.dumps(report))
     return 0

@@ -130,6 +130,44 @@ def test_the_host_overhead_and_dense_estimate_follow_the_docstring():
     )
 
 
+def linear_rows(batch=2, contexts=(1000, 2000, 4000)):
+    """Steps whose host overhead is 3 ms a step plus 100 ns a context token, and whose dense
+    attention costs 1000 ns a token (r = 0.2: F - D is 0.8 of it)."""
+    rows = []
+    for context in contexts:
+        tokens = batch * context
+        drop = 30.0 + 2e-4 * tokens
+        steps = {FULL: drop + 0.8 * 1e-3 * tokens, DROP: drop, HOST: drop + 3.0 + 1e-4 * tokens}
+        rows += [
+            {"system": system, "batch": batch, "context": context, "median_step_ms": ms}
+            for system, ms in steps.items()
+        ]
+    return rows
+
+
+def test_the_marginal_table_splits_the_overhead_into_a_fixed_and_a_per_token_part():
+    """The per-cell ratio counts the fixed 3 ms as per-token cost (0.2-0.85 of dense here); the
+    slopes give the per-token part alone (0.1), and a batch swept at one context gets no line."""
+    names = [FULL, DROP, HOST]
+    rows = linear_rows() + linear_rows(batch=8, contexts=(1000,))
+    [entry] = bench_context.marginal(rows, names)
+    assert entry["batch"] == 2 and entry["contexts"] == [1000, 2000, 4000]
+    figures = entry["hosts"][HOST]
+    assert figures["fixed_ms"] == pytest.approx(3.0)
+    assert figures["overhead_ns_per_token"] == pytest.approx(100.0)
+    assert figures["dense_ns_per_token"] == pytest.approx(1000.0)
+    assert figures["overhead_vs_dense"] == pytest.approx(0.1)
+    per_cell = [
+        cell["hosts"][HOST]["overhead_vs_dense"] for cell in bench_context.summary(rows, names)
+    ]
+    assert min(per_cell[:3]) > 0.2
+    no_full = bench_context.marginal([row for row in rows if row["system"] != FULL], names)
+    assert no_full[0]["hosts"][HOST]["dense_ns_per_token"] is None
+    assert no_full[0]["hosts"][HOST]["overhead_vs_dense"] is None
+    lines = bench_context.marginal_lines(rows, names)
+    assert lines[2] == f"| 2 | 1000,2000,4000 | {HOST} | 3.0 | 100.0 | 1000.0 | 0.10 |"
+
+
 def test_the_context_sweep_runs_each_cell_prints_a_table_json_and_plot(
     monkeypatch, capsys, tmp_path
 ):
@@ -155,8 +193,10 @@ def test_the_context_sweep_runs_each_cell_prints_a_table_json_and_plot(
     ]
     assert calls[0][3] == "B=1 T=256 "
     out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 2 + 4 + 1 and out[0].startswith("| B | context |")
+    assert len(out) == 2 + 4 + 1 + 2 + 2 + 1 and out[0].startswith("| B | context |")
+    assert out[6] == "" and out[7].startswith("| B | contexts | system | fixed ms")
     report = json.loads(out[-1])
+    assert [entry["batch"] for entry in report["marginal"]] == [1, 4]
     assert report["benchmark"] == "context_sweep" and report["dtype"] == "float32"
     assert len(report["rows"]) == 12 and "token_ids" not in report["rows"][0]
     assert report["cells"][3]["hosts"][HOST]["host_overhead_ns_per_token"] == pytest.approx(
