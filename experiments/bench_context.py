@@ -47,6 +47,7 @@ import numpy as np
 from experiments.bench_speed import (
     check_model,
     environment,
+    interleave_error,
     positive_int,
     run_rounds,
     run_systems,
@@ -158,10 +159,10 @@ def marginal(rows: list[dict], systems: list[str]) -> list[dict]:
         contexts = sorted(context for b, context in steps if b == batch)
         if len(contexts) < 2:
             continue
+        tokens = [batch * context for context in contexts]
+        runs = [steps[batch, context] for context in contexts]
         hosts = {}
         for pair in host_pairs(systems):
-            tokens = [batch * context for context in contexts]
-            runs = [steps[batch, context] for context in contexts]
             figures = dict.fromkeys(
                 ("fixed_ms", "overhead_ns_per_token", "dense_ns_per_token", "overhead_vs_dense")
             )
@@ -181,14 +182,15 @@ def marginal(rows: list[dict], systems: list[str]) -> list[dict]:
     return out
 
 
-def marginal_lines(rows: list[dict], systems: list[str]) -> list[str]:
-    """The markdown table of :func:`marginal`: one row per batch size and host system."""
+def marginal_lines(entries: list[dict]) -> list[str]:
+    """The markdown table of :func:`marginal`'s ``entries``: one row per batch size and host
+    system."""
     lines = [
         "| B | contexts | system | fixed ms a step | ns per further token | dense ns per further"
         " token | x dense |",
         "|---|---|---|---|---|---|---|",
     ]
-    for entry in marginal(rows, systems):
+    for entry in entries:
         for host, figures in entry["hosts"].items():
             values = [str(entry["batch"]), ",".join(map(str, entry["contexts"])), host]
             values += _columns(figures)
@@ -259,9 +261,7 @@ def plot(rows: list[dict], systems: list[str], path: Path, title: str = "") -> N
 def main(argv=None) -> int:
     args = parse_args(argv)
     systems = args.systems.split(";")
-    error = check_model(args.model, args.dtype)
-    if error is None and args.interleave is not None and args.new_tokens < 2:
-        error = f"--new-tokens {args.new_tokens} times no decode step; --interleave needs 2"
+    error = interleave_error(args) or check_model(args.model, args.dtype)
     if error is not None:
         print(f"bench_context: error: {error}", file=sys.stderr)
         return 2
@@ -276,8 +276,9 @@ def main(argv=None) -> int:
             for row in measured:
                 row.pop("token_ids", None)
                 rows.append({**row, "context": context})
+    fitted = marginal(rows, systems)
     print("\n".join(table_lines(rows, systems)))
-    print("\n".join(["", *marginal_lines(rows, systems)]))
+    print("\n".join(["", *marginal_lines(fitted)]))
     if args.plot is not None:
         plot(rows, systems, args.plot, title=f"{args.model}, {args.dtype}")
     report = {
@@ -287,7 +288,7 @@ def main(argv=None) -> int:
         **environment(args),
         "rows": rows,
         "cells": summary(rows, systems),
-        "marginal": marginal(rows, systems),
+        "marginal": fitted,
     }
     print(json.dumps(report))
     return 0

@@ -157,6 +157,14 @@ def run_in_process(systems: list[str], workload: tuple, new_tokens: int) -> list
     return rows
 
 
+def interleave_error(args: argparse.Namespace) -> str | None:
+    """Why ``--interleave`` cannot time the run of ``args`` (under 2 new tokens: no decode
+    step to time), or None."""
+    if args.interleave is not None and args.new_tokens < 2:
+        return f"--new-tokens {args.new_tokens} times no decode step; --interleave needs at least 2"
+    return None
+
+
 def run_rounds(systems: list[str], args: argparse.Namespace) -> list[list[dict]]:
     """``args.rounds`` lists of rows, each in the order of ``systems`` (odd rounds run in
     reverse), each row with its speed-up against the baseline of its own round. In process,
@@ -319,14 +327,7 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.interleave is not None and args.new_tokens < 2:
-        print(
-            f"bench_speed: error: --new-tokens {args.new_tokens} times no decode step; "
-            "--interleave needs at least 2",
-            file=sys.stderr,
-        )
-        return 2
-    error = check_model(args.model, args.dtype)
+    error = interleave_error(args) or check_model(args.model, args.dtype)
     if error is not None:
         print(f"bench_speed: error: {error}", file=sys.stderr)
         return 2
