@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from alisa import policies  # loads the policy classes (and torch) on first use
 from alisa.checks import check_field_types, check_number, check_optional_int
+from alisa.ops import KERNELS
 from alisa.settings import layer_settings, resolve_settings
 from alisa.sizes import parse_budget
 from scheduler.budget import KeepRule
@@ -65,7 +66,8 @@ class AlisaConfig:
         ``strided``: keep every ``stride``-th token besides the recent ones; ``None`` derives it
         from the caching ratio so that both halves of the budget are used.
     dense_layers
-        The first this-many layers keep every token (as Quest and the H2O/SWA ablations do).
+        The first this-many layers keep every token (as Quest and the H2O/SWA ablations do);
+        with an evicting policy, fewer than the model's layers (the policy must run in one).
     layer_schedule
         ``uniform`` budgets, or ``pyramid`` (PyramidKV: more tokens in lower layers, same mean).
     per_head
@@ -96,7 +98,8 @@ class AlisaConfig:
         evicted for good. ``host``: every token stays in a host region and each decode step
         attends, per KV head, to the budget's best tokens (sinks, the recent window and the
         highest estimated attention), fetching from the host what the device lacks (ALISA's
-        phase II; Quest/InfiniGen/ShadowKV select per step the same way).
+        phase II; Quest/InfiniGen/ShadowKV select per step the same way); it needs an
+        evicting policy (``dense`` leaves nothing out to keep on the host).
     host_bits
         ``retention="host"``: precision of the host region, 16 (model dtype), 8 or 4.
     history_share
@@ -132,6 +135,13 @@ class AlisaConfig:
         query-head max decayed over 4k steps) or ``paper`` (each paper's own setting: no
         floor, the policy's own sinks, one index set per layer, scores seeded by the policy's
         own rows, SWA's exact sum over the last k steps).
+    kernels
+        Which kernels run host retention's step: ``auto`` (the device's: ``cuda``, Triton's,
+        on a CUDA device with Triton; ``cpu``, numba's compiled kernels, on a CPU; else
+        ``reference``), ``reference`` (PyTorch operators, the definition the others are
+        tested against), ``cpu`` or ``cuda``. Chosen once per cache, and named by
+        ``--show-config``, the ``[alisa]`` line and ``GenerationOutput.kernels``
+        (:mod:`alisa.ops.backends`).
     residual_tokens
         With kv_bits < 16, the most recent tokens also kept in full precision (KIVI and HF's
         quantized cache do the same, HF with 128); 0 stores every token quantized, as the paper.
@@ -164,6 +174,7 @@ class AlisaConfig:
     min_budget_tokens: int | None = None
     observation_window: int | None = None
     preset: str = "default"
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -229,6 +240,8 @@ class AlisaConfig:
         check_optional_int("observation_window", self.observation_window, minimum=0)
         if self.preset not in PRESETS:
             raise ValueError(f"preset={self.preset!r} is unknown; valid: {', '.join(PRESETS)}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels={self.kernels!r} is unknown; valid: {', '.join(KERNELS)}")
         if self.retention == "host" and self.gpu_memory is not None:
             raise ValueError(
                 "retention='host' cannot be combined with gpu_memory (its device region is "
@@ -238,6 +251,7 @@ class AlisaConfig:
             raise ValueError(
                 "per_head=True cannot be combined with gpu_memory (tiers are per layer)"
             )
+        self._check_retention_applies()
 
     def _check_budget_applies(self) -> None:
         """A policy that never evicts keeps every token: a budget for it would be meaningless
@@ -255,6 +269,17 @@ class AlisaConfig:
                 f"budget_tokens={self.budget_tokens!r} has no effect with policy="
                 f"{self.policy!r}, which keeps every token; leave it unset or choose an evicting "
                 "policy (e.g. swa)"
+            )
+
+    def _check_retention_applies(self) -> None:
+        """Host retention keeps on the host the tokens a policy leaves out; a policy that never
+        evicts leaves none out, so the run would be dropping mode under another name (and its
+        summary would misdescribe it)."""
+        if self.retention == "host" and not policies.POLICIES[self.policy].evicts:
+            raise ValueError(
+                f"retention={self.retention!r} has no effect with policy={self.policy!r}, which "
+                "keeps every token: there is nothing to keep on the host; leave it at 'drop' or "
+                "choose an evicting policy (e.g. swa)"
             )
 
     def _check_history_share(self) -> None:
@@ -299,8 +324,9 @@ class AlisaConfig:
 
     @property
     def _any_layers(self) -> int:
-        # A layer count valid for this config, for settings that do not depend on it.
-        return max(1, self.dense_layers)
+        # A layer count valid for this config (one sparse layer past the dense ones), for
+        # settings that do not depend on it.
+        return self.dense_layers + 1
 
     @property
     def keeps_everything(self) -> bool:

@@ -2,35 +2,63 @@
 
 from __future__ import annotations
 
+import codecs
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
-    """(line number, object) for every non-blank line.
+    """(line number, object) for every non-blank line, read line by line as it comes.
+
+    The file is opened once and read once, so a pipe, a FIFO or ``/dev/stdin`` works too.
 
     Raises
     ------
     ValueError
-        An unreadable file, or a line that is not JSON or not an object (``file:line: ...``).
+        An unreadable file, or a line that is not UTF-8, not JSON or not an object
+        (``file:line: ...``).
     """
     file = Path(path)
     try:
-        text = file.read_text(encoding="utf-8-sig")  # a byte order mark is not part of a row
-    except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"cannot read {str(file)!r}: {error}") from None
-    # Lines end at "\n" only: str.splitlines() would also split inside a JSON string at U+2028,
-    # U+0085 or a form feed, which JSON allows unescaped there.
-    for number, line in enumerate(text.split("\n"), start=1):
+        handle = file.open("rb")
+    except OSError as error:
+        raise ValueError(f"cannot read {str(file)!r}: {error.strerror}") from None
+    with handle:
+        try:
+            yield from parse_jsonl(handle, str(file))
+        except OSError as error:  # a read that fails midway (a device error, a directory)
+            raise ValueError(f"cannot read {str(file)!r}: {error.strerror}") from None
+
+
+def parse_jsonl(lines: Iterable[bytes], name: str) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for every non-blank line of ``lines`` (the lines of a binary
+    stream, each with its ``\\n``), one at a time; errors say ``name:line: ...``.
+
+    Raises
+    ------
+    ValueError
+        A line that is not UTF-8, not JSON or not an object.
+    """
+    # Lines end at "\n" only (a binary stream splits there): str.splitlines() would also split
+    # inside a JSON string at U+2028, U+0085 or a form feed, which JSON allows unescaped there.
+    for number, data in enumerate(lines, start=1):
+        if number == 1:
+            data = data.removeprefix(codecs.BOM_UTF8)  # a byte order mark is not part of a row
+        try:
+            line = data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(
+                f"{name}:{number}: not UTF-8 text ({error.reason} at byte {error.start})"
+            ) from None
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as error:
-            raise ValueError(f"{file}:{number}: malformed JSON ({error.msg})") from None
+            raise ValueError(f"{name}:{number}: malformed JSON ({error.msg})") from None
         if not isinstance(row, dict):
-            raise ValueError(f"{file}:{number}: expected a JSON object")
+            raise ValueError(f"{name}:{number}: expected a JSON object")
         yield number, row
 
 

@@ -25,8 +25,10 @@ import torch
 from numba.core import config
 from numba.np.ufunc import parallel
 
+from alisa.ops.numba_cache import kernel
 
-@numba.njit(parallel=True, cache=True)
+
+@kernel(parallel=True)
 def _probe(values: np.ndarray) -> float:
     """A parallel loop, so that numba chooses its threading layer."""
     total = 0.0

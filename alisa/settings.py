@@ -187,8 +187,8 @@ def resolve_settings(config: ConfigFields, num_layers: int) -> Settings:
 
 
 def check_dense_layers(config: ConfigFields, num_layers: int) -> None:
-    """Refuse more dense layers than the model has: every layer would be dense while the config
-    (and every summary of it) still names a sparse policy.
+    """Refuse more dense layers than the model has, or, with an evicting policy, as many: every
+    layer would be dense while the config (and every summary of it) still names a sparse policy.
 
     Raises
     ------
@@ -199,6 +199,12 @@ def check_dense_layers(config: ConfigFields, num_layers: int) -> None:
         raise ValueError(
             f"dense_layers={config.dense_layers!r} (--dense-layers) is more than the model's "
             f"{num_layers} layers"
+        )
+    if config.dense_layers == num_layers and policies.POLICIES[config.policy].evicts:
+        raise ValueError(
+            f"dense_layers={config.dense_layers!r} (--dense-layers) makes all of the model's "
+            f"{num_layers} layers dense, so policy={config.policy!r} would evict nothing; give "
+            f"fewer than {num_layers} or choose policy='dense'"
         )
 
 

@@ -68,7 +68,7 @@ grep -q mine "$T/existing.json" && echo "| (profile-output-existing: kept) | | |
 # --- silent wrong results
 for i in $(seq 1 6); do echo "{\"id\": \"r$i\", \"prompt\": \"Count to $i\"}"; done > "$T/six.jsonl"
 $A batch "$T/six.jsonl" -o "$T/two.jsonl" --max-new-tokens 32 --no-progress > "$T/log/first.txt" 2>&1 &
-for _ in $(seq 1 300); do [ -e "$T/two.jsonl.lock" ] && break; sleep 0.1; done  # it holds the output
+for _ in $(seq 1 300); do [ -e "$T/two.jsonl" ] && break; sleep 0.1; done  # it holds the output (a lock on the file itself)
 row second-concurrent-batch $A batch "$T/six.jsonl" -o "$T/two.jsonl" --max-new-tokens 32 --no-progress
 wait
 echo "| (concurrent: ids in the output) | | $(cut -d'"' -f4 "$T/two.jsonl" | sort | uniq -c | tr '\n' ' ') |"

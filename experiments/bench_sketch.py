@@ -6,7 +6,7 @@
 ``KeySketch.logits`` scores every stored token against a step's queries once per layer and
 step. It runs its product in bfloat16 where the device has a fast one and, on a CPU without
 one, by a compiled kernel that reads the bfloat16 sketch in place
-(:func:`alisa.storage.sketch.default_product`); this times the three ways (PyTorch in bfloat16,
+(:func:`alisa.ops.backends.choose_ops`); this times the three ways (PyTorch in bfloat16,
 PyTorch on the sketch widened to float32, the kernel) on this machine, so the choice can be
 checked where it is made. Prints a table, then one JSON line.
 """
@@ -20,7 +20,8 @@ import time
 
 import torch
 
-from alisa.storage.sketch import PRODUCTS, KeySketch, default_product
+from alisa.ops.backends import choose_ops
+from alisa.storage.sketch import PRODUCTS, KeySketch
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -102,7 +103,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = measure(args)
-    chosen = default_product(torch.device("cpu"))
+    chosen = choose_ops("cpu", torch.float32).product
     print_table(rows, chosen)
     print(
         json.dumps(

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 
@@ -301,18 +300,16 @@ def print_table(rows: list[dict]) -> None:
 
 
 def environment(args: argparse.Namespace) -> dict:
-    """What a reader needs to reproduce the figures."""
+    """What a reader needs to reproduce the figures: the machine, its kernels, the versions."""
     import torch
-    import transformers
 
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    from alisa.record import machine_record
+
+    record = machine_record()
     return {
-        "cpu": platform.processor() or platform.machine(),
-        "gpu": gpu,
-        "cuda": torch.version.cuda if gpu else None,
+        **record,
+        "cuda": torch.version.cuda if record["gpu"] else None,
         "threads": args.threads,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
         "allocator_env": {key: os.environ.get(key) for key in ALLOCATOR_ENV},
     }
 

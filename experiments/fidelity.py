@@ -197,7 +197,7 @@ def make_config(args, policy: str, ratio: float) -> AlisaConfig:
         caching_ratio=ratio,
         # The --sink-tokens override is for sparse policies (dense keeps everything anyway).
         sink_tokens=None if policy == "dense" else args.sink_tokens,
-        retention=args.retention,
+        retention="drop" if policy == "dense" else args.retention,  # nothing to keep on the host
         host_bits=args.host_bits,
         preset=args.preset,
     )

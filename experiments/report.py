@@ -162,9 +162,11 @@ def build_report(folder: Path) -> str:
 
 
 def _environment(env: dict) -> str:
+    # Runs recorded before the CPU's capability was (alisa.record) show without it.
+    capability = f" {env['cpu_capability']}" if env.get("cpu_capability") else ""
     return (
         f"torch {env['torch']}, transformers {env['transformers']}, "
-        f"{env['cpu']} x{env['cpu_count']} ({env['threads']} threads), "
+        f"{env['cpu']}{capability} x{env['cpu_count']} ({env['threads']} threads), "
         f"GPU: {env['gpu'] or 'none'}, commit {str(env['git_commit'])[:10]}"
     )
 

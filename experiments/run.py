@@ -14,9 +14,10 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -34,10 +35,12 @@ from alisa.jobs.distributed import (
     process_group,
 )
 from alisa.jobs.io import OutputLog
+from alisa.jobs.lock import locked
 from alisa.jobs.parts import merge_parts, part_path, parts_dir, share
 from alisa.logs import log_to_stderr
+from alisa.record import machine_record
 from alisa.threads import use_threads
-from experiments.data import REPO_ROOT, data_dir
+from experiments.data import data_dir
 from experiments.runconfig import (
     CONFIG_FIELDS,
     SYSTEM_TASKS,
@@ -64,34 +67,28 @@ TIMING_VARIABLES = (
 
 
 def environment(threads: int) -> dict:
-    """Versions and machine facts recorded beside every run."""
-    import transformers
-
-    commit = (
-        subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=False
-        ).stdout.strip()
-        or None
-    )
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    """Versions and machine facts beside every run (:func:`alisa.record.machine_record`)."""
     return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        **machine_record(),
         "platform": platform.platform(),
-        "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "threads": threads,
-        "gpu": gpu,
-        "git_commit": commit,
         # Settings that change timings without changing results (threads waiting, allocator).
         "variables": {name: os.environ[name] for name in TIMING_VARIABLES if name in os.environ},
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 
 
-def run_directory(config: RunConfig) -> tuple[Path, bool]:
-    """(folder, created): the newest run with exactly this configuration, or a new one."""
+@contextmanager
+def run_directory(config: RunConfig) -> Iterator[tuple[Path, bool]]:
+    """(folder, created): the newest run with exactly this configuration, or a new one, locked
+    for the ``with`` block (one run writes a folder at a time).
+
+    Raises
+    ------
+    ValueError
+        Another run is writing that folder, or the results directory cannot be written.
+    """
     root = Path(config.runtime["results_dir"]) / config.name
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -99,10 +96,21 @@ def run_directory(config: RunConfig) -> tuple[Path, bool]:
         raise ValueError(
             f"results directory {str(root)!r} cannot be created: {error.strerror}"
         ) from None
+    with ExitStack() as held:
+        # One run at a time finds or starts its folder (a moment): a second run of this
+        # config then finds the first one's folder, locked, and is refused.
+        with locked(root):
+            folder, created = _find_or_start(config, root, held)
+        yield folder, created
+
+
+def _find_or_start(config: RunConfig, root: Path, held: ExitStack) -> tuple[Path, bool]:
+    """The run folder, its lock entered into ``held``; whether it was made now."""
     resolved = config.as_dict()
     for previous in sorted(root.iterdir(), reverse=True):
         saved = previous / "config.json"
         if saved.is_file() and json.loads(saved.read_text()) == resolved:
+            held.enter_context(locked(previous, _busy(previous)))
             return previous, False
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     folder = root / stamp
@@ -111,6 +119,7 @@ def run_directory(config: RunConfig) -> tuple[Path, bool]:
         folder, suffix = root / f"{stamp}-{suffix}", suffix + 1
     try:
         folder.mkdir()
+        held.enter_context(locked(folder, _busy(folder)))
         (folder / "config.json").write_text(json.dumps(resolved, indent=2) + "\n")
         (folder / "env.json").write_text(
             json.dumps(environment(torch.get_num_threads()), indent=2) + "\n"
@@ -120,6 +129,13 @@ def run_directory(config: RunConfig) -> tuple[Path, bool]:
             f"results directory {str(folder)!r} is not writable: {error.strerror}"
         ) from None
     return folder, True
+
+
+def _busy(folder: Path) -> str:
+    return (
+        f"another experiment run is writing {str(folder)!r} (the same configuration); wait for "
+        "it to finish or stop it, or change the config (nothing was changed)"
+    )
 
 
 RESULT_KEYS = ("id", "point")  # what every row of results.jsonl has
@@ -137,6 +153,12 @@ def run(config: RunConfig, progress: bool = True) -> Path:
             f"sweep.task ({', '.join(config.sweep['task'])})",
             file=sys.stderr,
         )
+    for name, values in config.collapsed_budgets().items():
+        print(
+            f"experiments.run: note: sweep.{name} {values} applies to the evicting policies; "
+            "a policy that keeps every token (dense) runs once, recorded at caching_ratio=1.0",
+            file=sys.stderr,
+        )
     root = _data_root(config)  # before any directory is made
     warning = use_threads(config.runtime["threads"]).warning()
     if warning is not None:
@@ -144,16 +166,16 @@ def run(config: RunConfig, progress: bool = True) -> Path:
     if launched():
         with process_group() as ranks:
             return _run_ranks(config, progress, root, ranks)
-    folder, created = run_directory(config)
-    log = _open_results(folder, created)
-    pending = [p for p in config.points() if point_key(p) not in log.done]
-    bar = tqdm(total=len(pending), desc=config.name, unit="point", disable=not progress)
-    try:
-        _run_points(config, pending, log, root, bar, progress)
-    finally:
-        log.close()
-        bar.close()
-        _remove_if_empty(folder, created)
+    with run_directory(config) as (folder, created):
+        log = _open_results(folder, created)
+        pending = [p for p in config.points() if point_key(p) not in log.done]
+        bar = tqdm(total=len(pending), desc=config.name, unit="point", disable=not progress)
+        try:
+            _run_points(config, pending, log, root, bar, progress)
+        finally:
+            log.close()
+            bar.close()
+            _remove_if_empty(folder, created)
     return folder
 
 
@@ -185,27 +207,29 @@ def _open_results(folder: Path, created: bool) -> OutputLog:
 
 
 def _run_ranks(config: RunConfig, progress: bool, root: Path | None, ranks: Ranks) -> Path:
-    """This rank's share of the pending points; rank 0 merges every rank's results."""
+    """This rank's share of the pending points; rank 0 merges every rank's results (holding
+    the run folder's lock from finding it to the merge)."""
+    with ExitStack() as held:
 
-    def prepare() -> tuple[str, bool, list]:
-        folder, created = run_directory(config)
-        log = _open_results(folder, created)
-        log.close()
-        return str(folder), created, list(log.done)
+        def prepare() -> tuple[str, bool, list]:
+            folder, created = held.enter_context(run_directory(config))
+            log = _open_results(folder, created)
+            log.close()
+            return str(folder), created, list(log.done)
 
-    name, created, done = from_rank0(ranks, prepare)
-    folder = Path(name)
-    results = folder / "results.jsonl"
-    token = new_parts(ranks, results)
-    pending = [p for p in config.points() if point_key(p) not in set(done)]
-    mine = share(pending, ranks.world, ranks.rank, key=point_key)
-    bar = RankProgress(ranks, token, len(pending), progress, config.name)
-    log = OutputLog(part_path(results, ranks.rank), keys=RESULT_KEYS)
-    try:
-        _run_points(config, mine, log, root, bar, progress and ranks.rank == 0)
-    finally:
-        log.close()
-    finish_parts(ranks, bar, lambda: _merge_results(folder, created))
+        name, created, done = from_rank0(ranks, prepare)
+        folder = Path(name)
+        results = folder / "results.jsonl"
+        token = new_parts(ranks, results)
+        pending = [p for p in config.points() if point_key(p) not in set(done)]
+        mine = share(pending, ranks.world, ranks.rank, key=point_key)
+        bar = RankProgress(ranks, token, len(pending), progress, config.name)
+        log = OutputLog(part_path(results, ranks.rank), keys=RESULT_KEYS)
+        try:
+            _run_points(config, mine, log, root, bar, progress and ranks.rank == 0)
+        finally:
+            log.close()
+        finish_parts(ranks, bar, lambda: _merge_results(folder, created))
     return folder
 
 
@@ -291,8 +315,10 @@ def _remove_if_empty(folder: Path, created: bool) -> None:
         for name in ("results.jsonl", "config.json", "env.json"):
             (folder / name).unlink(missing_ok=True)
         folder.rmdir()
-        if not any(folder.parent.iterdir()):
-            folder.parent.rmdir()
+        # Under the lock a starting run takes to find its folder: never under its feet.
+        with locked(folder.parent):
+            if not any(folder.parent.iterdir()):
+                folder.parent.rmdir()
 
 
 def main(argv=None) -> int:

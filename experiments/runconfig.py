@@ -62,17 +62,19 @@ class RunConfig:
         }
 
     def points(self) -> list[dict]:
-        """Every combination of the sweep, dense policies collapsed to r = 1 and no token
-        budget (one run), and an HF system of a :data:`SYSTEM_TASKS` task run once whatever
-        AlisaConfig fields the sweep sets."""
+        """Every combination of the sweep, dense policies collapsed to r = 1, no token budget
+        and ``retention="drop"`` (one run), and an HF system of a :data:`SYSTEM_TASKS` task run
+        once whatever AlisaConfig fields the sweep sets."""
         keys = list(self.sweep)
         seen, result = set(), []
         for values in itertools.product(*(self.sweep[k] for k in keys)):
             point = dict(zip(keys, values, strict=True))
-            if point.get("policy") == "dense":  # keeps every token: a budget means nothing
+            if keeps_every_token(point.get("policy")):  # a budget means nothing to it
                 point["caching_ratio"] = 1.0
                 if "budget_tokens" in point:
                     point["budget_tokens"] = None
+                if point.get("retention") == "host":  # nothing is left out to keep on the host
+                    point["retention"] = "drop"
             for name, tasks in TASK_KEYS.items():
                 if point["task"] not in tasks:
                     point.pop(name, None)
@@ -86,6 +88,19 @@ class RunConfig:
                 result.append(point)
         return result
 
+    def collapsed_budgets(self) -> dict:
+        """The sweep's budget values (``caching_ratio`` other than 1, ``budget_tokens`` other
+        than None) that the policies keeping every token (dense) do not take: they run once,
+        at r = 1, while the evicting policies of the sweep take each value. Field -> values."""
+        policies = self.sweep.get("policy", [])
+        if not any(keeps_every_token(policy) for policy in policies):
+            return {}
+        dropped = {
+            "caching_ratio": [v for v in self.sweep.get("caching_ratio", []) if v != 1.0],
+            "budget_tokens": [v for v in self.sweep.get("budget_tokens", []) if v is not None],
+        }
+        return {name: values for name, values in dropped.items() if values}
+
     def command(self, point: dict) -> str:
         """The command that runs ``point`` alone (its config, the run's overrides, then every
         key of the point as a one-value sweep)."""
@@ -93,6 +108,13 @@ class RunConfig:
         for item in (*self.overrides, *(_one_value(k, v) for k, v in point.items())):
             parts += ["--set", item]
         return shlex.join(parts)
+
+
+def keeps_every_token(policy: str | None) -> bool:
+    """Whether ``policy`` never evicts (dense), so that no budget applies to it."""
+    from alisa.policies import POLICIES
+
+    return policy in POLICIES and not POLICIES[policy].evicts
 
 
 def _one_value(key: str, value) -> str:
@@ -245,6 +267,7 @@ def _validate(raw: dict, file: Path) -> RunConfig:
         runtime[key] = value
     _check_runtime(runtime, file)
     config = RunConfig(name=name, sweep=sweep, options=options, runtime=runtime)
+    _check_budgets_apply(config, file)
     for point in config.points():  # every combination must be a valid configuration
         try:
             point_config(point)
@@ -252,6 +275,22 @@ def _validate(raw: dict, file: Path) -> RunConfig:
             fields = {k: v for k, v in point.items() if k in CONFIG_FIELDS}
             raise ValueError(f"config {file}: sweep point {fields}: {error}") from None
     return config
+
+
+def _check_budgets_apply(config: RunConfig, file: Path) -> None:
+    """Refuse budget values that no policy of the sweep takes: with only policies that keep
+    every token (dense), a ``caching_ratio`` or ``budget_tokens`` would be recorded as r = 1,
+    accepted and ignored."""
+    policies = config.sweep.get("policy", [])
+    if not policies or not all(keeps_every_token(policy) for policy in policies):
+        return
+    for name, values in config.collapsed_budgets().items():
+        shown = ", ".join(map(repr, policies))
+        raise ValueError(
+            f"config {file}: sweep.{name}={values} has no effect with sweep.policy [{shown}], "
+            "which keeps every token (its points run once, at caching_ratio=1.0); drop "
+            f"sweep.{name} or add an evicting policy (e.g. swa) to sweep.policy"
+        )
 
 
 def _check_sweep_values(sweep: dict, file: Path) -> None:

@@ -165,3 +165,14 @@ class Forwards(Engine):
     def forward_packed(self, running, newcomer, cache):
         self.mixed.append((running.feed.shape[0], newcomer.feed.shape[1]))
         return super().forward_packed(running, newcomer, cache)
+
+
+def forced_ops(device="cpu", kernels="reference", **changes):
+    """The ``kernels`` backend on ``device`` with ``changes`` (a test names the path it tests;
+    ``forced_ops("cpu", "cpu", product="compiled", fused=True)`` is the one compiled call on
+    every CPU kind, whatever this one's default product)."""
+    from dataclasses import replace
+
+    from alisa.ops.backends import choose_ops
+
+    return replace(choose_ops(device, torch.float32, kernels), **changes)

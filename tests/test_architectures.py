@@ -25,7 +25,7 @@ from experiments.architectures import run_family
 NEW = 6
 MODES = {
     "drop": AlisaConfig(),
-    "host": AlisaConfig(policy="swa", caching_ratio=1.0, retention="host"),
+    "host": AlisaConfig(policy="swa", budget_tokens=10_000, retention="host"),  # runs HostKeeper
     "int8": AlisaConfig(kv_bits=8, residual_tokens=64),
 }
 EXACT_FAMILIES = sorted(name for name, family in FAMILIES.items() if family.expected == EXACT)
@@ -271,3 +271,17 @@ def test_parallel_paths_refuse_what_their_own_attention_does_not_apply(name, rea
 
     with pytest.raises(ValueError, match=reason or "sliding-window layers"):
         parallel_generate(build(FAMILIES[name]), byte_tokenizer(), "hello")
+
+
+def test_the_host_mode_runs_host_retention():
+    """The matrix's host mode builds host retention on every full-attention layer (at r = 1 a
+    policy evicts nothing, so the cache would drop instead and the mode test nothing new)."""
+    from conftest import tiny_llama
+
+    from alisa.kv.host import HostKeeper
+    from experiments.architectures import MODES as MATRIX_MODES
+
+    model = tiny_llama()
+    for config in (MODES["host"], AlisaConfig(**MATRIX_MODES["host"])):
+        cache = AlisaCache(model, config)
+        assert all(isinstance(layer.keeper, HostKeeper) for layer in cache.layers)

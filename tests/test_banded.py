@@ -97,7 +97,7 @@ def test_a_sliding_window_model_decodes_a_long_prompt_as_hf_does(monkeypatch):
         return output
 
     monkeypatch.setattr(attention_module, "banded_prefill", counted)
-    for config in (AlisaConfig(), AlisaConfig(caching_ratio=1.0, retention="host")):
+    for config in (AlisaConfig(), AlisaConfig(policy="swa", caching_ratio=1.0, retention="host")):
         calls.clear()
         cache = AlisaCache(model, config, max_new_tokens=4)
         assert torch.equal(hf_generate(model, ids, mask, cache, max_new_tokens=4), reference)

@@ -95,6 +95,7 @@ WRONG_TYPES = {
     "min_budget_tokens": 64.0,
     "observation_window": 32.0,
     "preset": 1,
+    "kernels": 2,
 }
 
 

@@ -12,7 +12,14 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
-from conftest import hf_generate, padded_batch, tiny_gpt2, tiny_llama, watched_decode
+from conftest import (
+    forced_ops,
+    hf_generate,
+    padded_batch,
+    tiny_gpt2,
+    tiny_llama,
+    watched_decode,
+)
 from transformers import DynamicCache
 
 from alisa import AlisaCache, AlisaConfig
@@ -259,7 +266,12 @@ def test_a_decode_step_synchronises_within_its_budget(config, allowed, mapped, c
     baseline = sync_count(model, DynamicCache(), ids, mask)
     if mapped:
         allowed = 0
-    keeper = partial(default_keeper, compiled=compiled, mapped=mapped)
+    # compiled=None: the CUDA backend (Triton places the choice); False: PyTorch's choice.
+    if compiled is None:
+        ops = forced_ops("cuda", "cuda")
+    else:
+        ops = forced_ops("cuda", "reference", mapped=mapped)
+    keeper = partial(default_keeper, ops=ops)
     cache = AlisaCache(model, config, keeper=keeper)
     extra = sync_count(model, cache, ids, mask) - baseline
     # Gap: coding a page of new tokens into an INT8/INT4 host region checks, once per layer and
@@ -353,11 +365,15 @@ def test_the_placing_kernel_decodes_the_tokens_pytorch_ops_do(dtype):
     )
     outputs, fetched, placing = [], [], []
     for compiled in (None, False):
-        keeper = partial(default_keeper, compiled=compiled, mapped=True)
+        if compiled is None:  # the CUDA backend: Triton chooses and places
+            ops = forced_ops("cuda", "cuda")
+        else:
+            ops = forced_ops("cuda", "reference", mapped=True)
+        keeper = partial(default_keeper, ops=ops)
         cache = AlisaCache(model, config, keeper=keeper)
         outputs.append(hf_generate(model, ids, mask, cache, max_new_tokens=24))
         fetched.append(sum(layer.keeper.fetched for layer in cache.layers))
-        placing.append(cache.layers[0].keeper.placing)
+        placing.append(cache.layers[0].keeper.ops.placing)
     assert placing == [True, False]
     assert torch.equal(*outputs)
     assert fetched[0] == fetched[1] > 0
@@ -376,7 +392,8 @@ def test_a_mapped_fetch_decodes_the_tokens_the_host_fetch_does(dtype, bits):
     )
     outputs, fetched = [], []
     for mapped in (False, True):
-        keeper = partial(default_keeper, mapped=mapped)
+        ops = forced_ops("cuda", "cuda") if mapped else forced_ops("cuda", "reference")
+        keeper = partial(default_keeper, ops=ops)
         cache = AlisaCache(model, config, keeper=keeper)
         outputs.append(hf_generate(model, ids, mask, cache, max_new_tokens=24))
         fetched.append(sum(layer.keeper.fetched for layer in cache.layers))

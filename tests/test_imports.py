@@ -117,6 +117,7 @@ def test_graph_sees_late_imports(module):
 # from its own floor or below, so the floors read bottom-up are the architecture.
 FLOORS = (
     ("leaves", ("quant", "scheduler")),
+    ("kernels", ("alisa.ops",)),
     (
         "basics",
         (
@@ -137,7 +138,7 @@ FLOORS = (
     ("kv cache", ("alisa.kv",)),
     ("runtime", ("alisa.runtime",)),
     ("scale-out", ("alisa.parallel",)),
-    ("front ends", ("alisa.jobs", "alisa.calibration")),
+    ("front ends", ("alisa.jobs", "alisa.calibration", "alisa.record", "alisa.serve")),
     ("public API", ("alisa",)),
     ("experiments", ("experiments",)),
     ("CLI", ("alisa.commands", "alisa.cli", "alisa.__main__")),

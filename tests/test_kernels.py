@@ -17,7 +17,7 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
-from conftest import hf_generate, padded_batch, tiny_llama
+from conftest import forced_ops, hf_generate, padded_batch, tiny_llama
 
 import alisa.kv.choice
 import alisa.kv.history
@@ -327,8 +327,11 @@ def test_generation_compiled_equals_torch(settings):
     ids, mask = padded_batch()
     config = AlisaConfig(retention="host", min_budget_tokens=0, **settings)
     outputs, caches = [], []
-    for flag in (True, False):
-        cache = AlisaCache(model, config, keeper=partial(default_keeper, compiled=flag))
+    # One product for both (named: a CPU's default differs by kind); the compiled kernels,
+    # in one call where the layout allows, against the PyTorch reference.
+    compiled = forced_ops("cpu", "cpu", product="compiled", fused=True)
+    for ops in (compiled, forced_ops("cpu", "reference", product="compiled")):
+        cache = AlisaCache(model, config, keeper=partial(default_keeper, ops=ops))
         outputs.append(hf_generate(model, ids, mask, cache, max_new_tokens=40))
         caches.append(cache)
     assert torch.equal(outputs[0], outputs[1])
@@ -369,7 +372,10 @@ def test_selection_in_one_call_equals_the_separate_calls(settings, parts):
     config = AlisaConfig(retention="host", min_budget_tokens=0, **settings)
     outputs, caches, calls = [], [], []
     for fused in (True, False):
-        cache = AlisaCache(model, config, keeper=partial(default_keeper, fused=fused))
+        # The one call needs the compiled product: named, not left to this CPU's default.
+        ops = forced_ops("cpu", "cpu", product="compiled", fused=fused)
+        keeper = partial(default_keeper, ops=ops)
+        cache = AlisaCache(model, config, keeper=keeper)
         outputs.append(hf_generate(model, ids, mask, cache, max_new_tokens=40))
         caches.append(cache)
         calls.append(sum(layer.keeper.steps for layer in cache.layers))
@@ -385,12 +391,14 @@ def test_selection_in_one_call_equals_the_separate_calls(settings, parts):
         assert mine.keeper.fetched == theirs.keeper.fetched
         fetched += mine.keeper.fetched
     assert fetched > 0  # tokens came back from the host region
+    assert all(layer.keeper.sketch.product == "compiled" for layer in caches[1].layers)
 
 
 def test_the_one_call_selection_runs_where_its_layout_is_and_only_there(monkeypatch):
-    """The fused call takes the float32 model's default host retention (INT8 host rows, a
-    plain device region); a 16-bit host region, an INT8 device region, the rest's estimate and
-    ``fused=False`` take the separate calls."""
+    """The fused call takes the float32 model's host retention with the compiled sketch
+    product (INT8 host rows, a plain device region); a 16-bit host region, an INT8 device
+    region, the rest's estimate, the library's bfloat16 or float32 product and ``fused=False``
+    take the separate calls. Every case names its product: a CPU's default differs by kind."""
     model = tiny_llama()
     ids, mask = padded_batch()
     counts = {"fused": 0}
@@ -407,13 +415,16 @@ def test_the_one_call_selection_runs_where_its_layout_is_and_only_there(monkeypa
         (dict(kv_bits=8), {}, False),
         (dict(estimate_rest=True), {}, False),
         (dict(), dict(fused=False), False),
+        (dict(), dict(product="bfloat16", fused=False), False),
+        (dict(), dict(product="float32", fused=False), False),
     ]
     for settings, keeper, expected in cases:
         counts["fused"] = 0
         config = AlisaConfig(
             retention="host", policy="swa", caching_ratio=0.3, min_budget_tokens=0, **settings
         )
-        cache = AlisaCache(model, config, keeper=partial(default_keeper, **keeper))
+        ops = forced_ops("cpu", "cpu", **{"product": "compiled", "fused": True, **keeper})
+        cache = AlisaCache(model, config, keeper=partial(default_keeper, ops=ops))
         hf_generate(model, ids, mask, cache, max_new_tokens=8)
         assert (counts["fused"] > 0) == expected, settings
 
@@ -422,7 +433,7 @@ def test_a_fused_fetch_past_the_host_region_is_refused():
     """The fused call reads host rows without bounds checks, so a chosen position the host
     region does not hold (a broken invariant: every ranked position is coded) is refused."""
     cpu = torch.device("cpu")
-    sketch = KeySketch(1, 1, 8, 40, cpu)
+    sketch = KeySketch(1, 1, 8, 40, cpu, product="compiled")  # the one call's product
     keys = torch.randn(1, 1, 40, 8)
     sketch.write(0, keys, torch.ones(1, 40, dtype=torch.bool))
     pages = HostPages(1, 1, 8, bits=8, dtype=torch.float32, device=cpu)
@@ -470,17 +481,6 @@ def test_a_history_grows_moves_and_joins_with_its_scales():
     assert joined.true_sums(1)[:, 0, 0].tolist() == [0.0, 0.0, 1.75]
     joined.select_batch(torch.tensor([2, 0]))
     assert joined.scale.tolist() == [8.0, 1.0] and joined.true_sums(1)[0, 0, 0] == 1.75
-
-
-def test_the_cpu_kernels_are_refused_for_a_model_elsewhere():
-    from alisa.kv.host import HostKeeper
-    from alisa.policies import POLICIES
-
-    keeper = HostKeeper(POLICIES["swa"](caching_ratio=0.2), 16, compiled=True)
-    keys = torch.zeros(1, 1, 4, 8, device="meta")
-    slots = SlotMap(1, 1, 4, 8, torch.device("meta"))
-    with pytest.raises(ValueError, match="compiled=True runs host retention's CPU kernels"):
-        keeper.write(0, keys, keys, slots)
 
 
 def test_kernels_leave_torch_thread_count_as_the_user_set_it():

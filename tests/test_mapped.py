@@ -10,7 +10,7 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
-from conftest import hf_generate, padded_batch, tiny_gpt2, tiny_llama
+from conftest import forced_ops, hf_generate, padded_batch, tiny_gpt2, tiny_llama
 from test_kernels import random_choice, slot_map
 from test_round_trips import decode_round_trips
 from transformers import DynamicCache
@@ -94,7 +94,7 @@ def test_a_mapped_fetch_decodes_the_tokens_the_host_fetch_does(make, extra):
     config = AlisaConfig(policy="swa", budget_tokens=24, **HOST, **extra)
     outputs, fetched = [], []
     for mapped in (False, True):
-        keeper = partial(default_keeper, compiled=False, mapped=mapped)
+        keeper = partial(default_keeper, ops=forced_ops(mapped=mapped))
         cache = AlisaCache(model, config, keeper=keeper)
         outputs.append(hf_generate(model, ids, mask, cache, max_new_tokens=24))
         fetched.append(sum(layer.keeper.fetched for layer in cache.layers))
@@ -118,7 +118,7 @@ def test_a_mapped_fetch_makes_no_round_trip(extra, allowed):
     ids, mask = padded_batch(lengths=(60, 47))
     config = AlisaConfig(policy="swa", budget_tokens=24, **HOST, **extra)
     baseline = decode_round_trips(model, DynamicCache(), ids, mask)
-    keeper = partial(default_keeper, compiled=False, mapped=True)
+    keeper = partial(default_keeper, ops=forced_ops(mapped=True))
     counts = decode_round_trips(model, AlisaCache(model, config, keeper=keeper), ids, mask)
     extra_trips = counts.total() - baseline.total()
     assert extra_trips <= allowed * model.config.num_hidden_layers, (counts, baseline)

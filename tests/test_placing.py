@@ -31,13 +31,12 @@ from functools import partial
 import numpy as np
 import torch
 
-import alisa.kv.host
 import alisa.kv.placing
 from alisa import AlisaCache, AlisaConfig
 from alisa.kv.cache import default_keeper
 from alisa.kv.choice import choose
 from alisa.kv.placing import choose_and_place
-from conftest import hf_generate, padded_batch, tiny_llama
+from conftest import forced_ops, hf_generate, padded_batch, tiny_llama
 from test_kernels import random_choice, slot_map
 
 report = {"steps": 0, "fetched": 0, "mismatches": []}
@@ -74,13 +73,12 @@ config = AlisaConfig(
 )
 outputs, fetched = [], []
 for kernel in (True, False):
-    # Where Triton runs (mapped is given, so only the placing kernel reads this name here).
-    alisa.kv.host.mapped_reads = lambda device, kernel=kernel: kernel
-    keeper = partial(default_keeper, mapped=True)
+    # The reference with the device-read fetch, and with Triton placing the choice (as on CUDA).
+    keeper = partial(default_keeper, ops=forced_ops(mapped=True, placing=kernel))
     cache = AlisaCache(model, config, keeper=keeper)
     outputs.append(hf_generate(model, ids, mask, cache, max_new_tokens=6).tolist())
     fetched.append(sum(layer.keeper.fetched for layer in cache.layers))
-    report["placing"] = report.get("placing", []) + [cache.layers[0].keeper.placing]
+    report["placing"] = report.get("placing", []) + [cache.layers[0].keeper.ops.placing]
 report["same_tokens"] = outputs[0] == outputs[1]
 report["generation_fetched"] = fetched
 print(json.dumps(report))

@@ -18,7 +18,7 @@ from collections import Counter
 from functools import partial
 
 import pytest
-from conftest import padded_batch, tiny_llama, watched_decode
+from conftest import forced_ops, padded_batch, tiny_llama, watched_decode
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
@@ -134,7 +134,7 @@ def test_round_trips_per_layer_and_step(config, allowed, lengths):
     baseline = decode_round_trips(model, DynamicCache(), ids, mask)
     # The PyTorch path is the one a CUDA device runs (on a CPU host retention's choice, slot
     # swap and history are compiled kernels, which read host memory and never wait).
-    cache = AlisaCache(model, config, keeper=partial(default_keeper, compiled=False))
+    cache = AlisaCache(model, config, keeper=partial(default_keeper, ops=forced_ops()))
     counts = decode_round_trips(model, cache, ids, mask)
     extra = counts.total() - baseline.total()
     # Gap: coding a page of new tokens into an INT8/INT4 host region checks, once per layer

@@ -17,11 +17,14 @@ GOLDEN = json.loads((Path(__file__).parent / "fixtures" / "settings_golden.json"
 def test_the_grid_covers_every_golden_config():
     configs = {key(kwargs) for kwargs in grid()}
     assert configs <= set(GOLDEN["configs"])
-    # The golden configs left out are those refused since: a budget for a policy that keeps
-    # every token (dense with a caching ratio or a token budget would have meant nothing).
+    # The golden configs left out are those refused since: a budget or host retention for a
+    # policy that keeps every token (dense with a caching ratio, a token budget or
+    # retention=host would have meant nothing).
     for name in set(GOLDEN["configs"]) - configs:
         assert "policy=dense" in name, name
-        assert "caching_ratio=" in name or "budget_tokens=" in name, name
+        assert any(
+            part in name for part in ("caching_ratio=", "budget_tokens=", "retention=host")
+        ), name
 
 
 @pytest.mark.parametrize("kwargs", grid(), ids=key)

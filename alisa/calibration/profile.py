@@ -30,9 +30,11 @@ from alisa.calibration.steps import (
     fit_decode_terms,
     selection_attended,
     selection_contexts,
+    smallest_context,
     timings,
 )
 from alisa.model.adapter import model_shape
+from alisa.model.loading import context_length
 from alisa.planning.hardware import cpu_model
 from alisa.planning.spec import model_spec
 from alisa.storage.recompute import KVRecomputer
@@ -42,6 +44,9 @@ from scheduler.calibrate import FIT_TOLERANCE, Spread
 MICRO = "micro-benchmark"
 # The plan's default sizes (batch, context tokens) for the largest calibration step.
 PLAN_SIZES = (8, 1024)
+# Tokens each calibration run decodes past its context: one warm-up step and the 7 timed
+# repeats of alisa.calibration.steps.steps_in_turns.
+DECODED_PER_RUN = 8
 
 
 @dataclass(frozen=True)
@@ -112,9 +117,18 @@ def measure_report(
         (batch, context tokens) of the largest calibration step: the plan's sizes.
     progress
         Show a progress bar and the estimated time (from the micro-benchmarks).
+
+    Raises
+    ------
+    ValueError
+        A context that the calibration runs would decode past the model's context
+        (:func:`context_error`).
     """
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if model is not None:
+        error = context_error(model, sizes[1], "sizes[1]")  # before any measuring
+        if error is not None:
+            raise ValueError(error)
         dtype = next(model.parameters()).dtype
     h2d, d2h = copy_bandwidth(device)
     terms = {
@@ -126,6 +140,33 @@ def measure_report(
     if model is not None:
         terms.update(_calibrated_terms(model, device, terms, sizes, progress))
     return ProfileReport(_profile(device, dtype, terms), tuple(terms.values()))
+
+
+def context_error(model, context: int, name: str) -> str | None:
+    """Why calibration runs of ``context`` tokens do not fit ``model``, or None when they do
+    (or its context is unknown): each run decodes :data:`DECODED_PER_RUN` tokens past it, and
+    past the model's context positions are garbage, as :func:`alisa.generate` refuses them.
+    ``name`` is what set ``context`` (a flag or an argument), for the message."""
+    known = context_length(model)
+    if known is None:
+        return None
+    limit, source = known
+    most = limit - DECODED_PER_RUN
+    if context <= most:
+        return None
+    error = (
+        f"{name}={context} plus the {DECODED_PER_RUN} tokens each calibration run decodes after "
+        f"it is {context + DECODED_PER_RUN} tokens, more than the model's context of {limit} "
+        f"tokens ({source})"
+    )
+    least = smallest_context()
+    if most < least:
+        return (
+            f"{error}; a calibration needs {name} >= {least}, which this model cannot hold: "
+            "calibrate on a model with a longer context, or without a model (micro-benchmarks "
+            "only)"
+        )
+    return f"{error}; give {name} <= {most}"
 
 
 def _calibrated_terms(

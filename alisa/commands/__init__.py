@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from alisa.commands import batch, experiment, generate, plan, profile
+from alisa.commands import batch, experiment, generate, plan, profile, serve
 
 COMMANDS = {
     "batch": (batch.HELP, batch.configure, batch.run),
@@ -10,4 +10,5 @@ COMMANDS = {
     "generate": (generate.HELP, generate.configure, generate.run),
     "plan": (plan.HELP, plan.configure, plan.run),
     "profile": (profile.HELP, profile.configure, profile.run),
+    "serve": (serve.HELP, serve.configure, serve.run),
 }

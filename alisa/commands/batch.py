@@ -12,20 +12,25 @@ from alisa.commands.options import (
     CommandError,
     add_cache_options,
     add_model_options,
+    add_sampling_options,
+    add_scheduler_options,
     add_threads_option,
     apply_threads,
     cache_config_from_args,
     check_minimum,
     load_for_cli,
+    sampling_from_args,
 )
-from alisa.runtime.requests import PREFILL_TOKENS
 
 HELP = "generate for every prompt of a JSONL file under a memory budget (resumable)"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.usage = "%(prog)s INPUT -o OUTPUT [options]   (common options first)"
-    parser.add_argument("input", help='JSONL rows {"id": ..., "prompt": ...} (+ options)')
+    parser.add_argument(
+        "input",
+        help='JSONL rows {"id": ..., "prompt": ...} (+ options); "-": read them from stdin',
+    )
     parser.add_argument(
         "-o", "--output", required=True, help="JSONL results, appended (a re-run resumes)"
     )
@@ -40,30 +45,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="send every prompt as a user turn in the model's chat template (instruct models; "
         'a row\'s "chat": true/false overrides it)',
     )
-    parser.add_argument("--kv-memory", help="byte budget of the KV cache alone, e.g. 256MiB")
-    parser.add_argument(
-        "--max-batch", type=int, default=64, help="upper bound on the rows run together"
+    add_sampling_options(
+        parser,
+        "sampling of the rows that do not set their own (greedy unless --do-sample; with "
+        "--seed every row draws from its own generator: its tokens do not depend on its batch)",
     )
+    add_scheduler_options(parser)
     parser.add_argument(
         "--static",
         action="store_true",
         help="static batches (sorted by length, each run until its last row finishes) instead "
         "of continuous batching (rows join as others finish, longest work first)",
-    )
-    parser.add_argument(
-        "--reserve-tokens",
-        type=int,
-        help="continuous batching: admit a row with room for this many new tokens instead of "
-        "all its max_new_tokens (more rows run); rows that outgrow it are paused, their KV "
-        "swapped to host memory, and resumed with the same tokens",
-    )
-    parser.add_argument(
-        "--prefill-tokens",
-        type=int,
-        default=PREFILL_TOKENS,
-        help="continuous batching: padded prompt tokens (rows x longest) prefilled in one "
-        f"forward at most, bounding the compute spent on padding (default: {PREFILL_TOKENS}; a "
-        "longer prompt is prefilled alone)",
     )
     parser.add_argument(
         "--separate-prefills",
@@ -84,8 +76,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from alisa.jobs import BatchJob
     from alisa.jobs.distributed import launched
+    from alisa.jobs.io import input_name, read_requests
     from alisa.jobs.lock import output_lock
-    from alisa.jobs.runner import open_job, run_locked_batch
+    from alisa.jobs.runner import open_output, run_opened_job
     from alisa.sizes import parse_budget
 
     check_minimum("--max-new-tokens", args.max_new_tokens, 1)
@@ -130,23 +123,32 @@ def run(args: argparse.Namespace) -> int:
         reserve_tokens=args.reserve_tokens,
         prefill_tokens=args.prefill_tokens,
         mixed_forwards=not args.separate_prefills,
+        sampling=sampling_from_args(args),
     )
     apply_threads("batch", args.threads)
     if launched():
         return _run_ranks(args, job)
     if args.rank_timeout is not None:
         print("alisa batch: warning: --rank-timeout ignored: not under torchrun", file=sys.stderr)
+    # Read once, as it comes (a pipe cannot be read twice), before the output is taken: an
+    # input that never ends (a FIFO no one writes) holds no output locked.
+    requests = read_requests(job.input)
+    if not requests:
+        print(
+            f"alisa batch: warning: {input_name(job.input)} holds no rows: nothing to run",
+            file=sys.stderr,
+        )
     # One writer per output: held from the file checks to the failures file.
-    with output_lock(job.output):
-        requests, log = open_job(job)  # every file check before loading the model
-        log.close()
-        if not requests:
-            print(
-                f"alisa batch: warning: {args.input} holds no rows: nothing to run", file=sys.stderr
-            )
-        model, tokenizer = load_for_cli(args.model, args.dtype)
-        _check_new_tokens(args.max_new_tokens, model, tokenizer)
-        return _report(run_locked_batch(model, tokenizer, job), job)
+    with output_lock(job.output) as held:
+        log = open_output(job)  # every file check before loading the model
+        try:
+            model, tokenizer = load_for_cli(args.model, args.dtype)
+            _check_new_tokens(args.max_new_tokens, model, tokenizer)
+            summary = run_opened_job(model, tokenizer, job, requests, log)
+        finally:
+            log.close()
+        held.keep()  # the run finished: its output stays, even with no row in it
+        return _report(summary, job)
 
 
 def _check_new_tokens(new_tokens: int, model, tokenizer) -> None:
@@ -168,19 +170,40 @@ def _run_ranks(args: argparse.Namespace, job) -> int:
     from alisa.jobs.lock import output_lock
     from alisa.jobs.ranked import plan_ranks, run_ranked
 
+    _check_rank_input(job.input)
     try:
         with ExitStack() as held, process_group(args.rank_timeout or WAIT_TIMEOUT_S) as ranks:
+            locks = []  # rank 0's
+
+            def take_lock() -> None:
+                locks.append(held.enter_context(output_lock(job.output)))
+
             # Rank 0 holds the output's lock for the whole run; refused, every rank stops.
-            from_rank0(ranks, lambda: str(held.enter_context(output_lock(job.output))))
+            from_rank0(ranks, take_lock)
             plan = plan_ranks(job, ranks)
             model, tokenizer = load_for_cli(args.model, args.dtype)
             _check_new_tokens(args.max_new_tokens, model, tokenizer)
             summary = run_ranked(model, tokenizer, job, plan, ranks)
+            for lock in locks:
+                lock.keep()  # the run finished: its output stays, even with no row in it
             if ranks.rank != 0:
                 return EXIT_ROWS_FAILED if summary.failed else 0
             return _report(summary, job)
     except RankError as error:
         raise CommandError(str(error)) from None
+
+
+def _check_rank_input(path: str) -> None:
+    """Under torchrun every rank reads the input: refuse one that can be read only once."""
+    from pathlib import Path
+
+    from alisa.jobs.io import STDIN
+
+    if path == STDIN or (Path(path).exists() and not Path(path).is_file()):
+        raise CommandError(
+            f"the input {path!r} is not a regular file: under torchrun every rank reads it, "
+            "and a pipe or standard input can be read only once; save the rows to a file"
+        )
 
 
 SHOWN_FAILURES = 10  # failed rows named on stderr; all of them go to the failures file
@@ -189,7 +212,7 @@ SHOWN_FAILURES = 10  # failed rows named on stderr; all of them go to the failur
 def _report(summary, job) -> int:
     """Print the summary and the failed rows (input file:line and id); write the failures file;
     the exit code."""
-    from alisa.jobs.io import write_failures
+    from alisa.jobs.io import input_name, write_failures
 
     print(f"[alisa batch] {summary.describe()}", file=sys.stderr)
     failures = write_failures(job.output, list(summary.errors.values()))
@@ -197,7 +220,7 @@ def _report(summary, job) -> int:
         return 0
     for row in list(summary.errors.values())[:SHOWN_FAILURES]:
         print(
-            f"alisa batch: {job.input}:{row.get('line', '?')}: id {row['id']!r} "
+            f"alisa batch: {input_name(job.input)}:{row.get('line', '?')}: id {row['id']!r} "
             f"{row['finish_reason']}: {row['error']}",
             file=sys.stderr,
         )

@@ -10,12 +10,14 @@ from alisa.commands.options import (
     CommandError,
     add_cache_options,
     add_model_options,
+    add_sampling_options,
     add_threads_option,
     apply_threads,
     build_from_flags,
     cache_config_from_args,
     check_minimum,
     load_for_cli,
+    sampling_from_args,
     with_flag,
 )
 from alisa.config import AlisaConfig
@@ -63,14 +65,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep the last tokens of a prompt longer than the model's context (else an error)",
     )
-    sampling = parser.add_argument_group("sampling (greedy unless --do-sample)")
-    sampling.add_argument("--do-sample", action="store_true", help="sample instead of greedy")
-    sampling.add_argument("--temperature", type=float, help="> 0 (default: the model's, or 1.0)")
-    sampling.add_argument(
-        "--top-k", type=int, help="sample among the k likeliest tokens (0: no top-k limit)"
-    )
-    sampling.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
-    sampling.add_argument("--seed", type=int, help="seed for sampling")
+    add_sampling_options(parser)
     parser.add_argument(
         "--show-config",
         action="store_true",
@@ -199,21 +194,14 @@ def fit_prompt(model, tokenizer, prompt: str, args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     from alisa.model.adapter import model_shape
     from alisa.model.loading import chat_prompt
-    from alisa.runtime.generate import SamplingOptions, generate
+    from alisa.ops.backends import choose_ops
+    from alisa.runtime.generate import generate
 
     check_minimum("--max-new-tokens", args.max_new_tokens, 1)  # as alisa batch: generate some
     prompt = read_prompt(args)
     config = cache_config_from_args(args)
     parallel = parallel_config(args)
-    sampling = build_from_flags(
-        SamplingOptions,
-        dict.fromkeys(("temperature", "top_k", "top_p", "seed")),
-        do_sample=args.do_sample,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-    )
+    sampling = sampling_from_args(args)
     warn_ignored_sampling(sampling)
     apply_threads("generate", args.threads)
     model, tokenizer = load_for_cli(args.model, args.dtype)
@@ -222,8 +210,12 @@ def run(args: argparse.Namespace) -> int:
     prompt = fit_prompt(model, tokenizer, prompt, args)
     shape = model_shape(model)
     num_layers = shape.num_layers
+    # Refused here, before the prefill, when this machine cannot run the kernels asked for.
+    weight = next(model.parameters())
+    ops = choose_ops(weight.device, weight.dtype, config.kernels)
     if args.show_config:
         print(describe_settings(config, num_layers), file=sys.stderr)
+        print(f"kernels resolved: {ops.describe()}", file=sys.stderr)
     if parallel is not None:
         result = _parallel(args, model, tokenizer, prompt, config, parallel, sampling)
         if result is None:  # not the last rank: it printed nothing, the last rank reports
@@ -239,7 +231,8 @@ def run(args: argparse.Namespace) -> int:
     if floor is not None:
         print(f"alisa generate: warning: {with_flag(floor, FLOOR_FLAGS)}", file=sys.stderr)
     notes = [note for note in (window_note(shape), spare_note(result, model, config)) if note]
-    print(stats_line(result, config, num_layers, " | ".join(notes)), file=sys.stderr)
+    budget = budget_text(result, model, config)
+    print(stats_line(result, config, num_layers, " | ".join(notes), budget), file=sys.stderr)
     return 0
 
 
@@ -291,10 +284,35 @@ def spare_note(result, model, config: AlisaConfig) -> str:
     )
 
 
-def stats_line(result, config: AlisaConfig, num_layers: int | None = None, note: str = "") -> str:
-    """The one ``[alisa]`` line on stderr: lengths, speed, KV and memory, and (given the
-    model's ``num_layers``) the effective settings that differ from the defaults; ``note``
-    (e.g. :func:`window_note`) is appended."""
+def budget_text(result, model, config: AlisaConfig) -> str:
+    """What ``--gpu-memory`` limits, as this run used it: the weights, the KV held on the device
+    and the step buffers the planner sets aside (empty without a budget). The process's peak
+    is no measure of it: that counts everything the process holds (on a CPU, torch and Python
+    themselves too)."""
+    from alisa.model.adapter import model_shape
+    from alisa.planning.spec import model_spec
+    from alisa.sizes import format_bytes, parse_bytes
+    from scheduler import activation_bytes
+
+    if config.gpu_memory is None:
+        return ""
+    spec = model_spec(model, model_shape(model))
+    buffers = activation_bytes(spec, len(result.prompt_tokens))
+    return (
+        f"--gpu-memory {format_bytes(parse_bytes(config.gpu_memory, field='gpu_memory'))} "
+        f"holds weights {format_bytes(spec.total_weight_bytes)}, device KV "
+        f"{format_bytes(result.kv_tier_bytes.get('device', 0))} and planned step buffers "
+        f"{format_bytes(buffers)}"
+    )
+
+
+def stats_line(
+    result, config: AlisaConfig, num_layers: int | None = None, note: str = "", budget: str = ""
+) -> str:
+    """The one ``[alisa]`` line on stderr: lengths, speed, KV, the process's peak memory, and
+    (given the model's ``num_layers``) the effective settings that differ from the defaults;
+    ``budget`` (:func:`budget_text`) follows the peak, ``note`` (e.g. :func:`window_note`) ends
+    the line."""
     from alisa.sizes import format_bytes
 
     changed = changed_settings(config, num_layers) if num_layers else {}
@@ -309,9 +327,11 @@ def stats_line(result, config: AlisaConfig, num_layers: int | None = None, note:
         f"ttft {result.ttft_s:.2f} s | decode {result.decode_tokens_per_s:.1f} tok/s | "
         f"kv held {format_bytes(result.kv_bytes)} (peak {format_bytes(result.peak_kv_bytes)}; "
         f"{tiers_text(result.kv_tier_bytes)}) | "
-        f"peak memory {format_bytes(result.peak_memory_bytes)} | policy {config.policy} "
-        f"r={config.caching_ratio:g}"
+        f"peak process memory {format_bytes(result.peak_memory_bytes)} | "
+        + (f"{budget} | " if budget else "")
+        + f"policy {config.policy} r={config.caching_ratio:g}"
         + (f" | settings {extra}" if extra else "")
+        + (f" | kernels {result.kernels}" if result.kernels else "")
         + (f" | {note}" if note else "")
     )
 

@@ -21,6 +21,9 @@ from alisa.config import AlisaConfig
 from alisa.model.builtin import BUILTIN_MODELS, DEFAULT_MODEL
 from alisa.model.dtypes import DTYPES
 
+if typing.TYPE_CHECKING:
+    from alisa.runtime.sampling import SamplingOptions
+
 T = typing.TypeVar("T")
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_ROWS_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -116,6 +119,7 @@ CACHE_GROUPS = {
         "estimate_rest",
     ),
     "memory budgets and tiers": ("gpu_memory", "host_memory", "recompute", "profile"),
+    "which kernels run": ("kernels",),
 }
 
 
@@ -280,6 +284,40 @@ def add_model_options(
     )
 
 
+SAMPLING_FLAGS = dict.fromkeys(("temperature", "top_k", "top_p", "seed"))  # field -> its flag
+
+
+def add_sampling_options(
+    parser: argparse.ArgumentParser, title: str = "sampling (greedy unless --do-sample)"
+) -> None:
+    """``--do-sample``, ``--temperature``, ``--top-k``, ``--top-p``, ``--seed`` (the fields of
+    :class:`~alisa.runtime.sampling.SamplingOptions`; read them with :func:`sampling_from_args`)."""
+    sampling = parser.add_argument_group(title)
+    sampling.add_argument("--do-sample", action="store_true", help="sample instead of greedy")
+    sampling.add_argument("--temperature", type=float, help="> 0 (default: the model's, or 1.0)")
+    sampling.add_argument(
+        "--top-k", type=int, help="sample among the k likeliest tokens (0: no top-k limit)"
+    )
+    sampling.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
+    sampling.add_argument("--seed", type=int, help="seed for sampling")
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingOptions:
+    """The :class:`~alisa.runtime.sampling.SamplingOptions` of :func:`add_sampling_options`'s
+    flags; a bad value is a :class:`CommandError` naming its flag."""
+    from alisa.runtime.sampling import SamplingOptions  # torch: not at the CLI's start
+
+    return build_from_flags(
+        SamplingOptions,
+        SAMPLING_FLAGS,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+
+
 def check_minimum(flag: str, value: int | None, minimum: int) -> None:
     """Refuse an integer flag below ``minimum`` (argparse only checks that it is an integer)."""
     if value is not None and value < minimum:
@@ -357,3 +395,29 @@ def apply_threads(command: str, threads: int | None) -> None:
     warning = choice.warning()
     if warning is not None:
         print(f"alisa {command}: {warning}", file=sys.stderr)
+
+
+def add_scheduler_options(parser: argparse.ArgumentParser) -> None:
+    """The continuous scheduler's flags that ``batch`` and ``serve`` share: ``--kv-memory``,
+    ``--max-batch``, ``--reserve-tokens``, ``--prefill-tokens``."""
+    from alisa.runtime.requests import PREFILL_TOKENS  # no torch: the CLI starts fast
+
+    parser.add_argument("--kv-memory", help="byte budget of the KV cache alone, e.g. 256MiB")
+    parser.add_argument(
+        "--max-batch", type=int, default=64, help="upper bound on the rows run together"
+    )
+    parser.add_argument(
+        "--reserve-tokens",
+        type=int,
+        help="continuous batching: admit a row with room for this many new tokens instead of "
+        "all it may generate (more rows run); rows that outgrow it are paused, their KV "
+        "swapped to host memory, and resumed with the same tokens",
+    )
+    parser.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=PREFILL_TOKENS,
+        help="continuous batching: padded prompt tokens (rows x longest) prefilled in one "
+        f"forward at most, bounding the compute spent on padding (default: {PREFILL_TOKENS}; a "
+        "longer prompt is prefilled alone)",
+    )

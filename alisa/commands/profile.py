@@ -58,14 +58,15 @@ def run(args: argparse.Namespace) -> int:
     if args.output is not None:
         check_new_file("--output", args.output, force=args.force)  # before measuring, not after
     apply_threads("profile", args.threads)
+    sizes = (args.batch or PLAN_SIZES[0], args.context or PLAN_SIZES[1])
     model = None
     if calibrated:
         model, _ = load_for_cli(args.model, args.dtype)
+        _check_context(model, sizes[1], given=args.context is not None)
     device = next(model.parameters()).device if model is not None else None
     path = args.output or default_profile_path(device or torch.device("cpu"))
     if args.output is None:  # the saved profile is replaced, but its place must be writable
         check_new_file("the default --output", path, force=True)  # before measuring
-    sizes = (args.batch or PLAN_SIZES[0], args.context or PLAN_SIZES[1])
     report = measure_report(model, device, sizes=sizes, progress=True)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -75,6 +76,18 @@ def run(args: argparse.Namespace) -> int:
     print(describe(report))
     print(f"saved to {path}")
     return 0
+
+
+def _check_context(model, context: int, *, given: bool) -> None:
+    """Refuse, before measuring, a calibration context past the model's (``given``: set by
+    ``--context``, else its default)."""
+    from alisa.calibration.profile import context_error
+
+    error = context_error(model, context, "--context")
+    if error is not None:
+        raise CommandError(
+            error if given else f"{error}; --context was not given: {context} is its default"
+        )
 
 
 # How each term is printed: label, unit divisor, unit.

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from alisa.jsonl import iter_jsonl
+from alisa.jsonl import iter_jsonl, parse_jsonl
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +35,19 @@ class Request:
     chat: bool | None = None  # the row's "chat": wrap in the chat template; None: the job's choice
 
 
+STDIN = "-"  # the input name that reads the rows from standard input
+
+
+def input_name(path: str | Path) -> str:
+    """How messages name an input: its path, or ``stdin`` for ``-``."""
+    return "stdin" if str(path) == STDIN else str(path)
+
+
 def read_requests(path: str | Path) -> list[Request]:
     """Parse and validate an input JSONL file; every problem names the file, the line and the id.
+
+    The input (``-``: standard input) is read once, line by line as it comes, so a pipe, a
+    FIFO or ``/dev/stdin`` gives its rows like a file.
 
     Raises
     ------
@@ -45,10 +57,11 @@ def read_requests(path: str | Path) -> list[Request]:
         a duplicate ``id``, an unknown, mistyped or out-of-range option (same rules as the
         matching flag).
     """
-    file = Path(path)
+    name = input_name(path)
+    rows = parse_jsonl(sys.stdin.buffer, name) if str(path) == STDIN else iter_jsonl(path)
     requests, seen = [], {}
-    for number, row in iter_jsonl(file):
-        where = f"{file}:{number}"
+    for number, row in rows:
+        where = f"{name}:{number}"
         identifier = row.get("id")
         if isinstance(identifier, bool) or not isinstance(identifier, str | int):
             raise ValueError(f"{where}: 'id' must be a string or an integer, got {identifier!r}")
@@ -74,15 +87,15 @@ def read_requests(path: str | Path) -> list[Request]:
         requests.append(
             Request(id=identifier, prompt=prompt, options=options, line=number, chat=chat)
         )
-    _warn_ignored_sampling(requests, file)
     return requests
 
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed")
 
 
-def _warn_ignored_sampling(requests: list[Request], file: Path) -> None:
-    """One log line for the rows whose sampling options greedy decoding ignores."""
+def warn_ignored_sampling(requests: list[Request], path: str | Path) -> None:
+    """One log line for the rows whose sampling options (their own or the job's) greedy
+    decoding ignores: rows with no ``"do_sample": true`` of their own nor from the job."""
     greedy = [
         r
         for r in requests
@@ -91,9 +104,9 @@ def _warn_ignored_sampling(requests: list[Request], file: Path) -> None:
     if greedy:
         first = greedy[0]
         logger.warning(
-            '%s: %d row(s) set %s without "do_sample": true; they decode greedily and ignore '
-            "them (first: line %d, id %r)",
-            file,
+            '%s: %d row(s) set %s (in the row or by the job\'s flags) without "do_sample": true; '
+            "they decode greedily and ignore them (first: line %d, id %r)",
+            input_name(path),
             len(greedy),
             "/".join(SAMPLING_KEYS),
             first.line,
@@ -329,9 +342,17 @@ def write_failures(output: str | Path, rows: list[dict]) -> Path:
 def check_output_file(output: str | Path) -> None:
     """Refuse (``ValueError`` naming the path) an output that is not a regular file: results are
     appended, synced and re-read to resume, which a directory or ``/dev/null`` cannot do."""
-    path = Path(output)
+    path, typed = Path(output), str(output)
     if path.is_dir():
-        raise ValueError(f"cannot write output {str(output)!r}: it is a directory")
+        raise ValueError(
+            f"cannot write output {typed!r}: it is a directory; give a file path, e.g. "
+            f"{os.path.join(typed, 'out.jsonl')!r}"
+        )
+    if os.path.basename(typed) in ("", ".", ".."):  # "out/": Path() would drop the slash
+        raise ValueError(
+            f"cannot write output {typed!r}: a path ending in '/', '.' or '..' names a "
+            f"directory; give a file path, e.g. {os.path.join(typed, 'out.jsonl')!r}"
+        )
     if path.exists() and not path.is_file():
         raise ValueError(
             f"cannot write output {str(output)!r}: not a regular file (results are appended, "

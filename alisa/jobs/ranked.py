@@ -117,6 +117,8 @@ def combine(summaries: list[JobSummary]) -> JobSummary:
         total.seconds = max(total.seconds, part.seconds)
         total.peak_kv_bytes = max(total.peak_kv_bytes, part.peak_kv_bytes)
         total.peak_memory_bytes = max(total.peak_memory_bytes, part.peak_memory_bytes)
-    total.budget_bytes = summaries[0].budget_bytes
-    total.kv_budget_bytes = summaries[0].kv_budget_bytes
+    first = summaries[0]
+    total.budget_bytes, total.budget_name = first.budget_bytes, first.budget_name
+    total.kv_budget_bytes, total.kv_budget_name = first.kv_budget_bytes, first.kv_budget_name
+    total.peak_memory_counts = first.peak_memory_counts
     return total

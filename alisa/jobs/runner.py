@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import psutil
@@ -19,6 +19,7 @@ from alisa.jobs.io import (
     check_failures_file,
     read_requests,
     same_file,
+    warn_ignored_sampling,
 )
 from alisa.jobs.lock import output_lock
 from alisa.jobs.parts import merge_parts
@@ -71,6 +72,11 @@ class BatchJob:
         Continuous batching: prefill a newcomer inside the running rows' next decode step
         where the model allows it (:func:`~alisa.runtime.continuous.packs`); False: in a
         forward of its own. The tokens are the same either way.
+    sampling
+        The sampling of rows that do not say: each of a row's own ``do_sample``,
+        ``temperature``, ``top_k``, ``top_p`` and ``seed`` overrides the one here. With a
+        seed every row draws from its own generator, so its tokens do not depend on what
+        shares its batch.
     """
 
     input: str | Path
@@ -87,6 +93,7 @@ class BatchJob:
     reserve_tokens: int | None = None
     prefill_tokens: int | None = PREFILL_TOKENS
     mixed_forwards: bool = True
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
 
     def __post_init__(self) -> None:
         check_field_types(self)  # None or a wrong type fails here, naming the field
@@ -112,6 +119,22 @@ class BatchJob:
                 "every batch apart"
             )
 
+    def row_defaults(self) -> dict:
+        """The options a row takes from the job when it does not set them (those of
+        :attr:`sampling` that differ from greedy decoding's)."""
+        return {
+            item.name: getattr(self.sampling, item.name)
+            for item in fields(self.sampling)
+            if getattr(self.sampling, item.name) != item.default
+        }
+
+
+# What a job's peak memory counts, by device type (see alisa.memory.PeakMemory).
+PEAK_COUNTS = {
+    "cuda": "torch's allocations on the device: weights, KV, activations",
+    "cpu": "the whole process's resident memory: Python, libraries, weights, KV, activations",
+}
+
 
 @dataclass(kw_only=True)
 class JobSummary:
@@ -128,8 +151,11 @@ class JobSummary:
     seconds: float = 0.0
     peak_kv_bytes: int = 0
     peak_memory_bytes: int = 0
+    peak_memory_counts: str = PEAK_COUNTS["cpu"]  # what peak_memory_bytes counts
     budget_bytes: int | None = None
+    budget_name: str = ""  # where budget_bytes comes from: "--gpu-memory 8GiB", ...
     kv_budget_bytes: int | None = None
+    kv_budget_name: str = ""
     # Time to first token of each prompt, from the job's start (the wait for its batch or
     # its admission included).
     ttfts_s: list = field(default_factory=list)
@@ -152,9 +178,6 @@ class JobSummary:
         return self.generated_tokens / self.seconds if self.seconds else 0.0
 
     def describe(self) -> str:
-        budget = format_bytes(self.budget_bytes) if self.budget_bytes else "unlimited"
-        if self.kv_budget_bytes is not None:
-            budget += f", KV budget {format_bytes(self.kv_budget_bytes)}"
         batching = f"{len(self.batches)} batches (sizes {min(self.batches, default=0)}-"
         batching += f"{max(self.batches, default=0)})"
         if self.max_rows:
@@ -165,27 +188,50 @@ class JobSummary:
             f"{self.completed} prompts done ({self.already_done} already done before), "
             f"{len(self.did_not_fit)} did not fit, {len(self.too_long)} longer than the context, "
             f"{batching}; {self.generated_tokens} tokens in {self.seconds:.1f} s = "
-            f"{self.tokens_per_s:.1f} tok/s; "
-            f"peak KV {format_bytes(self.peak_kv_bytes)}, peak memory "
-            f"{format_bytes(self.peak_memory_bytes)} (budget {budget})"
+            f"{self.tokens_per_s:.1f} tok/s; peak KV {format_bytes(self.peak_kv_bytes)}; "
+            f"{self._memory_text()}"
         )
+
+    def _memory_text(self) -> str:
+        """The peak and the budgets, each saying what it counts: on a CPU the peak is the whole
+        process, the budget only what batches are sized for (so the peak may exceed it)."""
+        text = f"peak memory {format_bytes(self.peak_memory_bytes)} ({self.peak_memory_counts}); "
+        if self.budget_bytes:
+            text += (
+                f"batches sized to fit {format_bytes(self.budget_bytes)} of weights + KV + "
+                f"activations ({self.budget_name or 'device budget'})"
+            )
+        else:
+            text += "no device budget"
+        if self.kv_budget_bytes is not None:
+            text += (
+                f" and {format_bytes(self.kv_budget_bytes)} of KV "
+                f"({self.kv_budget_name or 'KV budget'})"
+            )
+        return text
 
 
 RESULT_KEYS = ("id", "finish_reason")  # what every row of a batch output has
 
 
 def open_job(job: BatchJob) -> tuple[list[Request], OutputLog]:
-    """Validated requests and the reopened output log: every file check before any model work.
+    """Validated requests and the reopened output log (:func:`read_requests`, then
+    :func:`open_output`)."""
+    requests = read_requests(job.input)
+    return requests, open_output(job)
+
+
+def open_output(job: BatchJob) -> OutputLog:
+    """The reopened output log, every output check done before any model work.
 
     Parts left by a killed multi-process run of the same output are merged in first.
 
     Raises
     ------
     ValueError
-        A bad input row (file, line, id), ``output`` naming the input file, or an output (or
-        its failures file) that alisa did not write (left untouched) or cannot write.
+        ``output`` naming the input file, or an output (or its failures file) that alisa did
+        not write (left untouched) or cannot write.
     """
-    requests = read_requests(job.input)
     if same_file(job.input, job.output):
         raise ValueError(
             f"the output {job.output!r} is the input file; results go to a file of their own"
@@ -197,7 +243,7 @@ def open_job(job: BatchJob) -> tuple[list[Request], OutputLog]:
     except ValueError:
         log.close()
         raise
-    return requests, log
+    return log
 
 
 def run_batch(
@@ -210,13 +256,14 @@ def run_batch(
 ) -> JobSummary:
     """Generate for every pending prompt of ``job.input``, appending results to ``job.output``.
 
-    Rows run by continuous batching (or, with ``job.static``, in batches formed per
-    generation-option group from prompts sorted by length), as many at once as the predicted
-    peak memory allows under ``job.gpu_memory`` / ``job.kv_memory`` (see
-    ``alisa.jobs.sizing``). ``cache_factory`` replaces the ALISA cache (e.g. ``DynamicCache``
-    for a baseline; it runs static batches, sized as a dense cache). ``on_step`` is told every
-    decode step's :class:`~alisa.runtime.requests.StepRecord` (static batches: once each
-    batch ends, from its step times), for timelines.
+    The input is read once, before the output is locked (a pipe is read as it comes, with no
+    output held meanwhile). Rows run by continuous batching (or, with ``job.static``, in
+    batches formed per generation-option group from prompts sorted by length), as many at
+    once as the predicted peak memory allows under ``job.gpu_memory`` / ``job.kv_memory``
+    (see ``alisa.jobs.sizing``). ``cache_factory`` replaces the ALISA cache (e.g.
+    ``DynamicCache`` for a baseline; it runs static batches, sized as a dense cache).
+    ``on_step`` is told every decode step's :class:`~alisa.runtime.requests.StepRecord`
+    (static batches: once each batch ends, from its step times), for timelines.
 
     Raises
     ------
@@ -224,31 +271,42 @@ def run_batch(
         Bad input rows (file and line), an unwritable output, another run writing the same
         output (see :func:`alisa.jobs.lock.output_lock`), or a budget below the weights.
     """
-    with output_lock(job.output):
-        return run_locked_batch(model, tokenizer, job, cache_factory=cache_factory, on_step=on_step)
+    requests = read_requests(job.input)
+    with output_lock(job.output) as held:
+        log = open_output(job)
+        try:
+            summary = run_opened_job(
+                model, tokenizer, job, requests, log, cache_factory=cache_factory, on_step=on_step
+            )
+        finally:
+            log.close()
+        held.keep()
+        return summary
 
 
-def run_locked_batch(
+def run_opened_job(
     model,
     tokenizer,
     job: BatchJob,
+    requests: list[Request],
+    log: OutputLog,
     *,
     cache_factory: Callable | None = None,
     on_step: Callable[[StepRecord], None] | None = None,
 ) -> JobSummary:
-    """:func:`run_batch` for a caller that already holds ``output_lock(job.output)`` (the CLI
-    holds it from its file checks to its failures file)."""
-    requests, log = open_job(job)
-    try:
-        pending = [r for r in requests if r.id not in log.done]
-        bar = tqdm(total=len(pending), unit="prompt", disable=not job.progress, desc="alisa batch")
-        summary = run_requests(
-            model, tokenizer, job, pending, log, bar, cache_factory, on_step=on_step
-        )
-        summary.prompts, summary.already_done = len(requests), len(requests) - len(pending)
-        return summary
-    finally:
-        log.close()
+    """:func:`run_batch` for a caller that read ``requests`` (``job.input``'s) and opened
+    ``log`` (:func:`open_output`) under ``output_lock(job.output)`` (the CLI does, to check
+    every file before loading the model); ``log`` stays open."""
+    pending = [r for r in requests if r.id not in log.done]
+    bar = tqdm(total=len(pending), unit="prompt", disable=not job.progress, desc="alisa batch")
+    summary = run_requests(model, tokenizer, job, pending, log, bar, cache_factory, on_step=on_step)
+    summary.prompts, summary.already_done = len(requests), len(requests) - len(pending)
+    return summary
+
+
+def _with_defaults(request: Request, defaults: dict) -> Request:
+    """``request`` with the job's ``defaults`` for the options it does not set itself."""
+    return replace(request, options={**defaults, **request.options}) if defaults else request
 
 
 def _in_template(request: Request, tokenizer, chat: bool) -> Request:
@@ -310,8 +368,13 @@ def run_requests(
     spec = model_spec(model, model_shape(model))
     sizing = None if cache_factory is not None else job.config
     budgets = _budgets(model, job, spec, host_share)
+    device = next(model.parameters()).device
     summary = JobSummary(prompts=len(pending), budget_bytes=budgets.device)
+    summary.budget_name, summary.kv_budget_name = budgets.device_name, budgets.kv_name
     summary.kv_budget_bytes = budgets.kv
+    summary.peak_memory_counts = PEAK_COUNTS.get(device.type, PEAK_COUNTS["cpu"])
+    pending = [_with_defaults(request, job.row_defaults()) for request in pending]
+    warn_ignored_sampling(pending, job.input)
     pending = [_in_template(request, tokenizer, job.chat) for request in pending]
     encoded = tokenizer([r.prompt for r in pending])["input_ids"] if pending else []
     prompt_ids = {r.id: list(ids) for r, ids in zip(pending, encoded, strict=True)}
@@ -320,7 +383,7 @@ def run_requests(
     pending = _drop_too_long(pending, lengths, context, summary, job.max_new_tokens)
     bar.update(len(summary.too_long))
     started = time.perf_counter()
-    with PeakMemory(next(model.parameters()).device) as memory:
+    with PeakMemory(device) as memory:
         limits = (budgets.device, budgets.kv)
         if job.static or cache_factory is not None:
             plan = planned_batches(

@@ -70,7 +70,7 @@ def run_static(
             model,
             tokenizer,
             [r.prompt for r in batch],
-            job.config,
+            None if factory else job.config,  # a factory's cache keeps KV by its own rules
             max_new_tokens=new_tokens,
             sampling=sampling(batch[0].options),
             past_key_values=factory() if factory else None,

@@ -13,7 +13,12 @@ from alisa.model.adapter import model_shape
 from alisa.planning.spec import model_spec
 from alisa.runtime.continuous import ContinuousScheduler
 from alisa.runtime.engine import Engine
-from alisa.runtime.requests import PREFILL_TOKENS, RowShape, StreamRequest, StreamResult
+from alisa.runtime.requests import (
+    PREFILL_TOKENS,
+    RowShape,
+    StreamRequest,
+    StreamResult,
+)
 from alisa.runtime.sampling import SamplingOptions, sampling_or_default
 from alisa.sizes import parse_budget
 from scheduler import ModelSpec
@@ -103,7 +108,7 @@ def _full(row: RowShape) -> tuple[int, int]:
 def stream_generate(
     model,
     tokenizer,
-    prompts: Iterable[str | StreamRequest],
+    prompts: str | StreamRequest | Iterable[str | StreamRequest],
     config: AlisaConfig | None = None,
     *,
     max_new_tokens: int = 64,
@@ -126,7 +131,8 @@ def stream_generate(
     ----------
     prompts
         Strings (``max_new_tokens`` each) or :class:`StreamRequest` (token ids, own length and
-        id); read lazily, a few rows ahead, so an endless iterator is fine.
+        id); read lazily, a few rows ahead, so an endless iterator is fine. One string (or one
+        request) is one prompt, as in :func:`alisa.generate`.
     config
         The cache's KV policy and storage (device tiers, ``gpu_memory`` in the config, are not
         supported: their layout is planned per batch).
@@ -146,6 +152,7 @@ def stream_generate(
         ``"prompt_too_long"`` / ``"context_exceeded"`` for one that, alone or with its
         ``max_new_tokens``, is longer than the model's context (never run; ``error`` says why).
     """
+    prompts = _prompt_stream(prompts)
     config = config_or_default(config)
     if config.gpu_memory is not None:
         raise ValueError(
@@ -169,15 +176,31 @@ def stream_generate(
         prefill_rows=prefill_rows,
         prefill_tokens=prefill_tokens,
     )
+    # The scheduler checks each request's ids against the vocabulary as it queues it.
     requests = (_request(tokenizer, prompt, max_new_tokens) for prompt in prompts)
     with attached(model):  # the model's attention is restored when the stream ends
         yield from scheduler.run(requests, lookahead=max_rows)
 
 
+def _prompt_stream(prompts) -> Iterable[str | StreamRequest]:
+    """``prompts`` as an iterable of prompts: one string or request is one prompt (iterating a
+    string would make each character a prompt)."""
+    if isinstance(prompts, str | StreamRequest):
+        return [prompts]
+    if isinstance(prompts, bytes | bytearray) or not isinstance(prompts, Iterable):
+        raise ValueError(
+            f"prompts={prompts!r} must be a string, a StreamRequest or an iterable of them"
+        )
+    return prompts
+
+
 def _request(tokenizer, prompt: str | StreamRequest, max_new_tokens: int) -> StreamRequest:
+    """The request for ``prompt`` (a string tokenized, a request as it is)."""
     if isinstance(prompt, StreamRequest):
-        return prompt
-    if not isinstance(prompt, str) or not prompt.strip():
+        request = prompt
+    elif not isinstance(prompt, str) or not prompt.strip():
         raise ValueError(f"prompt {prompt!r} is empty or not a string")
-    ids = tokenizer(prompt)["input_ids"]
-    return StreamRequest(prompt_ids=ids, max_new_tokens=max_new_tokens)
+    else:
+        ids = tokenizer(prompt)["input_ids"]
+        request = StreamRequest(prompt_ids=ids, max_new_tokens=max_new_tokens)
+    return request

@@ -166,7 +166,10 @@ def _attend(
     attended = layer.attend(query, scaling) if options.plain and rest is None else None
     if attended is None:
         parts = layer.parts(query)
-        visible = _visible(parts, layer.get_seq_length(), query.shape[2], layer.keeper.window)
+        # The model's own window, as its mask has it: a model whose sliding layers pass none
+        # (Moshi) masks causally only and, as HF's sliding cache, attends to what the layer
+        # holds (the newest W - 1 tokens and the new ones); with one token either way is the same.
+        visible = _visible(parts, layer.get_seq_length(), query.shape[2], window)
         attended = grouped_attention_parts(query, parts, visible, scaling, options, rest)
     output, probabilities = attended
     layer.after_attention(query, probabilities)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
+import numpy as np
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
@@ -21,6 +22,7 @@ from alisa.kv.packed import PackedLayer, split_kv
 from alisa.kv.swap import copy_replacing
 from alisa.kv.window import WindowKeeper
 from alisa.model.adapter import ModelAdapter, ModelShape
+from alisa.ops.backends import Ops, choose_ops
 from alisa.planning.tiers import TierPlanner
 from alisa.policies import DensePolicy, KVPolicy
 from alisa.sizes import parse_bytes
@@ -44,8 +46,10 @@ class AlisaCache(Cache):
 
     Building it routes the model's attention through the ``alisa`` attention function (see
     :func:`alisa.kv.hooks.attach`), which is plain SDPA for any other cache; the model's previous
-    attention comes back at its first forward with another cache. One cache serves one
-    generation (one batch of sequences).
+    attention comes back at its first forward with another cache. One cache serves one batch
+    of sequences; given to ``model.generate`` again with the whole conversation (a second chat
+    turn), it continues as HF's own ``DynamicCache`` does, or refuses what it cannot continue
+    exactly (:meth:`check_continuation`).
 
     Parameters
     ----------
@@ -60,7 +64,8 @@ class AlisaCache(Cache):
         ``retention="host"`` assume.
     keeper
         Builds each full-attention layer's :class:`~alisa.kv.keeper.Keeper` from the config and
-        the layer's policy; None: :func:`default_keeper` (dropping, or host retention).
+        the layer's policy; None: :func:`default_keeper` (dropping, or host retention running
+        the kernels of ``config.kernels``, chosen once: :attr:`ops`).
         Sliding-window layers (Gemma 2/3, Mistral with a window, ...) always keep exactly the
         model's window (:class:`~alisa.kv.window.WindowKeeper`): the caching ratio applies to
         the full-attention layers only.
@@ -89,6 +94,10 @@ class AlisaCache(Cache):
             )
         if self.config.gpu_memory is not None:
             self.planner = _planner(model, adapter, self.config, factory, max_new_tokens)
+        # The kernels host retention runs, chosen once for every layer (and refused here when
+        # this machine cannot run the ones asked for): named by GenerationOutput.kernels.
+        weight = next(model.parameters())
+        self.ops: Ops = choose_ops(weight.device, weight.dtype, self.config.kernels)
         # One book of budgets for every layer: a step computes each policy's once, not per layer
         # (layers with equal policies are given one policy object, which the book knows by id).
         budgets = BudgetBook()
@@ -116,7 +125,7 @@ class AlisaCache(Cache):
         else:
             policy = policy_for_layer(self.config, index, self.shape.num_layers)
             policy = policies.setdefault(policy, policy)  # equal policies: one object
-            chosen = (keeper or default_keeper)(self.config, policy)
+            chosen = (keeper or partial(default_keeper, ops=self.ops))(self.config, policy)
         chosen.share_budgets(budgets)
         return AlisaLayer(chosen, layer_idx=index, store_factory=factory, tiering=self.planner)
 
@@ -129,7 +138,126 @@ class AlisaCache(Cache):
             )
         if layer_idx == 0 and not self._started():  # the prefill: lengths are known now
             self._check_host_budget(key_states)
+        elif layer_idx == 0:  # before any layer stores them (the model's hook checked more)
+            self._check_rows(key_states.shape[0], key_states.shape[2])
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def check_continuation(
+        self, batch: int, tokens: int, attention_mask: torch.Tensor | None
+    ) -> None:
+        """Refuse, before anything is stored, a forward that would not continue this cache
+        exactly as transformers' ``DynamicCache`` continues (HF's ``generate`` given the same
+        cache again, as for a second chat turn: it feeds only the tokens past
+        :meth:`get_seq_length`).
+
+        A cache not yet filled takes any prompt. A filled one takes the ``batch`` sequences it
+        holds, each extended by ``tokens`` >= 1 new, unpadded tokens (a decode step is one).
+        More than one new token is a second prefill over what the cache keeps; it is refused
+        where that is not well defined (:meth:`_check_extends`). The model's forward hook
+        (:mod:`alisa.kv.hooks`) calls this; the first layer's :meth:`update` checks the rows
+        and the mode again, for forwards that bypass the hook.
+
+        Parameters
+        ----------
+        batch, tokens
+            The forward's rows and new tokens per row.
+        attention_mask
+            The forward's (B, seen + tokens) padding mask, or None (every token attended). Read
+            only when more than one token is added (one host read; a decode step reads nothing).
+
+        Raises
+        ------
+        ValueError
+            Another batch size, no new token (an input no longer than what is cached), or a
+            multi-token continuation refused by its mode or its padding mask.
+        """
+        if self.layers[0].store is None:  # not filled yet: any prompt
+            return
+        self._check_rows(batch, tokens)
+        if tokens > 1:
+            self._check_continuation_mask(attention_mask, batch, tokens)
+
+    def _check_rows(self, batch: int, tokens: int) -> None:
+        """A filled cache takes its own batch size, at least one new token, and several only
+        in a mode that can continue with them."""
+        held = len(self.layers[0].slots.first)
+        if batch != held:
+            raise ValueError(
+                f"past_key_values (an AlisaCache) holds a batch of {held} sequence(s) and this "
+                f"forward feeds {batch}: a cache continues the batch it was filled with; build "
+                "a new AlisaCache for another batch size"
+            )
+        if tokens < 1:
+            raise ValueError(
+                f"past_key_values (an AlisaCache) already holds {self.get_seq_length()} tokens "
+                "per sequence and this forward adds none: the input must extend the cached "
+                "tokens (pass the whole conversation, or a new AlisaCache for a new prompt)"
+            )
+        if tokens > 1:
+            self._check_extends(tokens)
+
+    def _check_extends(self, tokens: int) -> None:
+        """Refuse modes for which ``tokens`` new tokens after the prefill are not one well
+        defined step: dropping attends to every kept token and the new ones, then evicts (as
+        its prefill does); these cannot."""
+        if self.planner is not None:
+            raise ValueError(
+                f"gpu_memory={self.config.gpu_memory!r}: device/host/recompute tiers are "
+                f"planned for one prompt and max_new_tokens={self.max_new_tokens}; a cache "
+                f"continued with {tokens} more input tokens would outgrow them unchecked: build "
+                "a new AlisaCache for the whole conversation"
+            )
+        if self.config.host_memory is not None:
+            raise ValueError(
+                f"host_memory={self.config.host_memory!r} was checked for one prompt and "
+                f"max_new_tokens={self.max_new_tokens}; a cache continued with {tokens} more "
+                "input tokens could exceed it unchecked: build a new AlisaCache for the whole "
+                "conversation"
+            )
+        if any(isinstance(layer.keeper, HostKeeper) for layer in self.layers):
+            raise ValueError(
+                f"retention='host' (policy={self.config.policy!r}, whose budget can leave "
+                f"tokens on the host) cannot continue a cache with {tokens} input tokens at "
+                "once: they would all attend to the one selection made for the last of them; "
+                "build a new AlisaCache for the whole conversation, or use retention='drop'"
+            )
+
+    def _check_continuation_mask(
+        self, attention_mask: torch.Tensor | None, batch: int, tokens: int
+    ) -> None:
+        """The forward's padding mask must be the cached sequences' own (their left padding)
+        followed by ``tokens`` ones: after its prefill the cache masks by its slots, never by
+        HF's mask, so any other mask would be ignored."""
+        seen = self.get_seq_length()
+        device = self.layers[0].device
+        if attention_mask is None:  # HF attends to every token, padding included
+            attention_mask = torch.ones(batch, seen + tokens, dtype=torch.bool, device=device)
+        if attention_mask.dim() != 2 or attention_mask.shape[1] != seen + tokens:
+            raise ValueError(
+                f"attention_mask of shape {tuple(attention_mask.shape)} does not cover the "
+                f"{seen} cached and {tokens} new tokens per sequence: an AlisaCache continues "
+                "with a 2D padding mask of both"
+            )
+        given = attention_mask.bool()
+        columns = torch.arange(seen + tokens, device=given.device).view(1, -1)
+        for window, first in self._padding_starts().items():
+            # The new tokens see from position seen - window + 1 on in a sliding layer (whose
+            # ``first`` also counts what its window left behind): earlier columns reach no one.
+            start = 0 if window is None else max(seen - window + 1, 0)
+            expected = columns[:, start:] >= torch.as_tensor(first, device=given.device)[:, None]
+            if not torch.equal(given[:, start:], expected):
+                raise ValueError(
+                    "attention_mask masks tokens other than the cached sequences' left padding "
+                    f"(the {tokens} new tokens must be unpadded, and the cached ones masked as "
+                    "when they were stored): an AlisaCache masks by what it stored, so another "
+                    "mask would be ignored; build a new AlisaCache for a differently padded batch"
+                )
+
+    def _padding_starts(self) -> dict[int | None, np.ndarray]:
+        """Per window (None: full attention), each sequence's first position its layers keep
+        as a real token: after the left padding, and in a sliding layer also after what its
+        window had left behind at the prefill."""
+        return {layer.keeper.window: layer.slots.first for layer in self._started()}
 
     def kv_bytes(self, tier: str | None = None) -> int:
         """Bytes of key/value buffers held by all layers (spare capacity included).
@@ -341,29 +469,18 @@ def _check_host_memory_applies(config: AlisaConfig) -> None:
     )
 
 
-def default_keeper(
-    config: AlisaConfig,
-    policy: KVPolicy,
-    *,
-    compiled: bool | None = None,
-    mapped: bool | None = None,
-    fused: bool = True,
-) -> Keeper:
+def default_keeper(config: AlisaConfig, policy: KVPolicy, *, ops: Ops | None = None) -> Keeper:
     """Host retention when ``retention="host"`` and the policy can leave tokens out, else
-    dropping (which never drops under a budget that covers every token). ``compiled``: host
-    retention's choice of kernels (None: compiled on a CPU; False: PyTorch ops, CUDA's path);
-    ``mapped``: whether its fetch is read by the device; ``fused``: whether its selection may run
-    as one compiled call (:class:`~alisa.kv.host.HostKeeper`)."""
+    dropping (which never drops under a budget that covers every token). ``ops``: the kernels
+    host retention runs (:func:`alisa.ops.backends.choose_ops`; None: the device's default)."""
     if config.retention == "host" and policy.can_evict():
         return HostKeeper(
             policy,
             config.host_bits,
             config.host_history_share,
             config.host_reselect_every,
-            compiled=compiled,
             estimate_rest=config.host_estimate_rest,
-            mapped=mapped,
-            fused=fused,
+            ops=ops,
         )
     return DropKeeper(policy, per_head=config.selects_per_head)
 

@@ -20,9 +20,9 @@ held plain, INT8 host rows with one float16 scale per row, the compiled sketch p
 else (16-bit or INT4 host regions, INT8 device regions, the rest's estimate, which keeps the
 logits) takes the separate calls.
 
-numba's disk cache keys a kernel on its own file: after editing one of the row functions in
-another module, delete ``alisa/kv/__pycache__/fused.*`` (the test comparing both paths fails
-until then). ALISA, https://arxiv.org/abs/2403.17312 (§IV, phase II).
+Its compiled code is cached under a digest of every kernel source
+(:func:`alisa.ops.numba_cache.kernel`), so an edit to a row function in another module is
+compiled anew, never run stale. ALISA, https://arxiv.org/abs/2403.17312 (§IV, phase II).
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ import numba
 import numpy as np
 
 from alisa.kv.kernels import choose_at, swap_row
+from alisa.ops.numba_cache import kernel
 from alisa.storage.kernels import decode_row
 from alisa.storage.product import logits_rows
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
+@kernel(parallel=True, nogil=True)
 def select_and_fetch(
     query: np.ndarray,
     channels: np.ndarray,

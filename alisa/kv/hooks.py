@@ -14,9 +14,11 @@ cache.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
@@ -64,6 +66,10 @@ class _Attachment:
         if cache is None:
             cache = next((arg for arg in args if isinstance(arg, Cache)), None)
         uses_alisa = _alisa_layer(cache, 0) is not None
+        check = getattr(cache, "check_continuation", None)  # an AlisaCache (not a packed one)
+        inputs = _forward_inputs(model, args, kwargs) if uses_alisa and check else None
+        if inputs is not None:  # refused before any layer stores a token
+            check(*inputs)
         current = model.config._attn_implementation
         if uses_alisa and self.restored and current == self.previous:
             _switch(model, ATTENTION_NAME)
@@ -72,6 +78,21 @@ class _Attachment:
             model.set_attn_implementation(self.previous)
             self.restored = True
         return None
+
+
+def _forward_inputs(model: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+    """(rows, new tokens per row, attention mask or None) of a causal LM's forward call, or
+    None when it has neither ``input_ids`` nor ``inputs_embeds``."""
+    if len(args) > 1:  # rare: more than input_ids passed by position
+        kwargs = {**inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments}
+    elif args:
+        kwargs = {**kwargs, "input_ids": args[0]}
+    inputs = kwargs.get("input_ids")
+    if inputs is None:
+        inputs = kwargs.get("inputs_embeds")
+    if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2:
+        return None
+    return inputs.shape[0], inputs.shape[1], kwargs.get("attention_mask")
 
 
 def _attachment(model: nn.Module) -> _Attachment | None:

@@ -38,8 +38,8 @@ from alisa.kv.history import PositionHistory
 from alisa.kv.keeper import Keeper
 from alisa.kv.rest import RestColumn, ValueTotals, rest_logit
 from alisa.kv.slots import SlotMap
+from alisa.ops.backends import Ops, choose_ops
 from alisa.policies import KVPolicy
-from alisa.storage.mapped import mapped_reads
 from alisa.storage.pages import PAGE_TOKENS, HostPages, host_region_bytes
 from alisa.storage.sketch import KeySketch
 from alisa.storage.store import KVStore
@@ -95,26 +95,14 @@ class HostKeeper(Keeper):
         scoring, ranking and fetching of a step is paid once per ``reselect_every`` steps. What
         changes between steps is what the current query needs: every 4 steps cost +15-20 %
         perplexity on WikiText-2 (docs/host-speed.md), so the default is 1.
-    compiled
-        Choose, swap slots and account attention with the compiled CPU kernels
-        (:mod:`alisa.kv.kernels`); None: on a CPU, and on CUDA with Triton the choice and slot
-        placement of the device-read path (``mapped``) by one Triton kernel
-        (:mod:`alisa.kv.placing`). False: PyTorch ops (the reference the kernels are tested
-        against).
     estimate_rest
         Give attention one more softmax column for the tokens a step leaves on the host: their
         mass estimated from the key sketch, their output by the mean value
         (:mod:`alisa.kv.rest`). False: the softmax is renormalised over the chosen tokens.
-    mapped
-        Fetch without a host round trip: the slot swap stays on the device and the device reads
-        the chosen rows from the page-locked host region itself (:mod:`alisa.storage.mapped`),
-        when the device region is plain and the host region 16-bit or INT8. None: on CUDA with
-        Triton. True: also elsewhere, through the kernel's PyTorch reference, which reads every
-        chosen row (for tests). False: the fetch list comes to the host, which reads the region.
-    fused
-        With the compiled CPU kernels, score, choose, swap and fetch in one compiled call per
-        layer (:mod:`alisa.kv.fused`) where the layout allows (INT8 host rows, a plain float32
-        device region, no ``estimate_rest``); False: the separate calls (the same result).
+    ops
+        The kernels that run the step (:func:`alisa.ops.backends.choose_ops`: the compiled CPU
+        kernels, Triton's on CUDA, or the PyTorch reference); None: the device's default,
+        chosen at the first write. A test forces a path by passing the ops it tests.
     """
 
     def __init__(
@@ -123,15 +111,11 @@ class HostKeeper(Keeper):
         host_bits: int,
         history_share: float = 0.0,
         reselect_every: int = 1,
-        compiled: bool | None = None,
         estimate_rest: bool = False,
-        mapped: bool | None = None,
-        fused: bool = True,
+        ops: Ops | None = None,
     ) -> None:
         super().__init__(policy, per_head=True)
-        self.compiled_option = compiled
-        self.fused_option = fused
-        self.mapped_option = mapped
+        self.ops_option = ops
         self.host_bits = host_bits
         self.sinks = policy.sink_tokens
         self.history_share = history_share
@@ -157,9 +141,7 @@ class HostKeeper(Keeper):
         # With estimate_rest, the query this step's selection ranked with and its (B, H_kv, G,
         # C) sketch logits: the rest's estimate for that query reads them, then lets them go.
         self.step_logits: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.compiled = False  # decided by the device at the first write
-        self.mapped = False  # likewise
-        self.placing = False  # likewise: the choice and placement by one Triton kernel
+        self.ops: Ops | None = None  # chosen at the first write, when the device is known
         self.steps = 0  # decode steps that selected (budget below the tokens seen)
         self.unselected = 0  # decode steps since the last selection
 
@@ -222,21 +204,12 @@ class HostKeeper(Keeper):
         """
         batch, heads, length, head_dim = keys.shape
         if self.pages is None:
-            on_cpu = keys.device.type == "cpu"
-            if self.compiled_option and not on_cpu:
+            self.ops = self.ops_option or choose_ops(keys.device, keys.dtype)
+            if self.ops.device != keys.device.type:
                 raise ValueError(
-                    f"compiled=True runs host retention's CPU kernels; the model is on "
-                    f"{keys.device} (leave compiled unset)"
+                    f"kernels={self.ops.name!r} were chosen for {self.ops.device}; the model "
+                    f"is on {keys.device}"
                 )
-            self.compiled = on_cpu if self.compiled_option is None else self.compiled_option
-            self.mapped = self.mapped_option
-            if self.mapped is None:
-                self.mapped = mapped_reads(keys.device)
-            # On CUDA the compiled kernels are Triton's, for the device-read path: where Triton
-            # runs, as the mapped fetch does.
-            self.placing = (
-                self.compiled_option is not False and self.mapped and mapped_reads(keys.device)
-            )
             self.pages = HostPages(
                 batch,
                 heads,
@@ -244,10 +217,16 @@ class HostKeeper(Keeper):
                 bits=self.host_bits,
                 dtype=keys.dtype,
                 device=keys.device,
-                compiled=self.compiled,
+                compiled=self.ops.compiled,
             )
             self.sketch = KeySketch(
-                batch, heads, head_dim, start + length, keys.device, key_dtype=keys.dtype
+                batch,
+                heads,
+                head_dim,
+                start + length,
+                keys.device,
+                key_dtype=keys.dtype,
+                product=self.ops.product,
             )
             if self.estimate_rest:
                 self.values = ValueTotals(batch, heads, head_dim, keys.device)
@@ -352,17 +331,17 @@ class HostKeeper(Keeper):
         else:  # the choice ranks only positions below every sequence's recent window
             logits = self.sketch.logits(grouped, upto=ranked_end)
         inputs = self._choice_inputs(slots, step, logits)
-        plain = store.plain_heads() if self.mapped and self.pages.maps() else None
+        plain = store.plain_heads() if self.ops.mapped and self.pages.maps() else None
         if plain is not None:  # no fetch list on the host: the device reads the rows
-            if self.placing:  # choice and placement in one kernel launch
+            if self.ops.placing:  # choice and placement in one kernel launch
                 chosen, fetch, target = slots.place_to_choice(inputs)
             else:
-                chosen, taken = choose(inputs, compiled=self.compiled)
+                chosen, taken = choose(inputs, compiled=self.ops.compiled)
                 chosen, fetch, target = slots.place(chosen, taken, step.budget)
             self.pages.fetch_placed(chosen, fetch, target, *plain, protected=ranked_end)
             self.count_fetched(fetch.sum())
         else:
-            if self.compiled:  # choice and swap in one kernel call
+            if self.ops.compiled:  # choice and swap in one kernel call
                 incoming = slots.swap_to_choice(inputs)
             else:
                 chosen, taken = choose(inputs, compiled=False)
@@ -372,7 +351,7 @@ class HostKeeper(Keeper):
                     incoming.host_rows,
                     incoming.host_groups,
                     incoming.host_positions,
-                    compiled=self.compiled,
+                    compiled=self.ops.compiled,
                 )
                 store.write_heads(incoming.rows, incoming.groups, incoming.slots, fetched)
                 self.count_fetched(incoming.rows.numel())
@@ -383,9 +362,7 @@ class HostKeeper(Keeper):
         compiled call (:meth:`~alisa.kv.slots.SlotMap.swap_fetching`): the compiled CPU
         kernels, the sketch's compiled product with its channels chosen, INT8 host rows and a
         plain float32 device region; else None (the separate calls)."""
-        if not (self.compiled and self.fused_option) or self.mapped:
-            return None
-        if not self.sketch.scores_compiled:
+        if not self.ops.fused or self.ops.mapped or not self.sketch.scores_compiled:
             return None
         plain = store.plain_heads()
         if plain is None or not all(t.dtype == torch.float32 and t.is_contiguous() for t in plain):
@@ -464,7 +441,9 @@ class HostKeeper(Keeper):
                 decayed=window is not None,
                 head_max=self.policy.head_max,  # the policy's combine_heads at decode steps
             )
-        self.history.add(probabilities, slots.positions, window, slots.seen, compiled=self.compiled)
+        self.history.add(
+            probabilities, slots.positions, window, slots.seen, compiled=self.ops.compiled
+        )
 
     # ---- bookkeeping ----------------------------------------------------------------------
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from alisa.ops.numba_cache import kernel
+
 FREE = -1  # an empty slot (alisa.kv.slots names it; this module imports nothing of alisa)
 _RADIX = 8
 
@@ -47,7 +49,7 @@ def _f32_key(bits: np.int32) -> np.int64:
     return value ^ 0x7FFFFFFF if value < 0 else value
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(nogil=True)
 def _threshold(keys: np.ndarray, count: int, bits: int) -> tuple[int, int, int]:
     """The ``count``-th largest of the non-negative ``keys`` (all below ``2**bits``; negative
     ones are not counted) by radix selection, one byte per pass (for the history's 64-bit
@@ -82,7 +84,7 @@ def _threshold(keys: np.ndarray, count: int, bits: int) -> tuple[int, int, int]:
     return prefix, wanted, histogram[0, prefix & 0xFF]
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(nogil=True)
 def _level_threshold(levels: np.ndarray, count: int) -> tuple[int, int, int]:
     """:func:`_threshold` of 16-bit ``levels`` (a row's logit levels; history picks are -1 and
     not counted), in two passes that do not branch on the data.
@@ -122,7 +124,7 @@ def _count_level(level: int, shift: int, prefix: int, histogram: np.ndarray, lan
     histogram[lane, (level >> shift) & 0xFF if counted else 256] += 1
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(nogil=True)
 def _digit(histogram: np.ndarray, count: int) -> tuple[int, int]:
     """The digit holding the ``count``-th largest key of a histogram pass ((L, 256 or more):
     L histograms of the 256 digits, summed) and how many of the ``count`` are left to take at
@@ -139,7 +141,7 @@ def _digit(histogram: np.ndarray, count: int) -> tuple[int, int]:
         digit -= 1
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(nogil=True)
 def _pick_history(
     history: np.ndarray, slots: np.ndarray, low: int, share: int, levels: np.ndarray
 ) -> int:
@@ -164,7 +166,7 @@ def _pick_history(
     return picked
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(nogil=True)
 def _choose_row(
     logits: np.ndarray,
     history: np.ndarray,
@@ -224,7 +226,7 @@ def _choose_row(
     chosen[written:] = seen
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(nogil=True)
 def choose_at(
     logits: np.ndarray,
     history: np.ndarray,
@@ -260,7 +262,7 @@ def choose_at(
     )
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(nogil=True)
 def swap_row(
     row: np.ndarray,
     chosen: np.ndarray,
@@ -302,7 +304,7 @@ def swap_row(
     return added
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
+@kernel(parallel=True, nogil=True)
 def choose(
     logits: np.ndarray,
     history: np.ndarray,
@@ -376,7 +378,7 @@ def choose(
     return total
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
+@kernel(parallel=True, nogil=True)
 def accumulate(
     probabilities: np.ndarray,
     positions: np.ndarray,
@@ -420,7 +422,7 @@ def accumulate(
                 total[b, h, position] += combined * scale[b]
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(nogil=True)
 def place_one(held: np.ndarray, width: int, seen: int, append: np.ndarray, out: np.ndarray) -> bool:
     """Claim one slot per (sequence, group) for the token at position ``seen``: the lowest
     ``FREE`` slot below ``width``, or ``width`` where the sequence appends; the slot is marked

@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from alisa.model.builtin import (
     BUILTIN_MODELS,
@@ -107,12 +108,9 @@ def convert_gguf(gguf_path: Path, target: Path | None = None) -> Path:
         )
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     except Exception as error:  # noqa: BLE001 - a damaged file fails in any of gguf's parsers
-        kind = type(error)
-        module = "" if kind.__module__ == "builtins" else f"{kind.__module__}."
-        reason = f"{module}{kind.__name__}: {error}".splitlines()[0]
         raise ValueError(
             f"cannot read the GGUF file {str(gguf_path)!r} (is it complete, and a model GGUF "
-            f"transformers supports?): {reason}"
+            f"transformers supports?): {_error_text(error)}"
         ) from error
     target.parent.mkdir(parents=True, exist_ok=True)
     # GGUF-loaded models carry a quantizer that refuses to serialize, although the weights are
@@ -228,16 +226,91 @@ def load_model(
         _refuse_inline_attention(spec, path)  # before its tokenizer, weights or attention fail
         tokenizer = AutoTokenizer.from_pretrained(path)
         placement = {"device_map": "auto", "max_memory": max_memory} if max_memory else {}
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype or "auto", attn_implementation=attn_implementation, **placement
+        # Mismatched shapes are reported, not raised, so that the error can name them.
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=torch_dtype or "auto",
+            attn_implementation=attn_implementation,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,
+            **placement,
         )
+    except SafetensorError as error:
+        raise ValueError(_unreadable_weights(spec, path, error)) from error
     except OSError as error:
         raise ValueError(f"model={spec!r} could not be loaded from {path!r}: {error}") from error
+    _refuse_partial_weights(spec, path, type(model).__name__, loading)
     if not max_memory:
         model.to(target)
     model.eval()
     prepare_tokenizer(tokenizer)
     return model, tokenizer
+
+
+def _error_text(error: BaseException) -> str:
+    """``module.Kind: message``, first line only (a library's error, named for the user)."""
+    kind = type(error)
+    module = "" if kind.__module__ == "builtins" else f"{kind.__module__}."
+    return f"{module}{kind.__name__}: {error}".splitlines()[0]
+
+
+def _unreadable_weights(spec: str, path: str, error: BaseException) -> str:
+    """Why a checkpoint's safetensors could not be read, naming the damaged file(s)."""
+    from safetensors import safe_open
+
+    damaged = []
+    for file in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(file, framework="pt"):  # reads and checks the header alone
+                pass
+        except (SafetensorError, OSError):
+            damaged.append(str(file))
+    named = ", ".join(repr(file) for file in damaged) or f"of model={spec!r} in {path!r}"
+    files, question = ("file", "is it") if len(damaged) <= 1 else ("files", "are they")
+    return f"cannot read the weights {files} {named} ({question} complete?): {_error_text(error)}"
+
+
+def _refuse_partial_weights(spec: str, path: str, architecture: str, loading: dict) -> None:
+    """Refuse a checkpoint whose weights do not match the model: transformers fills a missing
+    or mis-shaped weight with random values and drops an unexpected one, and the model then
+    generates noise without any error.
+
+    Tied weights (an LM head sharing the embeddings) and the keys a model declares optional
+    are not in ``loading``'s lists: transformers removes them first.
+
+    Raises
+    ------
+    ValueError
+        Naming the checkpoint and the first few weights of each kind, with their count.
+    """
+    problems, noise = [], "which would run on random values"
+    if loading["missing_keys"]:
+        problems.append(f"{_weights('missing ', loading['missing_keys'])}, {noise}")
+    if loading["unexpected_keys"]:
+        unexpected = _weights("unexpected ", loading["unexpected_keys"])
+        problems.append(f"{unexpected}, which {architecture} has no place for")
+    if loading["mismatched_keys"]:
+        shapes = {
+            f"{name} saved {list(saved)}, expected {list(expected)}"
+            for name, saved, expected in loading["mismatched_keys"]
+        }
+        problems.append(f"{_weights('', shapes, ' of the wrong shape')}, {noise}")
+    if problems:
+        named = f"{path!r}" if spec == path else f"{path!r} (model={spec!r})"
+        raise ValueError(
+            f"the checkpoint {named} does not match {architecture}: "
+            + "; ".join(problems)
+            + "; is it complete, and saved from this architecture?"
+        )
+
+
+def _weights(kind: str, names, after: str = "", shown: int = 3) -> str:
+    """``2 missing weights (a, b)`` or ``12 missing weights (a, b, c and 9 more)``, sorted."""
+    ordered = sorted(names)
+    listed = ", ".join(ordered[:shown])
+    more = f" and {len(ordered) - shown} more" if len(ordered) > shown else ""
+    plural = "s" if len(ordered) != 1 else ""
+    return f"{len(ordered)} {kind}weight{plural}{after} ({listed}{more})"
 
 
 def _refuse_inline_attention(spec: str, path: str) -> None:

@@ -52,6 +52,7 @@ from alisa.runtime.requests import (
     StepRecord,
     StreamRequest,
     StreamResult,
+    vocabulary_size,
 )
 
 
@@ -126,6 +127,8 @@ class ContinuousScheduler:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
         self.prefill_tokens = prefill_tokens
         self.engine, self.new_cache = engine, new_cache
+        # Token ids the model can embed: a request's ids are checked once, as it is queued.
+        self.vocabulary = vocabulary_size(engine.model)
         self.context = context_length(engine.model, engine.tokenizer)  # None: unknown
         self.admission = admission or RowLimit(64)
         self.prefill_rows = prefill_rows
@@ -141,7 +144,14 @@ class ContinuousScheduler:
         self._recorded = 0  # generated tokens told to on_step so far
 
     def submit(self, request: StreamRequest) -> None:
-        """Queue ``request`` (its TTFT counts from its ``arrival_s``, else from now)."""
+        """Queue ``request`` (its TTFT counts from its ``arrival_s``, else from now).
+
+        Raises
+        ------
+        ValueError
+            A prompt id past the model's vocabulary (named, before it reaches the model).
+        """
+        request.check_vocabulary(self.vocabulary)
         if request.id is None:
             request = StreamRequest(
                 prompt_ids=request.prompt_ids,
@@ -156,6 +166,38 @@ class ContinuousScheduler:
     @property
     def idle(self) -> bool:
         return not self.queue and not self.rows and not self.paused
+
+    def progress(self) -> list[tuple[object, list[int]]]:
+        """(id, tokens generated so far) of every running row, in row order: a server streams
+        them as they come (results hand a row's tokens over only when it finishes). The lists
+        are the rows' own: read them, never change them."""
+        return [(row.request.id, row.tokens) for row in self.rows]
+
+    def cancel(self, request_id: object) -> bool:
+        """Drop request ``request_id`` wherever it is: waiting, paused in host memory, or
+        running (its cache rows are freed now, not at its next step), with no result.
+
+        Returns
+        -------
+        bool
+            False when no such request is here (finished, or never submitted).
+        """
+        for row in self.queue:
+            if row.request.id == request_id:
+                self.queue.remove(row)
+                self.stats.queued = len(self.queue)
+                return True
+        for index, entry in enumerate(self.paused):
+            if entry.row.request.id == request_id:
+                del self.paused[index]  # its host copy goes with it
+                self._note_kv()
+                return True
+        for index, row in enumerate(self.rows):
+            if row.request.id == request_id:
+                self._remove({index})
+                self.stats.running = len(self.rows)
+                return True
+        return False
 
     def run(self, requests: Iterable[StreamRequest], lookahead: int = 64) -> Iterator[StreamResult]:
         """Results of ``requests`` in completion order; up to ``lookahead`` are read ahead of
@@ -344,12 +386,16 @@ class ContinuousScheduler:
         self._note_kv()
         if not leaving:
             return []
-        gone = set(leaving)
         results = []
         for index in leaving:
             row = self.rows[index]
             stopped = row.tokens[-1] in self.engine.eos_ids
             results.append(self._result(row, "stop" if stopped else "length"))
+        self._remove(set(leaving))
+        return results
+
+    def _remove(self, gone: set[int]) -> None:
+        """Rows ``gone`` leave the cache and the state; the others keep their order."""
         kept = [index for index in range(len(self.rows)) if index not in gone]
         self.rows = [self.rows[index] for index in kept]
         if not kept:
@@ -359,7 +405,6 @@ class ContinuousScheduler:
             self.cache.keep_rows(indices)
             self.state.keep(indices)
         self._note_kv()
-        return results
 
     def _note_kv(self) -> None:
         held = self.cache.tier_bytes()["device"] if self.cache is not None else 0

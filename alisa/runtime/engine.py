@@ -47,6 +47,10 @@ class GenerationOutput:
         ``recompute`` when tiers recompute. Foreign caches count all on the device.
     peak_memory_bytes
         Peak resident memory of the process (CPU) or peak CUDA allocation (GPU) during the call.
+    kernels
+        The kernels the cache ran (:meth:`alisa.ops.backends.Ops.describe`, e.g. ``cpu
+        (numba): sketch product compiled (AVX2, no oneDNN bfloat16), selection in one call``);
+        ``"none (not an AlisaCache)"`` for another cache.
     """
 
     texts: list[str]
@@ -59,6 +63,7 @@ class GenerationOutput:
     peak_kv_bytes: int = 0
     kv_tier_bytes: dict[str, int] = field(default_factory=dict)
     peak_memory_bytes: int = 0
+    kernels: str = ""
 
     @property
     def generated_tokens(self) -> int:
@@ -90,6 +95,13 @@ def cache_kv_bytes(cache) -> int:
         for name in ("_quantized_keys", "_quantized_values"):
             total += _nested_bytes(getattr(layer, name, None))
     return total
+
+
+def cache_kernels(cache) -> str:
+    """The kernels ``cache`` runs, in words (:attr:`GenerationOutput.kernels`)."""
+    if isinstance(cache, AlisaCache):
+        return cache.ops.describe()
+    return "none (not an AlisaCache)"
 
 
 def cache_tier_bytes(cache, device: torch.device) -> dict[str, int]:
@@ -415,6 +427,7 @@ class Engine:
             generated[:, :steps], prompt_tokens, ttft, times[1:], kv_bytes(), peak_kv
         )
         result.kv_tier_bytes = cache_tier_bytes(cache, self.device)
+        result.kernels = cache_kernels(cache)
         return result
 
     def output(

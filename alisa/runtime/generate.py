@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import fields
 
 import torch
 from torch import nn
+from transformers.cache_utils import Cache
 
-from alisa.config import AlisaConfig
+from alisa.config import AlisaConfig, config_or_default
 from alisa.kv.cache import AlisaCache
 from alisa.kv.hooks import attached
 from alisa.memory import PeakMemory
@@ -45,7 +47,10 @@ def generate(
     sampling
         Greedy by default; see :class:`SamplingOptions`.
     past_key_values
-        A ready cache to use instead of a new ``AlisaCache`` (e.g. HF ``DynamicCache`` to compare).
+        A ready, empty cache to use instead of a new ``AlisaCache`` (e.g. HF ``DynamicCache`` to
+        compare); its own config applies, so ``config`` is refused unless it is the cache's.
+        To continue a filled cache (a second chat turn), call the model's ``generate`` with
+        ``input_ids`` of the whole conversation and the cache, as with HF's own caches.
     stop_at_eos
         False generates exactly ``max_new_tokens`` per prompt (benchmarks of equal work).
     prune_finished
@@ -64,8 +69,9 @@ def generate(
     ------
     ValueError
         An empty prompt, a bad ``max_new_tokens``, an argument of the wrong type (naming it),
-        or the longest prompt plus ``max_new_tokens`` past the model's context (both numbers
-        named).
+        the longest prompt plus ``max_new_tokens`` past the model's context (both numbers
+        named), a ``past_key_values`` that is not an empty cache, or a ``config`` it would
+        ignore.
     """
     _check_model(model, tokenizer)
     prompt_list = _check_prompts(prompts)
@@ -86,6 +92,8 @@ def generate(
     cache = past_key_values
     if cache is None:
         cache = AlisaCache(model, config, max_new_tokens=max_new_tokens)
+    else:
+        _check_cache(cache, config)
     engine = Engine(model, tokenizer, sampling, stop_at_eos=stop_at_eos)
     state = DecodeState.start(batch["input_ids"], batch["attention_mask"])
     with attached(model), PeakMemory(device) as memory:  # the model's attention is restored
@@ -99,6 +107,46 @@ def _check_model(model, tokenizer) -> None:
         raise ValueError(f"model={model!r} must be a torch model (load_model returns one)")
     if not callable(tokenizer):
         raise ValueError(f"tokenizer={tokenizer!r} must be an HF tokenizer (as load_model gives)")
+
+
+def _check_cache(cache, config: AlisaConfig | None) -> None:
+    """A given cache must be empty (the prompts are prefilled into it, never appended to what
+    it holds) and keep KV by ``config``, when one is given too: a setting accepted and ignored
+    would be a silent wrong result."""
+    if not isinstance(cache, Cache):
+        raise ValueError(
+            f"past_key_values={type(cache).__name__} must be a transformers Cache (an "
+            "AlisaCache, a DynamicCache, ...) or None"
+        )
+    held = cache.get_seq_length()
+    if held:
+        raise ValueError(
+            f"past_key_values already holds {held} tokens per sequence: generate() prefills "
+            "its prompts into an empty cache and never continues one; pass a new cache, or "
+            "continue with model.generate(input_ids=<the whole conversation>, "
+            "past_key_values=cache) as with HF's own caches"
+        )
+    if config is None:
+        return
+    config = config_or_default(config)
+    if not isinstance(cache, AlisaCache):
+        raise ValueError(
+            f"config and past_key_values={type(cache).__name__} were both given, and that cache "
+            "keeps every token whatever the config says: pass config alone (generate builds "
+            "its AlisaCache) or the cache alone"
+        )
+    differing = [
+        f"{item.name}={getattr(config, item.name)!r} (the cache's: "
+        f"{getattr(cache.config, item.name)!r})"
+        for item in fields(config)
+        if getattr(config, item.name) != getattr(cache.config, item.name)
+    ]
+    if differing:
+        raise ValueError(
+            f"config differs from past_key_values' own config in {', '.join(differing)}: the "
+            "cache keeps KV by its own config; pass config alone (generate builds its "
+            "AlisaCache) or the cache alone"
+        )
 
 
 def _check_prompts(prompts: str | Sequence[str]) -> list[str]:

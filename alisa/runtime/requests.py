@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence, Sized
 from dataclasses import dataclass, field
+from numbers import Integral
 from typing import Protocol
+
+from alisa.checks import check_number
 
 # Padded prompt tokens (rows x longest) of one prefill forward, by default: see
 # ContinuousScheduler's prefill_tokens.
@@ -19,7 +22,8 @@ class StreamRequest:
     Parameters
     ----------
     prompt_ids
-        The prompt's token ids (at least one).
+        The prompt's token ids (at least one; integers >= 0, below the model's vocabulary size,
+        which :meth:`check_vocabulary` checks where the request meets the model).
     max_new_tokens
         Tokens to generate at most (the row also stops at EOS).
     id
@@ -35,11 +39,51 @@ class StreamRequest:
     arrival_s: float | None = None
 
     def __post_init__(self) -> None:
-        if len(self.prompt_ids) == 0:
+        ids = self.prompt_ids
+        if isinstance(ids, str | bytes | bytearray) or not (
+            isinstance(ids, Sized) and isinstance(ids, Iterable)
+        ):
+            raise ValueError(
+                f"prompt_ids={ids!r} of request {self.id!r} must be a list of token ids "
+                "(integers >= 0)"
+            )
+        if len(ids) == 0:
             raise ValueError(f"prompt_ids of request {self.id!r} is empty")
+        for index, token in enumerate(ids):
+            if isinstance(token, bool) or not isinstance(token, Integral) or token < 0:
+                raise ValueError(
+                    f"prompt_ids[{index}]={token!r} of request {self.id!r} must be a token id "
+                    "(an integer >= 0)"
+                )
         count = self.max_new_tokens
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"max_new_tokens={count!r} must be an integer >= 0")
+        if self.arrival_s is not None:
+            check_number("arrival_s", self.arrival_s)
+
+    def check_vocabulary(self, size: int) -> None:
+        """Refuse a prompt id that is no token of a model with ``size`` token ids (its
+        embedding table's rows, :func:`vocabulary_size`), before it reaches the model (whose
+        embedding lookup would fail with an ``IndexError`` mid-batch).
+
+        Raises
+        ------
+        ValueError
+            Naming the first id past the vocabulary, its index and ``size``.
+        """
+        if max(self.prompt_ids) < size:
+            return
+        index, token = next((i, t) for i, t in enumerate(self.prompt_ids) if t >= size)
+        raise ValueError(
+            f"prompt_ids[{index}]={int(token)} of request {self.id!r} is past the model's "
+            f"vocabulary of {size} tokens (ids 0..{size - 1})"
+        )
+
+
+def vocabulary_size(model) -> int:
+    """Token ids ``model`` can embed: its input embedding table's rows (ids 0 .. rows - 1; a
+    larger id, from a tokenizer's added tokens say, would fail the embedding lookup)."""
+    return model.get_input_embeddings().num_embeddings
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ import torch
 from numba import types
 from numba.extending import overload
 
+from alisa.ops.numba_cache import kernel
+
 # The float32 value of every float16, indexed by its bits read as uint16 (a 256 KiB table:
 # numba has no float16, and the conversion is exact, so a lookup is the whole of it).
 HALVES = (
@@ -34,7 +36,7 @@ HALVES = (
 HALVES.flags.writeable = False
 
 
-@numba.njit(cache=True, inline="always")
+@kernel(inline="always")
 def _span(part: int, parts: int, count: int) -> tuple[int, int]:
     """Rows [start, stop) of part ``part`` of ``count`` rows split into ``parts`` (a helper of
     this module's kernels only: numba's cache notices a changed helper in the kernel's own file,
@@ -43,7 +45,7 @@ def _span(part: int, parts: int, count: int) -> tuple[int, int]:
     return part * size, min(count, (part + 1) * size)
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
+@kernel(parallel=True, nogil=True)
 def fetch_rows(
     codes: np.ndarray,
     scale: np.ndarray,
@@ -80,7 +82,7 @@ def fetch_rows(
             decode_row(codes, scale, zero, halves, source[entry], target[entry], keys, values)
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(nogil=True)
 def decode_row(
     codes: np.ndarray,
     scale: np.ndarray,
@@ -104,7 +106,7 @@ def decode_row(
         values[out, channel] = (np.float32(codes[1, row, channel]) - offset) * step
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
+@kernel(parallel=True, nogil=True)
 def move_rows(
     source: np.ndarray, rows: np.ndarray, target: np.ndarray, slots: np.ndarray, parts: int
 ) -> None:
@@ -173,7 +175,7 @@ def _half_bits(value: float) -> int:
     return bits - 0x10000 if bits >= 0x8000 else bits
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(nogil=True)
 def put_slots(
     keys: np.ndarray,
     values: np.ndarray,
@@ -213,7 +215,7 @@ def put_slots(
     return True
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel(nogil=True)
 def code_rows(
     tokens: np.ndarray,
     codes: np.ndarray,
@@ -340,7 +342,7 @@ def _slot_row_overload(stored, scale, zero, halves, ring, row, slot, entry, buff
     return None
 
 
-@numba.njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc", "contract"})
+@kernel(parallel=True, nogil=True, fastmath={"reassoc", "contract"})
 def slot_logits(
     query: np.ndarray,
     keys: np.ndarray,
@@ -421,7 +423,7 @@ def slot_logits(
                     logits[row, group, slot] = total * factor
 
 
-@numba.njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc", "contract"})
+@kernel(parallel=True, nogil=True, fastmath={"reassoc", "contract"})
 def slot_output(
     probabilities: np.ndarray,
     values: np.ndarray,

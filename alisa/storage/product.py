@@ -29,6 +29,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
+from alisa.ops.numba_cache import kernel
+
 # Positions per block: the G running sums of a block (G x 16 KB of float32) stay in the L2
 # cache, and each channel's codes are read in runs of up to 8 KB, long enough for the hardware
 # prefetcher to follow (512-position blocks, 1 KB runs, were 1.1-1.3 times slower from memory).
@@ -80,7 +82,7 @@ def _round_bfloat16(value: np.float32) -> np.uint16:
     return np.uint16(0xFFFF) if value != value else rounded
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
+@kernel(parallel=True, nogil=True)
 def sketch_logits(
     query: np.ndarray,
     channels: np.ndarray,
@@ -151,7 +153,7 @@ def _add_four(total, picked, group, groups, channel, k0, k1, k2, k3, size):
         third[index] = (((third[index] + c[0] * w0) + c[1] * w1) + c[2] * w2) + c[3] * w3
 
 
-@numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"contract"})
+@kernel(nogil=True, error_model="numpy", fastmath={"contract"})
 def logits_rows(
     query: np.ndarray,
     channels: np.ndarray,

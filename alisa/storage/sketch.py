@@ -38,36 +38,15 @@ import numpy as np
 import torch
 
 from alisa.kernel_threads import kernel_parts
+from alisa.ops.backends import PRODUCTS, choose_ops
 from alisa.storage.product import sketch_logits
 from alisa.storage.store import headroom
 from quant import quantize_rows
 
 SKETCH_DTYPE = torch.bfloat16  # what the scores are returned in (the choice ranks 16-bit keys)
-# How the product runs: PyTorch in bfloat16, PyTorch on the sketch widened to float32, or the
-# compiled CPU kernel (float32 sums of the same bfloat16 operands, read in place).
-PRODUCTS = ("bfloat16", "float32", "compiled")
 # Share of the key channels kept: at half the element size, 1/8 of the dense key + value bytes
 # per token and KV head. A quarter of them lost 2.3 % perplexity at r = 0.2, three eighths 0.9 %.
 KEPT_FRACTION = 0.5
-
-
-def default_product(device: torch.device) -> str:
-    """How the sketch's product runs on ``device`` (one of :data:`PRODUCTS`): in bfloat16 where
-    the device has a fast bfloat16 product; else on a CPU the compiled kernel
-    (:func:`alisa.storage.product.sketch_logits`) and elsewhere PyTorch in float32 (the bfloat16
-    elements widen exactly, so only the sum's rounding differs).
-
-    On a CPU without one (oneDNN's bfloat16 needs AVX-512 or Arm's BF16), a bfloat16 product
-    falls back to a slow path: on an AVX2-only AMD EPYC the sketch product of SmolLM2-135M's
-    shapes took 3-7 times as long as widening the sketch and multiplying in float32, and the
-    kernel took 1.3-14 times less than that (B = 1 x 2,080 to 16 x 8,000), where an AVX-512
-    BF16 CPU ran bfloat16 2.2 times faster than float32 (docs/host-speed.md).
-    """
-    if device.type == "cpu":
-        return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "compiled"
-    if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
-        return "bfloat16"
-    return "float32"
 
 
 def code_dtype(key_dtype: torch.dtype) -> torch.dtype:
@@ -108,8 +87,9 @@ class KeySketch:
         The keys' dtype: float32 keys are sketched in bfloat16, 16-bit ones in INT8 codes with a
         scale per (token, KV head) (:func:`code_dtype`).
     product
-        How the scores are computed, one of :data:`PRODUCTS` (None: :func:`default_product` of
-        ``device``; ``"compiled"`` needs a CPU); they are returned in bfloat16 either way.
+        How the scores are computed, one of :data:`PRODUCTS` (None: the default backend's on
+        ``device``, :func:`~alisa.ops.backends.choose_ops`; ``"compiled"`` needs a CPU); they
+        are returned in bfloat16 either way.
     """
 
     def __init__(
@@ -138,7 +118,7 @@ class KeySketch:
         self.channels: torch.Tensor | None = None  # (B, H, width) long, fixed at the first write
         # The compiled product's numpy views of channels, codes and scales (see _views).
         self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-        self.product = default_product(torch.device(device)) if product is None else product
+        self.product = choose_ops(device, key_dtype).product if product is None else product
         if self.product not in PRODUCTS:
             raise ValueError(f"product={self.product!r}: one of {', '.join(PRODUCTS)}")
         if self.product == "compiled" and torch.device(device).type != "cpu":

@@ -1,0 +1,151 @@
+"""``alisa serve``: an OpenAI-compatible HTTP server of one model under a KV byte budget."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from alisa.commands.options import (
+    CommandError,
+    add_cache_options,
+    add_model_options,
+    add_scheduler_options,
+    add_threads_option,
+    apply_threads,
+    build_from_flags,
+    cache_config_from_args,
+    check_minimum,
+    load_for_cli,
+)
+
+HELP = "serve a model over HTTP with the OpenAI API (completions, chat, streaming, metrics)"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+# ServeSettings field -> the flag that sets it, so its errors name the flag.
+SETTINGS_FLAGS = {
+    "model_name": "--served-model-name",
+    "max_rows": "--max-batch",
+    "max_queue": "--max-queue",
+    "max_tokens": "--max-new-tokens",
+    "reserve_tokens": "--reserve-tokens",
+    "prefill_tokens": "--prefill-tokens",
+    "kv_bytes": "--kv-memory",
+    "device_bytes": "--gpu-memory",
+}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.usage = "%(prog)s [options]   (common options first; -h lists them all)"
+    add_model_options(parser)
+    add_threads_option(parser)
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 listens on "
+        "every interface, without authentication)",
+    )
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    parser.add_argument(
+        "--served-model-name",
+        help="the name clients give as model (default: the --model value)",
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=64,
+        help="tokens a request generates when its max_tokens is not given (clipped to the "
+        "model's context; default 64)",
+    )
+    add_scheduler_options(parser)
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="requests waiting to start at most; one more is answered 503 at once (default 256)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=LOG_LEVELS,
+        help="server log level (info logs each request; default: info)",
+    )
+    add_cache_options(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from alisa.serve import AlisaServer, ServeSettings, bind
+    from alisa.sizes import parse_budget
+
+    check_minimum("--max-new-tokens", args.max_new_tokens, 1)
+    check_minimum("--max-batch", args.max_batch, 1)
+    check_minimum("--max-queue", args.max_queue, 1)
+    check_minimum("--prefill-tokens", args.prefill_tokens, 1)
+    check_minimum("--reserve-tokens", args.reserve_tokens, 0)
+    if not 0 <= args.port <= 65535:
+        raise CommandError(f"--port={args.port} must be in 0..65535")
+    kv_bytes = None if args.kv_memory is None else parse_budget(args.kv_memory, field="--kv-memory")
+    config = cache_config_from_args(args)
+    if config.host_memory is not None and config.retention != "host":
+        raise CommandError(
+            f"--host-memory {config.host_memory} has no effect in alisa serve without "
+            "--retention host (batches are sized to --gpu-memory and --kv-memory)"
+        )
+    # The budget sizes the running batch; the cache itself is not tiered.
+    device = config.gpu_memory
+    device_bytes = None if device is None else parse_budget(device, field="--gpu-memory")
+    settings = build_from_flags(
+        ServeSettings,
+        SETTINGS_FLAGS,
+        model_name=args.served_model_name or args.model,
+        config=config.with_overrides(gpu_memory=None),
+        kv_bytes=kv_bytes,
+        device_bytes=device_bytes,
+        max_rows=args.max_batch,
+        max_queue=args.max_queue,
+        max_tokens=args.max_new_tokens,
+        reserve_tokens=args.reserve_tokens,
+        prefill_tokens=args.prefill_tokens,
+    )
+    apply_threads("serve", args.threads)
+    try:  # before the model loads: a port in use fails at once
+        sock = bind(args.host, args.port)
+    except OSError as error:
+        raise CommandError(
+            f"--host {args.host} --port {args.port}: cannot listen there: {error.strerror or error}"
+        ) from None
+    with sock:
+        model, tokenizer = load_for_cli(args.model, args.dtype)
+        _check_fits(model, tokenizer, settings)
+        server = AlisaServer(model, tokenizer, settings, log_level=args.log_level)
+        host, port = sock.getsockname()[:2]
+        print(
+            f"alisa serve: {settings.model_name} on http://{host}:{port}/v1 "
+            f"(policy {settings.config.policy} r={settings.config.caching_ratio:g}); "
+            "SIGTERM or Ctrl-C drains and stops",
+            file=sys.stderr,
+        )
+        server.run(sock)
+    print("alisa serve: drained, stopped", file=sys.stderr)
+    return 0
+
+
+def _check_fits(model, tokenizer, settings) -> None:
+    """Refuse settings no request could run under: a default length past the context, a cache
+    config the model cannot take, or a budget that holds no one-token prompt."""
+    from alisa.kv.cache import AlisaCache
+    from alisa.model.loading import context_length
+    from alisa.serve.errors import APIError
+    from alisa.serve.prepare import Preparer
+    from alisa.serve.protocol import GenerationRequest
+
+    known = context_length(model, tokenizer)
+    if known is not None and settings.max_tokens >= known[0]:
+        raise CommandError(
+            f"--max-new-tokens={settings.max_tokens} leaves no room for a prompt in the "
+            f"model's context of {known[0]} tokens ({known[1]})"
+        )
+    AlisaCache(model, settings.config)  # a ValueError names the field (dense_layers, ...)
+    smallest = GenerationRequest(chat=False, prompt=(0,), max_tokens=1)
+    try:
+        Preparer(model, tokenizer, settings).prepare(smallest)
+    except APIError as error:
+        raise CommandError(f"the budget cannot hold even a one-token request: {error}") from None

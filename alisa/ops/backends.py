@@ -1,0 +1,203 @@
+"""Which kernels a cache runs: one backend, chosen once from the device, the dtype and the machine.
+
+Host retention's decode step (ALISA's token selection, https://arxiv.org/abs/2403.17312, §IV)
+has three implementations of the same rule:
+
+``reference``
+    PyTorch operators everywhere: the definitions the others are tested against.
+``cpu``
+    numba-compiled kernels for the choice, the slot swap, the history and the host fetch; the
+    key sketch's product compiled too unless oneDNN multiplies bfloat16 natively (AVX-512 BF16,
+    AMX, Arm BF16), where PyTorch's bfloat16 product is faster; the selection in one compiled
+    call per layer where the layout allows (float32 model, compiled product).
+``cuda``
+    Triton kernels: the device reads the chosen host rows itself and places them in one launch.
+
+:func:`choose_ops` is the only code that reads the device type, the CPU's bfloat16 support or
+whether Triton is installed to decide what runs; everything downstream reads the :class:`Ops`
+it returns.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from alisa.ops import KERNELS
+
+# How the key sketch's product runs (alisa.storage.sketch): PyTorch in bfloat16, PyTorch on the
+# sketch widened to float32, or the compiled CPU kernel.
+PRODUCTS = ("bfloat16", "float32", "compiled")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ops:
+    """The kernels one cache runs (:func:`choose_ops`).
+
+    Attributes
+    ----------
+    name
+        ``"reference"``, ``"cpu"`` or ``"cuda"``.
+    device
+        The device type the kernels run on.
+    product
+        How the key sketch's product runs, one of :data:`PRODUCTS`.
+    compiled
+        The choice, swap, history and host fetch run as compiled CPU kernels (numba).
+    fused
+        The selection runs as one compiled call per layer where the layout allows it.
+    mapped
+        The device reads the chosen rows from page-locked host memory itself (Triton).
+    placing
+        The choice and the slot placement run as one Triton kernel.
+    feature
+        What decided the product on a CPU (its bfloat16 support), for the record; else ``""``.
+    """
+
+    name: str
+    device: str
+    product: str
+    compiled: bool
+    fused: bool
+    mapped: bool
+    placing: bool
+    feature: str = ""
+
+    def __post_init__(self) -> None:
+        if self.name not in KERNELS[1:]:
+            raise ValueError(f"name={self.name!r} must be one of {', '.join(KERNELS[1:])}")
+        if self.product not in PRODUCTS:
+            raise ValueError(f"product={self.product!r} must be one of {', '.join(PRODUCTS)}")
+        if self.product == "compiled" and self.device != "cpu":
+            raise ValueError(f"product='compiled' runs on a CPU; the ops run on {self.device}")
+        if self.compiled and self.device != "cpu":
+            raise ValueError(f"compiled=True runs CPU kernels; the ops run on {self.device}")
+        if self.fused and not (self.compiled and self.product == "compiled"):
+            raise ValueError("fused=True needs compiled=True and product='compiled'")
+        if self.placing and not self.mapped:
+            raise ValueError("placing=True needs mapped=True (it places rows the device reads)")
+
+    def describe(self) -> str:
+        """One line naming the backend and its choices, e.g. ``cpu (numba): sketch product
+        compiled (AVX2, no oneDNN bfloat16), selection in one call``."""
+        engine = {"reference": "pytorch", "cpu": "numba", "cuda": "triton"}[self.name]
+        product = f"sketch product {self.product}"
+        if self.feature:
+            product += f" ({self.feature})"
+        if self.fused:
+            selection = "selection in one call"
+        elif self.placing:
+            selection = "choice and placement in one kernel"
+        else:
+            selection = "selection in separate calls"
+        fetch = ", device-read fetch" if self.mapped else ""
+        return f"{self.name} ({engine}): {product}, {selection}{fetch}"
+
+
+def triton_installed() -> bool:
+    """Whether Triton can be imported here (CUDA builds of torch bring it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def available_ops() -> tuple[str, ...]:
+    """The backends this machine can run: ``reference`` and ``cpu`` always, ``cuda`` with a
+    CUDA device and Triton."""
+    cuda = torch.cuda.is_available() and triton_installed()
+    return ("reference", "cpu", "cuda") if cuda else ("reference", "cpu")
+
+
+@functools.cache
+def cpu_bfloat16() -> bool:
+    """Whether oneDNN multiplies bfloat16 natively on this CPU (AVX-512 BF16, AMX, Arm BF16).
+
+    Without it a bfloat16 product falls back to a slow path: on an AVX2-only AMD EPYC the
+    sketch product of SmolLM2-135M's shapes took 3-7 times as long as widening to float32, where
+    an AVX-512 BF16 CPU ran bfloat16 2.2 times faster than float32 (docs/host-speed.md).
+    """
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def cpu_feature() -> str:
+    """This CPU's capability as torch reports it, and its bfloat16 support (for the record)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"{capability}, {'oneDNN bfloat16' if cpu_bfloat16() else 'no oneDNN bfloat16'}"
+
+
+def choose_ops(device: torch.device | str, dtype: torch.dtype, kernels: str = "auto") -> Ops:
+    """The kernels a cache on ``device`` with ``dtype`` keys runs.
+
+    Parameters
+    ----------
+    device
+        The model's device.
+    dtype
+        The model's (keys') dtype: the one compiled selection call takes float32 keys only.
+    kernels
+        ``"auto"`` (``cuda`` on a CUDA device with Triton, ``cpu`` on a CPU, else
+        ``reference``), or a backend name of :data:`KERNELS` to force it.
+
+    Returns
+    -------
+    Ops
+        The backend and its choices.
+
+    Raises
+    ------
+    ValueError
+        An unknown name, or a backend this device or machine cannot run (the message names
+        the field, the value and what this machine runs).
+    """
+    device = torch.device(device)
+    runs = ", ".join(available_ops())
+    if kernels not in KERNELS:
+        raise ValueError(
+            f"kernels={kernels!r} must be one of {', '.join(KERNELS)} (this machine runs {runs})"
+        )
+    name = kernels
+    if kernels == "auto":
+        if device.type == "cuda" and triton_installed():
+            name = "cuda"
+        elif device.type == "cpu":
+            name = "cpu"
+        else:
+            name = "reference"
+    if name in ("cpu", "cuda") and device.type != name:
+        raise ValueError(
+            f"kernels={kernels!r} runs on a {'CUDA device' if name == 'cuda' else 'CPU'}; the "
+            f"model is on {device} (this machine runs {runs})"
+        )
+    if name == "cuda" and not triton_installed():
+        raise ValueError(
+            f"kernels='cuda' needs Triton, which is not installed (this machine runs {runs})"
+        )
+    if name == "cpu":
+        product = "bfloat16" if cpu_bfloat16() else "compiled"
+        fused = product == "compiled" and dtype == torch.float32
+        return Ops(
+            name=name,
+            device="cpu",
+            product=product,
+            compiled=True,
+            fused=fused,
+            mapped=False,
+            placing=False,
+            feature=cpu_feature(),
+        )
+    if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
+        product = "bfloat16"
+    else:  # the bfloat16 elements widen exactly: only the sum's rounding differs
+        product = "float32"
+    cuda = name == "cuda"
+    return Ops(
+        name=name,
+        device=device.type,
+        product=product,
+        compiled=False,
+        fused=False,
+        mapped=cuda,
+        placing=cuda,
+        feature=cpu_feature() if device.type == "cpu" else "",
+    )

@@ -1,0 +1,118 @@
+"""One server: the engine thread, the app, and uvicorn serving it on a socket until drained.
+
+SIGTERM (or Ctrl-C) drains: the socket stays open and new requests get 503, every request
+already accepted runs to its end, then uvicorn closes the connections and :meth:`AlisaServer.run`
+returns (``alisa serve`` exits 0). A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+from types import FrameType
+
+import uvicorn
+
+from alisa.serve.app import ServeState, create_app
+from alisa.serve.engine import ServeEngine
+from alisa.serve.metrics import ServeMetrics
+from alisa.serve.prepare import Preparer
+from alisa.serve.settings import ServeSettings
+
+GRACEFUL_S = 30  # after the drain, seconds uvicorn waits for responses still being written
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, draining on the first signal instead of closing the socket."""
+
+    def __init__(self, config: uvicorn.Config, state: ServeState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.state.draining:  # a second signal: stop now, as uvicorn would
+            super().handle_exit(sig, frame)
+            self.force_exit = True
+            return
+        # Not recorded as uvicorn's captured signal: it would raise it again once the server
+        # has stopped, and the process would die of it instead of exiting 0 after the drain.
+        self.state.draining = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.state.draining and self.state.engine.open_requests == 0:
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
+class AlisaServer:
+    """An OpenAI-compatible server of one model.
+
+    Parameters
+    ----------
+    model, tokenizer
+        The model to serve (loaded; its attention is routed through alisa while serving).
+    settings
+        Cache settings, budgets and limits.
+    log_level
+        uvicorn's log level (``"info"`` logs each request).
+    """
+
+    def __init__(
+        self, model, tokenizer, settings: ServeSettings, *, log_level: str = "info"
+    ) -> None:
+        self.metrics = ServeMetrics(settings.config, settings.budgets, settings.model_name)
+        self.engine = ServeEngine(model, tokenizer, settings, self.metrics)
+        self.state = ServeState(self.engine, Preparer(model, tokenizer, settings), self.metrics)
+        self.app = create_app(self.state)
+        config = uvicorn.Config(
+            self.app,
+            lifespan="off",
+            log_level=log_level,
+            timeout_graceful_shutdown=GRACEFUL_S,
+        )
+        self.server = _DrainingServer(config, self.state)
+
+    def run(self, sock: socket.socket) -> None:
+        """Serve on ``sock`` (bound; see :func:`bind`) until drained or stopped; blocks.
+
+        Signals are handled only when called from the main thread (as uvicorn does).
+        """
+        self.engine.start()
+        try:
+            self.server.run(sockets=[sock])
+        finally:
+            self.engine.stop()
+
+    def drain(self) -> None:
+        """Start draining, as SIGTERM does (from any thread)."""
+        self.server.handle_exit(signal.SIGTERM, None)
+
+    def stop(self) -> None:
+        """Stop serving now (from any thread); open requests fail with 503."""
+        self.server.should_exit = True
+
+    @property
+    def started(self) -> bool:
+        return self.server.started
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host``:``port`` (0: a free port), bound before the model
+    loads so that a port in use fails at once.
+
+    Raises
+    ------
+    OSError
+        The address cannot be bound (in use, not this machine's, no permission).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock

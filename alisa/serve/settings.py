@@ -1,0 +1,82 @@
+"""What one ``alisa serve`` server is: its model's name, cache settings, budgets and limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from alisa.config import AlisaConfig
+from alisa.runtime.requests import PREFILL_TOKENS
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeSettings:
+    """Settings of one server.
+
+    Parameters
+    ----------
+    model_name
+        The name clients give as ``model`` (``/v1/models`` lists it).
+    config
+        The cache settings of requests that do not choose their own (its ``gpu_memory`` must be
+        None: the device budget is ``device_bytes``, which admission sizes rows against).
+    kv_bytes, device_bytes
+        Admission budgets (:class:`~alisa.jobs.stream.ByteBudget`): the KV alone, and weights
+        + KV + activations; None: no limit.
+    max_rows
+        Rows running together at most.
+    max_queue
+        Requests accepted but not started at most; one more is answered 503 at once.
+    max_tokens
+        Tokens a request generates when it does not say (clipped to the model's context).
+    reserve_tokens
+        None: a row is admitted with room for all its ``max_tokens``. A count: with room for
+        that many more only; rows that outgrow it are paused to host memory and resumed.
+    prefill_tokens
+        Padded prompt tokens of one prefill forward at most (None: no bound).
+    packing
+        Prefill a newcomer inside the running rows' decode step where the model allows it.
+    """
+
+    model_name: str
+    config: AlisaConfig = field(default_factory=AlisaConfig)
+    kv_bytes: int | None = None
+    device_bytes: int | None = None
+    max_rows: int = 64
+    max_queue: int = 256
+    max_tokens: int = 64
+    reserve_tokens: int | None = None
+    prefill_tokens: int | None = PREFILL_TOKENS
+    packing: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_name, str) or not self.model_name:
+            raise ValueError(f"model_name={self.model_name!r} must be a non-empty string")
+        if not isinstance(self.config, AlisaConfig):
+            raise ValueError(f"config={self.config!r} must be an AlisaConfig")
+        if self.config.gpu_memory is not None:
+            raise ValueError(
+                f"config.gpu_memory={self.config.gpu_memory!r}: a server sizes its batch to "
+                "device_bytes; its caches are not tiered"
+            )
+        for name in ("max_rows", "max_queue", "max_tokens"):
+            _check_int(name, getattr(self, name), 1)
+        for name, minimum in (
+            ("kv_bytes", 1),
+            ("device_bytes", 1),
+            ("reserve_tokens", 0),
+            ("prefill_tokens", 1),
+        ):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum)
+        if not isinstance(self.packing, bool):
+            raise ValueError(f"packing={self.packing!r} must be True or False")
+
+    @property
+    def budgets(self) -> dict[str, int | None]:
+        """``{"kv": ..., "device": ...}`` bytes (None: no limit)."""
+        return {"kv": self.kv_bytes, "device": self.device_bytes}
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
