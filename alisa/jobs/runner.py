@@ -373,7 +373,8 @@ def run_requests(
     summary.budget_name, summary.kv_budget_name = budgets.device_name, budgets.kv_name
     summary.kv_budget_bytes = budgets.kv
     summary.peak_memory_counts = PEAK_COUNTS.get(device.type, PEAK_COUNTS["cpu"])
-    pending = [_with_defaults(request, job.row_defaults()) for request in pending]
+    defaults = job.row_defaults()  # once: the same for every row
+    pending = [_with_defaults(request, defaults) for request in pending]
     warn_ignored_sampling(pending, job.input)
     pending = [_in_template(request, tokenizer, job.chat) for request in pending]
     encoded = tokenizer([r.prompt for r in pending])["input_ids"] if pending else []

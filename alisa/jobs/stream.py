@@ -13,12 +13,7 @@ from alisa.model.adapter import model_shape
 from alisa.planning.spec import model_spec
 from alisa.runtime.continuous import ContinuousScheduler
 from alisa.runtime.engine import Engine
-from alisa.runtime.requests import (
-    PREFILL_TOKENS,
-    RowShape,
-    StreamRequest,
-    StreamResult,
-)
+from alisa.runtime.requests import PREFILL_TOKENS, RowShape, StreamRequest, StreamResult
 from alisa.runtime.sampling import SamplingOptions, sampling_or_default
 from alisa.sizes import parse_budget
 from scheduler import ModelSpec
@@ -197,10 +192,8 @@ def _prompt_stream(prompts) -> Iterable[str | StreamRequest]:
 def _request(tokenizer, prompt: str | StreamRequest, max_new_tokens: int) -> StreamRequest:
     """The request for ``prompt`` (a string tokenized, a request as it is)."""
     if isinstance(prompt, StreamRequest):
-        request = prompt
-    elif not isinstance(prompt, str) or not prompt.strip():
+        return prompt
+    if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError(f"prompt {prompt!r} is empty or not a string")
-    else:
-        ids = tokenizer(prompt)["input_ids"]
-        request = StreamRequest(prompt_ids=ids, max_new_tokens=max_new_tokens)
-    return request
+    ids = tokenizer(prompt)["input_ids"]
+    return StreamRequest(prompt_ids=ids, max_new_tokens=max_new_tokens)
