@@ -65,11 +65,13 @@ class _Attachment:
         cache = kwargs.get("past_key_values")
         if cache is None:
             cache = next((arg for arg in args if isinstance(arg, Cache)), None)
-        uses_alisa = _alisa_layer(cache, 0) is not None
-        check = getattr(cache, "check_continuation", None)  # an AlisaCache (not a packed one)
-        inputs = _forward_inputs(model, args, kwargs) if uses_alisa and check else None
-        if inputs is not None:  # refused before any layer stores a token
-            check(*inputs)
+        first = _alisa_layer(cache, 0)
+        uses_alisa = first is not None
+        # AlisaLayers are an AlisaCache's (a mixed forward's PackedCache has PackedLayers,
+        # whose rows its scheduler lays out itself): refused before any layer stores a token.
+        inputs = _forward_inputs(model, args, kwargs) if isinstance(first, AlisaLayer) else None
+        if inputs is not None:
+            cache.check_continuation(*inputs)
         current = model.config._attn_implementation
         if uses_alisa and self.restored and current == self.previous:
             _switch(model, ATTENTION_NAME)
