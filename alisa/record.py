@@ -15,8 +15,8 @@ from pathlib import Path
 import numba
 import torch
 
-from alisa.kernel_threads import shares_torch_threads
 from alisa.ops.backends import available_ops, cpu_bfloat16
+from alisa.ops.cpu import shares_torch_threads
 from alisa.planning.hardware import cpu_model
 
 REPOSITORY = Path(__file__).resolve().parents[1]

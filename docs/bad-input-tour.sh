@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from conftest import byte_tokenizer, tiny_llama
-from experiments.tiny_models import build_tiny, tiny_config
+from experiments.architectures import build_tiny, tiny_config
 
 root = Path(sys.argv[1])
 for name, model in (("falcon", build_tiny(tiny_config("falcon"))),

@@ -5,22 +5,17 @@
     MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=67108864 \
         python -m experiments.bench_cost_model --dtype float32 --threads 1
 
-Each configuration is measured in a fresh process (``experiments.worker``), as a user runs one:
-measured in this process, after the profile's steps and the other configurations, the last row
-(host retention) took 197 and 242 ms a step in two runs here against 181 ms alone, because what
-ran before decides whether glibc serves a step's temporaries from the heap or from fresh pages.
-The allocator thresholds above (as ``experiments.bench_speed`` asks for) make steps steadier;
-the JSON line reports them.
-
-Per dtype: measures a hardware profile (as ``alisa profile``, calibrated at the benchmark's batch
-and prompt length), then runs the tiered cache with all KV resident, about half offloaded to the
-host pool, and about half recomputed, then ``retention="host"`` at r = 0.2 (SWA budget, every
-token on the host, a selection every ``reselect_every`` steps as by default; its selection cost
-is the profile's, fitted on such steps selecting every step); for each, the
-placement actually used is costed with ``scheduler.evaluate`` and compared with the median
-measured step. Target: within 20 %. A last row per dtype solves the LP at the half budget and
-checks that it picks the faster of host offload and recomputation as measured. Prints a table,
-then one JSON line.
+Per dtype: a hardware profile is measured (as ``alisa profile``, calibrated at the benchmark's
+batch and prompt length); then the tiered cache runs with all KV resident, about half offloaded to
+the host pool and about half recomputed, then ``retention="host"`` at r = 0.2 (every token on the
+host, re-selecting every ``reselect_every`` steps as by default; its selection cost is the
+profile's). The placement each run used is costed with ``scheduler.evaluate`` against its median
+measured step (target: within 20 %), and the LP solved at the half budget must pick the faster of
+host offload and recomputation as measured. Each configuration runs in a fresh process
+(``experiments.worker``), as a user runs one: in one process, what ran before decides whether
+glibc serves a step's temporaries from the heap or from fresh pages (the host row took 197 and
+242 ms a step there against 181 ms alone); the allocator thresholds above make steps steadier,
+and the JSON line's environment reports them. Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -49,17 +44,14 @@ HOST_ROW = "host retention r=0.2"
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--model", default="smollm2-135m", help="alisa.load_model spec, or shape:NAME"
-    )
-    parser.add_argument(
-        "--dtype", default="bfloat16,float32", help="comma-separated dtypes, each benchmarked"
-    )
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--prompt-tokens", type=int, default=1024)
-    parser.add_argument("--new-tokens", type=int, default=24)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--data-dir", default=None)
+    add = parser.add_argument
+    add("--model", default="smollm2-135m", help="alisa.load_model spec, or shape:NAME")
+    add("--dtype", default="bfloat16,float32", help="comma-separated dtypes, each benchmarked")
+    add("--batch", type=int, default=8)
+    add("--prompt-tokens", type=int, default=1024)
+    add("--new-tokens", type=int, default=24)
+    add("--threads", type=int, default=2)
+    add("--data-dir", default=None)
     add_prompts_argument(parser)
     return parser.parse_args(argv)
 
@@ -96,10 +88,7 @@ def bench_dtype(args: argparse.Namespace, dtype: str) -> dict:
     options = {**worker_options(args), "dtype": dtype}
     rows = []
     for name, config in tqdm(configs.items(), desc=f"{dtype} configurations", unit="run"):
-        # Each in a fresh process, as a user runs one: in this one, what ran before (the
-        # profile's steps, the other configurations) changes where glibc serves a step's
-        # temporaries from, and the last row measured up to 40 % slower than it runs alone.
-        run = run_in_subprocess(system_name(config), options)
+        run = run_in_subprocess(system_name(config), options)  # a fresh process (docstring)
         measured = run["median_step_ms"] / 1000
         used = run["placement"]
         plan = evaluate(profile, spec, workloads[name], used, buckets=1)
@@ -113,11 +102,8 @@ def bench_dtype(args: argparse.Namespace, dtype: str) -> dict:
                 "error": predicted / measured - 1,
             }
         )
-        print(
-            f"{dtype} {name}: measured {1000 * measured:.1f} ms, predicted "
-            f"{1000 * predicted:.1f} ms",
-            file=sys.stderr,
-        )
+        said = f"measured {1000 * measured:.1f} ms, predicted {1000 * predicted:.1f} ms"
+        print(f"{dtype} {name}: {said}", file=sys.stderr)
     return {
         "dtype": dtype,
         "profile": profile.__dict__,
@@ -174,7 +160,7 @@ def main(argv=None) -> int:
         "model": args.model,
         "batch": args.batch,
         "prompt_tokens": args.prompt_tokens,
-        "environment": environment(args),
+        "environment": environment(args.threads),
         "results": results,
         "target_within_20pct": all(abs(e) <= 0.2 for e in errors),
         "lp_picks_faster": all(result["lp_choice"]["match"] for result in results),

@@ -3,39 +3,29 @@
     python -m experiments.bench_serve
     python -m experiments.bench_serve --prompts 16 --clients 2 --max-tokens 32   # quick
 
-One workload for every system: the XSum articles the continuous-batching benchmark uses
-(:func:`experiments.bench_continuous.build_workload`: the first ``--prompts`` whose chat prompt
-fits ``--max-prompt-tokens``), sent as streamed ``/v1/completions`` requests, greedy, each asking
-for exactly ``--max-tokens`` tokens whatever the model says (``ignore_eos``; transformers: a
-generation config whose EOS is -1), so every system does the same work. Arrivals are a Poisson
-process of ``--rate`` requests a second (seeded; ``inf``: all at once), and ``--clients`` requests
-at most are in flight: a request that arrives while every client waits starts when one is free.
+The workload of :func:`experiments.bench_continuous.build_workload`, sent as streamed greedy
+``/v1/completions`` requests of exactly ``--max-tokens`` tokens each (alisa reads ``ignore_eos``;
+transformers a generation config whose EOS is -1), arriving as a seeded Poisson process of
+``--rate`` a second (``inf``: all at once), ``--clients`` in flight at most. Each system is a
+server started on a free port (read from what it prints), waited for (``GET /health``), warmed up
+with two short requests, loaded, then stopped with SIGTERM (killed ``--stop-timeout-s`` later).
+No request starts after ``--duration-s``; those running then are cut off; each request gives up
+after ``--request-timeout-s``.
 
-Each system is a server this benchmark starts on a free port of 127.0.0.1 (``--port 0``; the port
-is read from what the server prints), waits for (``GET /health``), warms up with two short
-requests, loads, then stops with SIGTERM (``alisa serve`` drains and exits 0; a server still up
-``--stop-timeout-s`` later is killed). The run is bounded: no request starts after
-``--duration-s``, requests still running then are cut off, and each request gives up after
-``--request-timeout-s``.
-
-Systems (``--systems``), all under the same KV byte budget ``--kv-budget``:
+Systems (``--systems``), all under the KV byte budget ``--kv-budget``:
     alisa-r0.2        ``alisa serve --policy swa --caching-ratio 0.2 --kv-memory B``
     alisa-r1          ``alisa serve --policy dense --kv-memory B`` (every token kept)
     alisa-host-r0.2   SWA r = 0.2 with ``--retention host`` (not in the default set)
-    transformers      ``transformers serve --continuous-batching``, sdpa over its paged cache
-                      of ``--cb-num-blocks`` = the budget in blocks of ``--page-size`` tokens
+    transformers      ``transformers serve --continuous-batching``, sdpa over its paged cache of
+                      ``--cb-num-blocks`` = the budget in blocks of ``--page-size`` tokens
 
-Measured at the client, from the streamed chunks' arrival times: requests and output tokens a
-second (over the time from the first request sent to the last answer's end), TTFT (request sent
-to the first chunk with text) and inter-token latency (the gaps between a request's successive
-chunks with text; a chunk that brings several tokens counts once, as ``vllm bench serve``
-does) at p50 and p99, errors (HTTP errors, error events, broken or timed-out streams; by kind),
-and answers shorter than ``--max-tokens``. Peak KV is the largest ``alisa_kv_bytes{tier="device"}``
-scraped from ``/metrics`` during the run; transformers has no ``/metrics``, and its paged cache
-is allocated whole. Prints a table and one JSON line; every row carries
-:func:`alisa.record.machine_record` and the kernels the server runs where known. Seconds in
-which this process was stopped from outside are left out of every time
-(:class:`experiments.pauses.PauseWatch`).
+Measured at the client from the streamed chunks' arrival times: requests and output tokens a
+second, TTFT and inter-token latency (gaps between chunks with text, as ``vllm bench serve``) at
+p50 and p99, errors by kind and answers short of ``--max-tokens``; peak KV is the largest
+``alisa_kv_bytes{tier="device"}`` scraped from ``/metrics`` (transformers has none: its paged
+cache is allocated whole). Prints a table and one JSON line; every row carries
+:func:`alisa.record.machine_record` and the kernels the server runs. Seconds in which this
+process was stopped from outside are left out (:class:`experiments.timeline.PauseWatch`).
 """
 
 from __future__ import annotations
@@ -45,10 +35,8 @@ import http.client
 import json
 import math
 import os
-import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -56,113 +44,75 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
-from alisa.sizes import format_bytes, parse_bytes
+from alisa.sizes import format_bytes, parse_budget
+from experiments.bench_continuous import (
+    block_bytes,
+    build_workload,
+    check_workload,
+    choose,
+    ratios,
+    workload_parser,
+)
 from experiments.data import data_dir
+from experiments.timeline import PauseWatch
 
 HOST = "127.0.0.1"
 REPO = Path(__file__).resolve().parents[1]
-# Both servers print their address once listening: alisa's "on http://HOST:PORT/v1", uvicorn's
-# "Uvicorn running on http://HOST:PORT".
+# alisa prints "on http://HOST:PORT/v1" once listening, uvicorn "Uvicorn running on http://...".
 ADDRESS = re.compile(rf"http://{re.escape(HOST)}:(\d+)")
 # transformers' continuous batching names the attention it switched to (to flash, where built).
 SWITCHED = re.compile(r"Switching from (\S+) to (\S+?)\.")
-WARM_UP_TOKENS = 4
-POLL_S = 0.1
 # How the benchmark runs transformers' command line (the console script's module).
 TRANSFORMERS_CLI = (sys.executable, "-m", "transformers.cli.transformers")
-
-
-@dataclass(frozen=True, kw_only=True)
-class System:
-    """One server to measure: ``alisa serve`` with ``flags``, or ``transformers serve``."""
-
-    name: str
-    server: str  # "alisa" or "transformers"
-    flags: tuple[str, ...] = ()
-
-
+# `alisa serve` flags of each system; None: `transformers serve`.
 SYSTEMS = {
-    "alisa-r0.2": System(
-        name="alisa-r0.2", server="alisa", flags=("--policy", "swa", "--caching-ratio", "0.2")
-    ),
-    "alisa-r1": System(name="alisa-r1", server="alisa", flags=("--policy", "dense")),
-    "alisa-host-r0.2": System(
-        name="alisa-host-r0.2",
-        server="alisa",
-        flags=("--policy", "swa", "--caching-ratio", "0.2", "--retention", "host"),
-    ),
-    "transformers": System(name="transformers", server="transformers"),
+    "alisa-r0.2": ("--policy", "swa", "--caching-ratio", "0.2"),
+    "alisa-r1": ("--policy", "dense"),
+    "alisa-host-r0.2": ("--policy", "swa", "--caching-ratio", "0.2", "--retention", "host"),
+    "transformers": None,
 }
-DEFAULT_SYSTEMS = "alisa-r0.2,alisa-r1,transformers"
-
-
-def systems(names: list[str]) -> list[System]:
-    """The systems named (see the module docstring), or a ``ValueError`` listing them."""
-    if names == ["all"]:
-        names = list(SYSTEMS)
-    unknown = [name for name in names if name not in SYSTEMS]
-    if unknown:
-        raise ValueError(f"--systems {','.join(unknown)} unknown; valid: {', '.join(SYSTEMS)}")
-    return [SYSTEMS[name] for name in names]
+RATIOS = {
+    "tok_s_r0.2_vs_transformers": ("output_tokens_per_s", "alisa-r0.2", "transformers"),
+    "tok_s_r0.2_vs_r1": ("output_tokens_per_s", "alisa-r0.2", "alisa-r1"),
+    "tok_s_r1_vs_transformers": ("output_tokens_per_s", "alisa-r1", "transformers"),
+    "ttft_p99_r0.2_vs_transformers": ("ttft_p99_s", "alisa-r0.2", "transformers"),
+}
+DEVICE_KV = ("alisa_kv_bytes", (("tier", "device"),))
+SECONDS = ("duration_s", "request_timeout_s", "startup_timeout_s", "stop_timeout_s", "scrape_s")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m", help="as alisa serve --model")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--data-dir", default=None, help="holds xsum/h2o_xsum_0shot.jsonl")
-    parser.add_argument("--prompts", type=int, default=64, help="requests sent at most")
-    parser.add_argument("--max-prompt-tokens", type=int, default=512)
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens every answer has")
-    parser.add_argument("--rate", type=float, default=2.0, help="arrivals a second, or inf")
-    parser.add_argument("--clients", type=int, default=16, help="requests in flight at most")
-    parser.add_argument("--seed", type=int, default=0, help="of the arrival times")
-    parser.add_argument("--kv-budget", default="160MiB", help="KV byte budget of every system")
-    parser.add_argument("--max-rows", type=int, default=64, help="alisa serve --max-batch")
-    parser.add_argument("--page-size", type=int, default=16, help="transformers' page (tokens)")
-    parser.add_argument("--max-batch-tokens", type=int, default=1024, help="transformers' M")
-    parser.add_argument("--systems", default=DEFAULT_SYSTEMS, help="comma-separated, or all")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of each server")
-    parser.add_argument("--duration-s", type=float, default=600.0, help="no request after it")
-    parser.add_argument("--request-timeout-s", type=float, default=300.0)
-    parser.add_argument("--startup-timeout-s", type=float, default=600.0)
-    parser.add_argument("--stop-timeout-s", type=float, default=60.0)
-    parser.add_argument("--scrape-s", type=float, default=0.25, help="/metrics scrape interval")
-    parser.add_argument(
-        "--logs", default=None, help="folder to keep the servers' logs in (default: discarded)"
-    )
+    parents = [workload_parser(prompts=64, systems="alisa-r0.2,alisa-r1,transformers")]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], parents=parents)
+    add = parser.add_argument
+    add("--max-tokens", type=int, default=64, help="tokens every answer has")
+    add("--rate", type=float, default=2.0, help="arrivals a second, or inf")
+    add("--clients", type=int, default=16, help="requests in flight at most")
+    add("--duration-s", type=float, default=600.0, help="no request starts after it")
+    add("--request-timeout-s", type=float, default=300.0)
+    add("--startup-timeout-s", type=float, default=600.0)
+    add("--stop-timeout-s", type=float, default=60.0)
+    add("--scrape-s", type=float, default=0.25, help="/metrics scrape interval")
+    add("--logs", default=None, help="folder to keep the servers' logs in (default: discarded)")
     return parser.parse_args(argv)
 
 
 def check_args(args: argparse.Namespace) -> None:
     """A ``ValueError`` naming the first flag out of range."""
-    counts = ("prompts", "max_prompt_tokens", "max_tokens", "clients", "threads", "max_rows")
-    for name in (*counts, "page_size", "max_batch_tokens"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    check_workload(args, "max_tokens", "clients")
     if not args.rate > 0:  # nan fails too
         raise ValueError(f"--rate={args.rate} must be > 0 requests a second (or inf)")
-    for name in ("duration_s", "request_timeout_s", "startup_timeout_s", "stop_timeout_s"):
-        value = getattr(args, name)
-        if not (value > 0 and math.isfinite(value)):
+    for name in SECONDS:
+        if not 0 < getattr(args, name) < math.inf:
+            value = getattr(args, name)
             raise ValueError(f"--{name.replace('_', '-')}={value} must be a number of seconds > 0")
-    if not (args.scrape_s > 0 and math.isfinite(args.scrape_s)):
-        raise ValueError(f"--scrape-s={args.scrape_s} must be a number of seconds > 0")
-    from alisa.model.loading import resolve_dtype
-
-    try:
-        resolve_dtype(args.dtype)
-    except ValueError as error:
-        raise ValueError(f"--dtype {args.dtype!r}: {error}") from None
-    if parse_bytes(args.kv_budget, field="--kv-budget") < 1:
-        raise ValueError(f"--kv-budget={args.kv_budget!r} must be at least one byte")
 
 
 def poisson_arrivals(count: int, rate: float, seed: int) -> list[float]:
@@ -174,16 +124,13 @@ def poisson_arrivals(count: int, rate: float, seed: int) -> list[float]:
     return [0.0, *np.cumsum(gaps).tolist()]
 
 
-# --------------------------------------------------------------------------- one request
-
-
 @dataclass(kw_only=True)
 class Answer:
     """What the client saw of one streamed request (``time.perf_counter()`` times)."""
 
     sent_s: float
     chunk_s: list[float] = field(default_factory=list)  # chunks that brought text
-    end_s: float | None = None
+    end_s: float = 0.0
     completion_tokens: int | None = None  # the usage chunk's, where one came
     prompt_tokens: int | None = None
     finish_reason: str | None = None
@@ -198,237 +145,151 @@ class Answer:
     @property
     def tokens(self) -> int:
         """Tokens of the answer: the server's count, else one a chunk."""
-        return self.completion_tokens if self.completion_tokens is not None else len(self.chunk_s)
+        return len(self.chunk_s) if self.completion_tokens is None else self.completion_tokens
+
+    def fail(self, kind: str, detail: str) -> None:
+        self.error, self.detail = kind, " ".join(detail.split())[:300]
 
 
 def stream_completion(port: int, body: dict, *, timeout_s: float, deadline_s: float) -> Answer:
     """Send one streamed completion and read its server-sent events to the end.
 
     Never raises for what the server or the network does: a status other than 200, an error
-    event, a stream that breaks or stops, or no byte for ``timeout_s`` make ``error``; reaching
+    event, a stream that breaks or stops, or no byte for ``timeout_s`` set ``error``; reaching
     ``deadline_s`` (``time.perf_counter()``) first closes the connection and sets ``cut_off``.
     """
     answer = Answer(sent_s=time.perf_counter())
     until = min(deadline_s, answer.sent_s + timeout_s)
     connection = http.client.HTTPConnection(HOST, port, timeout=max(until - answer.sent_s, 0.01))
     try:
-        data = json.dumps(body).encode()
-        connection.request(
-            "POST", "/v1/completions", body=data, headers={"Content-Type": "application/json"}
-        )
-        # The socket the answer is read from (the connection drops it where the response
-        # closes the connection at its end: HTTP/1.0, "Connection: close").
-        sock = connection.sock
+        headers = {"Content-Type": "application/json"}
+        connection.request("POST", "/v1/completions", json.dumps(body).encode(), headers)
+        sock = connection.sock  # kept: the connection drops it where the response closes it
         response = connection.getresponse()
         if response.status != 200:
-            _fail(answer, f"HTTP {response.status}", _error_text(response.read()))
-            return answer
-        _read_events(sock, response, answer, until)
+            answer.fail(f"HTTP {response.status}", error_text(response.read()))
+        while answer.error is None:
+            if (left := until - time.perf_counter()) <= 0:
+                raise TimeoutError
+            sock.settimeout(left)
+            if not read_event(response.readline(), answer):
+                break
     except TimeoutError:
         if until >= deadline_s:
             answer.cut_off = True
         else:
-            _fail(answer, "timed out", f"no answer within --request-timeout-s {timeout_s:g}")
+            answer.fail("timed out", f"no answer within --request-timeout-s {timeout_s:g}")
     except (OSError, http.client.HTTPException) as error:
-        _fail(answer, f"connection: {type(error).__name__}", str(error))
+        answer.fail(f"connection: {type(error).__name__}", str(error))
     finally:
         connection.close()  # a request cut off is cancelled by the server when it sees this
         answer.end_s = time.perf_counter()
     return answer
 
 
-def _read_events(sock: socket.socket, response, answer: Answer, until: float) -> None:
-    """Read ``data:`` lines until ``[DONE]`` or the stream's end; raises ``TimeoutError`` at
-    ``until``."""
-    while True:
-        left = until - time.perf_counter()
-        if left <= 0:
-            raise TimeoutError
-        sock.settimeout(left)
-        line = response.readline()
-        if not line:  # transformers ends its streams without [DONE]
-            if answer.finish_reason is None:
-                _fail(answer, "stream ended early", "the stream closed before a finish_reason")
-            return
-        text = line.decode("utf-8", errors="replace").strip()
-        if not text.startswith("data:"):
-            continue
-        payload = text[len("data:") :].strip()
-        if payload == "[DONE]":
-            if answer.finish_reason is None:
-                _fail(answer, "stream ended early", "[DONE] before a finish_reason")
-            return
-        _take_event(answer, payload)
-        if answer.error is not None:
-            return
-
-
-def _take_event(answer: Answer, payload: str) -> None:
-    """One event's text, finish reason and usage, or its error."""
-    now = time.perf_counter()
+def read_event(line: bytes, answer: Answer) -> bool:
+    """Take one line of the stream: a ``data:`` event's text, finish reason and usage, or its
+    error; False at the stream's end (``[DONE]``, or the close: transformers sends no ``[DONE]``).
+    """
+    text = line.decode("utf-8", errors="replace").strip()
+    payload = text.removeprefix("data:").strip() if text.startswith("data:") else None
+    if not line or payload == "[DONE]":
+        if answer.finish_reason is None:
+            answer.fail("stream ended early", "the stream ended before a finish_reason")
+        return False
+    if payload is None:
+        return True
     try:
         event = json.loads(payload)
     except json.JSONDecodeError:
-        _fail(answer, "bad event", payload[:200])
-        return
+        event = None
+    if not isinstance(event, dict):
+        answer.fail("bad event", payload)
+        return True
     if "error" in event:
-        _fail(answer, "error event", _error_text(payload.encode()))
-        return
+        answer.fail("error event", error_text(payload))
+        return True
     for choice in event.get("choices") or []:
         if choice.get("text"):
-            answer.chunk_s.append(now)
-        if choice.get("finish_reason"):
-            answer.finish_reason = choice["finish_reason"]
-    usage = event.get("usage")
-    if usage:
+            answer.chunk_s.append(time.perf_counter())
+        answer.finish_reason = choice.get("finish_reason") or answer.finish_reason
+    if usage := event.get("usage"):
         answer.completion_tokens = usage.get("completion_tokens")
         answer.prompt_tokens = usage.get("prompt_tokens")
+    return True
 
 
-def _fail(answer: Answer, kind: str, detail: str) -> None:
-    answer.error, answer.detail = kind, " ".join(detail.split())[:300]
-
-
-def _error_text(body: bytes) -> str:
+def error_text(body: bytes | str) -> str:
     """The message of an error body: OpenAI's ``error.message`` (with its code), FastAPI's
     ``detail``, else the body itself."""
-    text = body.decode("utf-8", errors="replace")
-    try:
+    text = body.decode("utf-8", errors="replace") if isinstance(body, bytes) else body
+    with suppress(json.JSONDecodeError):
         parsed = json.loads(text)
-    except json.JSONDecodeError:
-        return text
-    error = parsed.get("error") if isinstance(parsed, dict) else None
-    if isinstance(error, dict):
-        code = f"[{error['code']}] " if error.get("code") else ""
-        return f"{code}{error.get('message', '')}"
-    if isinstance(parsed, dict) and "detail" in parsed:
-        return str(parsed["detail"])
-    return str(error if error is not None else parsed)
+        error = parsed.get("error") if isinstance(parsed, dict) else None
+        if isinstance(error, dict):
+            code = f"[{error['code']}] " if error.get("code") else ""
+            return f"{code}{error.get('message', '')}"
+        if isinstance(parsed, dict) and "detail" in parsed:
+            return str(parsed["detail"])
+    return text
 
 
-# --------------------------------------------------------------------------- the load
-
-
-@dataclass(kw_only=True)
-class Load:
-    """One pass of the workload through a server."""
-
-    answers: list[Answer]  # the requests sent, in workload order
-    not_sent: int  # arrived after --duration-s
-    started_s: float
-    ended_s: float
-
-
-def run_load(
-    port: int, bodies: list[dict], arrivals: list[float], args: argparse.Namespace
-) -> Load:
-    """Send ``bodies`` at ``arrivals`` (seconds from now), ``--clients`` in flight at most;
-    returns by ``--duration-s`` plus at most a second of joining."""
+def run_load(port: int, bodies: list[dict], arrivals: list[float], args) -> list[Answer | None]:
+    """Send ``bodies`` at ``arrivals`` (seconds from now), ``--clients`` in flight at most (a
+    request arriving while every client waits starts when one is free); returns by
+    ``--duration-s``, where each request's reads time out. None: arrived after it, not sent."""
     started = time.perf_counter()
     deadline = started + args.duration_s
-    waiting: queue.Queue[int] = queue.Queue()
-    for index in range(len(bodies)):
-        waiting.put(index)
-    answers: dict[int, Answer] = {}
 
-    def client() -> None:
-        while True:
-            try:
-                index = waiting.get_nowait()
-            except queue.Empty:
-                return
-            due = started + arrivals[index]
-            if max(due, time.perf_counter()) >= deadline:  # so is every later one
-                return
-            time.sleep(max(0.0, due - time.perf_counter()))
-            answers[index] = stream_completion(
-                port, bodies[index], timeout_s=args.request_timeout_s, deadline_s=deadline
-            )
+    def send(index: int) -> Answer | None:
+        due = started + arrivals[index]
+        if max(due, time.perf_counter()) >= deadline:  # so is every later one
+            return None
+        time.sleep(max(0.0, due - time.perf_counter()))
+        timeout_s = args.request_timeout_s
+        return stream_completion(port, bodies[index], timeout_s=timeout_s, deadline_s=deadline)
 
-    threads = [
-        threading.Thread(target=client, name=f"bench-client-{number}", daemon=True)
-        for number in range(min(args.clients, len(bodies)))
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:  # each request returns by the deadline (its reads time out there)
-        thread.join(max(0.0, deadline + 1.0 - time.perf_counter()))
-    sent = [answers[index] for index in sorted(answers)]
-    ended = max((answer.end_s for answer in sent if answer.end_s), default=time.perf_counter())
-    return Load(answers=sent, not_sent=len(bodies) - len(sent), started_s=started, ended_s=ended)
+    with ThreadPoolExecutor(min(args.clients, len(bodies)), "bench-client") as clients:
+        return list(clients.map(send, range(len(bodies))))
 
 
-class PeakKV:
-    """Scrapes ``/metrics`` every ``interval_s`` while used as a context manager: the largest
-    ``alisa_kv_bytes{tier="device"}`` seen (None where the server has no such metric), and the
-    last scrape's samples."""
-
-    def __init__(self, port: int, interval_s: float) -> None:
-        self.port, self.interval_s = port, interval_s
-        self.peak: float | None = None
-        self.scrapes = 0  # answered with the gauge
-        self.last: dict[tuple[str, tuple], float] = {}
-        self.info: dict[str, str] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="bench-scrape", daemon=True)
-
-    def __enter__(self) -> PeakKV:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        self.scrape()  # after the run: the counters' totals
-
-    def _watch(self) -> None:
-        while self.scrape() and not self._stop.wait(self.interval_s):
-            pass
-
-    def scrape(self) -> bool:
-        """One scrape; False where the server has no Prometheus ``/metrics``."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        try:
-            status, text = _get(self.port, "/metrics", timeout_s=10)
-            if status != 200:
-                return False
-            families = list(text_string_to_metric_families(text))
-        except (OSError, http.client.HTTPException, ValueError):
-            return False
-        samples = {
-            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in families
-            for sample in family.samples
-        }
-        device = samples.get(("alisa_kv_bytes", (("tier", "device"),)))
-        if device is None:
-            return False
-        self.peak = device if self.peak is None else max(self.peak, device)
-        self.scrapes += 1
-        self.last = samples
-        self.info = next(
-            (dict(labels) for (name, labels) in samples if name == "alisa_cache_info"), {}
-        )
-        return True
-
-    def total(self, name: str) -> float | None:
-        """A counter's last value (labels summed), None if never scraped."""
-        values = [value for (sample, _), value in self.last.items() if sample == name]
-        return sum(values) if values else None
-
-
-def _get(port: int, path: str, timeout_s: float) -> tuple[int, str]:
-    connection = http.client.HTTPConnection(HOST, port, timeout=timeout_s)
+def get(port: int, path: str) -> str:
+    """The body of ``GET path``; an ``OSError`` unless it answers 200."""
+    connection = http.client.HTTPConnection(HOST, port, timeout=5)
     try:
         connection.request("GET", path)
         response = connection.getresponse()
-        return response.status, response.read().decode("utf-8", errors="replace")
+        if response.status != 200:
+            raise OSError(f"GET {path} answered HTTP {response.status}")
+        return response.read().decode("utf-8", errors="replace")
     finally:
         connection.close()
 
 
-# --------------------------------------------------------------------------- the servers
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """The samples of the server's Prometheus ``/metrics`` by (name, labels); {} without one."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        families = list(text_string_to_metric_families(get(port, "/metrics")))
+    except (OSError, http.client.HTTPException, ValueError):
+        return {}
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in families
+        for sample in family.samples
+    }
+
+
+def watch_kv(port: int, interval_s: float, done: threading.Event) -> list[float]:
+    """``alisa_kv_bytes{tier="device"}`` scraped every ``interval_s`` until ``done`` is set or
+    a scrape has no such gauge (transformers has no ``/metrics``)."""
+    seen: list[float] = []
+    while (value := scrape(port).get(DEVICE_KV)) is not None:
+        seen.append(value)
+        if done.wait(interval_s):
+            break
+    return seen
 
 
 class ServerError(RuntimeError):
@@ -446,7 +307,7 @@ class Server:
 
 
 @contextmanager
-def serving(command: list[str], env: dict, log: Path, args: argparse.Namespace) -> Iterator[Server]:
+def serving(command: list[str], env: dict, log: Path, args) -> Iterator[Server]:
     """Start ``command`` (a server printing its address), wait until ``/health`` answers, and
     always stop it on the way out: SIGTERM, then SIGKILL to its process group after
     ``--stop-timeout-s``. ``Server.exit`` says how it ended."""
@@ -462,64 +323,52 @@ def serving(command: list[str], env: dict, log: Path, args: argparse.Namespace) 
         )
     server = Server(process=process, log=log)
     try:
-        server.port = _wait_for_port(server, args.startup_timeout_s)
-        _wait_healthy(server, args.startup_timeout_s)
+        wait_ready(server, args.startup_timeout_s)
         yield server
     finally:
-        server.exit = _stop(process, args.stop_timeout_s)
+        server.exit = stop(process, args.stop_timeout_s)
 
 
-def _wait_for_port(server: Server, timeout_s: float) -> int:
+def wait_ready(server: Server, timeout_s: float) -> None:
+    """Until the server has printed its address and ``GET /health`` answers 200; a
+    ``ServerError`` if it exits first or ``timeout_s`` runs out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        found = ADDRESS.search(server.log.read_text(errors="replace"))
-        if found:
-            return int(found.group(1))
-        code = server.process.poll()
-        if code is not None:
-            raise ServerError(
-                f"the server exited with code {code} before listening: {_tail(server.log, 3)}"
-            )
-        time.sleep(POLL_S)
-    raise ServerError(f"the server printed no address within --startup-timeout-s {timeout_s:g}")
+        if not server.port and (found := ADDRESS.search(server.log.read_text(errors="replace"))):
+            server.port = int(found.group(1))
+        if server.port and healthy(server.port):
+            return
+        if (code := server.process.poll()) is not None:
+            before = "" if server.port else " before listening"
+            raise ServerError(f"the server exited with code {code}{before}: {tail(server.log, 3)}")
+        time.sleep(0.1)
+    what = "GET /health did not answer 200" if server.port else "the server printed no address"
+    raise ServerError(f"{what} within --startup-timeout-s {timeout_s:g}")
 
 
-def _wait_healthy(server: Server, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if _get(server.port, "/health", timeout_s=5)[0] == 200:
-                return
-        except (OSError, http.client.HTTPException):
-            pass
-        code = server.process.poll()
-        if code is not None:
-            raise ServerError(f"the server exited with code {code}: {_tail(server.log, 3)}")
-        time.sleep(POLL_S)
-    raise ServerError(f"GET /health did not answer 200 within --startup-timeout-s {timeout_s:g}")
+def healthy(port: int) -> bool:
+    """Whether ``GET /health`` answers 200."""
+    try:
+        get(port, "/health")
+    except (OSError, http.client.HTTPException):
+        return False
+    return True
 
 
-def _stop(process: subprocess.Popen, timeout_s: float) -> str:
+def stop(process: subprocess.Popen, timeout_s: float) -> str:
     """SIGTERM (a drain), then SIGKILL of the whole process group; how it ended."""
+    ended = None
     if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
+        process.terminate()
         try:
             process.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            _kill_group(process.pid)
-            process.wait(timeout_s)
-            return f"killed after --stop-timeout-s {timeout_s:g}"
-    _kill_group(process.pid)  # anything it started and left behind
+            ended = f"killed after --stop-timeout-s {timeout_s:g}"
+    with suppress(ProcessLookupError, PermissionError):  # and anything it left behind
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout_s)
     code = process.returncode
-    if code < 0:  # died of a signal
-        with suppress(ValueError):
-            return signal.Signals(-code).name
-    return str(code)
-
-
-def _kill_group(group: int) -> None:
-    with suppress(ProcessLookupError, PermissionError):
-        os.killpg(group, signal.SIGKILL)
+    return ended or (signal.Signals(-code).name if code < 0 else str(code))
 
 
 def server_env(args: argparse.Namespace) -> dict:
@@ -533,41 +382,48 @@ def server_env(args: argparse.Namespace) -> dict:
     }
 
 
-def alisa_command(system: System, args: argparse.Namespace) -> list[str]:
-    """``alisa serve`` of ``system`` under the budget, on a free port."""
-    return [
-        sys.executable,
-        "-m",
-        "alisa",
-        "serve",
-        "--model",
-        args.model,
-        "--dtype",
-        args.dtype,
-        "--host",
-        HOST,
-        "--port",
-        "0",
-        "--threads",
-        str(args.threads),
-        "--kv-memory",
-        args.kv_budget,
-        "--max-batch",
-        str(args.max_rows),
-        "--max-queue",
-        str(max(256, args.clients)),
-        "--max-new-tokens",
-        str(args.max_tokens),
-        "--log-level",
-        "warning",
-        *system.flags,
-    ]
+def server_command(name: str, args) -> tuple[list[str], dict]:
+    """The command line of system ``name`` under the budget, on a free port, and what the row
+    records of it: ``alisa serve``, or ``transformers serve --continuous-batching`` of the
+    model's directory with the paged cache of ``--page-size`` token blocks the budget holds."""
+    budget = parse_budget(args.kv_budget, field="--kv-budget")
+    if SYSTEMS[name] is not None:
+        command = [sys.executable, "-m", "alisa", "serve", "--model", args.model]
+        command += ["--dtype", args.dtype, "--kv-memory", args.kv_budget, *SYSTEMS[name]]
+        command += (
+            f"--host {HOST} --port 0 --threads {args.threads} --max-batch {args.max_rows} "
+            f"--max-queue {max(256, args.clients)} --max-new-tokens {args.max_tokens} "
+            "--log-level warning"
+        ).split()
+        return command, {"kv_budget_bytes": budget}
+    import torch
+
+    path, config, dtype = served_model(args)
+    one = block_bytes(config, dtype, args.page_size)
+    if (blocks := budget // one) < 1:
+        raise ValueError(
+            f"--kv-budget {args.kv_budget} holds no transformers block of --page-size "
+            f"{args.page_size} tokens ({format_bytes(one)})"
+        )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    command = [*TRANSFORMERS_CLI, "serve", path, "--continuous-batching", "--device", device]
+    # --cb-block-size: the CLI's name for the page size (deprecated there, still read).
+    command += (
+        f"--dtype {str(dtype).removeprefix('torch.')} --attn-implementation sdpa --cb-block-size "
+        f"{args.page_size} --cb-num-blocks {blocks} --cb-max-batch-tokens "
+        f"{args.max_batch_tokens} --host {HOST} --port 0 --log-level warning"
+    ).split()
+    return command, {
+        "kv_budget_bytes": blocks * one,
+        "num_blocks": blocks,
+        "page_size": args.page_size,
+    }
 
 
 def served_model(args: argparse.Namespace):
     """(directory, config, dtype) of the model both servers load: ``--model`` resolved as
-    ``alisa serve`` resolves it (a built-in GGUF converted once), and ``--dtype`` (``auto``:
-    the checkpoint's)."""
+    ``alisa serve`` resolves it (a built-in GGUF converted once), ``--dtype`` (``auto``: the
+    checkpoint's)."""
     import torch
     from transformers import AutoConfig
 
@@ -575,175 +431,119 @@ def served_model(args: argparse.Namespace):
 
     path = resolve_model_path(args.model)
     config = AutoConfig.from_pretrained(path)
-    dtype = resolve_dtype(args.dtype)
-    if dtype is None:
-        dtype = getattr(config, "dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    return path, config, dtype
+    dtype = resolve_dtype(args.dtype) or getattr(config, "dtype", None) or torch.float32
+    return path, config, getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
-def transformers_blocks(config, dtype, args: argparse.Namespace) -> tuple[int, int]:
-    """(blocks, bytes): the paged cache's ``num_blocks`` of ``--page-size`` tokens that the KV
-    budget holds, as :func:`experiments.hf_continuous.block_bytes` sizes a block."""
-    from experiments.hf_continuous import block_bytes
-
-    one = block_bytes(SimpleNamespace(config=config, dtype=dtype), args.page_size)
-    blocks = parse_bytes(args.kv_budget, field="--kv-budget") // one
-    if blocks < 1:
-        raise ValueError(
-            f"--kv-budget {args.kv_budget} holds no transformers block of --page-size "
-            f"{args.page_size} tokens ({format_bytes(one)})"
-        )
-    return blocks, blocks * one
-
-
-def transformers_command(model_path: str, dtype, blocks: int, args) -> list[str]:
-    """``transformers serve --continuous-batching`` of the model directory, its paged cache
-    ``blocks`` blocks, sdpa attention, on a free port."""
-    import torch
-
-    return [
-        *TRANSFORMERS_CLI,
-        "serve",
-        model_path,
-        "--continuous-batching",
-        "--device",
-        "cuda" if torch.cuda.is_available() else "cpu",
-        "--dtype",
-        str(dtype).removeprefix("torch."),
-        "--attn-implementation",
-        "sdpa",
-        "--cb-block-size",  # the CLI's name for the page size (deprecated there, still read)
-        str(args.page_size),
-        "--cb-num-blocks",
-        str(blocks),
-        "--cb-max-batch-tokens",
-        str(args.max_batch_tokens),
-        "--host",
-        HOST,
-        "--port",
-        "0",
-        "--log-level",
-        "warning",
-    ]
-
-
-def request_body(system: System, prompt: str, max_tokens: int) -> dict:
+def request_body(name: str, prompt: str, max_tokens: int) -> dict:
     """A streamed greedy completion of exactly ``max_tokens`` tokens, as each server takes it:
     alisa reads vLLM's ``ignore_eos``; transformers refuses unknown fields, so its EOS is -1
     in the generation config it reads per request (its paged requests then never stop early)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    if system.server == "alisa":
+    if SYSTEMS[name] is not None:
         return {**body, "ignore_eos": True, "stream_options": {"include_usage": True}}
     greedy = {"do_sample": False, "max_new_tokens": max_tokens, "eos_token_id": -1}
     return {**body, "generation_config": json.dumps(greedy)}
 
 
-# --------------------------------------------------------------------------- one system
-
-
-def run_system(system: System, texts: list[str], args, folder: Path, watch, machine: dict) -> dict:
+def run_system(name: str, texts: list[str], args, folder: Path, watch, machine: dict) -> dict:
     """One system's row: its server started, warmed up, loaded and stopped; an error row
     naming why where it could not run."""
-    row: dict = {"system": system.name, "server": system.server, "machine": machine}
-    log = folder / f"{system.name}.log"
+    server_kind = "transformers" if SYSTEMS[name] is None else "alisa"
+    row: dict = {"system": name, "server": server_kind, "machine": machine}
+    log = folder / f"{name}.log"
     try:
-        path, config, dtype = served_model(args)
-        if system.server == "alisa":
-            command = alisa_command(system, args)
-            row["kv_budget_bytes"] = parse_bytes(args.kv_budget, field="--kv-budget")
-        else:
-            blocks, kv_bytes = transformers_blocks(config, dtype, args)
-            command = transformers_command(path, dtype, blocks, args)
-            row.update(kv_budget_bytes=kv_bytes, num_blocks=blocks, page_size=args.page_size)
-        row["command"] = " ".join(command[1:] if command[0] == sys.executable else command)
+        command, facts = server_command(name, args)
+        row.update(
+            facts, command=" ".join(command[1:] if command[0] == sys.executable else command)
+        )
         with serving(command, server_env(args), log, args) as server:
-            _warm_up(server, system, texts, args)
-            bodies = [request_body(system, text, args.max_tokens) for text in texts]
+            warm_up(server, name, texts, args)
+            bodies = [request_body(name, text, args.max_tokens) for text in texts]
             arrivals = poisson_arrivals(len(bodies), args.rate, args.seed)
-            with PeakKV(server.port, args.scrape_s) as kv:
-                load = run_load(server.port, bodies, arrivals, args)
-            row.update(measures(load, args, watch))
-            row.update(server_facts(system, server, kv, dtype))
+            done = threading.Event()
+            with ThreadPoolExecutor(1, "bench-scrape") as scraper:
+                seen = scraper.submit(watch_kv, server.port, args.scrape_s, done)
+                try:
+                    answers = run_load(server.port, bodies, arrivals, args)
+                finally:
+                    done.set()
+            row.update(measures(answers, args, watch))
+            row.update(server_facts(server_kind, server, seen.result(), args))
         row["server_exit"] = server.exit
     except (ServerError, ValueError, OSError) as error:
-        row["error"] = str(error)
-        row["server_log"] = _tail(log)
+        row.update(error=str(error), server_log=tail(log))
     return row
 
 
-def _warm_up(server: Server, system: System, texts: list[str], args) -> None:
+def warm_up(server: Server, name: str, texts: list[str], args) -> None:
     """Two short requests, one after the other (transformers allocates its paged cache at the
     first); a server that cannot answer them is an error row."""
     for text in texts[:2]:
-        body = request_body(system, text, WARM_UP_TOKENS)
-        answer = stream_completion(
-            server.port,
-            body,
-            timeout_s=args.request_timeout_s,
-            deadline_s=time.perf_counter() + args.request_timeout_s,
-        )
+        deadline = time.perf_counter() + args.request_timeout_s
+        body, timeout_s = request_body(name, text, 4), args.request_timeout_s
+        answer = stream_completion(server.port, body, timeout_s=timeout_s, deadline_s=deadline)
         if not answer.ok:
             raise ServerError(f"the warm-up request failed: {answer.error}: {answer.detail}")
 
 
-def _tail(log: Path, lines: int = 5) -> str:
+def tail(log: Path, lines: int = 5) -> str:
     if not log.is_file():
         return ""
     kept = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
     return " | ".join(kept[-lines:])
 
 
-def server_facts(system: System, server: Server, kv: PeakKV, dtype) -> dict:
-    """What the server says of itself: peak KV, preemptions, cache settings and kernels."""
-    if system.server == "transformers":
+def server_facts(kind: str, server: Server, seen: list[float], args) -> dict:
+    """What the server says of itself: peak KV (the most of the ``seen`` samples and one more
+    scrape after the load), preemptions, cache settings and kernels."""
+    if kind == "transformers":  # no /metrics; its paged cache is allocated whole
         switched = SWITCHED.search(server.log.read_text(errors="replace"))
         attention = switched.group(2) if switched else "sdpa"
-        return {
-            "peak_kv_bytes": None,  # no /metrics; the paged cache is allocated whole
-            "preemptions": None,
-            "kernels": f"{attention} over a paged cache (transformers continuous batching)",
-        }
+        kernels = f"{attention} over a paged cache (transformers continuous batching)"
+        return {"peak_kv_bytes": None, "preemptions": None, "kernels": kernels}
+    last = scrape(server.port)
+    seen = [*seen, last[DEVICE_KV]] if DEVICE_KV in last else seen
+    info = next((dict(labels) for name, labels in last if name == "alisa_cache_info"), {})
+    preemptions = [value for (name, _), value in last.items() if name == "alisa_preemptions_total"]
     return {
-        "peak_kv_bytes": None if kv.peak is None else int(kv.peak),
-        "kv_scrapes": kv.scrapes,  # the peak is the largest of these samples
-        "preemptions": kv.total("alisa_preemptions_total"),
-        "server_cache": kv.info,
-        "kernels": alisa_kernels(kv.info, dtype),
+        "peak_kv_bytes": int(max(seen)) if seen else None,
+        "kv_scrapes": len(seen),  # the peak is the largest of these samples
+        "preemptions": sum(preemptions) if preemptions else None,
+        "server_cache": info,
+        "kernels": alisa_kernels(info, args),
     }
 
 
-def alisa_kernels(info: dict[str, str], dtype) -> str:
+def alisa_kernels(info: dict[str, str], args) -> str:
     """The kernels an ``alisa serve`` cache with these settings runs on this machine, as
-    :func:`alisa.ops.backends.choose_ops` picks them (the server names only its ``kernels``
-    setting, not what it resolved to)."""
+    :func:`alisa.ops.backends.choose_ops` picks them (the server names only its setting)."""
     import torch
 
     from alisa.ops.backends import choose_ops
 
-    setting = info.get("kernels")
-    if not setting:
+    if not (setting := info.get("kernels")):
         return "unknown (no alisa_cache_info scraped)"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        ops = choose_ops(device, dtype, setting)
+        ops = choose_ops(device, served_model(args)[2], setting)
     except ValueError as error:
         return f"kernels={setting} ({error})"
     return f"{ops.describe()} [kernels={setting}]"
 
 
-def _percentile(values: list[float], q: float) -> float | None:
+def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-def measures(load: Load, args: argparse.Namespace, watch) -> dict:
+def measures(load: list[Answer | None], args: argparse.Namespace, watch) -> dict:
     """The row's client-side measures of one load (times without the stops ``watch`` saw)."""
-    answers = load.answers
+    answers = [answer for answer in load if answer is not None]
     done = [answer for answer in answers if answer.ok]
     failed = [answer for answer in answers if answer.error is not None]
-    first = min((answer.sent_s for answer in answers), default=load.started_s)
-    seconds = watch.active(first, load.ended_s) if answers else 0.0
+    ended = max((answer.end_s for answer in answers), default=0.0)
+    first = min((answer.sent_s for answer in answers), default=ended)
+    seconds = watch.active(first, ended)
     ttfts = [watch.active(a.sent_s, a.chunk_s[0]) for a in done if a.chunk_s]
     gaps = [
         watch.active(before, after)
@@ -751,49 +551,33 @@ def measures(load: Load, args: argparse.Namespace, watch) -> dict:
         for before, after in zip(answer.chunk_s, answer.chunk_s[1:], strict=False)
     ]
     output_tokens = sum(answer.tokens for answer in done)
-    kinds = Counter(answer.error for answer in failed)
+    prompt_tokens = [answer.prompt_tokens for answer in done if answer.prompt_tokens is not None]
     examples = {}
     for answer in failed:
         examples.setdefault(answer.error, answer.detail)
-    prompt_tokens = [answer.prompt_tokens for answer in done if answer.prompt_tokens is not None]
     return {
-        "requests": len(answers) + load.not_sent,
+        "requests": len(load),
         "sent": len(answers),
         "completed": len(done),
         "errors": len(failed),
-        "error_kinds": dict(kinds),
+        "error_kinds": dict(Counter(answer.error for answer in failed)),
         "error_examples": examples,
         "cut_off": sum(answer.cut_off for answer in answers),
-        "not_sent": load.not_sent,
+        "not_sent": len(load) - len(answers),
         "short": sum(answer.tokens < args.max_tokens for answer in done),
         "seconds": seconds,
-        "paused_s": watch.paused(first, load.ended_s) if answers else 0.0,
+        "paused_s": watch.paused(first, ended),
         "requests_per_s": len(done) / seconds if seconds > 0 else None,
         "output_tokens": output_tokens,
         "output_tokens_per_s": output_tokens / seconds if seconds > 0 else None,
         "prompt_tokens": sum(prompt_tokens) if prompt_tokens else None,
-        "ttft_p50_s": _percentile(ttfts, 50),
-        "ttft_p99_s": _percentile(ttfts, 99),
-        "itl_p50_s": _percentile(gaps, 50),
-        "itl_p99_s": _percentile(gaps, 99),
+        **{f"ttft_p{q}_s": percentile(ttfts, q) for q in (50, 99)},
+        **{f"itl_p{q}_s": percentile(gaps, q) for q in (50, 99)},
     }
 
 
-# --------------------------------------------------------------------------- report
-
-
-def _number(value, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def clean_exit(row: dict) -> bool:
-    """Whether the server stopped as it should on SIGTERM: ``alisa serve`` drains and exits 0;
-    ``transformers serve`` (plain uvicorn) shuts down, then dies of the signal it caught."""
-    clean = {"alisa": ("0",), "transformers": ("0", "SIGTERM")}[row["server"]]
-    return row.get("server_exit") in clean
-
-
-def _note(row: dict) -> str:
+def note(row: dict) -> str:
+    """What the table says of a row beyond its numbers."""
     if "error" in row:
         return f"error: {row['error']}"
     notes = []
@@ -804,9 +588,14 @@ def _note(row: dict) -> str:
         notes.append(f"--duration-s ran out: {row['cut_off']} cut off, {row['not_sent']} not sent")
     if row["short"]:
         notes.append(f"{row['short']} answers short of --max-tokens")
-    if not clean_exit(row):
+    # alisa serve drains and exits 0; transformers serve (uvicorn) dies of the SIGTERM it caught.
+    if row["server_exit"] not in ("0", "SIGTERM" if row["server"] == "transformers" else "0"):
         notes.append(f"server exit {row['server_exit']}")
     return "; ".join(notes)
+
+
+def number(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
@@ -825,16 +614,16 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         if "error" in row:
-            print(f"| {row['system']} | - | - | - | - | - | - | - | {_note(row)} |")
+            print(f"| {row['system']} | - | - | - | - | - | - | - | {note(row)} |")
             continue
         peak = row["peak_kv_bytes"]
         kv = format_bytes(peak) if peak is not None else f"({format_bytes(row['kv_budget_bytes'])})"
         itl = [None if v is None else v * 1000 for v in (row["itl_p50_s"], row["itl_p99_s"])]
         print(
             f"| {row['system']} | {row['completed']} / {row['sent']} | "
-            f"{_number(row['requests_per_s'], 2)} | {_number(row['output_tokens_per_s'])} | "
-            f"{_number(row['ttft_p50_s'], 2)} / {_number(row['ttft_p99_s'], 2)} | "
-            f"{_number(itl[0])} / {_number(itl[1])} | {row['errors']} | {kv} | {_note(row)} |"
+            f"{number(row['requests_per_s'], 2)} | {number(row['output_tokens_per_s'])} | "
+            f"{number(row['ttft_p50_s'], 2)} / {number(row['ttft_p99_s'], 2)} | "
+            f"{number(itl[0])} / {number(itl[1])} | {row['errors']} | {kv} | {note(row)} |"
         )
     print(
         'peak KV: the most alisa_kv_bytes{tier="device"} scraped from /metrics; in brackets: '
@@ -842,94 +631,57 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     )
 
 
-def ratios(rows: list[dict]) -> dict:
-    """The issue's targets, where both sides ran."""
-    by = {row["system"]: row for row in rows if "error" not in row}
+def workload_texts(args: argparse.Namespace) -> list[str]:
+    """The prompts of :func:`~experiments.bench_continuous.build_workload`, read with the served
+    model's tokenizer (no weights loaded)."""
+    from transformers import AutoTokenizer
 
-    def ratio(key: str, top: str, bottom: str) -> float | None:
-        if top not in by or bottom not in by or not by[top][key] or not by[bottom][key]:
-            return None
-        return by[top][key] / by[bottom][key]
+    from alisa.model.loading import resolve_model_path
 
-    return {
-        "tok_s_r0.2_vs_transformers": ratio("output_tokens_per_s", "alisa-r0.2", "transformers"),
-        "tok_s_r0.2_vs_r1": ratio("output_tokens_per_s", "alisa-r0.2", "alisa-r1"),
-        "tok_s_r1_vs_transformers": ratio("output_tokens_per_s", "alisa-r1", "transformers"),
-        "ttft_p99_r0.2_vs_transformers": ratio("ttft_p99_s", "alisa-r0.2", "transformers"),
-    }
+    root = data_dir(args.data_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
+    except OSError as error:  # no tokenizer files there, or a hub id while offline
+        said = " ".join(str(error).split())
+        raise ValueError(f"--model {args.model}: its tokenizer cannot be read: {said}") from None
+    return build_workload(tokenizer, root, args, [args.max_tokens]).texts
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         check_args(args)
-        chosen = systems(args.systems.split(","))
-        root = data_dir(args.data_dir)
-        texts = workload_texts(root, args)
+        chosen = choose(args.systems, tuple(SYSTEMS))
+        texts = workload_texts(args)
     except ValueError as error:
         print(f"bench_serve: error: {error}", file=sys.stderr)
         return 1
     from alisa.record import machine_record
-    from experiments.pauses import PauseWatch
 
-    machine = machine_record()
-    rows = []
+    machine, rows = machine_record(), []
     with tempfile.TemporaryDirectory(prefix="alisa-bench-serve-") as scratch, PauseWatch() as watch:
-        folder = Path(args.logs) if args.logs else Path(scratch)
+        folder = Path(args.logs or scratch)
         folder.mkdir(parents=True, exist_ok=True)
-        for system in chosen:
-            row = run_system(system, texts, args, folder, watch, machine)
-            rate = row.get("output_tokens_per_s")
-            said = row["error"] if "error" in row else f"{_number(rate)} output tok/s"
-            print(f"{system.name}: {said}", file=sys.stderr)
-            rows.append(row)
+        for name in chosen:
+            rows.append(run_system(name, texts, args, folder, watch, machine))
+            rate = number(rows[-1].get("output_tokens_per_s"))
+            print(f"{name}: {rows[-1].get('error') or f'{rate} output tok/s'}", file=sys.stderr)
     print_table(rows, args)
+    keys = ("prompts", "max_prompt_tokens", "max_tokens", "clients", "seed", "max_rows")
+    keys += ("page_size", "max_batch_tokens", "threads", "duration_s", "request_timeout_s")
     report = {
         "benchmark": "serve",
         "model": args.model,
         "dtype": args.dtype,
         "decoding": "greedy, EOS ignored",
-        "kv_budget_bytes": parse_bytes(args.kv_budget, field="--kv-budget"),
-        "prompts": args.prompts,
-        "max_prompt_tokens": args.max_prompt_tokens,
-        "max_tokens": args.max_tokens,
+        "kv_budget_bytes": parse_budget(args.kv_budget, field="--kv-budget"),
         "rate": None if math.isinf(args.rate) else args.rate,
-        "clients": args.clients,
-        "seed": args.seed,
-        "max_rows": args.max_rows,
-        "page_size": args.page_size,
-        "max_batch_tokens": args.max_batch_tokens,
-        "threads": args.threads,
-        "duration_s": args.duration_s,
-        "request_timeout_s": args.request_timeout_s,
+        **{key: getattr(args, key) for key in keys},
         "systems": rows,
-        "ratios": ratios(rows),
+        "ratios": ratios(rows, RATIOS),
     }
     print(json.dumps(report))
     return 0
-
-
-def workload_texts(root: Path, args: argparse.Namespace) -> list[str]:
-    """The prompts (chat template applied) of :func:`experiments.bench_continuous.build_workload`,
-    read with the served model's tokenizer (no weights loaded)."""
-    from transformers import AutoTokenizer
-
-    from alisa.model.loading import resolve_model_path
-    from experiments.bench_continuous import build_workload
-
-    path = resolve_model_path(args.model)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except OSError as error:  # no tokenizer files there, or a hub id while offline
-        said = " ".join(str(error).split())
-        raise ValueError(f"--model {args.model}: its tokenizer cannot be read: {said}") from None
-    chosen = argparse.Namespace(
-        prompts=args.prompts,
-        max_prompt_tokens=args.max_prompt_tokens,
-        new_tokens=str(args.max_tokens),
-        seed=args.seed,
-    )
-    return build_workload(tokenizer, root, chosen).texts
 
 
 if __name__ == "__main__":

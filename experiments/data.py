@@ -6,6 +6,7 @@ data is missing or malformed. Nothing is copied into the repository.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -92,6 +93,18 @@ def load_copa(root: Path) -> list[dict]:
 def load_xsum(root: Path) -> list[dict]:
     """H2O's 0-shot XSum prompts: ``article`` (ready prompt) and ``summary_gt``."""
     return read_jsonl(data_file(root, "xsum/h2o_xsum_0shot.jsonl"))
+
+
+def build_prompts(tokenizer, root: Path, count: int, low: int, high: int, path: Path) -> None:
+    """Write ``count`` batch-job rows to ``path``: XSum articles cut to lengths spread evenly
+    over [low, high] tokens, each followed by ``Summary:``."""
+    rows = load_xsum(root)
+    with path.open("w") as handle:
+        for index in range(count):
+            ids = tokenizer(rows[index % len(rows)]["article"])["input_ids"]
+            length = low + (high - low) * index // max(1, count - 1)
+            prompt = tokenizer.decode(ids[:length]) + "\nSummary:"
+            handle.write(json.dumps({"id": index, "prompt": prompt}) + "\n")
 
 
 def load_text(root: Path | None, path: str | None) -> tuple[str, str]:

@@ -12,7 +12,7 @@
 #   PARTS="tests stalls smoke" OUT=... bash experiments/gpu_checklist.sh    # some parts only
 #
 # Parts, in this order: tests, stalls, fetch (host retention's gather of fetched rows,
-# experiments.bench_fetch), smoke (B = 1 x 32K, 4 new tokens: does every system run at all),
+# experiments.kernels fetch), smoke (B = 1 x 32K, 4 new tokens: does every system run at all),
 # speed (B = 16 x 8K), costmodel, long (B = 1 x 32K), offloaded. Writes every log under $OUT/work
 # and packs them into $OUT/gpu.tgz after each part (what ran comes back even if a later part is
 # cut off).
@@ -50,8 +50,8 @@ SYSTEMS="$SYSTEMS;alisa:policy=swa,caching_ratio=0.1,retention=host"
 SYSTEMS="$SYSTEMS;alisa:policy=swa,caching_ratio=0.1"
 
 part tests "${T_TESTS:-150}" $PY -m pytest -q --tb=short -p no:cacheprovider tests/test_cuda.py
-part stalls "${T_STALLS:-100}" $PY -m experiments.gpu_stalls --out "$WORK"
-part fetch "${T_FETCH:-60}" $PY -m experiments.bench_fetch --threads 2
+part stalls "${T_STALLS:-100}" $PY -m probes.gpu_stalls --out "$WORK"
+part fetch "${T_FETCH:-60}" $PY -m experiments.kernels fetch --threads 2
 part smoke "${T_SMOKE:-90}" $PY -m experiments.bench_speed $SHAPE --batch 1 \
     --prompt-tokens 32768 --new-tokens 4 --systems "$SYSTEMS;alisa:gpu_memory=18GiB"
 part speed "${T_SPEED:-210}" $PY -m experiments.bench_speed $SHAPE --batch 16 \

@@ -17,13 +17,9 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from experiments.data import REPO_ROOT, read_jsonl  # noqa: E402
-from experiments.tasks.ruler.pool import pool_runs, seed_of  # noqa: E402
+from experiments.data import REPO_ROOT, read_jsonl
+from experiments.extras import pyplot
+from experiments.tasks.ruler.pool import pool_runs, seed_of
 
 MAIN_METRIC = {
     "perplexity": "perplexity",
@@ -87,54 +83,67 @@ def _fmt(value) -> str:
     return "" if value is None else str(value)
 
 
-def plot_sparsity_curves(task: str, rows: list[dict], folder: Path) -> Path | None:
-    metric = MAIN_METRIC.get(task)
-    if (
-        metric is None
-        or task == "throughput"
-        or not any("caching_ratio" in r["point"] for r in rows)
-    ):
-        return None
+def sparsity_lines(task: str, rows: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """{series: [(KV sparsity %, the task's main metric), ...]} sorted, one series per
+    :func:`series_name`; empty for a task without a main metric or a caching ratio."""
+    swept = any("caching_ratio" in row["point"] for row in rows)
+    if task not in MAIN_METRIC or task == "throughput" or not swept:
+        return {}
+    metric = MAIN_METRIC[task]
     lines = defaultdict(list)
     for row in rows:
         sparsity = 100 * (1 - row["point"].get("caching_ratio", 1.0))
         lines[series_name(row["point"])].append((sparsity, row["metrics"][metric]))
-    dense = [v for name, values in lines.items() if "policy=dense" in name for _, v in values]
-    figure, axis = plt.subplots(figsize=(6, 4))
-    for name, values in sorted(lines.items()):
-        if "policy=dense" in name:
-            continue
-        values.sort()
-        axis.plot([x for x, _ in values], [y for _, y in values], marker="o", label=name)
-    if dense:
-        axis.axhline(dense[0], color="black", linestyle="--", label="dense")
-    axis.set_xlabel("KV sparsity (%) = 1 - caching ratio")
-    axis.set_ylabel(metric)
-    if metric == "perplexity":
-        axis.set_yscale("log")  # one weak policy would otherwise flatten all the others
-    axis.set_title(f"{task}: {metric} vs KV sparsity")
-    axis.legend(fontsize=7)
-    return _save(figure, folder / f"{task}_vs_sparsity.png")
+    return {name: sorted(points) for name, points in lines.items()}
+
+
+def plot_sparsity_curves(task: str, rows: list[dict], folder: Path) -> Path | None:
+    """The task's main metric vs KV sparsity, a policy that keeps every token as one flat line."""
+    lines = sparsity_lines(task, rows)
+    if not lines:
+        return None
+    dense = [v for name, points in lines.items() if "policy=dense" in name for _, v in points]
+    metric = MAIN_METRIC[task]
+    return _plot(
+        {name: points for name, points in lines.items() if "policy=dense" not in name},
+        folder / f"{task}_vs_sparsity.png",
+        labels=("KV sparsity (%) = 1 - caching ratio", metric, f"{task}: {metric} vs KV sparsity"),
+        log=metric == "perplexity",  # one weak policy would otherwise flatten all the others
+        dense=dense[0] if dense else None,
+    )
 
 
 def plot_throughput(rows: list[dict], folder: Path) -> Path:
     lines = defaultdict(list)
     for row in rows:
-        lines[series_name(row["point"])].append(
-            (row["point"].get("batch", 1), row["metrics"]["tokens_per_s"])
-        )
+        point = row["point"]
+        lines[series_name(point)].append((point.get("batch", 1), row["metrics"]["tokens_per_s"]))
+    title = "throughput vs batch under a fixed memory budget"
+    labels = ("requested batch", "generated tokens/s", title)
+    return _plot(lines, folder / "throughput_vs_batch.png", labels=labels)
+
+
+def _plot(lines: dict, path: Path, *, labels: tuple, log=False, dense=None) -> Path:
+    """One line per series of (x, y) points; ``labels`` are the x axis', the y axis' and the
+    title; ``dense`` a horizontal reference line."""
+    plt = pyplot()
     figure, axis = plt.subplots(figsize=(6, 4))
-    for name, values in sorted(lines.items()):
-        values.sort()
-        axis.plot([x for x, _ in values], [y for _, y in values], marker="o", label=name)
-    axis.set_xlabel("requested batch")
-    axis.set_ylabel("generated tokens/s")
-    axis.set_title("throughput vs batch under a fixed memory budget")
+    for name, points in sorted(lines.items()):
+        points = sorted(points)
+        axis.plot([x for x, _ in points], [y for _, y in points], marker="o", label=name)
+    if dense is not None:
+        axis.axhline(dense, color="black", linestyle="--", label="dense")
+    axis.set_xlabel(labels[0])
+    axis.set_ylabel(labels[1])
+    axis.set_title(labels[2])
+    if log:
+        axis.set_yscale("log")
     axis.legend(fontsize=7)
-    return _save(figure, folder / "throughput_vs_batch.png")
+    return _save(plt, figure, path)
 
 
 def plot_layer_sparsity(rows: list[dict], folder: Path) -> Path:
+    plt = pyplot()
     values = [r["metrics"]["per_layer"] for r in rows]
     figure, axis = plt.subplots(figsize=(8, 1.2 + 0.4 * len(values)))
     image = axis.imshow(values, aspect="auto", cmap="viridis", vmin=0, vmax=1)
@@ -142,10 +151,10 @@ def plot_layer_sparsity(rows: list[dict], folder: Path) -> Path:
     axis.set_yticks(range(len(values)), [series_name(r["point"]) for r in rows], fontsize=7)
     axis.set_title("share of attention weights below 1 % of the row maximum")
     figure.colorbar(image, ax=axis)
-    return _save(figure, folder / "attention_sparsity_per_layer.png")
+    return _save(plt, figure, folder / "attention_sparsity_per_layer.png")
 
 
-def _save(figure, path: Path) -> Path:
+def _save(plt, figure, path: Path) -> Path:
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -153,12 +162,6 @@ def _save(figure, path: Path) -> Path:
 
 
 RULER_TASKS = ("ruler", "ruler_cost")  # one section for both (experiments.tasks.ruler.report)
-
-
-def build_report(folder: Path) -> str:
-    """``report.md`` (returned) and the plots of a run; a run with RULER rows also writes
-    ``summary.json`` (what :func:`main` prints as its last line)."""
-    return _build([folder], folder)[0]
 
 
 def _environment(env: dict) -> str:

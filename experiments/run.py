@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from collections.abc import Iterator
@@ -38,8 +37,8 @@ from alisa.jobs.io import OutputLog
 from alisa.jobs.lock import locked
 from alisa.jobs.parts import merge_parts, part_path, parts_dir, share
 from alisa.logs import log_to_stderr
-from alisa.record import machine_record
 from alisa.threads import use_threads
+from experiments.bench_speed import environment
 from experiments.data import data_dir
 from experiments.runconfig import (
     CONFIG_FIELDS,
@@ -56,27 +55,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="experiments.run", description=__doc__.splitlines()[0])
     add_run_options(parser)
     return parser.parse_args(argv)
-
-
-TIMING_VARIABLES = (
-    "OMP_NUM_THREADS",
-    "OMP_WAIT_POLICY",
-    "MALLOC_MMAP_THRESHOLD_",
-    "MALLOC_TRIM_THRESHOLD_",
-)
-
-
-def environment(threads: int) -> dict:
-    """Versions and machine facts beside every run (:func:`alisa.record.machine_record`)."""
-    return {
-        **machine_record(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "threads": threads,
-        # Settings that change timings without changing results (threads waiting, allocator).
-        "variables": {name: os.environ[name] for name in TIMING_VARIABLES if name in os.environ},
-        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
 
 
 @contextmanager

@@ -295,16 +295,14 @@ def _check_budgets_apply(config: RunConfig, file: Path) -> None:
 
 def _check_sweep_values(sweep: dict, file: Path) -> None:
     """The sweep keys that are not ``AlisaConfig`` fields (those are checked as configs)."""
-    for value in sweep.get("batch", []):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"config {file}: sweep.batch={value!r} must be an integer >= 1")
+    for key in ("batch", "length"):
+        for value in sweep.get(key, []):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"config {file}: sweep.{key}={value!r} must be an integer >= 1")
     for key in ("model", "system"):
         for value in sweep.get(key, []):
             if not isinstance(value, str) or not value.strip():
                 raise ValueError(f"config {file}: sweep.{key}={value!r} must be a string")
-    for value in sweep.get("length", []):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"config {file}: sweep.length={value!r} must be an integer >= 1")
     if sweep.get("family"):
         from experiments.tasks.ruler.families import FAMILIES
 

@@ -15,37 +15,29 @@ vocabulary here, so they are valid ids of every shape and every shape times the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import psutil
 import torch
 
-from alisa.model.loading import default_device, load_model, resolve_dtype
+from alisa.model.loading import load_model, resolve_device, resolve_dtype
 from alisa.sizes import format_bytes
 
 if TYPE_CHECKING:
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        PreTrainedModel,
-        PreTrainedTokenizerBase,
-        PreTrainedTokenizerFast,
-    )
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 SHAPE_PREFIX = "shape:"
 TOKENIZER_MODEL = "smollm2-135m"
 PAD, EOS = 0, 1  # the byte tokenizer's special ids
 
 
-@dataclass(frozen=True, kw_only=True)
-class LlamaShape:
-    """The dimensions of a Llama-architecture checkpoint (as in its ``config.json``)."""
+class LlamaShape(NamedTuple):
+    """The dimensions of a Llama-architecture checkpoint, as its ``config.json`` names them."""
 
     hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
     head_dim: int
     intermediate_size: int
     vocab_size: int
@@ -58,42 +50,9 @@ class LlamaShape:
 # changes the values of the rotary table, not the work per token, so plain RoPE keeps the same
 # speed and these configs simple.
 SHAPES = {
-    "llama-3.2-1b": LlamaShape(
-        hidden_size=2048,
-        num_layers=16,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=64,
-        intermediate_size=8192,
-        vocab_size=128256,
-        rope_theta=500000.0,
-        tie_word_embeddings=True,
-        max_position_embeddings=131072,
-    ),
-    "llama-3.1-8b": LlamaShape(
-        hidden_size=4096,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        intermediate_size=14336,
-        vocab_size=128256,
-        rope_theta=500000.0,
-        tie_word_embeddings=False,
-        max_position_embeddings=131072,
-    ),
-    "smollm2-135m": LlamaShape(
-        hidden_size=576,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        intermediate_size=1536,
-        vocab_size=49152,
-        rope_theta=100000.0,
-        tie_word_embeddings=True,
-        max_position_embeddings=8192,
-    ),
+    "llama-3.2-1b": LlamaShape(2048, 16, 32, 8, 64, 8192, 128256, 500000.0, True, 131072),
+    "llama-3.1-8b": LlamaShape(4096, 32, 32, 8, 128, 14336, 128256, 500000.0, False, 131072),
+    "smollm2-135m": LlamaShape(576, 30, 9, 3, 64, 1536, 49152, 100000.0, True, 8192),
 }
 
 
@@ -116,22 +75,9 @@ def shape_config(spec: str, **overrides) -> LlamaConfig:
     if name not in SHAPES:
         known = ", ".join(SHAPE_PREFIX + known for known in SHAPES)
         raise ValueError(f"model={spec!r} is not a known shape; choose one of {known}")
-    shape = SHAPES[name]
-    options = dict(
-        hidden_size=shape.hidden_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        intermediate_size=shape.intermediate_size,
-        vocab_size=shape.vocab_size,
-        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
-        tie_word_embeddings=shape.tie_word_embeddings,
-        max_position_embeddings=shape.max_position_embeddings,
-        rms_norm_eps=1e-5,
-    )
-    options.update(overrides)
-    return LlamaConfig(**options)
+    fields = SHAPES[name]._asdict()
+    rope = {"rope_type": "default", "rope_theta": fields.pop("rope_theta")}
+    return LlamaConfig(**{**fields, "rope_parameters": rope, "rms_norm_eps": 1e-5, **overrides})
 
 
 def weight_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
@@ -140,8 +86,7 @@ def weight_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    unique = {id(p): p for p in model.parameters()}.values()
-    return sum(p.numel() * p.element_size() for p in unique)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def available_bytes(device: torch.device) -> int:
@@ -158,19 +103,16 @@ def check_fits(
     *,
     config: LlamaConfig | None = None,
 ) -> None:
-    """Refuse a shape whose weights alone exceed the free memory, before allocating any.
-
-    ``config`` is the shape's config when already built (with overrides); ``device`` defaults as
-    in :func:`alisa.load_model`. The KV cache and activations come on top: passing is necessary,
-    not sufficient.
+    """Refuse a shape whose weights alone exceed the free memory on ``device`` (default as in
+    :func:`alisa.load_model`) before allocating any (``config``: the shape's with overrides).
+    The KV cache and activations come on top: passing is necessary, not sufficient.
 
     Raises
     ------
     ValueError
         Naming the shape, the dtype and the bytes needed and available; or an unknown shape.
     """
-    torch_dtype = shape_dtype(dtype)
-    target = torch.device(device) if device is not None else default_device()
+    torch_dtype, target = shape_dtype(dtype), resolve_device(device)
     needed = weight_bytes(config if config is not None else shape_config(spec), torch_dtype)
     free = available_bytes(target)
     if needed > free:
@@ -193,23 +135,12 @@ def build_shape_model(
     *,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device | None = None,
-    attn_implementation: str = "sdpa",
     **overrides,
 ) -> LlamaForCausalLM:
-    """A seeded random-weight ``LlamaForCausalLM`` of a shape, allocated in ``dtype`` on ``device``.
-
-    Parameters
-    ----------
-    spec
-        ``shape:NAME`` or ``NAME``, a key of :data:`SHAPES`.
-    dtype
-        ``float32``, ``bfloat16``, ``float16`` or ``auto`` (bfloat16).
-    device
-        Where the weights are drawn; default CUDA when available, else CPU (as ``load_model``).
-    attn_implementation
-        Attention used outside the ALISA cache; ``"sdpa"`` as in :func:`alisa.load_model`.
-    overrides
-        Config fields to change (tests shrink ``num_hidden_layers``; token ids).
+    """The seeded random-weight ``LlamaForCausalLM`` of ``spec`` (``shape:NAME`` or ``NAME``),
+    allocated in ``dtype`` (``auto``: bfloat16) on ``device`` (as ``load_model``: CUDA when
+    available), SDPA attention; ``overrides`` are config fields (tests shrink
+    ``num_hidden_layers``; token ids).
 
     Raises
     ------
@@ -218,15 +149,14 @@ def build_shape_model(
     """
     from transformers import AutoModelForCausalLM
 
-    torch_dtype = shape_dtype(dtype)
-    target = torch.device(device) if device is not None else default_device()
+    torch_dtype, target = shape_dtype(dtype), resolve_device(device)
     config = shape_config(spec, **overrides)
     check_fits(spec, torch_dtype, target, config=config)
     # fork_rng: the seed fixes the weights without moving the caller's random state.
     with torch.random.fork_rng(devices=[target] if target.type == "cuda" else []), target:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(
-            config, dtype=torch_dtype, attn_implementation=attn_implementation
+            config, dtype=torch_dtype, attn_implementation="sdpa"
         )
     return model.eval()
 
@@ -242,7 +172,7 @@ def load_tokenizer() -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def byte_tokenizer() -> PreTrainedTokenizerFast:
+def byte_tokenizer() -> PreTrainedTokenizerBase:
     """A tokenizer built in memory, no files read: ids 0/1 are pad/eos and every byte is one
     token (ids 2..257), so an ASCII text of n characters is exactly n tokens. Tests use it with
     tiny models; random prompts (:func:`random_prompts`) use it where SmolLM2's tokenizer is not
@@ -270,13 +200,9 @@ def random_prompts(tokens: int, count: int, seed: int = 0) -> list[str]:
     return ["".join(map(chr, row)) for row in codes.tolist()]
 
 
-def load_benchmark_model(
-    spec: str, *, dtype: str = "auto", tokenizer: str = "smollm2"
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_benchmark_model(spec: str, *, dtype: str = "auto", tokenizer: str = "smollm2"):
     """``(model, tokenizer)`` of a ``--model`` spec: a shape, else :func:`alisa.load_model`.
-
-    A shape takes SmolLM2's tokenizer, or :func:`byte_tokenizer` with ``tokenizer="bytes"``.
-    """
+    A shape takes SmolLM2's tokenizer, or :func:`byte_tokenizer` with ``tokenizer="bytes"``."""
     if not is_shape(spec):
         return load_model(spec, dtype=dtype)
     tokenizer = byte_tokenizer() if tokenizer == "bytes" else load_tokenizer()

@@ -1,6 +1,8 @@
 """Time one KV-cache system in a fresh process (clean peak memory); prints one JSON line.
 
-python -m experiments.worker --system hf-dynamic --batch 1 --prompt-tokens 2048 --new-tokens 32
+Run by :func:`run_in_subprocess` with one argument, the JSON of its options (``system`` and
+``bench_speed``'s workload flags); by hand, ``python -m experiments.bench_speed --systems S``
+runs one system this way.
 """
 
 from __future__ import annotations
@@ -10,23 +12,8 @@ import json
 import statistics
 import sys
 
-
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--system", required=True)
-    parser.add_argument(
-        "--model",
-        default="smollm2-135m",
-        help="alisa.load_model spec, or shape:NAME for random weights (experiments.shapes)",
-    )
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--prompt-tokens", type=int, default=2048)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--data-dir", default=None)
-    add_prompts_argument(parser)
-    return parser.parse_args(argv)
+# What a worker reads that a caller may leave out (bench_speed's defaults).
+DEFAULTS = {"data_dir": None, "prompts": "text", "text": None}
 
 
 def add_prompts_argument(parser: argparse.ArgumentParser) -> None:
@@ -155,13 +142,17 @@ def placement(cache) -> dict[str, float]:
 
 
 def run_in_subprocess(system: str, options: dict) -> dict:
-    """Run the worker for one system in a child process with the same environment."""
+    """Run the worker for one system in a child process with the same environment; ``options``:
+    ``model``, ``dtype``, ``batch``, ``prompt_tokens``, ``new_tokens``, ``threads`` and those of
+    :data:`DEFAULTS`."""
     import subprocess
 
-    command = [sys.executable, "-m", "experiments.worker", "--system", system]
-    for key, value in options.items():
-        if value is not None:
-            command += [f"--{key.replace('_', '-')}", str(value)]
+    command = [
+        sys.executable,
+        "-m",
+        "experiments.worker",
+        json.dumps({**options, "system": system}),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"worker for {system!r} failed:\n{done.stderr[-3000:]}")
@@ -169,4 +160,4 @@ def run_in_subprocess(system: str, options: dict) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure(parse_args())))
+    print(json.dumps(measure(argparse.Namespace(**{**DEFAULTS, **json.loads(sys.argv[1])}))))

@@ -10,7 +10,7 @@ from scheduler.budget import KeepRule, mean_kept
 
 # Share of the budget fetched from the host per selection and KV head with retention="host",
 # selecting every step (tokens chosen now that the device did not hold), by the share of the
-# selectable budget ranked by attention history: `python -m experiments.bench_reselect --intervals
+# selectable budget ranked by attention history: `python -m probes.bench_reselect --intervals
 # 1 [--history-share 0]` (SmolLM2-135M float32, 4 WikiText-2 prompts of 1024 tokens, SWA r = 0.2,
 # 32 steps) measured 0.174 with the key sketch alone and 0.124 with the default share of 0.5 (the
 # history favours tokens already held). Linear in the share between the two, flat past 0.5. The
@@ -24,7 +24,7 @@ FETCH_SHARE = FETCH_SHARES[-1][1]  # the default configuration's
 # (sum of keeper.fetched / sum of keeper.steps over cache.layers, prefill excluded), SmolLM2-135M
 # float32, one thread, 64 greedy decode steps after 4 WikiText-2 prompts of 1024 tokens
 # (experiments.worker.prompts_of_length), AlisaConfig(policy="swa", caching_ratio=0.2,
-# retention="host", reselect_every=s); `python -m experiments.bench_reselect --steps 64`
+# retention="host", reselect_every=s); `python -m probes.bench_reselect --steps 64`
 # reproduces it. (At s = 1 that is 0.124 of the budget with the default history share.) Linear in
 # log2 s between the points, the last one past s = 8.
 FETCH_GROWTH = ((0.0, 1.0), (1.0, 1.18), (2.0, 1.26), (3.0, 1.25))

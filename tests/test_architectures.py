@@ -10,7 +10,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from alisa import AlisaCache, AlisaConfig
 from alisa.model.adapter import model_shape
-from experiments.architecture_table import (
+from experiments.architectures import (
     EXACT,
     FAMILIES,
     NOT_RUN,
@@ -19,8 +19,8 @@ from experiments.architecture_table import (
     VARIANTS,
     build,
     families,
+    run_family,
 )
-from experiments.architectures import run_family
 
 NEW = 6
 MODES = {

@@ -10,7 +10,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 import alisa.kv.attention as attention_module
 from alisa import AlisaCache, AlisaConfig
 from alisa.kv.banded import KEY_BLOCK, banded_prefill
-from experiments.architecture_table import FAMILIES, build
+from experiments.architectures import FAMILIES, build
 
 
 class Attention(nn.Module):

@@ -1,5 +1,7 @@
-"""experiments.bench_continuous: transformers' paged run under a KV budget, timelines, systems."""
+"""experiments.bench_continuous: transformers' paged run under a KV budget, timelines, systems,
+the stops of this process left out, bad flags refused."""
 
+import logging
 import os
 import signal
 import subprocess
@@ -15,10 +17,9 @@ from alisa import AlisaCache, AlisaConfig
 from alisa.runtime.continuous import ContinuousScheduler
 from alisa.runtime.engine import Engine
 from alisa.runtime.requests import RowLimit, StepRecord
-from experiments.bench_continuous import systems
-from experiments.hf_continuous import block_bytes, run_paged
-from experiments.pauses import PauseWatch
-from experiments.timeline import Timeline
+from experiments import bench_continuous
+from experiments.bench_continuous import block_bytes, counting_offloads, run_paged, systems
+from experiments.timeline import PauseWatch, Timeline
 
 REPO = Path(__file__).parent.parent
 LENGTHS = (23, 6, 41, 12, 30)
@@ -30,7 +31,7 @@ def test_transformers_paged_run_gives_alisa_r1_tokens_within_the_budget():
     model.generation_config.eos_token_id = None
     ids = prompts(LENGTHS)
     # Room for about two of these rows at a time: transformers must wait or preempt.
-    budget = 6 * block_bytes(model, page_size=16)
+    budget = 6 * block_bytes(model.config, model.dtype, page_size=16)
     paged = run_paged(model, ids, list(NEW_TOKENS), kv_bytes=budget, eos_ids=[-1], max_rows=3)
     assert paged.errors == [] and paged.kv_bytes <= budget
     assert [len(tokens) for tokens in paged.tokens] == list(NEW_TOKENS)
@@ -69,16 +70,52 @@ def test_timelines_count_rows_over_time():
 
 
 def test_systems_are_named_or_refused():
-    chosen = systems(["static-drop", "hf"])
+    chosen = systems("static-drop,hf")
     assert [s.name for s in chosen] == ["static-drop", "hf"]
     assert chosen[0].static and chosen[0].config.caching_ratio == 0.2 and chosen[1].config is None
-    assert len(systems(["all"])) == 11
-    separate = systems(["continuous-host-separate"])[0]
-    assert not separate.mixed and separate.config.retention == "host"
-    reserve = systems(["continuous-host-reserve"])[0]
+    assert len(systems("all")) == 11
+    separate = systems("continuous-host-separate")[0]
+    assert not separate.mixed and not separate.static and separate.config.retention == "host"
+    reserve = systems("continuous-host-reserve")[0]
     assert reserve.reserve and reserve.mixed and reserve.config.retention == "host"
+    dense = systems("continuous-dense")[0]
+    assert dense.config == AlisaConfig() and not (dense.reserve or dense.static)
     with pytest.raises(ValueError, match="--systems nope unknown; valid: static-drop"):
-        systems(["nope"])
+        systems("nope")
+
+
+def test_offloads_are_counted_and_not_printed(capsys):
+    logger = logging.getLogger("ContinuousBatchingLogger")
+    level = logger.level
+    with counting_offloads() as counts:
+        logger.info("Offloaded 2 requests (0 to CPU, 2 soft reset): 1 starved requests remain.")
+        logger.info("Offloaded 1 requests (1 to CPU, 0 soft reset): 0 starved requests remain.")
+        logger.info("Scheduled 3 requests")
+    assert counts == [2, 1] and logger.level == level
+    assert "Offloaded" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--prompts", "0"], "bench_continuous: error: --prompts=0 must be >= 1"),
+        (["--repeats", "0"], "bench_continuous: error: --repeats=0 must be >= 1"),
+        (["--kv-budget", "0"], "bench_continuous: error: --kv-budget='0' must be a byte size > 0"),
+        (["--systems", "hf", "--plot-systems", "static-drop"], "--plot-systems static-drop: not"),
+        (["--plot-systems", "nope"], "--plot-systems nope unknown; valid: static-drop"),
+    ],
+)
+def test_bad_flags_are_refused_before_any_work(flags, needle, capsys):
+    assert bench_continuous.main(flags) == 1
+    captured = capsys.readouterr()
+    assert needle in captured.err and captured.out == "" and "Traceback" not in captured.err
+
+
+def test_bad_token_counts_are_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exited:
+        bench_continuous.main(["--new-tokens", "16,0"])
+    assert exited.value.code == 2
+    assert "'16,0' is not comma-separated token counts >= 1" in capsys.readouterr().err
 
 
 def test_pause_watch_leaves_out_the_seconds_a_process_was_stopped():
@@ -91,7 +128,7 @@ def test_pause_watch_leaves_out_the_seconds_a_process_was_stopped():
 
 STOPPED = """
 import time
-from experiments.pauses import PauseWatch
+from experiments.timeline import PauseWatch
 with PauseWatch() as watch:
     print("ready", flush=True)
     time.sleep(3.0)

@@ -1,4 +1,4 @@
-"""experiments.bench_packing: a forward's cost by tokens, and what a mixed forward would save."""
+"""probes.bench_packing: a forward's cost by tokens, and what a mixed forward would save."""
 
 import json
 
@@ -7,7 +7,7 @@ import torch
 from conftest import byte_tokenizer, tiny_llama
 
 import experiments.shapes
-from experiments.bench_packing import forward_costs, main, parse_args, print_table
+from probes.bench_packing import forward_costs, main, parse_args, print_table
 
 
 def test_forward_costs_time_the_four_forwards_they_name():

@@ -1,11 +1,11 @@
-"""experiments.bench_reselect: the fetch and step figures per re-selection interval."""
+"""probes.bench_reselect: the fetch and step figures per re-selection interval."""
 
 import pytest
 import torch
 from conftest import padded_batch, tiny_llama
 
 from alisa import AlisaConfig
-from experiments.bench_reselect import decode, fetch_figures, parse_args, print_table
+from probes.bench_reselect import decode, fetch_figures, parse_args, print_table
 
 
 @pytest.mark.parametrize("interval", [1, 3])
@@ -57,7 +57,7 @@ def test_main_prints_a_row_per_interval(monkeypatch, capsys):
 
     import experiments.data
     import experiments.shapes
-    from experiments.bench_reselect import main
+    from probes.bench_reselect import main
 
     text = (Path(__file__).parent / "fixtures" / "prose.txt").read_text(encoding="utf-8")
     monkeypatch.setattr(

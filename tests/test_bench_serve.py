@@ -18,6 +18,7 @@ from serve_support import model_dir
 
 from alisa.record import machine_record
 from experiments import bench_serve
+from experiments.bench_continuous import block_bytes
 from experiments.bench_serve import (
     ServerError,
     measures,
@@ -27,8 +28,7 @@ from experiments.bench_serve import (
     server_env,
     serving,
 )
-from experiments.hf_continuous import block_bytes
-from experiments.pauses import PauseWatch
+from experiments.timeline import PauseWatch
 
 PROSE = Path(__file__).parent / "fixtures" / "prose.txt"
 
@@ -93,7 +93,8 @@ def test_alisa_and_transformers_serve_the_same_workload(tmp_path, capsys):
     assert alisa["server_exit"] == "0" and paged["server_exit"] in ("0", "SIGTERM")
     assert "--cb-num-blocks" in paged["command"] and paged["peak_kv_bytes"] is None
     block = paged["kv_budget_bytes"] // paged["num_blocks"]
-    assert block == block_bytes(tiny_llama(), page_size=16)  # the model served, in float32
+    model = tiny_llama()  # the model served, in float32
+    assert block == block_bytes(model.config, model.dtype, page_size=16)
     assert paged["kv_budget_bytes"] <= 1024 * 1024 < paged["kv_budget_bytes"] + block
     assert alisa["kernels"].endswith("[kernels=auto]") and "paged" in paged["kernels"]
     assert report["ratios"]["tok_s_r0.2_vs_transformers"] == pytest.approx(
@@ -177,7 +178,7 @@ def load(port: int, prompts: list[str], *flags: str):
     bodies = [{"prompt": prompt, "stream": True} for prompt in prompts]
     with PauseWatch() as watch:
         result = run_load(port, bodies, poisson_arrivals(len(bodies), args.rate, 0), args)
-        return measures(result, args, watch), result.answers
+        return measures(result, args, watch), [answer for answer in result if answer]
 
 
 def test_errors_are_counted_by_kind_and_short_answers_apart(fake_port):

@@ -1,4 +1,4 @@
-"""The compiled INT8 writer of new tokens (``alisa.storage.kernels.code_rows``) against the
+"""The compiled INT8 writer of new tokens (``alisa.ops.cpu.code_rows``) against the
 reference, ``quant.quantize`` and three writes: the same bytes in the region, and the
 reference's own path wherever float16 cannot hold a row's scale or zero point."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import alisa.storage.quantized
-from alisa.storage.kernels import _half_bits, _half_ceil, code_rows
+from alisa.ops.cpu import _half_bits, _half_ceil, code_rows
 from alisa.storage.quantized import QuantizedStore
 from quant import quantize
 

@@ -1,7 +1,7 @@
 """A decode step's attention by the compiled kernels equals PyTorch's path over the same slots.
 
 On a CPU, :meth:`QuantizedStore.attend` scores and sums the INT8 codes where they are and
-:meth:`DenseStore.attend` the float32 buffers (:mod:`alisa.storage.attend`), instead of
+:meth:`DenseStore.attend` the float32 buffers (:mod:`alisa.ops.cpu`), instead of
 PyTorch's product, mask, softmax and product over :meth:`parts` (for INT8, the region written
 dequantized each step): the reference, and CUDA's path. The kernels reassociate sums, so outputs
 agree to float32 rounding; the slots seen, the ring's exact rows and the rows that see nothing
@@ -17,7 +17,7 @@ from conftest import hf_generate, padded_batch, tiny_llama
 
 from alisa import AlisaCache, AlisaConfig
 from alisa.kv.attention import _visible, grouped_attention_parts
-from alisa.storage.kernels import HALVES, slot_logits, slot_output
+from alisa.ops.cpu import HALVES, slot_logits, slot_output
 from alisa.storage.quantized import QuantizedStore
 from alisa.storage.store import DenseStore
 
@@ -36,6 +36,7 @@ def random_store(rng: np.random.Generator, *, shared: bool, residual: int, capac
         group_size=None,
         residual_tokens=residual,
         groups=hs,
+        compiled=True,
     )
     seen = capacity - 8
     positions = torch.full((batch, hs, capacity), -1, dtype=torch.int64)
@@ -93,7 +94,9 @@ def test_the_ring_is_read_exactly():
     written from other values, would be far off)."""
     keys = torch.randn(1, 1, 4, 8)
     values = torch.randn(1, 1, 4, 8)
-    store = QuantizedStore(keys, values, 4, bits=8, group_size=None, residual_tokens=4, groups=1)
+    store = QuantizedStore(
+        keys, values, 4, bits=8, group_size=None, residual_tokens=4, groups=1, compiled=True
+    )
     store.codes.data.fill_(255)  # codes no longer say anything about the tokens
     positions = torch.arange(4).view(1, 1, 4)
     query = torch.randn(1, 2, 1, 8)
@@ -167,7 +170,8 @@ def test_other_formats_read_the_dequantized_region():
     positions = torch.arange(4).view(1, 1, 4)
 
     def store(keys=keys, **options):
-        settings = dict(bits=8, group_size=None, residual_tokens=2, groups=1) | options
+        settings = dict(bits=8, group_size=None, residual_tokens=2, groups=1, compiled=True)
+        settings |= options
         return QuantizedStore(keys, keys.clone(), 4, **settings)
 
     assert store().attend(positions, query, 4, None, 0.25) is not None
@@ -188,14 +192,14 @@ def test_float32_slots_equal_pytorch(shared, window):
     for trial in range(4):
         _, positions, seen, query = random_store(rng, shared=shared, residual=0)
         keys = torch.randn(3, 2, positions.shape[-1], 16)
-        store = DenseStore(keys, torch.randn_like(keys), keys.shape[2])
+        store = DenseStore(keys, torch.randn_like(keys), keys.shape[2], compiled=True)
         seen -= trial
         output, probabilities = store.attend(positions, query, seen, window, 0.25)
         expected_output, expected = reference(store, positions, query, seen, window)
         assert torch.equal(probabilities == 0, expected == 0)
         torch.testing.assert_close(probabilities, expected, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(output, expected_output, rtol=1e-5, atol=1e-5)
-    half = DenseStore(keys.bfloat16(), keys.bfloat16(), keys.shape[2])
+    half = DenseStore(keys.bfloat16(), keys.bfloat16(), keys.shape[2], compiled=True)
     assert half.attend(positions, query.bfloat16(), seen, window, 0.25) is None  # PyTorch's
     assert (
         DenseStore(keys, keys, keys.shape[2], compiled=False).attend(

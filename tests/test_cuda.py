@@ -24,8 +24,7 @@ from transformers import DynamicCache
 
 from alisa import AlisaCache, AlisaConfig
 from alisa.kv.cache import default_keeper
-from experiments.architecture_table import EXACT, FAMILIES
-from experiments.architectures import run_family
+from experiments.architectures import EXACT, FAMILIES, run_family
 
 DEVICE = torch.device(os.environ.get("ALISA_TEST_DEVICE", "cuda"))
 CUDA = DEVICE.type == "cuda"
@@ -215,7 +214,7 @@ def test_every_row_on_the_device_is_the_row_the_host_region_holds():
 
 def sync_count(model, cache, ids, mask) -> int:
     """Synchronisations CUDA's sync debug mode reports over 16 greedy decode steps."""
-    from experiments.gpu_stalls import SyncLog
+    from probes.gpu_stalls import SyncLog
 
     log = SyncLog()
     watched_decode(model, cache, ids, mask, log, warm_up=3, steps=16)
@@ -287,10 +286,11 @@ def test_a_decode_step_synchronises_within_its_budget(config, allowed, mapped, c
 def test_the_mapped_fetch_kernel_equals_its_reference(dtype, coded):
     """The Triton kernel reads page-locked host rows from the device and writes the same
     values as its PyTorch reference, bit for bit."""
-    from alisa.storage.mapped import fetch_into, mapped_reads
+    from alisa.ops import cuda, reference
+    from alisa.ops.backends import available_ops
     from quant import quantize
 
-    assert mapped_reads(DEVICE)  # Triton ships with PyTorch's CUDA builds
+    assert "cuda" in available_ops()  # Triton ships with PyTorch's CUDA builds
     torch.manual_seed(0)
     batch_, heads, positions, dim, capacity, entries = 3, 2, 300, 64, 40, 33
     pair = (torch.randn(2, batch_, heads, positions, dim) * 3 + 1).to(dtype)
@@ -308,9 +308,9 @@ def test_the_mapped_fetch_kernel_equals_its_reference(dtype, coded):
     fetch = (torch.rand(batch_, heads, entries) < 0.5).to(DEVICE)
     start = torch.randn(batch_, heads, capacity, dim, device=DEVICE).to(dtype)
     written = []
-    for kernel in (True, False):
+    for fetch_placed in (cuda.fetch_placed, reference.fetch_placed):
         keys, values = start.clone(), start + 1
-        fetch_into(region, chosen, fetch, target, keys, values, kernel=kernel)
+        fetch_placed(region, chosen, fetch, target, keys, values)
         written.append((keys, values))
     torch.cuda.synchronize()
     assert torch.equal(written[0][0], written[1][0])
@@ -321,16 +321,17 @@ def test_the_mapped_fetch_kernel_equals_its_reference(dtype, coded):
 @pytest.mark.parametrize("ties", [True, False], ids=["ties", "distinct"])
 def test_the_placing_kernel_equals_choosing_then_placing(ties):
     """The Triton kernel, compiled: the same chosen positions, fetch flags, target slots and slot
-    map as :func:`choose` then :meth:`SlotMap.place` (PyTorch ops), on random steps."""
+    map as :func:`alisa.ops.reference.select_rule` then :func:`alisa.ops.reference.place`
+    (PyTorch ops), on random steps."""
     import dataclasses
 
     from test_kernels import random_choice, slot_map
 
-    from alisa.kv.choice import choose
-    from alisa.kv.placing import choose_and_place
-    from alisa.storage.mapped import mapped_reads
+    from alisa.ops import reference
+    from alisa.ops.backends import available_ops
+    from alisa.ops.cuda import choose_and_place
 
-    assert mapped_reads(DEVICE)  # Triton ships with PyTorch's CUDA builds
+    assert "cuda" in available_ops()  # Triton ships with PyTorch's CUDA builds
     rng = np.random.default_rng(8 if ties else 9)
     torch.manual_seed(0)
     fetched = 0
@@ -343,8 +344,8 @@ def test_the_placing_kernel_equals_choosing_then_placing(ties):
         inputs = dataclasses.replace(
             on_host, logits=on_host.logits.to(DEVICE), history=history, positions=apart.positions
         )
-        chosen, taken = choose(inputs, compiled=False)
-        expected = apart.place(chosen, taken, inputs.budget)
+        chosen, taken = reference.select_rule(inputs)
+        expected = reference.place(apart.positions, chosen, taken, inputs.seen)
         got = choose_and_place(dataclasses.replace(inputs, positions=fused.positions))
         for mine, theirs in zip(got, expected, strict=True):
             assert torch.equal(mine, theirs)
@@ -427,7 +428,7 @@ def test_a_capped_or_sink_prefill_by_chunk_bands_gives_hfs_tokens_on_the_device(
     from test_banded import FIVE_QUERY_CHUNKS
 
     import alisa.kv.attention as attention_module
-    from experiments.architecture_table import build
+    from experiments.architectures import build
 
     monkeypatch.setattr(attention_module, "SEED_CHUNK_VALUES", FIVE_QUERY_CHUNKS)
     model = build(FAMILIES[name]).to(DEVICE)

@@ -72,6 +72,9 @@ threads = 1
     return path
 
 
+CONFIGS = Path(__file__).resolve().parents[1] / "experiments" / "configs"
+
+
 def rows(folder: Path) -> list:
     return [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
 
@@ -299,28 +302,84 @@ def test_both_protocols_score_the_tokens_a_full_forward_scores():
         protocol_prefill("batch", 40)
 
 
-def test_the_retention_plot_reads_one_protocol_and_names_the_preset(tmp_path):
-    from experiments.plot_retention import main as plot_main
-    from experiments.plot_retention import series
+def test_the_sparsity_plot_draws_a_line_per_policy_retention_preset_and_protocol(tmp_path):
+    """What ``experiments.plot_retention`` drew from fidelity runs, the report draws from a run:
+    perplexity vs KV sparsity, one series per retention, preset and protocol, dense flat."""
+    from experiments.report import plot_sparsity_curves, sparsity_lines
 
-    def report(preset, ppl):
-        return {"retention": "drop", "preset": preset, "perplexity": ppl}
+    def row(policy, ratio, ppl, retention="drop", preset="default", protocol="streaming"):
+        point = {"task": "perplexity", "policy": policy, "caching_ratio": ratio}
+        point |= {"retention": retention, "preset": preset, "protocol": protocol}
+        return {"point": point, "metrics": {"perplexity": ppl}}
 
-    reports = [
-        report("default", {"streaming": {"dense@1": 23.0, "swa@0.2": 31.0, "swa@0.5": 27.0}}),
-        report("paper", {"streaming": {"swa@0.2": 44.8}, "prefill": {"swa@0.2": 29.2}}),
+    rows = [
+        row("dense", 1.0, 23.0),
+        row("swa", 0.2, 31.0),
+        row("swa", 0.5, 27.0),
+        row("swa", 0.2, 23.6, retention="host"),
+        row("swa", 0.2, 44.8, preset="paper"),
+        row("swa", 0.2, 29.2, preset="paper", protocol="prefill"),
     ]
-    lines = series(reports, "streaming")
-    assert lines["swa (drop)"] == [(0.2, 31.0), (0.5, 27.0)]
-    assert lines["swa (drop, paper)"] == [(0.2, 44.8)] and lines["dense"] == [(1.0, 23.0)]
-    assert series(reports, "prefill") == {"swa (drop, paper)": [(0.2, 29.2)]}
-    paths = []
-    for index, item in enumerate(reports):
-        paths.append(tmp_path / f"{index}.txt")
-        paths[-1].write_text("table\n" + json.dumps(item) + "\n")
-    figure = tmp_path / "plot.png"
-    assert plot_main([*map(str, paths), "-o", str(figure), "--policies", "swa"]) == 0
-    assert figure.stat().st_size > 0
+    lines = sparsity_lines("perplexity", rows)
+    name = "policy={}, retention={}, preset={}, protocol={}".format
+    assert lines[name("swa", "drop", "default", "streaming")] == [
+        (50.0, 27.0),
+        (pytest.approx(80.0), 31.0),
+    ]
+    assert lines[name("swa", "host", "default", "streaming")] == [(pytest.approx(80.0), 23.6)]
+    assert lines[name("swa", "drop", "paper", "prefill")] == [(pytest.approx(80.0), 29.2)]
+    assert lines[name("dense", "drop", "default", "streaming")] == [(0.0, 23.0)]
+    assert len(lines) == 5
+    figure = plot_sparsity_curves("perplexity", rows, tmp_path)
+    assert figure == tmp_path / "perplexity_vs_sparsity.png" and figure.stat().st_size > 0
+    assert sparsity_lines("copa", [{"point": {"task": "copa"}, "metrics": {"acc": 1}}]) == {}
+
+
+def test_the_fidelity_config_reads_passkeys_answers_from_ten_new_tokens(workspace, monkeypatch):
+    """``experiments/configs/fidelity.toml`` is what ``experiments.fidelity`` ran: perplexity per
+    protocol (the segments one batch) and passkey retrieval, whose answer is read from 10 greedy
+    tokens (12 without the option); ``--set`` narrows it as the old flags did."""
+    import experiments.tasks.accuracy as accuracy
+
+    root, model_dir, data = workspace
+    (data / "passkey_niah").mkdir(exist_ok=True)
+    passkey = {"prompt": "The pass key is 71432. Remember it. The pass key is", "answer": 71432}
+    passkeys = [{**passkey, "id": n, "depth": 0.5} for n in range(2)]
+    (data / "passkey_niah" / "passkey_landmark_format.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in passkeys)
+    )
+    asked = []
+
+    def generate(model, tokenizer, prompt, config, max_new_tokens):
+        asked.append(max_new_tokens)
+        return type("Output", (), {"texts": [" 71432"]})()
+
+    monkeypatch.setattr(accuracy, "generate", generate)
+    overrides = [f"sweep.model={model_dir}", "sweep.policy=dense,swa", "sweep.caching_ratio=0.5"]
+    overrides += [
+        "sweep.protocol=streaming",
+        "sweep.batch=2",
+        "options.perplexity.segment_tokens=48",
+    ]
+    overrides += [f"runtime.data_dir={str(data)!r}", f"runtime.results_dir={str(root / 'f')!r}"]
+    argv = ["--config", str(CONFIGS / "fidelity.toml"), "--no-progress"]
+    assert run_main([*argv, *(item for o in overrides for item in ("--set", o))]) == 0
+    [folder] = (root / "f" / "fidelity").iterdir()
+    results = {(r["point"]["task"], r["point"]["policy"]): r for r in rows(folder)}
+    assert sorted(results) == [
+        ("passkey", "dense"),
+        ("passkey", "swa"),
+        ("perplexity", "dense"),
+        ("perplexity", "swa"),
+    ]
+    assert results["perplexity", "swa"]["metrics"]["tokens"] == 2 * (48 - 1)
+    assert (
+        results["passkey", "swa"]["metrics"] | {"accuracy": 1.0, "n": 2}
+        == (results["passkey", "swa"]["metrics"])
+    )
+    assert asked == [10] * 4
+    with pytest.raises(ValueError, match="options.passkey.new_tokens=0 must be an integer >= 1"):
+        load_config(CONFIGS / "fidelity.toml", ["options.passkey.new_tokens=0"])
 
 
 @pytest.mark.parametrize(

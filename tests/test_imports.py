@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("alisa", "scheduler", "quant", "experiments")
+PACKAGES = ("alisa", "scheduler", "quant", "experiments", "probes")
 
 
 def module_files() -> dict[str, Path]:
@@ -128,7 +128,6 @@ FLOORS = (
             "alisa.logs",
             "alisa.assignments",
             "alisa.threads",
-            "alisa.kernel_threads",
         ),
     ),
     ("settings", ("alisa.policies", "alisa.settings", "alisa.config")),
@@ -141,6 +140,7 @@ FLOORS = (
     ("front ends", ("alisa.jobs", "alisa.calibration", "alisa.record", "alisa.serve")),
     ("public API", ("alisa",)),
     ("experiments", ("experiments",)),
+    ("probes", ("probes",)),  # one-off measurements, not installed
     ("CLI", ("alisa.commands", "alisa.cli", "alisa.__main__")),
 )
 

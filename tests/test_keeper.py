@@ -6,7 +6,7 @@ from conftest import hf_generate, padded_batch, tiny_llama
 
 from alisa import AlisaCache, AlisaConfig
 from alisa.kv.keeper import Keeper
-from alisa.kv.selection import top_k, with_protections
+from alisa.ops.reference import top_k, with_protections
 
 
 class NewestKeeper(Keeper):

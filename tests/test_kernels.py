@@ -1,9 +1,10 @@
 """The compiled CPU kernels of host retention equal their PyTorch references, exactly.
 
-Host retention's choice, slot swap and history run as numba kernels on a CPU and as PyTorch
-ops elsewhere (``compiled=False``, CUDA's path). Both rank by the same integer keys with the
-same tie rule, so they must choose the same tokens, put them in the same slots and keep the same
-sums, bit for bit: checked here on random inputs with many ties, and end to end on generations.
+Host retention's choice, slot swap and history run as numba kernels (:mod:`alisa.ops.cpu`) on a
+CPU and as PyTorch ops elsewhere (:mod:`alisa.ops.reference`, the definitions). Both rank by the
+same integer keys with the same tie rule, so they must choose the same tokens, put them in the
+same slots and keep the same sums, bit for bit: checked here on random inputs with many ties,
+and end to end on generations.
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ import pytest
 import torch
 from conftest import forced_ops, hf_generate, padded_batch, tiny_llama
 
-import alisa.kv.choice
 import alisa.kv.history
+import alisa.ops.cpu as compiled_ops
 import alisa.storage.pages
 from alisa import AlisaCache, AlisaConfig
 from alisa.kv.cache import default_keeper
-from alisa.kv.choice import ChoiceInputs, choose, ordered_key
 from alisa.kv.history import PositionHistory
-from alisa.kv.slots import FREE, SlotMap
+from alisa.kv.slots import SlotMap
+from alisa.ops import reference
+from alisa.ops.reference import FREE, ChoiceInputs, SelectionStep, ordered_key
 from alisa.storage.pages import FetchedRows, HostPages
 from alisa.storage.quantized import QuantizedStore
 from alisa.storage.sketch import KeySketch
@@ -100,9 +102,9 @@ def brute_force(inputs: ChoiceInputs) -> list[list[list[int]]]:
 
 @pytest.fixture(params=[1, 2, 3], ids=["one-part", "two-parts", "three-parts"])
 def parts(request, monkeypatch):
-    """Rows split into 1-3 parts run in parallel (:mod:`alisa.kernel_threads`), whatever this
+    """Rows split into 1-3 parts run in parallel (:mod:`alisa.ops.cpu`), whatever this
     machine's threads: the results must not depend on it."""
-    for module in (alisa.kv.choice, alisa.kv.history, alisa.storage.pages):
+    for module in (compiled_ops, alisa.kv.history, alisa.storage.pages):
         monkeypatch.setattr(module, "kernel_parts", lambda rows: max(1, min(rows, request.param)))
     return request.param
 
@@ -112,9 +114,9 @@ def test_choose_compiled_equals_torch_and_the_rule(ties, parts):
     rng = np.random.default_rng(0 if ties else 1)
     for _ in range(60):
         inputs = random_choice(rng, ties=ties)
-        compiled, taken = choose(inputs, compiled=True)
-        reference, reference_taken = choose(inputs, compiled=False)
-        assert torch.equal(compiled, reference) and torch.equal(taken, reference_taken)
+        compiled, taken = compiled_ops.select_rule(inputs)
+        defined, defined_taken = reference.select_rule(inputs)
+        assert torch.equal(compiled, defined) and torch.equal(taken, defined_taken)
         expected = brute_force(inputs)
         for b, heads in enumerate(expected):
             for h, positions in enumerate(heads):
@@ -126,8 +128,8 @@ def test_choose_compiled_equals_torch_and_the_rule(ties, parts):
         # same choice; one position fewer is refused.
         needed = inputs.seen - int(inputs.recent.min())
         narrow = dataclasses.replace(inputs, logits=inputs.logits[..., :needed])
-        assert torch.equal(choose(narrow, compiled=True)[0], compiled)
-        assert torch.equal(choose(narrow, compiled=False)[0], compiled)
+        assert torch.equal(compiled_ops.select_rule(narrow)[0], compiled)
+        assert torch.equal(reference.select_rule(narrow)[0], compiled)
         if needed > 0:
             with pytest.raises(ValueError, match=f"seen - min\\(recent\\) = {needed}"):
                 dataclasses.replace(inputs, logits=inputs.logits[..., : needed - 1])
@@ -161,12 +163,11 @@ def test_choice_and_swap_in_one_call_equal_choosing_then_the_torch_swap(ties, pa
     fetches = 0
     for _ in range(60):
         inputs = random_choice(rng, ties=ties)
-        chosen, taken = choose(inputs, compiled=True)
+        chosen, taken = compiled_ops.select_rule(inputs)
         apart, fused = slot_map(inputs), slot_map(inputs)
-        expected = apart.swap(chosen, taken, inputs.budget)
-        got = fused.swap_to_choice(dataclasses.replace(inputs, positions=fused.positions))
+        expected = reference.swap(apart.positions, chosen, taken, inputs.seen)
+        got = compiled_ops.choose_and_swap(dataclasses.replace(inputs, positions=fused.positions))
         assert torch.equal(fused.positions, apart.positions)
-        assert (fused.width, fused.kept.tolist()) == (apart.width, apart.kept.tolist())
         assert (got is None) == (expected is None)
         if got is not None:
             fetches += got.rows.numel()
@@ -178,8 +179,6 @@ def test_choice_and_swap_in_one_call_equal_choosing_then_the_torch_swap(ties, pa
                 count = int(inputs.budget[b])
                 assert sorted(held[held >= 0].tolist()) == chosen[b, h, :count].tolist()
     assert fetches > 100  # the inputs do move tokens
-    with pytest.raises(ValueError, match="this slot map's positions"):
-        slot_map(inputs).swap_to_choice(inputs)
 
 
 @pytest.mark.parametrize("head_max", [True, False])
@@ -289,7 +288,7 @@ def test_gathered_rows_equal_index_select(dtype, width, parts):
     region = region.view(dtype)
     for count in (0, 1, 5, 60):
         rows = torch.randint(0, 37, (count,), generator=generator)
-        got = alisa.storage.pages.gathered(region, rows, pin=False)
+        got = alisa.storage.pages.gathered(region, rows, pin=False, compiled=True)
         expected = region.index_select(1, rows)
         assert got.dtype == dtype and got.shape == expected.shape
         assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))  # NaN bits too
@@ -364,7 +363,7 @@ def test_generation_compiled_equals_torch(settings):
 )
 def test_selection_in_one_call_equals_the_separate_calls(settings, parts):
     """Scoring, choosing, swapping and fetching in one compiled call per layer
-    (:mod:`alisa.kv.fused`) leaves every layer as the separate kernels do, bit for bit: the
+    (:mod:`alisa.ops.cpu`) leaves every layer as the separate kernels do, bit for bit: the
     same tokens, slots, device rows, history and fetch counts, on a padded batch whose rows are
     split over 1-3 threads."""
     model = tiny_llama()
@@ -402,13 +401,13 @@ def test_the_one_call_selection_runs_where_its_layout_is_and_only_there(monkeypa
     model = tiny_llama()
     ids, mask = padded_batch()
     counts = {"fused": 0}
-    fused = SlotMap.swap_fetching
+    fused = compiled_ops.select_and_fetch
 
-    def counting(self, *args):
+    def counting(*args):  # a spy: the calls go on to the kernel
         counts["fused"] += 1
-        return fused(self, *args)
+        return fused(*args)
 
-    monkeypatch.setattr(SlotMap, "swap_fetching", counting)
+    monkeypatch.setattr(compiled_ops, "select_and_fetch", counting)
     cases = [
         (dict(), {}, True),
         (dict(host_bits=16), {}, False),
@@ -439,23 +438,23 @@ def test_a_fused_fetch_past_the_host_region_is_refused():
     pages = HostPages(1, 1, 8, bits=8, dtype=torch.float32, device=cpu)
     pages.write(0, keys[:, :, :10], keys[:, :, :10])
     assert pages.capacity < 40
-    slots = SlotMap(1, 1, 40, 48, cpu)
-    slots.positions.fill_(FREE)  # nothing held: every chosen token is fetched
+    positions = torch.full((1, 1, 48), FREE)  # nothing held: every chosen token is fetched
     store = DenseStore(torch.zeros(1, 1, 0, 8), torch.zeros(1, 1, 0, 8), 48)
     scoring = sketch.scoring(torch.randn(1, 1, 1, 8), 36)
     inputs = ChoiceInputs(
         logits=scoring.logits,
         history=None,
         shares=np.zeros(1, dtype=np.int64),
-        positions=slots.positions,
+        positions=positions,
         first=np.zeros(1, dtype=np.int64),
         budget=np.array([12]),
         recent=np.array([4]),
         sinks=0,
         seen=40,
     )
+    step = SelectionStep(inputs, scoring.operands, pages.region(0), store.plain_heads())
     with pytest.raises(IndexError, match="past the host region"):
-        slots.swap_fetching(inputs, scoring, pages.row_codes(), store.keys, store.values)
+        compiled_ops.fused(step)
 
 
 def test_a_history_grows_moves_and_joins_with_its_scales():
@@ -494,7 +493,7 @@ def test_kernels_leave_torch_thread_count_as_the_user_set_it():
         "region, seen = torch.zeros(2, 50, 4), []\n"
         "for threads, count in ((1, 1), (min(2, numba.config.NUMBA_NUM_THREADS), 40), (1, 40)):\n"
         "    torch.set_num_threads(threads)\n"
-        "    gathered(region, torch.arange(count), pin=False)\n"
+        "    gathered(region, torch.arange(count), pin=False, compiled=True)\n"
         "    seen.append((threads, torch.get_num_threads()))\n"
         "print(seen)\n"
     )

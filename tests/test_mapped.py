@@ -1,7 +1,8 @@
-"""Host retention's fetch without a host round trip (``alisa.storage.mapped``), on a CPU.
+"""Host retention's fetch without a host round trip, on a CPU.
 
-The device-side swap (:meth:`SlotMap.place`) and the fetch's PyTorch reference run here; the
-Triton kernel that reads page-locked host memory on CUDA is compared with the reference in
+The device-side swap (:func:`alisa.ops.reference.place`) and the fetch's PyTorch reference
+(:func:`alisa.ops.reference.fetch_placed`) run here; the Triton kernel that reads page-locked
+host memory on CUDA (:func:`alisa.ops.cuda.fetch_placed`) is compared with the reference in
 ``tests/test_cuda.py``.
 """
 
@@ -17,26 +18,24 @@ from transformers import DynamicCache
 
 from alisa import AlisaCache, AlisaConfig
 from alisa.kv.cache import default_keeper
-from alisa.kv.choice import choose
-from alisa.storage.mapped import fetch_into
+from alisa.ops import cpu, reference
 from quant import dequantize, quantize
 
 HOST = {"retention": "host", "min_budget_tokens": 0, "reselect_every": 1}
 
 
 def test_place_puts_the_chosen_tokens_where_swap_does():
-    """The same positions, width and counts as :meth:`SlotMap.swap`; the (B, Hs, K) fetch flags
-    and targets name exactly swap's incoming tokens and slots."""
+    """The same positions as :func:`alisa.ops.reference.swap`; the (B, Hs, K) fetch flags and
+    targets name exactly swap's incoming tokens and slots."""
     rng = np.random.default_rng(5)
     fetched = 0
     for _ in range(80):
         inputs = random_choice(rng, ties=True)
-        chosen, taken = choose(inputs, compiled=True)
+        chosen, taken = cpu.select_rule(inputs)
         swapped, placed = slot_map(inputs), slot_map(inputs)
-        incoming = swapped.swap(chosen, taken, inputs.budget)
-        placement = placed.place(chosen, taken, inputs.budget)
+        incoming = reference.swap(swapped.positions, chosen, taken, inputs.seen)
+        placement = reference.place(placed.positions, chosen, taken, inputs.seen)
         assert torch.equal(swapped.positions, placed.positions)
-        assert (swapped.width, swapped.kept.tolist()) == (placed.width, placed.kept.tolist())
         rows, groups, entries = placement.fetch.nonzero(as_tuple=True)
         if incoming is None:
             assert rows.numel() == 0
@@ -71,7 +70,7 @@ def test_the_reference_fetch_writes_exactly_the_flagged_rows(dtype, coded):
     for b, h, e in fetch.nonzero().tolist():
         for half in range(2):
             expected[half][b, h, target[b, h, e]] = rows[half, b, h, chosen[b, h, e]]
-    fetch_into(region, chosen, fetch, target, keys, values, kernel=False)
+    reference.fetch_placed(region, chosen, fetch, target, keys, values)
     assert fetch.sum() > 0
     assert torch.equal(keys, expected[0]) and torch.equal(values, expected[1])
 

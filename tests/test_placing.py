@@ -1,5 +1,5 @@
-"""Host retention's choice and slot placement by one Triton kernel (CUDA's path) equal choosing,
-then :meth:`SlotMap.place`, exactly.
+"""Host retention's choice and slot placement by one Triton kernel (:mod:`alisa.ops.cuda`)
+equal choosing, then placing (:mod:`alisa.ops.reference`), exactly.
 
 The kernel is compiled only on CUDA (``tests/test_cuda.py`` runs it there); here it runs in
 Triton's interpreter (``TRITON_INTERPRET=1``, read when the kernel is defined, so in a process
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_kernels import random_choice, slot_map
+from test_kernels import random_choice
 
-from alisa.kv.placing import choose_and_place
+from alisa.ops.cuda import choose_and_place
 
 pytest.importorskip("triton")  # installed by `make setup` on a CPU build of PyTorch
 
@@ -31,29 +31,29 @@ from functools import partial
 import numpy as np
 import torch
 
-import alisa.kv.placing
 from alisa import AlisaCache, AlisaConfig
 from alisa.kv.cache import default_keeper
-from alisa.kv.choice import choose
-from alisa.kv.placing import choose_and_place
+from alisa.ops import reference
+from alisa.ops.cuda import choose_and_place
 from conftest import forced_ops, hf_generate, padded_batch, tiny_llama
 from test_kernels import random_choice, slot_map
 
 report = {"steps": 0, "fetched": 0, "mismatches": []}
-launch = (alisa.kv.placing.BLOCK, alisa.kv.placing.DIGIT_BITS)
 torch.manual_seed(0)
 # Blocks of 32 positions: a row spans several, so every pass carries counts across blocks;
 # radix digits of 8 bits (the default) and of 4.
 for seed, ties, block, digit_bits in ((5, True, 32, 8), (6, False, 1024, 4), (7, True, 1024, 8)):
-    alisa.kv.placing.BLOCK = block
-    alisa.kv.placing.DIGIT_BITS = digit_bits
     rng = np.random.default_rng(seed)
     for step in range(int(sys.argv[1])):
         inputs = random_choice(rng, ties=ties)
-        chosen, taken = choose(inputs, compiled=False)
+        chosen, taken = reference.select_rule(inputs)
         apart, fused = slot_map(inputs), slot_map(inputs)
-        expected = apart.place(chosen, taken, inputs.budget)
-        got = choose_and_place(dataclasses.replace(inputs, positions=fused.positions))
+        expected = reference.place(apart.positions, chosen, taken, inputs.seen)
+        got = choose_and_place(
+            dataclasses.replace(inputs, positions=fused.positions),
+            block=block,
+            digit_bits=digit_bits,
+        )
         same = [torch.equal(a, b) for a, b in zip(got, expected)]
         same.append(torch.equal(fused.positions, apart.positions))
         if not all(same):
@@ -64,7 +64,6 @@ for seed, ties, block, digit_bits in ((5, True, 32, 8), (6, False, 1024, 4), (7,
 # A generation: the kernel (as on CUDA) against the PyTorch path, both reading host rows on the
 # device's path (mapped), at a reached budget with a history share.
 # (with the module's own launch settings)
-alisa.kv.placing.BLOCK, alisa.kv.placing.DIGIT_BITS = launch
 model = tiny_llama()
 ids, mask = padded_batch(lengths=(70, 41))
 config = AlisaConfig(
@@ -87,8 +86,8 @@ print(json.dumps(report))
 
 def test_the_kernel_equals_choosing_then_placing_in_the_interpreter():
     """Random steps (ties and distinct values, padding, history shares): the same chosen
-    positions, fetch flags, target slots and slot map as :func:`choose` then
-    :meth:`SlotMap.place`; a generation through the kernel: the same tokens and fetches."""
+    positions, fetch flags, target slots and slot map as choosing then placing by PyTorch ops;
+    a generation through the kernel: the same tokens and fetches."""
     tests = Path(__file__).parent
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(tests))
     done = subprocess.run(
@@ -110,11 +109,9 @@ def test_the_kernel_equals_choosing_then_placing_in_the_interpreter():
 
 
 def test_a_placement_it_cannot_make_is_refused():
-    """Before any launch: a choice over another slot map's positions, a slot map not laid out
-    contiguously, positions past what the history keys hold."""
+    """Before any launch: a slot map not laid out contiguously, positions past what the
+    history keys hold."""
     inputs = random_choice(np.random.default_rng(0), ties=False)
-    with pytest.raises(ValueError, match="this slot map's positions"):
-        slot_map(inputs).place_to_choice(inputs)
     strided = inputs.positions[..., ::2]  # every other slot: not contiguous
     with pytest.raises(ValueError, match="contiguous slot map"):
         choose_and_place(dataclasses.replace(inputs, positions=strided))

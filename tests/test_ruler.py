@@ -2,6 +2,7 @@
 
 import json
 import re
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -12,12 +13,18 @@ from alisa import generate
 from experiments.architectures import FAMILIES as ARCHITECTURES
 from experiments.architectures import build
 from experiments.systems import make_cache
-from experiments.tasks.ruler.evaluate import RulerOptions, generate_samples
-from experiments.tasks.ruler.families import FAMILIES
-from experiments.tasks.ruler.haystack import Haystack
-from experiments.tasks.ruler.prompts import fit, prompt_format
-from experiments.tasks.ruler.sample import Request
-from experiments.tasks.ruler.scoring import clean_prediction, string_match_all, string_match_part
+from experiments.tasks.ruler.families import (
+    FAMILIES,
+    Haystack,
+    Request,
+    clean_prediction,
+    fit,
+    generate_samples,
+    string_match_all,
+    string_match_part,
+    uses_chat,
+)
+from experiments.tasks.ruler.options import RulerOptions
 from experiments.tasks.ruler.shared import decode_after_prefill, shared_prefill, system_cache
 
 PROSE = Path(__file__).parent / "fixtures" / "prose.txt"
@@ -35,7 +42,7 @@ def request(haystack, tokenizer=None, *, length=LENGTH, samples=4, seed=0, chat=
     return Request(
         haystack=haystack,
         tokenizer=tokenizer,
-        format=prompt_format(tokenizer, chat),
+        chat=uses_chat(tokenizer, chat),
         length=length,
         samples=samples,
         seed=seed,
@@ -117,6 +124,13 @@ def test_frequent_words_answer_is_the_next_three_after_the_dots(haystack):
     assert counts[ranked[2]] > counts[ranked[3]]
 
 
+def test_frequent_words_without_scipy_name_the_bench_extra(haystack, monkeypatch):
+    monkeypatch.delitem(sys.modules, "scipy.special", raising=False)
+    monkeypatch.setitem(sys.modules, "scipy", None)  # as if not installed
+    with pytest.raises(ModuleNotFoundError, match=r"scipy.special is not installed: .*\[bench\]"):
+        FAMILIES["fwe"].sample(request(haystack), 0)
+
+
 def test_prompts_follow_the_model_format(haystack):
     chat_tokenizer = byte_tokenizer()
     chat_tokenizer.chat_template = CHAT
@@ -126,14 +140,12 @@ def test_prompts_follow_the_model_format(haystack):
     assert plain.prompt.startswith("A special magic number is hidden")
     assert plain.prompt.endswith("mentioned in the provided text is")
     with pytest.raises(ValueError, match="no chat template"):
-        prompt_format(byte_tokenizer(), True)
-    with pytest.raises(ValueError, match="chat=1"):
-        prompt_format(byte_tokenizer(), 1)
+        uses_chat(byte_tokenizer(), True)
 
 
 def test_fit_finds_the_largest_size_and_names_what_cannot_fit():
-    fitted = fit(lambda n: "x" * (10 + 3 * n), len, 100)
-    assert fitted.size == 30 and fitted.tokens == 100
+    size, prompt = fit(lambda n: "x" * (10 + 3 * n), len, 100)
+    assert size == 30 and len(prompt) == 100
     with pytest.raises(ValueError, match="cwe: the smallest prompt has 40 tokens"):
         fit(lambda n: "x" * (10 + 3 * n), len, 20, smallest=10, what="cwe")
     with pytest.raises(ValueError, match="5 units of the source make only 25 tokens"):
@@ -231,18 +243,18 @@ def results(root: Path, name: str) -> list[dict]:
 def test_the_runner_prefills_once_for_every_system_and_resumes(workspace, monkeypatch):
     from experiments.run import main as run_main
     from experiments.runconfig import load_config, point_key
-    from experiments.tasks.ruler import evaluate
+    from experiments.tasks.ruler import shared
 
     root, model_dir = workspace
     config = ruler_config(root, model_dir, "grouped")
     prefills = []
-    original = evaluate.shared_prefill
+    original = shared.shared_prefill
 
     def counting(model, ids, mask, caches):
         prefills.append(len(caches))
         return original(model, ids, mask, caches)
 
-    monkeypatch.setattr(evaluate, "shared_prefill", counting)
+    monkeypatch.setattr(shared, "shared_prefill", counting)
     assert run_main(["--config", str(config), "--no-progress"]) == 0
     assert prefills == [3] * 4  # 2 families x 2 samples, each prefilled once for 3 systems
     rows = results(root, "grouped")
@@ -464,6 +476,21 @@ def test_a_setting_beyond_policy_ratio_and_bits_gets_its_own_column_and_not_the_
     assert result["targets"]["host_r0.1_share_ge_0.9"]["below"] == [
         {"family": "niah_single", "length": 4096, "share": 0.8}
     ]
+
+
+def test_systems_that_sort_alike_keep_the_order_of_the_rows():
+    """Columns of equal sort keys (the same r, another setting) come in the rows' order, so a
+    report is the same whatever the process's string hashing."""
+    from experiments.tasks.ruler.report import markdown_scores
+
+    rest = HOST + ",estimate_rest=true"
+    labels = {HOST: "swa host r=0.1", rest: "swa host r=0.1 estimate_rest=True"}
+    for order in ([HOST, rest], [rest, HOST]):
+        rows = [_row("cwe", 4096, system, [1]) for system in ["hf-dynamic", *order]]
+        header = markdown_scores(rows).splitlines()[0]
+        assert (
+            header == "| length | family | dense | " + " | ".join(labels[s] for s in order) + " |"
+        )
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""experiments.ruler_probe: one sample's steps per system, as the runner decodes them."""
+"""probes.ruler_probe: one sample's steps per system, as the runner decodes them."""
 
 import json
 
@@ -7,10 +7,9 @@ import torch
 from conftest import byte_tokenizer, saved_tiny_llama, tiny_llama
 from test_ruler import PROSE, request
 
-from experiments.ruler_probe import departure, main, parse_args, probe
-from experiments.tasks.ruler.families import FAMILIES
-from experiments.tasks.ruler.haystack import Haystack
+from experiments.tasks.ruler.families import FAMILIES, Haystack
 from experiments.tasks.ruler.shared import decode_after_prefill, shared_prefill, system_cache
+from probes.ruler_probe import departure, main, parse_args, probe
 
 # An 8-token budget departs from dense at the second step on this model and prompt.
 SYSTEMS = ["hf-dynamic", "alisa", "alisa:policy=streaming,budget_tokens=8,min_budget_tokens=0"]

@@ -1,4 +1,4 @@
-"""Benchmark model shapes (``--model shape:NAME``) and the context sweep's arithmetic, on CPU."""
+"""Benchmark model shapes (``--model shape:NAME``) and ``bench_speed``'s modes, on CPU."""
 
 import importlib.util
 import json
@@ -9,7 +9,7 @@ import torch
 from conftest import EOS, PAD, byte_tokenizer
 
 from alisa import AlisaConfig, generate
-from experiments import bench_context, bench_speed, shapes, systems
+from experiments import bench_speed, shapes, systems
 
 GIB = 2**30
 
@@ -100,7 +100,7 @@ def test_the_benchmark_tokenizer_ids_fit_every_shape():
     assert tokenizer.padding_side == "left" and tokenizer.pad_token_id is not None
 
 
-FULL, DROP, HOST = bench_context.SYSTEMS[1:4]
+FULL, DROP, HOST = bench_speed.CONTEXT_SYSTEMS[1:4]
 BASE = bench_speed.BASELINE
 
 
@@ -113,17 +113,17 @@ def fake_rows(batch=2, context=1000):
 
 
 def test_the_host_overhead_and_dense_estimate_follow_the_docstring():
-    pairs = systems.host_pairs(list(bench_context.SYSTEMS))
+    pairs = systems.host_pairs(list(bench_speed.CONTEXT_SYSTEMS))
     # r=0.1 host has no r=0.1 drop system in the defaults, so only r=0.2 is paired.
     assert pairs == [systems.HostPair(host=HOST, drop=DROP, full=FULL, caching_ratio=0.2)]
-    figures = bench_context.summary(fake_rows(), list(bench_context.SYSTEMS))[0]["hosts"][HOST]
+    figures = bench_speed.summary(fake_rows(), list(bench_speed.CONTEXT_SYSTEMS))[0]["hosts"][HOST]
     assert figures["host_minus_drop_ms"] == pytest.approx(4.0)
     assert figures["host_overhead_ns_per_token"] == pytest.approx(4e6 / 2000)
     assert figures["dense_attention_ns_per_token"] == pytest.approx(20e6 / (2000 * 0.8))
     assert figures["overhead_vs_dense"] == pytest.approx(2000 / 12500)
-    partial = bench_context.summary(fake_rows()[:3], list(bench_context.SYSTEMS))[0]["hosts"]
+    partial = bench_speed.summary(fake_rows()[:3], list(bench_speed.CONTEXT_SYSTEMS))[0]["hosts"]
     assert partial[HOST]["host_minus_drop_ms"] is None
-    lines = bench_context.table_lines(fake_rows(), list(bench_context.SYSTEMS))
+    lines = bench_speed.table_lines(fake_rows(), list(bench_speed.CONTEXT_SYSTEMS))
     assert lines[0].count("|") == lines[2].count("|") == 2 + 5 + 4 + 1
     assert lines[2].startswith(
         "| 2 | 1000 | 60 | 50 | 30 | 34 | - | 4.0 | 2000.0 | 12500.0 | 0.16 |"
@@ -150,7 +150,7 @@ def test_the_marginal_table_splits_the_overhead_into_a_fixed_and_a_per_token_par
     slopes give the per-token part alone (0.1), and a batch swept at one context gets no line."""
     names = [FULL, DROP, HOST]
     rows = linear_rows() + linear_rows(batch=8, contexts=(1000,))
-    [entry] = bench_context.marginal(rows, names)
+    [entry] = bench_speed.marginal(rows, names)
     assert entry["batch"] == 2 and entry["contexts"] == [1000, 2000, 4000]
     figures = entry["hosts"][HOST]
     assert figures["fixed_ms"] == pytest.approx(3.0)
@@ -158,13 +158,13 @@ def test_the_marginal_table_splits_the_overhead_into_a_fixed_and_a_per_token_par
     assert figures["dense_ns_per_token"] == pytest.approx(1000.0)
     assert figures["overhead_vs_dense"] == pytest.approx(0.1)
     per_cell = [
-        cell["hosts"][HOST]["overhead_vs_dense"] for cell in bench_context.summary(rows, names)
+        cell["hosts"][HOST]["overhead_vs_dense"] for cell in bench_speed.summary(rows, names)
     ]
     assert min(per_cell[:3]) > 0.2
-    no_full = bench_context.marginal([row for row in rows if row["system"] != FULL], names)
+    no_full = bench_speed.marginal([row for row in rows if row["system"] != FULL], names)
     assert no_full[0]["hosts"][HOST]["dense_ns_per_token"] is None
     assert no_full[0]["hosts"][HOST]["overhead_vs_dense"] is None
-    lines = bench_context.marginal_lines(bench_context.marginal(rows, names))
+    lines = bench_speed.marginal_lines(bench_speed.marginal(rows, names))
     assert lines[2] == f"| 2 | 1000,2000,4000 | {HOST} | 3.0 | 100.0 | 1000.0 | 0.10 |"
 
 
@@ -178,12 +178,12 @@ def test_the_context_sweep_runs_each_cell_prints_a_table_json_and_plot(
         rows = fake_rows(options["batch"], options["prompt_tokens"])
         return [{**row, "token_ids": [[1]]} for row in rows if row["system"] in systems]
 
-    monkeypatch.setattr(bench_context, "run_systems", run_systems)
+    monkeypatch.setattr(bench_speed, "run_systems", run_systems)
     figure = tmp_path / "context.png"
-    argv = ["--contexts", "256,512", "--batches", "1,4", "--model", "shape:smollm2-135m"]
+    argv = ["--mode", "context", "--prompt-tokens", "256,512", "--batch", "1,4"]
+    argv += ["--model", "shape:smollm2-135m"]
     assert (
-        bench_context.main([*argv, "--systems", f"{FULL};{DROP};{HOST}", "--plot", str(figure)])
-        == 0
+        bench_speed.main([*argv, "--systems", f"{FULL};{DROP};{HOST}", "--plot", str(figure)]) == 0
     )
     assert [call[:3] for call in calls] == [
         (1, 256, "shape:smollm2-135m"),
@@ -210,7 +210,7 @@ def test_an_interleaved_context_sweep_runs_each_cells_systems_in_turns(monkeypat
     worker process; fewer than 2 new tokens (no decode step to time) is refused."""
     calls = []
 
-    def in_turns(systems, args):
+    def in_turns(systems, args, label=""):
         calls.append((args.batch, args.prompt_tokens, args.interleave, tuple(systems)))
         rows = fake_rows(args.batch, args.prompt_tokens)
         return [[row for row in rows if row["system"] in systems]]
@@ -218,25 +218,27 @@ def test_an_interleaved_context_sweep_runs_each_cells_systems_in_turns(monkeypat
     def no_workers(*_):
         raise AssertionError("an interleaved sweep starts no worker process")
 
-    monkeypatch.setattr(bench_context, "run_rounds", in_turns)
-    monkeypatch.setattr(bench_context, "run_systems", no_workers)
-    argv = ["--contexts", "256,512", "--batches", "2", "--systems", f"{FULL};{DROP};{HOST}"]
-    assert bench_context.main([*argv, "--interleave", "4"]) == 0
+    monkeypatch.setattr(bench_speed, "run_rounds", in_turns)
+    monkeypatch.setattr(bench_speed, "run_systems", no_workers)
+    argv = ["--mode", "context", "--prompt-tokens", "256,512", "--batch", "2"]
+    argv += ["--systems", f"{FULL};{DROP};{HOST}"]
+    assert bench_speed.main([*argv, "--interleave", "4"]) == 0
     assert calls == [(2, 256, 4, (FULL, DROP, HOST)), (2, 512, 4, (FULL, DROP, HOST))]
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["interleave"] == 4 and len(report["rows"]) == 6
-    assert bench_context.main([*argv, "--interleave", "4", "--new-tokens", "1"]) == 2
+    assert bench_speed.main([*argv, "--interleave", "4", "--new-tokens", "1"]) == 2
     assert "--interleave needs at least 2" in capsys.readouterr().err
 
 
 def test_the_context_sweep_reads_its_lists_and_refuses_bad_ones(capsys):
-    args = bench_context.parse_args([])
-    assert (args.contexts, args.batches, args.new_tokens) == ([2048, 4096, 8192], [1, 4], 32)
-    assert args.dtype == "float32" and args.systems.split(";") == list(bench_context.SYSTEMS)
-    assert bench_context.parse_args(["--contexts", "128"]).contexts == [128]
+    args = bench_speed.parse_args(["--mode", "context"])
+    assert (args.prompt_tokens, args.batch, args.new_tokens) == ([2048, 4096, 8192], [1, 4], 32)
+    assert args.dtype == "float32" and args.systems == list(bench_speed.CONTEXT_SYSTEMS)
+    one = bench_speed.parse_args(["--mode", "context", "--prompt-tokens", "128"])
+    assert one.prompt_tokens == [128]
     for bad in ("0,128", "12x", ""):
         with pytest.raises(SystemExit):
-            bench_context.parse_args(["--contexts", bad])
+            bench_speed.parse_args(["--mode", "context", "--prompt-tokens", bad])
         assert f"{bad!r} is not a comma list of positive integers" in capsys.readouterr().err
 
 
@@ -299,7 +301,7 @@ def test_every_benchmark_option_the_workload_reads_is_parsed(monkeypatch):
     )
     prose = str(Path(__file__).parent / "fixtures" / "prose.txt")
     argv = ["--batch", "2", "--prompt-tokens", "30", "--text", prose, "--in-process"]
-    args = bench_speed.parse_args(argv)
+    [args] = bench_speed.cells_of(bench_speed.parse_args(argv))
     _, tokenizer, prompts = worker.load_workload(args)
     assert len(prompts) == 2 and prompts[0] != prompts[1]
     assert all(len(tokenizer(p)["input_ids"]) == 30 for p in prompts)
@@ -332,6 +334,22 @@ def test_the_cost_model_benchmark_takes_a_shape_with_random_prompts(monkeypatch)
     assert loaded == [("shape:llama-3.2-1b", "bfloat16", "bytes")]
 
 
+def timed_row(system: str, ms: float, round_: int = 0, tokens=((1,),)) -> dict:
+    """A worker's row of a system whose decode step took ``ms`` at batch 2."""
+    return {
+        "system": system,
+        "batch": 2,
+        "median_step_ms": ms,
+        "decode_tokens_per_s": 2 / (ms / 1000),
+        "ttft_s": 1.0 + round_,
+        "kv_bytes": 2**20,
+        "kv_tier_bytes": {"device": 2**20, "host": 0},
+        "dense_fp32_kv_bytes": 2**20,
+        "peak_rss_bytes": (round_ + 1) * 2**30,
+        "token_ids": [list(sequence) for sequence in tokens],
+    }
+
+
 def test_rounds_alternate_the_order_and_pair_each_ratio_with_its_own_rounds_baseline(
     monkeypatch, capsys
 ):
@@ -351,21 +369,7 @@ def test_rounds_alternate_the_order_and_pair_each_ratio_with_its_own_rounds_base
             if system == "broken" and round_ == 1:
                 rows.append({"system": system, "error": "RuntimeError: out of memory"})
                 continue
-            ms = steps[round_].get(system, 10.0)
-            rows.append(
-                {
-                    "system": system,
-                    "batch": 2,
-                    "median_step_ms": ms,
-                    "decode_tokens_per_s": 2 / (ms / 1000),
-                    "ttft_s": 1.0 + round_,
-                    "kv_bytes": 2**20,
-                    "kv_tier_bytes": {"device": 2**20, "host": 0},
-                    "dense_fp32_kv_bytes": 2**20,
-                    "peak_rss_bytes": (round_ + 1) * 2**30,
-                    "token_ids": [[1]],
-                }
-            )
+            rows.append(timed_row(system, steps[round_].get(system, 10.0), round_))
         return rows
 
     monkeypatch.setattr(bench_speed, "run_systems", run_systems)
@@ -388,7 +392,12 @@ def test_rounds_alternate_the_order_and_pair_each_ratio_with_its_own_rounds_base
     assert host["ttft_s"] == 2.0 and host["peak_rss_bytes"] == 3 * 2**30
     assert "token_ids" not in host
     assert rows[BASE]["speedup_vs_baseline"] == 1.0
-    assert rows["broken"] == {"system": "broken", "error": "RuntimeError: out of memory"}
+    assert rows["broken"] == {
+        "system": "broken",
+        "error": "RuntimeError: out of memory",
+        "batch": 16,
+        "context": 2048,
+    }
     table = "\n".join(out[:-1])
     assert "| 25 (20, 100, 25) |" in table and "| 1.20x (3.00, 1.20, 1.20) |" in table
 
@@ -446,3 +455,106 @@ def test_interleaved_systems_take_turns_and_decode_what_generate_decodes(monkeyp
     assert "--interleave takes no --rounds" in capsys.readouterr().err
     assert bench_speed.main([*argv[:-4], "--new-tokens", "1", "--interleave", "2"]) == 2
     assert "--new-tokens 1 times no decode step" in capsys.readouterr().err
+
+
+def test_a_flag_the_mode_does_not_read_and_a_sweep_outside_context_are_refused(capsys):
+    for argv, needle in [
+        (["--mode", "batch", "--rounds", "2"], "--rounds is for --mode decode or context or quant"),
+        (["--plot", "x.png"], "--plot is for --mode context, not --mode decode"),
+        (
+            ["--mode", "quant", "--requests", "4"],
+            "--requests is for --mode batch, not --mode quant",
+        ),
+    ]:
+        with pytest.raises(SystemExit):
+            bench_speed.parse_args(argv)
+        assert needle in capsys.readouterr().err
+    assert bench_speed.main(["--batch", "1,4"]) == 2
+    assert "--mode decode takes one --batch; a sweep of several is --mode context" in (
+        capsys.readouterr().err
+    )
+    assert bench_speed.main(["--mode", "quant", "--prompt-tokens", "64,128"]) == 2
+    assert "--mode quant takes one --prompt-tokens" in capsys.readouterr().err
+
+
+def test_quant_mode_measures_bytes_per_token_and_each_systems_greedy_agreement(monkeypatch, capsys):
+    """``--mode quant``: the KV bytes per stored token at each precision, measured on the model,
+    then the systems at B = 1 and 2K tokens; a system that cannot run here (a peer package
+    missing) is a row with its error, and each row counts its first tokens equal to
+    ``DynamicCache``'s."""
+    from conftest import tiny_llama
+
+    monkeypatch.setattr(
+        "experiments.shapes.load_benchmark_model",
+        lambda spec, dtype, tokenizer: (tiny_llama(), byte_tokenizer()),
+    )
+    calls = []
+
+    def worker(system, options):
+        calls.append((system, options))
+        if system == "hf-hqq8":
+            raise RuntimeError("worker for 'hf-hqq8' failed:\nModuleNotFoundError: No module 'hqq'")
+        tokens = [[5, 6, 7, 8]] if system in (BASE, "alisa:kv_bits=8") else [[5, 6, 9, 9]]
+        return timed_row(system, 20.0 if system == BASE else 40.0, tokens=tokens)
+
+    monkeypatch.setattr(bench_speed, "run_in_subprocess", worker)
+    assert bench_speed.main(["--mode", "quant"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(out[-1])
+    assert report["benchmark"] == "kv_quantization" and report["threads"] == 2 and report["torch"]
+    assert [system for system, _ in calls] == list(bench_speed.QUANT_SYSTEMS)
+    assert calls[0][1] | {"batch": 1, "prompt_tokens": 2048, "dtype": "float32"} == calls[0][1]
+    sizes = report["kv_bytes_per_token"]
+    assert sizes["16bit"] == 2 * 4 * 2 * 2 * 16  # K and V, float32, 2 layers x 2 KV heads x 16
+    assert sizes["4bit"] < sizes["8bit"] < sizes["8bit+r64"] < sizes["16bit"]
+    assert sizes["4bit"] < sizes["4bit+r64"]
+    rows = {row["system"]: row for row in report["systems"]}
+    assert rows["hf-hqq8"]["error"] == "ModuleNotFoundError: No module 'hqq'"
+    assert rows["alisa:kv_bits=8"]["greedy_tokens_equal_to_baseline"] == 4
+    assert rows["alisa:kv_bits=4"]["greedy_tokens_equal_to_baseline"] == 2
+    assert rows["alisa:kv_bits=4"]["speedup_vs_baseline"] == pytest.approx(0.5)
+    assert out[0].startswith("KV bytes per token (all layers):")
+    assert "| hf-hqq8 | ModuleNotFoundError: No module 'hqq' | | | | | | |" in out
+
+
+def test_batch_mode_runs_each_system_under_one_kv_budget_and_checks_dense_agreement(
+    tmp_path, capsys
+):
+    """``--mode batch``: XSum prompts of lengths spread over --prompt-tokens, every system's
+    ``alisa batch`` job under the same KV budget (equal work: every prompt generates
+    --new-tokens), then dense ALISA's outputs against DynamicCache's (identical in float32)."""
+    from conftest import saved_tiny_llama
+
+    from experiments.data import build_prompts
+
+    data = tmp_path / "data" / "xsum"
+    data.mkdir(parents=True)
+    articles = [
+        {"article": f"Article {n}: " + "the river ran past the mill. " * 6} for n in range(3)
+    ]
+    (data / "h2o_xsum_0shot.jsonl").write_text("".join(json.dumps(a) + "\n" for a in articles))
+    prompts = tmp_path / "prompts.jsonl"
+    build_prompts(byte_tokenizer(), tmp_path / "data", 5, 20, 40, prompts)
+    texts = [json.loads(line)["prompt"] for line in prompts.read_text().splitlines()]
+    assert [len(text) - len("\nSummary:") for text in texts] == [20, 25, 30, 35, 40]
+    assert texts[3] == articles[0]["article"][:35] + "\nSummary:"
+
+    model = saved_tiny_llama(tmp_path / "model")
+    argv = ["--mode", "batch", "--model", str(model), "--dtype", "float32", "--requests", "6"]
+    argv += ["--prompt-tokens", "20,40", "--new-tokens", "3", "--kv-budget", "1MiB"]
+    argv += ["--agreement-prompts", "4", "--agreement-tokens", "3", "--threads", "1"]
+    argv += ["--data-dir", str(tmp_path / "data")]
+    assert bench_speed.main(argv) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(out[-1])
+    assert report["benchmark"] == "batch_job" and report["kv_budget"] == 2**20
+    rows = {row["system"]: row for row in report["systems"]}
+    assert list(rows) == list(bench_speed.BATCH_SYSTEMS)
+    for row in rows.values():
+        assert row["generated_tokens"] == 6 * 3 and row["did_not_fit"] == 0
+        assert row["peak_kv_bytes"] <= 2**20
+    assert rows[BASE]["speedup_vs_baseline"] == 1.0
+    assert report["r1_agreement"] == {"float32": 1.0}
+    assert out[1].startswith("| system | tokens/s | batches (largest) |")
+    assert bench_speed.main([*argv, "--systems", "hf-nope"]) == 1
+    assert "unknown system 'hf-nope'" in capsys.readouterr().err

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 import alisa.storage.sketch as sketch_module
-from alisa.kernel_threads import kernel_parts, shares_torch_threads
-from alisa.storage.product import BLOCK
+from alisa.ops.cpu import BLOCK, kernel_parts, shares_torch_threads
 from alisa.storage.sketch import PRODUCTS, SKETCH_DTYPE, KeySketch
 
 STRONG = ((1, 6, 2, 5), (3, 4, 7, 6), (2, 5, 1, 7))  # per KV head: its strong RoPE pairs
@@ -173,7 +172,7 @@ def test_the_compiled_products_sum_runs_channel_by_channel_in_order(groups, dim,
 
 @pytest.mark.parametrize("parts", [1, 2, 5])
 def test_the_compiled_products_rows_split_into_parts_give_the_same_scores(parts, monkeypatch):
-    """Rows split into parts run in parallel (:mod:`alisa.kernel_threads`), whatever this
+    """Rows split into parts run in parallel (:mod:`alisa.ops.cpu`), whatever this
     machine's threads: the scores do not depend on it (5 rows, so parts are uneven)."""
     monkeypatch.setattr(sketch_module, "kernel_parts", lambda rows: max(1, min(rows, parts)))
     keys = keys_with_strong_pairs(batch=5, heads=1, length=90)

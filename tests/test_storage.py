@@ -6,8 +6,8 @@ import torch
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from alisa.kv.grouped import grouped_logits
-from alisa.kv.kernels import FREE
 from alisa.kv.slots import SlotMap
+from alisa.ops.cpu import FREE
 from alisa.storage.quantized import QuantizedStore
 from alisa.storage.regions import DeviceRegion, TierStats
 from alisa.storage.store import DenseStore, KVStore, TokenInputs
@@ -167,12 +167,13 @@ def test_writes_that_land_late_read_as_writes_that_land_at_once(bits):
 
 
 @pytest.mark.parametrize("groups", [1, 3])
-def test_a_new_token_takes_each_rows_lowest_free_slot_and_its_keys_land_there(groups):
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "pytorch"])
+def test_a_new_token_takes_each_rows_lowest_free_slot_and_its_keys_land_there(groups, compiled):
     # SlotMap.place_one and DenseStore.write_slots as a decode step uses them once slots were
     # freed (eviction, or host retention's swap): per (sequence, group), the lowest free slot
     # below the frontier; a sequence without a hole appends at the frontier.
     batch, heads, dim, length = 3, 3, 4, 6
-    slots = SlotMap(batch, groups, length, 8, torch.device("cpu"))
+    slots = SlotMap(batch, groups, length, 8, torch.device("cpu"), compiled=compiled)
     # Sequence 0 frees slot 4 in every group, and slot 1 too in its last group; sequence 1 frees
     # slot 2; sequence 2 frees nothing (it appends).
     slots.positions[0, :, 4] = FREE
@@ -188,7 +189,9 @@ def test_a_new_token_takes_each_rows_lowest_free_slot_and_its_keys_land_there(gr
     assert (slots.positions.gather(-1, placed) == length).all()
     assert slots.width == length + 1 and slots.seen == length + 1
 
-    store = DenseStore(torch.zeros(batch, heads, 0, dim), torch.zeros(batch, heads, 0, dim), 8)
+    store = DenseStore(
+        torch.zeros(batch, heads, 0, dim), torch.zeros(batch, heads, 0, dim), 8, compiled=compiled
+    )
     keys, values = torch.randn(batch, heads, 1, dim), torch.randn(batch, heads, 1, dim)
     store.write_slots(placed, keys, values)
     reference = torch.zeros(batch, heads, 8, dim), torch.zeros(batch, heads, 8, dim)
@@ -200,9 +203,9 @@ def test_a_new_token_takes_each_rows_lowest_free_slot_and_its_keys_land_there(gr
 
 
 def test_compiled_placement_is_the_first_free_slot_rule():
-    """alisa.kv.kernels.place_one against the rule as array ops (the CUDA branch's): random
+    """alisa.ops.cpu.place_one against the rule as array ops (the CUDA branch's): random
     holes, appending rows, and a row claimed to have a hole that has none (slot 0, as argmax)."""
-    from alisa.kv import kernels
+    from alisa.ops import cpu
 
     rng = np.random.default_rng(5)
     for trial in range(40):
@@ -215,7 +218,7 @@ def test_compiled_placement_is_the_first_free_slot_rule():
             held[0, :, :width] = 7  # no free slot below the frontier
             append[0] = False
         mine, slots = held.copy(), np.empty((batch, groups), dtype=np.int64)
-        grows = kernels.place_one(mine, width, 500, append, slots)
+        grows = cpu.place_one(mine, width, 500, append, slots)
         expected = (held[..., :width] == FREE).argmax(axis=-1)
         expected[append] = width
         assert np.array_equal(slots, expected) and grows == append.any()
@@ -232,6 +235,7 @@ def test_a_compiled_slot_write_copies_each_token_and_refuses_a_slot_outside(dtyp
         torch.zeros(batch, heads, 0, dim, dtype=dtype),
         torch.zeros(batch, heads, 0, dim, dtype=dtype),
         capacity,
+        compiled=True,
     )
     keys, values = torch.randn(2, batch, heads, 1, dim).to(dtype)
     placed = torch.tensor([[5, 1], [0, 0], [7, 3]])[:, :groups, None]

@@ -19,8 +19,8 @@ import math
 import numpy as np
 import torch
 
-from alisa.kv.selection import put_taken
-from alisa.storage.transfer import upload
+from alisa.ops.reference import put_taken
+from alisa.ops.transfer import upload
 
 NO_STAMP = -(2**62)
 

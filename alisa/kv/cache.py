@@ -23,13 +23,13 @@ from alisa.kv.swap import copy_replacing
 from alisa.kv.window import WindowKeeper
 from alisa.model.adapter import ModelAdapter, ModelShape
 from alisa.ops.backends import Ops, choose_ops
+from alisa.ops.transfer import upload
 from alisa.planning.tiers import TierPlanner
 from alisa.policies import DensePolicy, KVPolicy
 from alisa.sizes import parse_bytes
 from alisa.storage.quantized import QuantizedStore
 from alisa.storage.recompute import KVRecomputer
 from alisa.storage.store import DenseStore, StoreFactory
-from alisa.storage.transfer import upload
 from quant import check_options
 
 TIERS = ("device", "host", "recompute")  # reported even when empty
@@ -84,7 +84,11 @@ class AlisaCache(Cache):
         self.max_new_tokens = max_new_tokens
         adapter = ModelAdapter.of(model)
         self.shape: ModelShape = adapter.shape
-        factory = store_factory(self.config, self.shape)
+        # The kernels the cache runs, chosen once for every layer (and refused here when this
+        # machine cannot run the ones asked for): named by GenerationOutput.kernels.
+        weight = next(model.parameters())
+        self.ops: Ops = choose_ops(weight.device, weight.dtype, self.config.kernels)
+        factory = store_factory(self.config, self.shape, compiled=self.ops.compiled)
         self.planner = None
         if self.config.gpu_memory is not None and self.shape.hybrid:
             raise ValueError(
@@ -93,11 +97,9 @@ class AlisaCache(Cache):
                 "layers (their KV is already bounded by the window)"
             )
         if self.config.gpu_memory is not None:
-            self.planner = _planner(model, adapter, self.config, factory, max_new_tokens)
-        # The kernels host retention runs, chosen once for every layer (and refused here when
-        # this machine cannot run the ones asked for): named by GenerationOutput.kernels.
-        weight = next(model.parameters())
-        self.ops: Ops = choose_ops(weight.device, weight.dtype, self.config.kernels)
+            self.planner = _planner(
+                model, adapter, self.config, factory, max_new_tokens, pinned=self.ops.pinned
+            )
         # One book of budgets for every layer: a step computes each policy's once, not per layer
         # (layers with equal policies are given one policy object, which the book knows by id).
         budgets = BudgetBook()
@@ -127,7 +129,13 @@ class AlisaCache(Cache):
             policy = policies.setdefault(policy, policy)  # equal policies: one object
             chosen = (keeper or partial(default_keeper, ops=self.ops))(self.config, policy)
         chosen.share_budgets(budgets)
-        return AlisaLayer(chosen, layer_idx=index, store_factory=factory, tiering=self.planner)
+        return AlisaLayer(
+            chosen,
+            layer_idx=index,
+            store_factory=factory,
+            tiering=self.planner,
+            compiled=self.ops.compiled,
+        )
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if layer_idx == 0 and self._model_config._attn_implementation != ATTENTION_NAME:
@@ -485,10 +493,11 @@ def default_keeper(config: AlisaConfig, policy: KVPolicy, *, ops: Ops | None = N
     return DropKeeper(policy, per_head=config.selects_per_head)
 
 
-def store_factory(config: AlisaConfig, shape: ModelShape) -> StoreFactory:
-    """Dense storage for ``kv_bits=16``, else INT8/INT4 storage checked against the head size."""
+def store_factory(config: AlisaConfig, shape: ModelShape, *, compiled: bool) -> StoreFactory:
+    """Dense storage for ``kv_bits=16``, else INT8/INT4 storage checked against the head size;
+    ``compiled``: the stores run the compiled CPU kernels (:attr:`~alisa.ops.backends.Ops`)."""
     if config.kv_bits == 16:
-        return DenseStore
+        return partial(DenseStore, compiled=compiled)
     group = config.quant_group_size or shape.head_dim
     try:
         check_options(config.kv_bits, group, shape.head_dim)
@@ -499,10 +508,13 @@ def store_factory(config: AlisaConfig, shape: ModelShape) -> StoreFactory:
         bits=config.kv_bits,
         group_size=group,
         residual_tokens=config.residual_tokens,
+        compiled=compiled,
     )
 
 
-def _planner(model, adapter: ModelAdapter, config: AlisaConfig, factory, max_new_tokens: int):
+def _planner(
+    model, adapter: ModelAdapter, config: AlisaConfig, factory, max_new_tokens: int, *, pinned: bool
+):
     recomputer = None
     if config.recompute != "never":
         try:
@@ -511,4 +523,6 @@ def _planner(model, adapter: ModelAdapter, config: AlisaConfig, factory, max_new
             if config.recompute == "always":
                 raise
     region = partial(factory, groups=1)
-    return TierPlanner(model, adapter.shape, config, region, recomputer, max_new_tokens)
+    return TierPlanner(
+        model, adapter.shape, config, region, recomputer, max_new_tokens, pinned=pinned
+    )

@@ -1,7 +1,7 @@
 """Dropping: the keeper that evicts each sequence's excess tokens for good (ALISA's SWA, H2O, ...).
 
 Per sequence, the excess over the policy's budget goes, lowest policy score first, with sinks,
-the recent window and empty slots protected (:func:`alisa.kv.selection.top_k`). Evicted tokens are
+the recent window and empty slots protected (:func:`alisa.ops.reference.top_k`). Evicted tokens are
 really gone: their slot is overwritten by the next token, and compaction returns the memory.
 ALISA, https://arxiv.org/abs/2403.17312, Alg. 1.
 """
@@ -13,10 +13,10 @@ import torch
 
 from alisa.kv.accumulator import AttentionAccumulator
 from alisa.kv.keeper import Keeper
-from alisa.kv.selection import top_k, with_protections
 from alisa.kv.slots import SlotMap
+from alisa.ops.reference import top_k, with_protections
+from alisa.ops.transfer import upload
 from alisa.storage.store import KVStore
-from alisa.storage.transfer import upload
 
 # Neighbouring tokens pooled into the observation window's vote (SnapKV's kernel, as kvpress):
 # a multi-token fact (a number, a name) is kept whole rather than its single loudest token.

@@ -18,10 +18,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from alisa.kernel_threads import kernel_parts
-from alisa.kv import kernels
+from alisa.ops import cpu
+from alisa.ops.cpu import kernel_parts
+from alisa.ops.transfer import upload
 from alisa.storage.store import headroom
-from alisa.storage.transfer import upload
 
 # Stored sums are rescaled to the true ones once a scale passes this (float32 holds up to 3e38,
 # and a step adds at most a probability times the scale).
@@ -94,7 +94,7 @@ class PositionHistory:
         width
             Positions seen (the sums grow to it).
         compiled
-            Use the CPU kernel (:func:`alisa.kv.kernels.accumulate`); else PyTorch ops.
+            Use the CPU kernel (:func:`alisa.ops.cpu.accumulate`); else PyTorch ops.
         """
         self.reserve(width)
         if self.decayed:
@@ -113,7 +113,7 @@ class PositionHistory:
         scale = self.scale.astype(np.float32)
         slots = positions[..., : probabilities.shape[-1]]
         if compiled:
-            kernels.accumulate(
+            cpu.accumulate(
                 probabilities.numpy(),
                 slots.numpy(),
                 self.total.numpy(),

@@ -33,17 +33,17 @@ import numpy as np
 import torch
 
 from alisa.kv.budgets import StepShares
-from alisa.kv.choice import ChoiceInputs, choose
 from alisa.kv.history import PositionHistory
 from alisa.kv.keeper import Keeper
 from alisa.kv.rest import RestColumn, ValueTotals, rest_logit
 from alisa.kv.slots import SlotMap
 from alisa.ops.backends import Ops, choose_ops
+from alisa.ops.reference import ChoiceInputs, SelectionStep
+from alisa.ops.transfer import upload
 from alisa.policies import KVPolicy
 from alisa.storage.pages import PAGE_TOKENS, HostPages, host_region_bytes
-from alisa.storage.sketch import KeySketch
+from alisa.storage.sketch import KeySketch, Scoring
 from alisa.storage.store import KVStore
-from alisa.storage.transfer import upload
 
 
 class HostStep(NamedTuple):
@@ -205,11 +205,7 @@ class HostKeeper(Keeper):
         batch, heads, length, head_dim = keys.shape
         if self.pages is None:
             self.ops = self.ops_option or choose_ops(keys.device, keys.dtype)
-            if self.ops.device != keys.device.type:
-                raise ValueError(
-                    f"kernels={self.ops.name!r} were chosen for {self.ops.device}; the model "
-                    f"is on {keys.device}"
-                )
+            self.ops.check_device(keys.device)
             self.pages = HostPages(
                 batch,
                 heads,
@@ -217,6 +213,7 @@ class HostKeeper(Keeper):
                 bits=self.host_bits,
                 dtype=keys.dtype,
                 device=keys.device,
+                pinned=self.ops.pinned,
                 compiled=self.ops.compiled,
             )
             self.sketch = KeySketch(
@@ -303,11 +300,15 @@ class HostKeeper(Keeper):
         slots
             The layer's slot map (groups = KV heads); the new token is already placed.
         store
-            The device region; fetched tokens are written with ``write_heads``.
+            The device region; the backend writes fetched rows into its plain buffers, or
+            leaves them to ``write_heads``.
         query
             (B, H, 1, D) this step's query.
         step
             This step's budgets (:meth:`step`; the slots are sized for them).
+
+        The step's tensors go to the kernels chosen for the cache (:attr:`Ops.select`,
+        :mod:`alisa.ops.reference` defines what it does); the keeper settles what it owns.
         """
         self.unselected = 0
         if step.covers:  # budgets only fall behind n: nothing has left yet
@@ -316,63 +317,36 @@ class HostKeeper(Keeper):
         ranked_end = slots.seen - step.nearest
         if self.flushed < ranked_end:  # a pending token could be left out
             self._flush(slots)
-        batch, kv_heads = slots.positions.shape[:2]
-        grouped = query[:, :, -1].reshape(batch, kv_heads, -1, query.shape[-1])
-        fused = None if self.values is not None else self._fused_layout(store)
-        if fused is not None:  # scored, chosen, swapped and fetched in one compiled call
-            scoring = self.sketch.scoring(grouped, ranked_end)
-            inputs = self._choice_inputs(slots, step, scoring.logits)
-            self.count_fetched(slots.swap_fetching(inputs, scoring, *fused))
-            self.steps += 1
-            return
-        if self.values is not None and query.shape[2] == 1:  # the rest's estimate reads them
-            logits = self.sketch.logits(grouped)  # every position (it reads held ones too)
-            self.step_logits = (query, logits)
-        else:  # the choice ranks only positions below every sequence's recent window
-            logits = self.sketch.logits(grouped, upto=ranked_end)
-        inputs = self._choice_inputs(slots, step, logits)
-        plain = store.plain_heads() if self.ops.mapped and self.pages.maps() else None
-        if plain is not None:  # no fetch list on the host: the device reads the rows
-            if self.ops.placing:  # choice and placement in one kernel launch
-                chosen, fetch, target = slots.place_to_choice(inputs)
-            else:
-                chosen, taken = choose(inputs, compiled=self.ops.compiled)
-                chosen, fetch, target = slots.place(chosen, taken, step.budget)
-            self.pages.fetch_placed(chosen, fetch, target, *plain, protected=ranked_end)
-            self.count_fetched(fetch.sum())
-        else:
-            if self.ops.compiled:  # choice and swap in one kernel call
-                incoming = slots.swap_to_choice(inputs)
-            else:
-                chosen, taken = choose(inputs, compiled=False)
-                incoming = slots.swap(chosen, taken, step.budget)
-            if incoming is not None:
-                fetched = self.pages.fetch(
-                    incoming.host_rows,
-                    incoming.host_groups,
-                    incoming.host_positions,
-                    compiled=self.ops.compiled,
-                )
-                store.write_heads(incoming.rows, incoming.groups, incoming.slots, fetched)
-                self.count_fetched(incoming.rows.numel())
+        scoring = self._scoring(slots, query, ranked_end)
+        inputs = self._choice_inputs(slots, step, scoring.logits)
+        host = self.pages.region(protected=ranked_end)
+        chosen = self.ops.select(SelectionStep(inputs, scoring.operands, host, store.plain_heads()))
+        slots.settle(step.budget)
+        if chosen.incoming is not None:  # rows the backend left for the store to write
+            rows, groups, targets, _, *on_host = chosen.incoming
+            fetched = self.pages.fetch(*on_host, compiled=self.ops.compiled)
+            store.write_heads(rows, groups, targets, fetched)
+        self.count_fetched(chosen.count)
         self.steps += 1
 
-    def _fused_layout(self, store: KVStore) -> tuple | None:
-        """(host codes, device keys, device values) when this step's selection can run as one
-        compiled call (:meth:`~alisa.kv.slots.SlotMap.swap_fetching`): the compiled CPU
-        kernels, the sketch's compiled product with its channels chosen, INT8 host rows and a
-        plain float32 device region; else None (the separate calls)."""
-        if not self.ops.fused or self.ops.mapped or not self.sketch.scores_compiled:
-            return None
-        plain = store.plain_heads()
-        if plain is None or not all(t.dtype == torch.float32 and t.is_contiguous() for t in plain):
-            return None
-        codes = self.pages.row_codes()
-        return None if codes is None else (codes, *plain)
+    def _scoring(self, slots: SlotMap, query: torch.Tensor, ranked_end: int) -> Scoring:
+        """This step's key-sketch logits of (B, H, q, D) ``query``'s last token, or, where the
+        selection runs as one compiled call (:attr:`Ops.fused`), the product's operands left
+        for that call. The choice ranks positions below ``ranked_end`` only; the rest's
+        estimate reads every position (and keeps the logits for this step's attention)."""
+        batch, kv_heads = slots.positions.shape[:2]
+        grouped = query[:, :, -1].reshape(batch, kv_heads, -1, query.shape[-1])
+        if self.values is not None and query.shape[2] == 1:  # the rest's estimate reads them
+            scoring = self.sketch.prepared(grouped, None, defer=False)
+            self.step_logits = (query, scoring.logits)
+            return scoring
+        defer = self.ops.fused and self.values is None
+        return self.sketch.prepared(grouped, ranked_end, defer=defer)
 
     def _choice_inputs(self, slots: SlotMap, step: HostStep, logits: torch.Tensor) -> ChoiceInputs:
-        """What this step's choice reads (:func:`alisa.kv.choice.choose`): protected tokens,
-        the history's share, then the best of this step's (B, H_kv, G, C) sketch ``logits``.
+        """What this step's choice reads (:func:`alisa.ops.reference.select_rule`): protected
+        tokens, the history's share, then the best of this step's (B, H_kv, G, C) sketch
+        ``logits``.
 
         ``step.recent`` newest tokens per sequence are protected; they include every pending
         (not yet coded) token, whose logit is never read.

@@ -34,6 +34,9 @@ class AlisaLayer(CacheLayerMixin):
         Builds the prefill store (dense or quantized).
     tiering
         Splits the kept prefill over device/host/recompute tiers (None: all on the device).
+    compiled
+        The slot map claims a decode step's slots by a compiled CPU kernel
+        (:attr:`alisa.ops.backends.Ops.compiled`); False: PyTorch operators.
     """
 
     is_sliding = False
@@ -47,9 +50,11 @@ class AlisaLayer(CacheLayerMixin):
         layer_idx: int = 0,
         store_factory: StoreFactory = DenseStore,
         tiering: Tiering | None = None,
+        compiled: bool = False,
     ) -> None:
         super().__init__()
         self.keeper = keeper
+        self.compiled = compiled
         # Transformers sizes its sliding-window masks against a layer that says it is sliding.
         self.is_sliding = keeper.window is not None
         self.layer_idx = layer_idx
@@ -273,7 +278,7 @@ class AlisaLayer(CacheLayerMixin):
         groups = heads if self.keeper.per_head else 1
         capacity = grown(length, self.keeper.window)
         self.store = self.store_factory(keys, values, capacity, groups=groups)
-        self.slots = SlotMap(batch, groups, length, capacity, self.device)
+        self.slots = SlotMap(batch, groups, length, capacity, self.device, compiled=self.compiled)
         self.keeper.start(self.slots, keys, values)
 
     def _write_one(self, keys: torch.Tensor, values: torch.Tensor) -> None:

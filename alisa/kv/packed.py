@@ -11,7 +11,7 @@ at any prefill (causal, into a cache of its own), each through the same code pat
 
 :class:`~alisa.kv.cache.PackedCache` is what the model is given as ``past_key_values``; its
 layers (:class:`PackedLayer`) reach the ``alisa`` attention function through the usual pre-hook.
-``experiments.bench_packing`` measures what it saves (a forward's fixed cost).
+``probes.bench_packing`` measures what it saves (a forward's fixed cost).
 """
 
 from __future__ import annotations

@@ -15,19 +15,13 @@ holds it; ``first`` records it), so joining costs an integer add, not a copy of 
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 import torch
 
-from alisa.kv import kernels
-from alisa.kv.choice import ChoiceInputs, choose_and_swap, choose_swap_fetch
-from alisa.kv.kernels import FREE  # slot holds nothing; may be reused
-from alisa.kv.placing import choose_and_place
-from alisa.kv.selection import put_taken
-from alisa.storage.sketch import Scoring
+from alisa.ops import cpu
+from alisa.ops.reference import FREE, put_taken  # FREE: slot holds nothing; may be reused
+from alisa.ops.transfer import upload
 from alisa.storage.store import headroom
-from alisa.storage.transfer import upload
 
 PAD = -2  # slot holds a left-padding token; masked, reclaimed at the next compaction
 
@@ -39,40 +33,6 @@ def grown(slots: int, limit: int | None = None) -> int:
     if limit is not None and slots < limit:
         capacity = min(capacity, limit)
     return capacity
-
-
-class Incoming(NamedTuple):
-    """The E tokens a :meth:`SlotMap.swap` brings in, each (E,): where they go on the model's
-    device (``rows``, ``groups``, ``slots``, ``positions``) and what the host region reads
-    (``host_rows``, ``host_groups``, ``host_positions``: the same values in host memory; the
-    same tensors on a CPU)."""
-
-    rows: torch.Tensor
-    groups: torch.Tensor
-    slots: torch.Tensor
-    positions: torch.Tensor
-    host_rows: torch.Tensor
-    host_groups: torch.Tensor
-    host_positions: torch.Tensor
-
-
-class Placement(NamedTuple):
-    """Where :meth:`SlotMap.place` puts the chosen tokens, each (B, Hs, K) on the model's device:
-    the ``chosen`` positions, whether each must be ``fetch``ed (not held before), and its
-    ``target`` slot (meaningful where ``fetch``)."""
-
-    chosen: torch.Tensor
-    fetch: torch.Tensor
-    target: torch.Tensor
-
-
-def _free_slots(free: torch.Tensor) -> torch.Tensor:
-    """(B, Hs, capacity + 1): column j of a row is its j-th free slot, lowest first, for j below
-    its free count (the rest is not meaningful; the last column takes the occupied slots)."""
-    capacity = free.shape[-1]
-    rank = torch.where(free, free.cumsum(-1) - 1, capacity)
-    slots = torch.empty(*free.shape[:2], capacity + 1, dtype=torch.long, device=free.device)
-    return slots.scatter_(-1, rank, torch.arange(capacity, device=free.device).expand_as(rank))
 
 
 class SlotMap:
@@ -88,15 +48,26 @@ class SlotMap:
         Slots allocated.
     device
         Where the position map lives (the model's device).
+    compiled
+        Claim a decode step's slots by the compiled CPU kernel (:func:`alisa.ops.cpu.place_one`);
+        False: PyTorch operators (the reference).
     """
 
     def __init__(
-        self, batch: int, groups: int, length: int, capacity: int, device: torch.device
+        self,
+        batch: int,
+        groups: int,
+        length: int,
+        capacity: int,
+        device: torch.device,
+        *,
+        compiled: bool = False,
     ) -> None:
         positions = torch.arange(capacity, device=device)
         positions = torch.where(positions < length, positions, FREE)
         self.positions = positions.expand(batch, groups, capacity).contiguous()
         self.device = device
+        self.compiled = compiled
         self.seen = length  # tokens seen (padded coordinates)
         self.width = length  # slots [0, width) may be occupied; the rest are free
         self.first = np.zeros(batch, dtype=np.int64)  # (B,) position of the first real token
@@ -143,11 +114,11 @@ class SlotMap:
         if append.all():
             placed: int | torch.Tensor = self.width
             self.positions[..., self.width] = self.seen
-        elif self.positions.device.type == "cpu":
+        elif self.compiled:
             # One compiled call, where each dispatched PyTorch op of the branch below costs more
             # than its work in a decode step (a host-retention step refills a slot per layer).
             slots = np.empty(self.positions.shape[:2], dtype=np.int64)
-            grows = kernels.place_one(self.positions.numpy(), self.width, self.seen, append, slots)
+            grows = cpu.place_one(self.positions.numpy(), self.width, self.seen, append, slots)
             placed = torch.from_numpy(slots[..., None])
         else:
             free = self.positions[..., : self.width] == FREE
@@ -182,7 +153,7 @@ class SlotMap:
         """Empty evicted slots: (B, Hs, k) distinct slots per row, ``taken`` (B, Hs, k) False
         past a sequence's ``excess`` (B,) tokens (those slots are left as they are).
 
-        No host round trip (:func:`~alisa.kv.selection.put_taken`).
+        No host round trip (:func:`~alisa.ops.reference.put_taken`).
         """
         put_taken(self.positions, slots, taken, FREE)
         self.kept -= excess
@@ -194,141 +165,14 @@ class SlotMap:
         self.positions.masked_fill_(held & (self.positions < cutoff), FREE)
         self.kept -= leaving
 
-    def swap(self, chosen: torch.Tensor, taken: torch.Tensor, kept: np.ndarray) -> Incoming | None:
-        """Make each (sequence, group)'s slots exactly its ``chosen`` positions.
-
-        Slots whose token was not chosen are freed; the chosen tokens not held, in the order
-        given, take the free slots lowest first. Work is over the slots and the K chosen, not
-        every position seen.
-
-        Parameters
-        ----------
-        chosen
-            (B, Hs, K) positions to hold, ascending where ``taken``.
-        taken
-            (B, Hs, K) bool: which of them count (False past a sequence's budget).
-        kept
-            (B,) tokens each sequence holds per group afterwards (its budget).
-
-        PyTorch ops: the reference, and CUDA's path; on a CPU :meth:`swap_to_choice` does the
-        same in the choice's compiled call.
-
-        Returns
-        -------
-        Incoming or None
-            The tokens that must be brought in (the caller fills their slots), or None when
-            every chosen token was already held.
-        """
-        fetch, free = self._release(chosen, taken, kept)
-        device = chosen.device
-        # The selection's one host round trip: the positions to bring in ((B, Hs, K), -1 for
-        # the rest) come to the host, whose region reads them; the device gets the index
-        # lists back without waiting (a device-side nonzero would be a second round trip).
-        incoming = torch.where(fetch, chosen, -1)
-        on_host = incoming.cpu() if device.type != "cpu" else incoming
-        host_rows, host_groups, host_entries = (on_host >= 0).nonzero(as_tuple=True)
-        if host_rows.numel() == 0:
-            return None
-        host_tokens = on_host[host_rows, host_groups, host_entries]
-        rows, groups, entries = (upload(t, device) for t in (host_rows, host_groups, host_entries))
-        # The j-th fetched token of a (sequence, group) goes to its j-th free slot, lowest first.
-        rank = fetch.cumsum(-1)[rows, groups, entries] - 1
-        target = _free_slots(free)[rows, groups, rank]
-        tokens = chosen[rows, groups, entries]
-        self.positions[rows, groups, target] = tokens
-        return Incoming(rows, groups, target, tokens, host_rows, host_groups, host_tokens)
-
-    def place(self, chosen: torch.Tensor, taken: torch.Tensor, kept: np.ndarray) -> Placement:
-        """:meth:`swap` without a host round trip: the same slots, as (B, Hs, K) tensors.
-
-        Where :meth:`swap` brings the fetch list to the host (so the host region can be read
-        there), this leaves it on the device for a reader that is there too
-        (:mod:`alisa.storage.mapped`): entry ``k`` of a row is fetched when ``fetch[..., k]``,
-        into slot ``target[..., k]``. Same parameters as :meth:`swap` (PyTorch ops only).
-        """
-        fetch, free = self._release(chosen, taken, kept)
-        positions = self.positions
-        capacity = positions.shape[-1]
-        # The j-th fetched token of a row takes its j-th free slot, lowest first, as in swap.
-        free_slot = _free_slots(free)
-        rank = (fetch.cumsum(-1) - 1).clamp(min=0)
-        target = torch.where(fetch, free_slot.gather(-1, rank), capacity)  # capacity: no slot
-        placed = torch.nn.functional.pad(positions, (0, 1), value=FREE)
-        placed.scatter_(-1, target, torch.where(fetch, chosen, FREE))
-        positions.copy_(placed[..., :capacity])
-        return Placement(chosen, fetch, target)
-
-    def _release(
-        self, chosen: torch.Tensor, taken: torch.Tensor, kept: np.ndarray
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Free the slots of tokens not ``chosen`` (see :meth:`swap`) and widen ``width`` for the
-        tokens that will come in; returns (B, Hs, K) whether each chosen token must be fetched
-        and (B, Hs, capacity) which slots are free."""
-        positions = self.positions  # (B, Hs, capacity)
-        seen, device = self.seen, chosen.device
-        held = positions >= 0
-        # Per position: whether it is wanted / held; an extra column takes the rest.
-        wanted = torch.zeros(*chosen.shape[:2], seen + 1, dtype=torch.bool, device=device)
-        wanted.scatter_(-1, torch.where(taken, chosen, seen), True)
-        holding = torch.zeros_like(wanted).scatter_(-1, torch.where(held, positions, seen), True)
-        leaving = held & ~wanted.gather(-1, positions.clamp(min=0))
-        fetch = taken & ~holding.gather(-1, chosen)  # (B, Hs, K)
-        free = (positions == FREE) | leaving
-        positions.masked_fill_(leaving, FREE)
-        self._settle(kept)
-        return fetch, free
-
-    def _settle(self, kept: np.ndarray) -> None:
-        """After a swap or placement: ``kept`` (B,) tokens per group, and the width bound."""
+    def settle(self, kept: np.ndarray) -> None:
+        """After a selection made the slots its chosen positions (:mod:`alisa.ops.reference`):
+        ``kept`` (B,) tokens per group, and the width bound."""
         self.kept = kept.copy()
         # A fetched token's slot at or past the old width means every free slot below it was
         # taken, so the slots below it are all occupied: it is below kept + dead. The bound needs
         # no read of the targets (a device round trip).
         self.width = max(self.width, int((self.kept + self.dead).max()))
-
-    def swap_to_choice(self, inputs: ChoiceInputs) -> Incoming | None:
-        """:meth:`swap` to the positions :func:`alisa.kv.choice.choose` picks from ``inputs``
-        (whose ``positions`` are this map's), both in one compiled call per layer (CPU): the
-        same slots and the same :class:`Incoming` as choosing, then :meth:`swap`."""
-        self._check_own(inputs, "swap_to_choice")
-        fetch, count = choose_and_swap(inputs)
-        self._settle(inputs.budget)
-        if count == 0:
-            return None
-        rows, groups, targets, tokens = torch.from_numpy(fetch[:, :count])
-        return Incoming(rows, groups, targets, tokens, rows, groups, tokens)
-
-    def swap_fetching(
-        self,
-        inputs: ChoiceInputs,
-        scoring: Scoring,
-        codes: tuple[np.ndarray, np.ndarray, np.ndarray],
-        keys: torch.Tensor,
-        values: torch.Tensor,
-    ) -> int:
-        """:meth:`swap_to_choice` with the sketch's scoring before and the fetch after, in one
-        compiled call per layer (:func:`alisa.kv.choice.choose_swap_fetch`, CPU): the same
-        slots, and the tokens to bring in decoded from the host region's ``codes`` straight
-        into their slots of the (B, H_kv, S, D) ``keys`` and ``values``. Returns how many."""
-        self._check_own(inputs, "swap_fetching")
-        count = choose_swap_fetch(inputs, scoring, codes, keys, values)
-        self._settle(inputs.budget)
-        return count
-
-    def place_to_choice(self, inputs: ChoiceInputs) -> Placement:
-        """:meth:`place` to the positions :func:`alisa.kv.choice.choose` picks from ``inputs``
-        (whose ``positions`` are this map's), both in one Triton kernel launch per layer
-        (:func:`alisa.kv.placing.choose_and_place`; CUDA): the same slots and the same
-        :class:`Placement` as choosing, then :meth:`place`, with no host round trip."""
-        self._check_own(inputs, "place_to_choice")
-        placement = Placement(*choose_and_place(inputs))
-        self._settle(inputs.budget)
-        return placement
-
-    def _check_own(self, inputs: ChoiceInputs, method: str) -> None:
-        """A choice that rewrites slots must be over this map's own positions."""
-        if inputs.positions is not self.positions:
-            raise ValueError(f"{method} takes a choice over this slot map's positions")
 
     def compaction(
         self, limit: int | None = None, *, force: bool = False

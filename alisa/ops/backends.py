@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
-from alisa.ops import KERNELS
+from alisa.ops import KERNELS, reference
 
 # How the key sketch's product runs (alisa.storage.sketch): PyTorch in bfloat16, PyTorch on the
 # sketch widened to float32, or the compiled CPU kernel.
@@ -53,8 +54,15 @@ class Ops:
         The device reads the chosen rows from page-locked host memory itself (Triton).
     placing
         The choice and the slot placement run as one Triton kernel.
+    pinned
+        Host buffers are page-locked (the device is CUDA): copies to the device run
+        asynchronously, and a kernel on the device can read host rows.
     feature
         What decided the product on a CPU (its bfloat16 support), for the record; else ``""``.
+    select
+        Host retention's selection of one layer, ``select(step: SelectionStep) -> Selected``
+        (:mod:`alisa.ops.reference`): a plain function bound once from the choices above, so a
+        decode step runs it without asking which kernels to use.
     """
 
     name: str
@@ -65,6 +73,10 @@ class Ops:
     mapped: bool
     placing: bool
     feature: str = ""
+    pinned: bool = field(init=False)
+    select: Callable[[reference.SelectionStep], reference.Selected] = field(
+        init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if self.name not in KERNELS[1:]:
@@ -79,6 +91,38 @@ class Ops:
             raise ValueError("fused=True needs compiled=True and product='compiled'")
         if self.placing and not self.mapped:
             raise ValueError("placing=True needs mapped=True (it places rows the device reads)")
+        if self.mapped and self.device == "cuda" and not triton_installed():
+            raise ValueError("mapped=True on CUDA reads host rows by a Triton kernel: no Triton")
+        object.__setattr__(self, "pinned", self.device == "cuda")
+        object.__setattr__(self, "select", self._bound_select())
+
+    def _bound_select(self) -> Callable[[reference.SelectionStep], reference.Selected]:
+        """The selection these choices make, composed once from the backends' functions."""
+        choose = reference.select_rule
+        alone = functools.partial(reference.swapped, choose=choose)
+        if self.compiled:
+            from alisa.ops import cpu  # numba loads only where its kernels run
+
+            choose, alone = cpu.select_rule, cpu.fused if self.fused else cpu.swapped
+        if not self.mapped:
+            return alone
+        fetch = reference.fetch_placed
+        place = functools.partial(reference.chosen_then_placed, choose=choose)
+        if self.device == "cuda" or self.placing:
+            from alisa.ops import cuda  # Triton loads on first launch only
+
+            fetch = cuda.fetch_placed if self.device == "cuda" else fetch
+            place = cuda.choose_and_place if self.placing else place
+        return functools.partial(
+            reference.placed, choose_and_place=place, fetch=fetch, otherwise=alone
+        )
+
+    def check_device(self, device: torch.device) -> None:
+        """Refuse a model on another device than the one these kernels were chosen for."""
+        if torch.device(device).type != self.device:
+            raise ValueError(
+                f"kernels={self.name!r} were chosen for {self.device}; the model is on {device}"
+            )
 
     def describe(self) -> str:
         """One line naming the backend and its choices, e.g. ``cpu (numba): sketch product

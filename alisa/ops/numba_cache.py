@@ -2,7 +2,7 @@
 
 ``numba.njit(cache=True)`` keys a compiled kernel on its own source file only. A kernel that
 calls row functions of another module (host retention's one compiled call,
-:func:`alisa.kv.fused.select_and_fetch`, calls kernels of three modules) then runs its stale
+:func:`alisa.ops.cpu.select_and_fetch`, calls kernels of three modules) then runs its stale
 machine code after one of those is edited, until someone deletes ``__pycache__`` by hand: a
 silent wrong result (numba issue 1833, https://github.com/numba/numba/issues/1833).
 

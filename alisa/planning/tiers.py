@@ -56,7 +56,15 @@ class TierPlanner:
     """
 
     def __init__(
-        self, model, shape, config: AlisaConfig, region_factory, recompute, max_new_tokens: int
+        self,
+        model,
+        shape,
+        config: AlisaConfig,
+        region_factory,
+        recompute,
+        max_new_tokens: int,
+        *,
+        pinned: bool = False,
     ):
         self.spec = model_spec(model, shape)
         self.shape, self.config = shape, config
@@ -64,6 +72,7 @@ class TierPlanner:
         self.max_new_tokens = max_new_tokens
         self.device = next(model.parameters()).device
         self.host_device = torch.device("cpu")
+        self.pinned = pinned  # host regions page-locked (alisa.ops.backends.Ops.pinned)
         self.layout: TierLayout | None = None
         self.plan: Plan | None = None
         self.recompute_enabled = recompute is not None and config.recompute != "never"
@@ -155,6 +164,7 @@ class TierPlanner:
             host_device=self.host_device,
             recompute=partial(self.recomputer, layer_idx) if layout.recompute else None,
             stats=TierStats(),
+            pinned=self.pinned,
         )
         width = slots.width
         tiered, counts = split_prefill(

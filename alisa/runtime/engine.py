@@ -392,7 +392,7 @@ class Engine:
             Told before each later forward pass whether one follows (sharded decode workers).
         observe
             Shown each step's (B, V) logits before its tokens are chosen (diagnostics such as
-            ``experiments.ruler_probe``; nothing in the loop waits on it).
+            ``probes.ruler_probe``; nothing in the loop waits on it).
         options
             Extra model keyword arguments of every forward pass (they reach attention).
         """

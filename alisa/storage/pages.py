@@ -6,8 +6,8 @@ asymmetric min/max, :mod:`quant`) unless ``bits`` is 16. A decode step copies ba
 tokens its selection wants that the device does not already hold (:meth:`HostPages.fetch`):
 an index gather of those rows, then dequantization of just them (a device region with the same
 INT8/INT4 format takes the codes as they are; on a CPU a float32 region takes INT8 rows in one
-compiled pass, :mod:`alisa.storage.kernels`). On CUDA the buffers are pinned, so the device can
-read the rows itself (:meth:`HostPages.fetch_placed`, :mod:`alisa.storage.mapped`: no fetch list
+compiled pass, :mod:`alisa.ops.cpu`). On CUDA the buffers are pinned, so the device can
+read the rows itself (:func:`alisa.ops.cuda.fetch_placed` on :meth:`HostPages.region`: no fetch list
 on the host, no wait) or, by :meth:`HostPages.fetch`, the host gathers them and the copy up is
 asynchronous. Either runs on the compute stream, not a side stream: the rows are known only once
 this layer's query has been scored and this layer's attention waits for them, so there is nothing
@@ -23,9 +23,8 @@ import numpy as np
 import torch
 
 from alisa.config import KV_BITS
-from alisa.kernel_threads import kernel_parts
-from alisa.storage.kernels import HALVES, fetch_rows, move_rows
-from alisa.storage.mapped import fetch_into, mapped_reads
+from alisa.ops.cpu import HALVES, fetch_rows, kernel_parts, move_rows
+from alisa.ops.reference import HostRegion
 from alisa.storage.quantized import SCALE_DTYPE, QuantizedPair
 from alisa.storage.store import byte_view, flat_rows, page_locked, range_rows, with_capacity
 
@@ -54,7 +53,7 @@ class FetchedRows:
         page-locked memory when the device is CUDA, so each copy up is asynchronous (on the
         compute stream: see the module) without a second host copy to pin it.
         """
-        picked = (gathered(t, self.flat, pin=self.pin) for t in self.region)
+        picked = (gathered(t, self.flat, pin=self.pin, compiled=self.compiled) for t in self.region)
         return tuple(t.to(self.device, non_blocking=True) for t in picked)
 
     def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +76,6 @@ class FetchedRows:
             and mine is not None
             and (mine.bits, mine.group) == (bits, group)
             and all(t.dtype == c.dtype for t, c in zip(self.region, codes, strict=True))
-            and codes[0].device.type == "cpu"
         ):
             return False
         parts = kernel_parts(rows.shape[0])
@@ -90,7 +88,7 @@ class FetchedRows:
         """Write the tokens' keys and values into rows (E,) of (M, D) device buffers.
 
         With ``compiled``, INT8 codes with a float16 scale per row going to float32 buffers
-        are decoded and written in one pass by :func:`alisa.storage.kernels.fetch_rows` (the
+        are decoded and written in one pass by :func:`alisa.ops.cpu.fetch_rows` (the
         same values as :meth:`decoded`, bit for bit); otherwise :meth:`decoded` and two
         scatters.
         """
@@ -114,7 +112,6 @@ class FetchedRows:
             self.compiled
             and kernel_decodes(self.pair)
             and keys.dtype == values.dtype == torch.float32
-            and keys.device.type == "cpu"
             and keys.is_contiguous()
             and values.is_contiguous()
         )
@@ -135,11 +132,16 @@ def decodable(region: tuple[torch.Tensor, ...]) -> tuple[np.ndarray, np.ndarray,
     return data, scale.view(np.int16)[..., 0], zero.view(np.int16)[..., 0]
 
 
-def gathered(region: torch.Tensor, rows: torch.Tensor, *, pin: bool) -> torch.Tensor:
+def gathered(
+    region: torch.Tensor, rows: torch.Tensor, *, pin: bool, compiled: bool
+) -> torch.Tensor:
     """Rows (E,) of a host (2, N, ·) tensor as a new (2, E, ·) host tensor (page-locked with
-    ``pin``): ``region.index_select(1, rows)``, by one parallel compiled pass over the bytes.
-    ``rows`` must be below N (unchecked here: :meth:`HostPages.fetch` checks the rows it makes)."""
+    ``pin``): ``region.index_select(1, rows)``, with ``compiled`` by one parallel compiled pass
+    over the bytes. ``rows`` must be below N (unchecked there: :meth:`HostPages.fetch` checks
+    the rows it makes)."""
     out = torch.empty((2, rows.shape[0], *region.shape[2:]), dtype=region.dtype, pin_memory=pin)
+    if not compiled:
+        return torch.index_select(region, 1, rows, out=out)
     order = np.arange(rows.shape[0], dtype=np.int64)  # out's rows, in the order asked
     move_rows(byte_view(region), rows.numpy(), byte_view(out), order, kernel_parts(rows.shape[0]))
     return out
@@ -188,11 +190,15 @@ class HostPages:
         16 (the model dtype), 8 or 4.
     dtype, device
         The model's dtype and device (fetches are returned there).
+    pinned
+        Page-lock the buffers (the model is on CUDA: :attr:`alisa.ops.backends.Ops.pinned`), so
+        copies run asynchronously and a kernel on the device can read the rows.
     defer
-        Land writes at the next read (default: on CUDA); else at once.
+        Land writes at the next read (default: when ``pinned``); else at once.
     compiled
-        Code writes to an INT8 region in host memory by the compiled CPU kernel (default: on
-        a CPU); the same bytes as quantize's path, which is the reference.
+        Code writes to an INT8 region and take fetched INT8 rows by the compiled CPU kernels
+        (:attr:`alisa.ops.backends.Ops.compiled`); the same bytes as quantize's path, which is
+        the reference.
     """
 
     def __init__(
@@ -204,14 +210,15 @@ class HostPages:
         bits: int,
         dtype,
         device: torch.device,
+        pinned: bool = False,
         defer: bool | None = None,
-        compiled: bool | None = None,
+        compiled: bool = False,
     ) -> None:
         if bits not in KV_BITS:
             raise ValueError(f"host_bits={bits!r} must be one of {KV_BITS}")
         self.device = device
         self.host = torch.device("cpu")  # host memory, whatever device the model is on
-        self.pin = device.type == "cuda"
+        self.pin = pinned
         shape = (batch, heads, 0, head_dim)
         self.pair: QuantizedPair | None = None
         self.plain: torch.Tensor | None = None
@@ -220,13 +227,13 @@ class HostPages:
         else:
             self.pair = QuantizedPair(shape, bits, head_dim, dtype, self.host)
         self.length = 0  # positions written
-        # row_codes' numpy views of the region, until its buffers are replaced.
+        # region()'s numpy views of the INT8 rows, until its buffers are replaced.
         self._codes: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-        self.defer = device.type == "cuda" if defer is None else defer
-        self.compiled = device.type == "cpu" if compiled is None else compiled
+        self.defer = pinned if defer is None else defer
+        self.compiled = compiled
         # (index, codes in host memory, CUDA event after their copy or None), oldest first
         self._landing: list[tuple[tuple, tuple[torch.Tensor, ...], torch.cuda.Event | None]] = []
-        # Replaced buffers the device may still be reading (fetch_placed), with an event
+        # Replaced buffers the device may still be reading (a placed fetch), with an event
         # recorded after those reads: kept alive until it has passed.
         self._retired: list[tuple[tuple[torch.Tensor, ...], torch.cuda.Event]] = []
 
@@ -270,7 +277,7 @@ class HostPages:
         codes = (pair,) if self.plain is not None else self.pair.code(pair)
         staged = tuple(self._stage(t) for t in codes)
         event = None
-        if pair.device.type == "cuda":
+        if self.pin:  # the codes come from the CUDA device: land them once their copy ran
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(pair.device))
         self._landing.append((index, staged, event))
@@ -301,7 +308,7 @@ class HostPages:
         """
         self.settle()
         _, _, heads_, capacity = self._tensors()[0].shape[:4]
-        flat = flat_rows(rows, heads, positions, heads_, capacity)
+        flat = flat_rows(rows, heads, positions, heads_, capacity, host=True)
         if flat.device != self.host:
             flat = flat.to(self.host)
         region = self._rows()
@@ -310,56 +317,26 @@ class HostPages:
             raise IndexError(f"row {last} of a host region of {count} rows")
         return FetchedRows(region, flat, self.pair, self.device, self.pin, compiled)
 
-    def row_codes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """The region as :func:`alisa.storage.kernels.fetch_rows` reads it, (2, N, ·) with N =
-        B * H_kv * capacity (:func:`decodable`), for a compiled call that decodes the rows it
-        chooses itself (:mod:`alisa.kv.fused`); None unless the region is in host memory as
-        INT8 rows with a float16 scale each, coded from float32 (the kernel's format)."""
-        if not kernel_decodes(self.pair) or self.pin:
-            self._codes = None  # scales widened by an outlier replace the pair's buffers
-            return None
-        self.settle()
-        if self._codes is None:  # views made once per buffer (each is dispatched operators)
-            self._codes = decodable(self._rows())
-        return self._codes
-
-    def maps(self) -> bool:
-        """Whether :meth:`fetch_placed` can take this region: 16-bit rows, or INT8 codes with
-        one float16 scale per row (INT4, or scales widened by an outlier, take :meth:`fetch`)."""
-        pair = self.pair
-        return pair is None or pair.int8_rows()
-
-    def fetch_placed(
-        self,
-        chosen: torch.Tensor,
-        fetch: torch.Tensor,
-        target: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        *,
-        protected: int,
-    ) -> None:
-        """Write the tokens a placement fetches into their slots, read by the device itself.
+    def region(self, protected: int) -> HostRegion:
+        """The region as a selection reads it (:class:`alisa.ops.reference.HostRegion`), its
+        writes landed.
 
         Parameters
         ----------
-        chosen, fetch, target
-            (B, H_kv, K) on the model's device (:meth:`alisa.kv.slots.SlotMap.place`).
-        keys, values
-            (B, H_kv, capacity, D) plain device buffers.
         protected
             Positions from here on are held on the device (the selection's protected recent
             window), so never fetched: pages still landing there need no wait.
-
-        On CUDA with Triton the kernel of :mod:`alisa.storage.mapped` reads page-locked host
-        memory (nothing waits for the device); elsewhere its PyTorch reference runs.
         """
         self.settle(wait=False)
         if any(index[3].start < protected for index, _, _ in self._landing):
             self.settle()
-        region = self._tensors()
-        kernel = mapped_reads(keys.device) and self.pin
-        fetch_into(region, chosen, fetch, target, keys, values, kernel=kernel)
+        pair = self.pair
+        if not kernel_decodes(pair) or self.pin:
+            self._codes = None  # scales widened by an outlier replace the pair's buffers
+        elif self._codes is None:  # views made once per buffer (each is dispatched operators)
+            self._codes = decodable(self._rows())
+        maps = pair is None or pair.int8_rows()
+        return HostRegion(tensors=self._tensors(), codes=self._codes, maps=maps)
 
     def select_batch(self, indices: torch.Tensor) -> None:
         self.settle()
@@ -394,7 +371,7 @@ class HostPages:
 
     def _stage(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host copy of ``tensor`` that may still be running (page-locked, from CUDA)."""
-        if tensor.device.type != "cuda":
+        if not self.pin:
             return tensor.to(self.host)
         staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         return staged.copy_(tensor, non_blocking=True)

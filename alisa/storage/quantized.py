@@ -13,8 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from alisa.storage.attend import Ring, Scales, attend_slots, takes
-from alisa.storage.kernels import code_rows
+from alisa.ops.cpu import Ring, Scales, attend_slots, code_rows, takes
 from alisa.storage.store import (
     DeviceResident,
     HostRows,
@@ -89,16 +88,11 @@ class QuantizedPair:
     def code_rows(self, tokens: torch.Tensor, targets: Callable[[], np.ndarray]) -> bool:
         """Quantize ``tokens`` (2, ..., D: keys and values, one row per (sequence, KV head,
         token)) into the rows ``targets()`` gives ((E,) int64 numpy rows of the (2, B * H *
-        capacity, ·) view) by :func:`~alisa.storage.kernels.code_rows`, the same bytes as
+        capacity, ·) view) by :func:`~alisa.ops.cpu.code_rows`, the same bytes as
         :meth:`code` and :meth:`put`, where the kernel takes them: host memory, float32 tokens,
         INT8 rows with one float16 scale each. False: nothing written (the caller takes
         :meth:`write`, which widens the scales where a row needs it)."""
-        if not (
-            tokens.device.type == "cpu"
-            and self.data.device.type == "cpu"
-            and tokens.dtype == torch.float32
-            and self.int8_rows()
-        ):
+        if not (tokens.dtype == torch.float32 and self.int8_rows()):
             return False
         return code_rows(
             tokens.detach().reshape(2, -1, tokens.shape[-1]).numpy(),
@@ -189,12 +183,13 @@ class QuantizedStore(DeviceResident):
         group_size: int | None,
         residual_tokens: int,
         groups: int,
-        compiled: bool | None = None,
+        compiled: bool = False,
     ) -> None:
         batch, heads, length, head_dim = keys.shape
         group = group_size or head_dim
-        # Whether attention may read the codes in place (:meth:`attend`): on a CPU by default.
-        self.compiled = keys.device.type == "cpu" if compiled is None else compiled
+        # Whether writes and attention run the compiled CPU kernels (alisa.ops.backends.Ops):
+        # attention then reads the codes in place (:meth:`attend`).
+        self.compiled = compiled
         shape = (batch, heads, capacity, head_dim)
         self.codes = QuantizedPair(shape, bits, group, keys.dtype, keys.device)
         self.residual = residual_tokens
@@ -257,7 +252,7 @@ class QuantizedStore(DeviceResident):
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A decode query's attention read from the codes in place, on a CPU.
 
-        :func:`alisa.storage.attend.attend_slots` dequantizes each row in registers as it uses
+        :func:`alisa.ops.cpu.attend_slots` dequantizes each row in registers as it uses
         it, where :meth:`read` writes the whole region dequantized first (about 1 ms per layer
         and step at B = 16 x 2,048 on SmolLM2-135M, ``docs/host-speed.md``). It takes INT8
         codes with one float16 scale per row, a float32 model and one query per sequence;
@@ -341,7 +336,10 @@ class QuantizedStore(DeviceResident):
         rows, heads, slots_ = slot_indices(slots, kv_heads)
         tokens = torch.stack([keys, values])  # (2, B, H_kv, 1, D)
         if not self._code_rows(
-            tokens, lambda: flat_rows(rows, heads, slots_, kv_heads, self.capacity).view(-1).numpy()
+            tokens,
+            lambda: (
+                flat_rows(rows, heads, slots_, kv_heads, self.capacity, host=True).view(-1).numpy()
+            ),
         ):
             self.codes.write((slice(None), rows, heads, slots_), tokens)
         self._remember(slots, keys[:, :, 0], values[:, :, 0], position)
@@ -368,7 +366,9 @@ class QuantizedStore(DeviceResident):
         if not self._code_rows(
             tokens,
             lambda: (
-                flat_rows(rows.view(-1, 1), heads, slots.view(-1, 1), kv_heads, self.capacity)
+                flat_rows(
+                    rows.view(-1, 1), heads, slots.view(-1, 1), kv_heads, self.capacity, host=True
+                )
                 .view(-1)
                 .numpy()
             ),
@@ -392,7 +392,7 @@ class QuantizedStore(DeviceResident):
         """
         pair = self.codes
         kv_heads, capacity = pair.data.shape[2:4]
-        flat = flat_rows(rows, heads, slots, kv_heads, capacity)
+        flat = flat_rows(rows, heads, slots, kv_heads, capacity, host=self.compiled)
         if tokens.codes_into(pair.bits, pair.group, pair.tensors(), flat):
             return
         index = (slice(None), rows, heads, slots)

@@ -37,6 +37,9 @@ class RegionContext:
     host_device: torch.device
     recompute: Recompute | None
     stats: TierStats
+    # Host buffers page-locked and copies on a side stream (the model is on CUDA:
+    # alisa.ops.backends.Ops.pinned).
+    pinned: bool = False
 
 
 class Region(Protocol):
@@ -146,8 +149,11 @@ class HostRegion:
     tier = "host"
     needs_inputs = False
 
-    def __init__(self, store: KVStore, model_device: torch.device, stats: TierStats) -> None:
+    def __init__(
+        self, store: KVStore, model_device: torch.device, stats: TierStats, *, pinned: bool = False
+    ) -> None:
         self.store, self.model_device, self.stats = store, model_device, stats
+        self.pin = pinned  # page-locked buffers, copies on a side stream (CUDA)
         self._pin()
         self._prefetched = None  # (keys, values, event) copied ahead
         self._stream = None  # CUDA side stream for the copies, created on first use
@@ -156,7 +162,7 @@ class HostRegion:
     def build(cls, keys, values, inputs, capacity: int, context: RegionContext) -> HostRegion:
         host_keys, host_values = keys.to(context.host_device), values.to(context.host_device)
         store = context.factory(host_keys, host_values, capacity)
-        return cls(store, context.model_device, context.stats)
+        return cls(store, context.model_device, context.stats, pinned=context.pinned)
 
     @property
     def slots(self) -> int:
@@ -169,7 +175,7 @@ class HostRegion:
         """Start copying the region to the device; the next :meth:`read` finds it ready."""
         if not self.store.lossless or self._prefetched is not None:
             return
-        if self.model_device.type == "cuda":
+        if self.pin:
             if self._stream is None:
                 self._stream = torch.cuda.Stream(self.model_device)
             stream = self._stream
@@ -236,7 +242,7 @@ class HostRegion:
 
     def _pin(self) -> None:
         """Page-lock the store's (new) buffers when the model is on CUDA."""
-        if self.model_device.type == "cuda":
+        if self.pin:
             self.store.pin_memory()
 
 
@@ -251,6 +257,7 @@ class RecomputeRegion:
         self, hidden: torch.Tensor, rope: torch.Tensor, recompute: Recompute, context
     ) -> None:
         self.model_device, self.stats = context.model_device, context.stats
+        self.pin = context.pinned
         self.hidden, self.rope, self.recompute = hidden, rope, recompute
         self._pin()
 
@@ -310,5 +317,5 @@ class RecomputeRegion:
 
     def _pin(self) -> None:
         """Page-lock the inputs when the model is on CUDA, so reading them does not wait."""
-        if self.model_device.type == "cuda" and self.hidden.device.type == "cpu":
+        if self.pin and not self.hidden.is_pinned():
             self.hidden, self.rope = self.hidden.pin_memory(), self.rope.pin_memory()

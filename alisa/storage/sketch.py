@@ -18,7 +18,7 @@ them at 4 bits, in the same bytes, and score faster on a CPU: the product needs 
 The sketch is kept channel-major, (B, H, width, capacity), and each score is one product over
 the whole allocation (unwritten positions are zeros): a (G, width) x (width, capacity) product
 per (sequence, KV head) is one strided batch with no copy, and a compiled CPU kernel reads a
-width's positions contiguously (:mod:`alisa.storage.product`).
+width's positions contiguously (:mod:`alisa.ops.cpu`).
 
 The sketch's element is half the model's, so it costs an eighth of the dense K + V bytes whatever
 the model's dtype: bfloat16 for a float32 model; for a 16-bit model (Gemma-3 runs in bfloat16)
@@ -37,9 +37,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from alisa.kernel_threads import kernel_parts
 from alisa.ops.backends import PRODUCTS, choose_ops
-from alisa.storage.product import sketch_logits
+from alisa.ops.cpu import kernel_parts, sketch_logits
 from alisa.storage.store import headroom
 from quant import quantize_rows
 
@@ -56,19 +55,19 @@ def code_dtype(key_dtype: torch.dtype) -> torch.dtype:
 
 
 class Scoring(NamedTuple):
-    """A step's sketch product, ready to run (:meth:`KeySketch.scoring`).
+    """A step's sketch product (:meth:`KeySketch.scoring`, :meth:`KeySketch.prepared`).
 
     Attributes
     ----------
     operands
-        The arguments of :func:`alisa.storage.product.sketch_logits` but ``parts``: (R, G, D)
+        The arguments of :func:`alisa.ops.cpu.sketch_logits` but ``parts``: (R, G, D)
         float32 queries, (R, W) channels, (R, W, N) codes, (R, N) or (R, 0) scales and the (R,
-        G, C) uint16 output, R = B * H.
+        G, C) uint16 output, R = B * H, for a product still to run; None: it ran.
     logits
         (B, H, G, C) bfloat16: the output's values (a view), once the product ran.
     """
 
-    operands: tuple[np.ndarray, ...]
+    operands: tuple[np.ndarray, ...] | None
     logits: torch.Tensor
 
 
@@ -222,11 +221,20 @@ class KeySketch:
         sketch_logits(*scoring.operands, kernel_parts(scoring.operands[0].shape[0]))
         return scoring.logits
 
+    def prepared(self, query: torch.Tensor, upto: int | None, *, defer: bool) -> Scoring:
+        """:meth:`logits` of (B, H, G, D) ``query`` over positions [0, ``upto``) (None: every
+        one), run now, or with ``defer`` and the compiled product (channels chosen) its
+        operands for a caller that runs the product inside its own compiled call
+        (:meth:`scoring`)."""
+        if defer and self.scores_compiled:
+            return self.scoring(query, self.capacity if upto is None else upto)
+        return Scoring(None, self.logits(query, upto))
+
     def scoring(self, query: torch.Tensor, upto: int) -> Scoring:
         """The compiled product's operands for (B, H, G, D) ``query`` over positions [0, C),
         C = min(upto, capacity) (see :meth:`logits`), and the (B, H, G, C) bfloat16 logits its
         output fills; for a caller that runs the product inside its own compiled call
-        (:mod:`alisa.kv.fused`). Only with the ``compiled`` product, once channels are chosen.
+        (:mod:`alisa.ops.cpu`). Only with the ``compiled`` product, once channels are chosen.
         """
         if not self.scores_compiled:
             raise ValueError(

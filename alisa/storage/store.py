@@ -15,8 +15,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from alisa.storage.attend import attend_slots, takes
-from alisa.storage.kernels import put_slots
+from alisa.ops.cpu import attend_slots, put_slots, takes
 
 
 @dataclass(frozen=True)
@@ -158,7 +157,7 @@ class KVStore(Protocol):
     def plain_heads(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The (B, H_kv, capacity, D) keys and values when the store holds them as they are in
         the model's dtype (so a fetch may write rows straight into them,
-        :func:`alisa.storage.mapped.fetch_into`); None when it codes them."""
+        :func:`alisa.ops.cuda.fetch_placed`); None when it codes them."""
         ...
 
     def attend(
@@ -248,16 +247,23 @@ class DeviceResident:
 
 
 def flat_rows(
-    rows: torch.Tensor, heads: torch.Tensor, slots: torch.Tensor, kv_heads: int, capacity: int
+    rows: torch.Tensor,
+    heads: torch.Tensor,
+    slots: torch.Tensor,
+    kv_heads: int,
+    capacity: int,
+    *,
+    host: bool = False,
 ) -> torch.Tensor:
     """(E,) row of each (sequence, KV head, slot) entry in a (B * H_kv * capacity, ·) view of a
     (B, H_kv, capacity, ·) buffer: one row index, so one ``index_select``/``index_copy_`` moves
     the entries (advanced indexing over three dimensions is several times slower on a CPU).
 
-    On a CPU the arithmetic runs in numpy (three small ops of a few microseconds, where each
-    dispatched PyTorch op costs tens in a decode step).
+    ``host``: the indices are in host memory (the compiled CPU path), and the arithmetic runs in
+    numpy (three small ops of a few microseconds, where each dispatched PyTorch op costs tens in
+    a decode step).
     """
-    if rows.device.type == "cpu":
+    if host:
         flat = (rows.numpy() * kv_heads + heads.numpy()) * capacity + slots.numpy()
         return torch.from_numpy(flat)
     return (rows * kv_heads + heads) * capacity + slots
@@ -295,7 +301,7 @@ class DenseStore(DeviceResident):
     """Keys and values in the model's dtype, in preallocated (B, H_kv, capacity, D) buffers.
 
     ``compiled`` (None: when the tokens are on a CPU) lets a float32 decode step's attention
-    run the compiled kernels of :mod:`alisa.storage.attend`; False keeps PyTorch's path.
+    run the compiled kernels of :mod:`alisa.ops.cpu`; False keeps PyTorch's path.
     """
 
     def __init__(
@@ -305,11 +311,11 @@ class DenseStore(DeviceResident):
         capacity: int,
         *,
         groups: int = 1,
-        compiled: bool | None = None,
+        compiled: bool = False,
     ) -> None:
         batch, heads, length, head_dim = keys.shape
-        # Whether attention may run the compiled CPU kernels (:meth:`attend`): on a CPU.
-        self.compiled = keys.device.type == "cpu" if compiled is None else compiled
+        # Whether writes and attention run the compiled CPU kernels (alisa.ops.backends.Ops).
+        self.compiled = compiled
         # Zeroed, not empty: masked slots still enter p @ V, and 0 * NaN garbage would be NaN.
         self.keys = keys.new_zeros(batch, heads, capacity, head_dim)
         self.values = values.new_zeros(batch, heads, capacity, values.shape[-1])
@@ -329,7 +335,7 @@ class DenseStore(DeviceResident):
         return self.keys.nbytes + self.values.nbytes
 
     def attend(self, positions, query, seen: int, window, scaling: float):
-        """A float32 decode step on a CPU: :func:`alisa.storage.attend.attend_slots` over the
+        """A float32 decode step on a CPU: :func:`alisa.ops.cpu.attend_slots` over the
         buffers (one pass for the logits and mask, one for the output); else None."""
         if not (self.compiled and takes(query, self.keys)):
             return None
@@ -366,7 +372,7 @@ class DenseStore(DeviceResident):
         inputs: TokenInputs | None = None,
     ) -> None:
         """Write one token per (sequence, group): slots (B, Hs, 1), keys/values (B, H_kv, 1, D)."""
-        if slots.device.type == "cpu":  # one compiled copy of the rows' bytes
+        if self.compiled:  # one compiled copy of the rows' bytes
             rows = (byte_view(t) for t in (self.keys, self.values, keys, values))
             if not put_slots(*rows, slots.numpy()):
                 raise IndexError(f"a slot outside [0, {self.capacity}) in {slots.view(-1)}")
@@ -391,7 +397,7 @@ class DenseStore(DeviceResident):
     def write_heads(self, rows, heads, slots, tokens: HostRows) -> None:
         """Write (sequence, KV head) entries at index triples (E,)."""
         batch, kv_heads, capacity, dim = self.keys.shape
-        flat = flat_rows(rows, heads, slots, kv_heads, capacity)
+        flat = flat_rows(rows, heads, slots, kv_heads, capacity, host=self.compiled)
         tokens.write_into(self.keys.view(-1, dim), self.values.view(-1, dim), flat)
 
     def plain_heads(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,21 +8,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, kw_only=True)
 class RulerOptions:
-    """``[options.ruler]``: samples per (family, length), seed, haystack file, prompt format.
-
-    Attributes
-    ----------
-    samples
-        Samples per family and length (RULER's ``num_samples``).
-    seed
-        Base seed of the generated samples.
-    haystack
-        A UTF-8 text file for the haystack and word lists; None: WikiText-2's test split.
-    chat
-        ``"auto"`` (the chat template when the tokenizer has one), true or false.
-    new_tokens
-        Tokens to generate per sample; None: each family's own budget.
-    """
+    """``samples`` per family and length (RULER's ``num_samples``), the base ``seed``, the
+    ``haystack`` text file (None: WikiText-2's test split), ``chat`` (``"auto"``: the chat
+    template when the tokenizer has one) and ``new_tokens`` per sample (None: each family's)."""
 
     samples: int = 10
     seed: int = 0

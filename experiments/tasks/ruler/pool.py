@@ -17,10 +17,6 @@ from pathlib import Path
 
 from experiments.tasks.ruler.options import RulerOptions
 
-# What must be equal across pooled runs besides the sweep point (the seed and the sample count
-# may differ: that is what pooling is for).
-_SAME_OPTIONS = ("haystack", "chat", "new_tokens")
-
 
 def _options(config: dict) -> RulerOptions:
     return RulerOptions.read(config.get("options", {}).get("ruler", {}))
@@ -31,33 +27,33 @@ def seed_of(config: dict) -> int:
     return _options(config).seed
 
 
+def _alike(config: dict) -> dict:
+    """What must be equal across pooled runs besides the sweep point (the seed and the sample
+    count may differ: that is what pooling is for)."""
+    options = _options(config)
+    names = ("haystack", "chat", "new_tokens")
+    same = {f"options.ruler.{name}": getattr(options, name) for name in names}
+    return same | {"runtime.dtype": config.get("runtime", {}).get("dtype")}
+
+
 def _check(runs: list[tuple[Path, dict]]) -> None:
     """Refuse runs whose prompts overlap or differ in anything but the seed and sample count."""
-    first_path, first = runs[0]
-    reference = _options(first)
-    reference_dtype = first.get("runtime", {}).get("dtype")
+    first_path, reference = runs[0][0], _alike(runs[0][1])
     seeds: dict[int, Path] = {}
     for path, config in runs:
-        options = _options(config)
-        if options.seed in seeds:
+        seed = seed_of(config)
+        if seed in seeds:
             raise ValueError(
-                f"{str(seeds[options.seed])!r} and {str(path)!r} both ran "
-                f"options.ruler.seed={options.seed}: the same prompts; pool runs of different seeds"
+                f"{str(seeds[seed])!r} and {str(path)!r} both ran options.ruler.seed={seed}: "
+                "the same prompts; pool runs of different seeds"
             )
-        seeds[options.seed] = path
-        for name in _SAME_OPTIONS:
-            mine, theirs = getattr(options, name), getattr(reference, name)
-            if mine != theirs:
+        seeds[seed] = path
+        for name, mine in _alike(config).items():
+            if mine != reference[name]:
                 raise ValueError(
-                    f"options.ruler.{name}={mine!r} in {str(path)!r} but {theirs!r} in "
-                    f"{str(first_path)!r}: pooled runs must ask the same prompts"
+                    f"{name}={mine!r} in {str(path)!r} but {reference[name]!r} in "
+                    f"{str(first_path)!r}: pooled runs must ask the same prompts of one model"
                 )
-        dtype = config.get("runtime", {}).get("dtype")
-        if dtype != reference_dtype:
-            raise ValueError(
-                f"runtime.dtype={dtype!r} in {str(path)!r} but {reference_dtype!r} in "
-                f"{str(first_path)!r}: pooled runs must run the model alike"
-            )
 
 
 def _merged(rows: list[dict]) -> dict:
@@ -96,27 +92,16 @@ def _merged(rows: list[dict]) -> dict:
 
 
 def pool_runs(runs: list[tuple[Path, dict, list[dict]]]) -> list[dict]:
-    """The rows of several runs as one run's: each ``ruler`` point's samples pooled.
-
-    Parameters
-    ----------
-    runs
-        (folder, resolved ``config.json``, ``results.jsonl`` rows) per run; the folder only names
-        the run in errors.
-
-    Returns
-    -------
-    list of dict
-        A ``ruler`` row per point measured by any run (its ``per_sample`` records carry their
-        run's ``seed``; score, samples, bytes and speeds pooled over the runs that measured it),
-        then every other row as it was (``ruler_cost`` points are each system alone and do not
-        depend on the seed).
+    """The rows of several runs, (folder, resolved ``config.json``, ``results.jsonl`` rows)
+    each, as one run's: a ``ruler`` row per point any run measured (its ``per_sample`` records
+    tagged with their run's ``seed``; score, samples, bytes and speeds pooled), then every other
+    row as it was (``ruler_cost`` runs each system alone: the seed does not matter to it).
 
     Raises
     ------
     ValueError
         Two runs with one seed, or runs that differ in the haystack, prompt format, token
-        budget or dtype.
+        budget or dtype (the folder names the run).
     """
     _check([(path, config) for path, config, _ in runs])
     points: dict[str, list[dict]] = {}

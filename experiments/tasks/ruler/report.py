@@ -14,30 +14,24 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import matplotlib.ticker  # noqa: E402
-
-from alisa import AlisaConfig  # noqa: E402
-from experiments.systems import changed_settings, parse_alisa  # noqa: E402
+from alisa import AlisaConfig
+from alisa.sizes import format_bytes
+from experiments.extras import bench_module, pyplot
+from experiments.systems import changed_settings, parse_alisa
 
 DENSE = "hf-dynamic"
 HOLDS = 0.5  # dense must score at least this for a task to count in the share targets
 TIME_TARGET_S = 2 * 3600
-
-
 # The settings every label names in its own words.
 _LABELLED = ("policy", "retention", "caching_ratio", "kv_bits")
 
 
 @dataclass(frozen=True, kw_only=True)
 class System:
-    """What the report reads from a system's name."""
+    """What the report reads from a system's name (``config`` None: an HF cache)."""
 
     name: str
-    config: AlisaConfig | None  # None: an HF cache
+    config: AlisaConfig | None
 
     @classmethod
     def of(cls, name: str) -> System:
@@ -46,9 +40,8 @@ class System:
 
     @property
     def label(self) -> str:
-        """A short name: ``dense``, ``swa drop r=0.1``, ``swa host r=0.1 INT8``, then any other
-        setting that differs from the defaults (``swa host r=0.1 estimate_rest=True``), so that
-        two systems never share a column name."""
+        """``dense``, ``swa drop r=0.1``, ``swa host r=0.1 INT8``, then the :attr:`others`
+        (``swa host r=0.1 estimate_rest=True``): two systems never share a column name."""
         if self.config is None:
             return "dense" if self.name == DENSE else self.name
         config = self.config
@@ -65,37 +58,33 @@ class System:
         the defaults."""
         if self.config is None:
             return []
-        return [
-            setting
-            for setting in changed_settings(self.config)
-            if setting.partition("=")[0] not in _LABELLED
-        ]
+        settings = changed_settings(self.config)
+        return [s for s in settings if s.partition("=")[0] not in _LABELLED]
 
-    def is_(self, retention: str, ratio: float, policy: str = "swa", bits: int = 16) -> bool:
-        """Whether this is that system with every other setting at its default (the one the
-        targets name: not, say, the same r with ``estimate_rest``)."""
+    def is_host(self, ratio: float) -> bool:
+        """Whether this is SWA host retention at r = ``ratio``, every other setting at its
+        default (the system the targets name: not, say, the same r with ``estimate_rest``)."""
         config = self.config
         return (
             config is not None
             and not self.others
-            and config.retention == retention
-            and config.policy == policy
-            and config.caching_ratio == ratio
-            and config.kv_bits == bits
+            and (config.retention, config.policy) == ("host", "swa")
+            and (config.caching_ratio, config.kv_bits) == (ratio, 16)
         )
 
 
-def _rows(rows: list[dict], task: str) -> list[dict]:
-    return [row for row in rows if row["point"]["task"] == task]
+def _key(row: dict) -> tuple:
+    point = row["point"]
+    return point.get("model", ""), point.get("batch", 1), point["length"]
 
 
 def score_table(rows: list[dict]) -> dict:
     """{(model, batch, length, family): {system: metrics}} of the ``ruler`` rows."""
     table: dict = defaultdict(dict)
-    for row in _rows(rows, "ruler"):
-        point = row["point"]
-        key = (point.get("model", ""), point.get("batch", 1), point["length"], point["family"])
-        table[key][row["metrics"]["system"]] = {**row["metrics"], "command": row.get("command")}
+    for row in rows:
+        if row["point"]["task"] == "ruler":
+            metrics = {**row["metrics"], "command": row.get("command")}
+            table[(*_key(row), row["point"]["family"])][row["metrics"]["system"]] = metrics
     return table
 
 
@@ -107,45 +96,35 @@ def share(scores: dict, system: str) -> float | None:
     return scores[system]["score"] / dense
 
 
-def targets(rows: list[dict], partial: str | None = None, runs: int = 1) -> dict:
-    """Issue 29's targets on what the run measured (None where it measured nothing).
+def _host(scores: dict, ratio: float) -> str | None:
+    return next((s for s in scores if System.of(s).is_host(ratio)), None)
 
-    ``partial``: why the run is not a whole report (points missing, a narrower sweep or fewer
-    samples than its config file): its time target is not judged (its seconds are still given),
-    nor is it for rows pooled from several ``runs`` (:mod:`.pool`): they are not one run."""
+
+def targets(rows: list[dict], partial: str | None = None, runs: int = 1) -> dict:
+    """Issue 29's targets on what the run measured (None where it measured nothing). The time
+    target is not judged (its seconds still given) for a ``partial`` run (points missing, a
+    narrower sweep or fewer samples than its config file: why) nor for several ``runs`` pooled."""
     table = score_table(rows)
     result = {}
     for ratio, floor in ((0.1, 0.90), (0.05, 0.80)):
         below, counted = [], 0
         for key, scores in sorted(table.items()):
-            if key[3] == "niah_grid" or scores.get(DENSE, {}).get("score", 0) < HOLDS:
-                continue
-            host = next((s for s in scores if System.of(s).is_("host", ratio)), None)
-            if host is None:
+            host = _host(scores, ratio)
+            if key[3] == "niah_grid" or scores.get(DENSE, {}).get("score", 0) < HOLDS or not host:
                 continue
             counted += 1
             value = share(scores, host)
             if value < floor:
                 below.append({"family": key[3], "length": key[2], "share": round(value, 3)})
+        met = None if counted == 0 else not below
         result[f"host_r{ratio:g}_share_ge_{floor:g}"] = {
-            "met": None if counted == 0 else not below,
+            "met": met,
             "tasks": counted,
             "below": below,
         }
-    result["grid_host_r0.1_finds_what_dense_finds"] = _grid_target(table)
-    seconds = sum(row.get("seconds", 0.0) for row in rows)
-    result["run_under_2h"] = {"met": seconds < TIME_TARGET_S, "seconds": round(seconds, 1)}
-    if partial is not None:
-        result["run_under_2h"] = {"met": None, "seconds": round(seconds, 1), "partial": partial}
-    if runs > 1:
-        result["run_under_2h"] = {"met": None, "seconds": round(seconds, 1), "pooled_runs": runs}
-    return result
-
-
-def _grid_target(table: dict) -> dict:
     misses, cells = [], 0
     for key, scores in sorted(table.items()):
-        host = next((s for s in scores if System.of(s).is_("host", 0.1)), None)
+        host = _host(scores, 0.1)
         if key[3] != "niah_grid" or host is None or DENSE not in scores:
             continue
         dense = {_sample(r): r for r in scores[DENSE]["per_sample"]}
@@ -154,7 +133,14 @@ def _grid_target(table: dict) -> dict:
                 cells += 1
                 if record["score"] < 1.0:
                     misses.append({"length": key[2], "depth": record["depths"][0]})
-    return {"met": None if cells == 0 else not misses, "cells": cells, "missed": misses}
+    grid = {"met": None if cells == 0 else not misses, "cells": cells, "missed": misses}
+    result["grid_host_r0.1_finds_what_dense_finds"] = grid
+    seconds = sum(row.get("seconds", 0.0) for row in rows)
+    why = {"partial": partial} if partial is not None else {}
+    why = {"pooled_runs": runs} if runs > 1 else why
+    met = None if why else seconds < TIME_TARGET_S
+    result["run_under_2h"] = {"met": met, "seconds": round(seconds, 1), **why}
+    return result
 
 
 def _sample(record: dict) -> tuple:
@@ -162,32 +148,30 @@ def _sample(record: dict) -> tuple:
     return record.get("seed"), record["index"]
 
 
-def _fmt_bytes(value: float | None) -> str:
-    if value is None:
-        return ""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if value >= size:
-            return f"{value / size:.1f} {unit}"
-    return f"{value:.0f} B"
+def _bytes(value: float | None) -> str:
+    return "" if value is None else format_bytes(value)
+
+
+def _system_key(name: str) -> tuple:
+    """Dense first, then the alisa systems (by retention, SWA first, policy, r descending,
+    bits), then the other HF caches."""
+    config = System.of(name).config
+    if config is None:
+        return name != DENSE, True, ()
+    order = (config.retention, config.policy != "swa", config.policy, -config.caching_ratio)
+    return name != DENSE, False, (*order, config.kv_bits)
 
 
 def _systems(table: dict) -> list[str]:
-    seen = {system for scores in table.values() for system in scores}
-    order = sorted(seen, key=lambda s: (s != DENSE, System.of(s).config is None, _order(s)))
-    return order
+    # First seen first among equal keys (a set's order would change from run to run).
+    seen = dict.fromkeys(system for scores in table.values() for system in scores)
+    return sorted(seen, key=_system_key)
 
 
-def _order(name: str) -> tuple:
-    config = System.of(name).config
-    if config is None:
-        return ("",)
-    return (
-        config.retention,
-        config.policy != "swa",
-        config.policy,
-        -config.caching_ratio,
-        config.kv_bits,
-    )
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(cells) + " |" for cells in (header, *rows)]
+    lines.insert(1, "|" + "---|" * len(header))
+    return "\n".join(lines)
 
 
 def markdown_scores(rows: list[dict]) -> str:
@@ -197,10 +181,9 @@ def markdown_scores(rows: list[dict]) -> str:
     systems = _systems(table)
     shown = [i for i in (0, 1) if len({key[i] for key in table}) > 1] + [2, 3]
     names = [("model", "batch", "length", "family")[i] for i in shown]
-    labels = [System.of(system).label for system in systems]
-    lines = ["| " + " | ".join(names + labels) + " |", "|" + "---|" * (len(names) + len(systems))]
+    lines = []
     for key, scores in sorted(table.items()):
-        cells = []
+        cells = [str(key[i]) for i in shown]
         for system in systems:
             ratio = share(scores, system)
             if system not in scores:
@@ -209,26 +192,28 @@ def markdown_scores(rows: list[dict]) -> str:
                 cells.append(f"{scores[system]['score']:.2f}")
             else:
                 cells.append(f"{scores[system]['score']:.2f} ({ratio:.2f})")
-        lines.append("| " + " | ".join([str(key[i]) for i in shown] + cells) + " |")
-    return "\n".join(lines)
+        lines.append(cells)
+    return _table(names + [System.of(system).label for system in systems], lines)
 
 
 def cost_rows(rows: list[dict]) -> dict:
     """{(model, batch, length, system): cost}: KV bytes and decode speed from the ``ruler`` rows
     (per sequence, means over the families), peak memory and speed alone from ``ruler_cost``."""
     merged: dict = defaultdict(lambda: {"steps": [], "device": [], "host": []})
-    for row in _rows(rows, "ruler"):
-        point, metrics = row["point"], row["metrics"]
-        key = (point.get("model", ""), point.get("batch", 1), point["length"], metrics["system"])
-        entry = merged[key]
+    for row in rows:
+        if row["point"]["task"] != "ruler":
+            continue
+        metrics = row["metrics"]
+        entry = merged[(*_key(row), metrics["system"])]
         if metrics.get("median_step_ms"):
             entry["steps"].append(metrics["median_step_ms"])
         entry["device"].append(metrics["kv_device_bytes"])
         entry["host"].append(metrics["kv_host_bytes"])
-    for row in _rows(rows, "ruler_cost"):
-        point, metrics = row["point"], row["metrics"]
-        key = (point.get("model", ""), point.get("batch", 1), point["length"], metrics["system"])
-        entry = merged[key]
+    for row in rows:
+        if row["point"]["task"] != "ruler_cost":
+            continue
+        metrics = row["metrics"]
+        entry = merged[(*_key(row), metrics["system"])]
         entry["alone"] = {**metrics, "command": row.get("command")}
         tiers = metrics.get("kv_tier_bytes")
         if not entry["device"] and tiers:  # no RULER rows at this length: the bytes alone
@@ -239,41 +224,31 @@ def cost_rows(rows: list[dict]) -> dict:
 
 def markdown_cost(rows: list[dict]) -> str:
     """Per system and length: KV bytes per tier (per sequence), the device share of dense's,
-    peak memory and decode speed alone, the median decode step within the RULER run (median
-    over families of each family's median), the command."""
+    peak memory and decode speed alone, the median over families of the median decode step
+    within the RULER run, the command."""
     merged = cost_rows(rows)
-    lines = [
-        "| model | batch | length | system | device KV | host KV | device KV / dense | "
-        "peak RSS alone | decode tok/s alone | decode step, RULER run | command (alone) |",
-        "|" + "---|" * 11,
-    ]
-    for key in sorted(merged, key=lambda k: (k[:3], _systems_key(k[3]))):
+    lines = []
+    for key in sorted(merged, key=lambda k: (k[:3], _system_key(k[3]))):
         model, batch, length, system = key
         entry = merged[key]
         device = _mean(entry["device"])
         dense = _mean(merged.get((model, batch, length, DENSE), {}).get("device", []))
         alone = entry.get("alone", {})
-        ratio = f"{device / dense:.2f}" if device is not None and dense else ""
         step = statistics.median(entry["steps"]) if entry["steps"] else None
-        cells = [
-            model,
-            str(batch),
-            str(length),
-            System.of(system).label,
-            _fmt_bytes(device),
-            _fmt_bytes(_mean(entry["host"])),
-            ratio,
-            _fmt_bytes(alone.get("peak_rss_bytes")),
-            f"{alone['decode_tokens_per_s']:.1f}" if alone else "",
-            f"{step:.0f} ms" if step else "",
-            f"`{alone['command']}`" if alone.get("command") else "",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _systems_key(name: str) -> tuple:
-    return (name != DENSE, System.of(name).config is None, _order(name))
+        lines.append(
+            [
+                *(model, str(batch), str(length), System.of(system).label),
+                *(_bytes(device), _bytes(_mean(entry["host"]))),
+                f"{device / dense:.2f}" if device is not None and dense else "",
+                _bytes(alone.get("peak_rss_bytes")),
+                f"{alone['decode_tokens_per_s']:.1f}" if alone else "",
+                f"{step:.0f} ms" if step else "",
+                f"`{alone['command']}`" if alone.get("command") else "",
+            ]
+        )
+    header = "model | batch | length | system | device KV | host KV | device KV / dense | "
+    header += "peak RSS alone | decode tok/s alone | decode step, RULER run | command (alone)"
+    return _table(header.split(" | "), lines)
 
 
 def _mean(values: list[float]) -> float | None:
@@ -282,7 +257,7 @@ def _mean(values: list[float]) -> float | None:
 
 def markdown_targets(result: dict) -> str:
     """The targets as a table: measured, met or not."""
-    lines = ["| target | measured | met |", "|---|---|---|"]
+    lines = []
     for name, outcome in result.items():
         met = {None: "not measured", True: "yes", False: "**no**"}[outcome["met"]]
         if "partial" in outcome:
@@ -290,8 +265,8 @@ def markdown_targets(result: dict) -> str:
         if "pooled_runs" in outcome:
             met = "not judged: pooled runs"
         details = {k: v for k, v in outcome.items() if k != "met"}
-        lines.append(f"| {name} | {details} | {met} |")
-    return "\n".join(lines)
+        lines.append([name, str(details), met])
+    return _table(["target", "measured", "met"], lines)
 
 
 def plot_grid(rows: list[dict], folder: Path) -> Path | None:
@@ -301,7 +276,9 @@ def plot_grid(rows: list[dict], folder: Path) -> Path | None:
         return None
     systems = _systems(table)
     lengths = sorted({key[2] for key in table})
-    figure, axes = plt.subplots(1, len(systems), figsize=(3.2 * len(systems), 3.4), squeeze=False)
+    figure, axes = pyplot().subplots(
+        1, len(systems), figsize=(3.2 * len(systems), 3.4), squeeze=False
+    )
     for axis, system in zip(axes[0], systems, strict=True):
         cells: dict = defaultdict(list)  # pooled runs: several samples a cell, their mean
         for key, scores in table.items():
@@ -328,7 +305,9 @@ def plot_vs_ratio(rows: list[dict], folder: Path) -> list[Path]:
     paths = []
     for length in sorted({key[2] for key in table}):
         keys = sorted(key for key in table if key[2] == length)
-        figure, axes = plt.subplots(1, len(keys), figsize=(2.6 * len(keys), 2.8), squeeze=False)
+        figure, axes = pyplot().subplots(
+            1, len(keys), figsize=(2.6 * len(keys), 2.8), squeeze=False
+        )
         for axis, key in zip(axes[0], keys, strict=True):
             _panel(axis, table[key], key[3])
         axes[0][0].set_ylabel("RULER score")
@@ -361,7 +340,7 @@ def _panel(axis, scores: dict, title: str) -> None:
     ratios = sorted({x for points in lines.values() for x, _ in points})
     if ratios:
         axis.set_xticks(ratios, [f"{ratio:g}" for ratio in ratios], fontsize=7)
-        axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        axis.xaxis.set_minor_formatter(bench_module("matplotlib.ticker").NullFormatter())
     axis.set_ylim(-0.05, 1.05)
     axis.set_xlabel("r", fontsize=8)
     axis.set_title(title, fontsize=9)
@@ -370,7 +349,7 @@ def _panel(axis, scores: dict, title: str) -> None:
 def _save(figure, path: Path) -> Path:
     figure.tight_layout()
     figure.savefig(path, dpi=110)
-    plt.close(figure)
+    pyplot().close(figure)
     return path
 
 

@@ -1,7 +1,7 @@
 """What a decode step would save riding inside a prefill forward: a forward's fixed cost.
 
-    python -m experiments.bench_packing                       # SmolLM2 fp32, 1 thread
-    python -m experiments.bench_packing --prompt-tokens 256,512 --rows 16,32 --context 600
+    python -m probes.bench_packing                       # SmolLM2 fp32, 1 thread
+    python -m probes.bench_packing --prompt-tokens 256,512 --rows 16,32 --context 600
 
 Continuous batching (:mod:`alisa.runtime.continuous`) runs, for each admitted request, a prefill
 forward of its prompt, (1, T), and a decode step of the running rows, (B, 1). A mixed forward
@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Callable
 from functools import partial
 
 import torch
 
-from experiments.bench_context import positive_ints
+from experiments.kernels import counts
+from experiments.timing import median_seconds
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -42,8 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--model", default="smollm2-135m", help="alisa.load_model spec or shape:NAME"
     )
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--prompt-tokens", type=positive_ints, default=[256, 512])
-    parser.add_argument("--rows", type=positive_ints, default=[16, 32])
+    parser.add_argument("--prompt-tokens", type=counts, default=[256, 512])
+    parser.add_argument("--rows", type=counts, default=[16, 32])
     parser.add_argument("--context", type=int, default=600, help="cached tokens per decode row")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
@@ -54,15 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def median_ms(run: Callable[[], None], repeats: int, clock: Callable[[], float]) -> float:
-    """Median wall time of ``run`` over ``repeats`` calls after one warm-up call, in ms."""
-    run()
-    seconds = []
-    for _ in range(repeats):
-        start = clock()
-        run()
-        seconds.append(clock() - start)
-    return 1000 * statistics.median(seconds)
+def milliseconds(run: Callable[[], None], repeats: int, device: torch.device) -> float:
+    """Median ms of ``run`` over ``repeats`` calls after one warm-up call."""
+    return 1000 * median_seconds(run, repeats=repeats, warm_up=1, device=device)
 
 
 def forward_costs(
@@ -80,11 +74,10 @@ def forward_costs(
     from transformers import DynamicCache
 
     from alisa.model.adapter import ModelAdapter
-    from alisa.runtime.engine import device_clock
 
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    clock = partial(device_clock, device)
+    ms = partial(milliseconds, repeats=repeats, device=device)
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
 
@@ -114,10 +107,10 @@ def forward_costs(
         cache.crop(-1)  # drop the step's token: every repeat attends over the same context
 
     figures = {
-        "prefill_ms": median_ms(alone(ids(1, prompt_tokens)), repeats, clock),
-        "packed_ms": median_ms(alone(ids(1, prompt_tokens + rows)), repeats, clock),
-        "tokens_ms": median_ms(alone(ids(1, rows)), repeats, clock),
-        "step_ms": median_ms(step, repeats, clock),
+        "prefill_ms": ms(alone(ids(1, prompt_tokens))),
+        "packed_ms": ms(alone(ids(1, prompt_tokens + rows))),
+        "tokens_ms": ms(alone(ids(1, rows))),
+        "step_ms": ms(step),
     }
     saved = figures["tokens_ms"] - (figures["packed_ms"] - figures["prefill_ms"])
     return {**figures, "saved_ms": saved, "saved_share_of_step": saved / figures["step_ms"]}

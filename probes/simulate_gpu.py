@@ -1,6 +1,6 @@
 """SIMULATION: throughput of ALISA's plan vs FlexGen, vLLM and Accelerate on published GPU figures.
 
-    python -m experiments.simulate_gpu
+    python -m probes.simulate_gpu
 
 Nothing here runs on a GPU: every figure comes from the scheduler's cost model with published
 hardware figures (scheduler.PRESETS) and model shapes (scheduler.MODEL_PRESETS), on ALISA's

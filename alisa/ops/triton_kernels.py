@@ -1,4 +1,4 @@
-"""The Triton kernel of :func:`alisa.kv.placing.choose_and_place` (imported only where Triton
+"""The Triton kernel of :func:`alisa.ops.cuda.choose_and_place` (imported only where Triton
 is: CPU builds of PyTorch do not ship it).
 
 One program per (sequence, KV head) row, in six steps, each a loop over the row's positions or

@@ -1,7 +1,7 @@
 """Where one RULER sample's answer is decided: each system's greedy answer with its leading
 candidates and margin at every step, and where it departs from the reference system's.
 
-    python -m experiments.ruler_probe --model gemma3-270m --dtype float32 --family niah_single \\
+    python -m probes.ruler_probe --model gemma3-270m --dtype float32 --family niah_single \\
         --length 16384 --sample 4 \\
         --systems 'hf-dynamic;alisa:kv_bits=8;alisa:policy=swa,caching_ratio=0.1,retention=host'
 
@@ -24,8 +24,7 @@ import sys
 
 import torch
 
-from experiments.tasks.ruler.families import FAMILIES
-from experiments.tasks.ruler.sample import Sample
+from experiments.tasks.ruler.families import FAMILIES, Sample
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -150,7 +149,7 @@ def probe(model, tokenizer, sample: Sample, systems: list[str], steps: int, top:
         ``system``, ``prediction``, ``score`` (RULER's string match), ``steps``
         (:func:`greedy_steps`) and ``departure`` (:func:`departure` from the first system's).
     """
-    from experiments.tasks.ruler.scoring import string_match_all
+    from experiments.tasks.ruler.families import string_match_all
     from experiments.tasks.ruler.shared import shared_prefill, system_cache
 
     ids = torch.tensor([sample.input_ids], device=next(model.parameters()).device)
@@ -203,8 +202,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from experiments.data import data_dir, load_text
     from experiments.shapes import load_benchmark_model
-    from experiments.tasks.ruler.evaluate import generate_samples
-    from experiments.tasks.ruler.haystack import Haystack
+    from experiments.tasks.ruler.families import Haystack, generate_samples
     from experiments.tasks.ruler.options import RulerOptions
 
     torch.set_num_threads(args.threads)

@@ -2,7 +2,7 @@
 comes from, and one step's kernel profile (issue 26's budget: at most one per layer and step with
 ``retention="host"``, its fetch list; none when dropping, beyond Hugging Face's own loop).
 
-    python -m experiments.gpu_stalls --out results/stalls          # needs CUDA
+    python -m probes.gpu_stalls --out results/stalls          # needs CUDA
 
 Each mode prefills ``--batch`` random prompts of a random-weight shape (speed and stalls depend
 on shapes, not values), decodes ``--warm-up`` steps, then counts the synchronisations that
@@ -92,7 +92,7 @@ def call_site(stack: traceback.StackSummary) -> str:
     """``path:line function`` of the innermost frame in alisa, else transformers, else any."""
     for marker in ("/alisa/", "/transformers/"):
         for frame in reversed(stack):
-            if marker in frame.filename and "/experiments/" not in frame.filename:
+            if marker in frame.filename and "/probes/" not in frame.filename:
                 path = frame.filename[frame.filename.rindex(marker) + 1 :]
                 return f"{path}:{frame.lineno} {frame.name}"
     frame = stack[-1]

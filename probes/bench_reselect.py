@@ -1,8 +1,8 @@
 """How much host retention's choice changes between decode steps, and what selecting less often
 saves: fetched tokens per selection and mean step time for each ``reselect_every``.
 
-    python -m experiments.bench_reselect                       # SmolLM2 fp32, 4 x 1024, s = 1,2,4,8
-    python -m experiments.bench_reselect --batch 16 --prompt-tokens 2048 --intervals 1,4
+    python -m probes.bench_reselect                       # SmolLM2 fp32, 4 x 1024, s = 1,2,4,8
+    python -m probes.bench_reselect --batch 16 --prompt-tokens 2048 --intervals 1,4
 
 ``retention="host"`` chooses each KV head's tokens before every ``reselect_every``-th decode step
 (https://arxiv.org/abs/2403.17312, §IV, phase II; Quest and InfiniGen select at every step).
@@ -15,8 +15,9 @@ greedy decode steps after the prefill:
 - fetched per step: the same spread over the s steps;
 - mean step ms: the mean, not the median, since with s > 1 most steps do not select.
 
-The accuracy side of the trade-off is ``experiments.fidelity --retention host --set
-reselect_every=S``. Prints a table, then one JSON line.
+The accuracy side of the trade-off is ``python -m experiments.run --config
+experiments/configs/fidelity.toml --set sweep.retention=host --set sweep.reselect_every=S``.
+Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import time
 
 import torch
 
-from experiments.bench_context import positive_ints
+from experiments.kernels import counts
 
 SYSTEM = "alisa:policy=swa,caching_ratio={ratio},retention=host,reselect_every={interval}"
 
@@ -44,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--ratio", type=float, default=0.2)
-    parser.add_argument("--intervals", type=positive_ints, default=[1, 2, 4, 8])
+    parser.add_argument("--intervals", type=counts, default=[1, 2, 4, 8])
     parser.add_argument(
         "--history-share",
         type=float,
