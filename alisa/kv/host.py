@@ -324,7 +324,7 @@ class HostKeeper(Keeper):
         slots.settle(step.budget)
         if chosen.incoming is not None:  # rows the backend left for the store to write
             rows, groups, targets, _, *on_host = chosen.incoming
-            fetched = self.pages.fetch(*on_host, compiled=self.ops.compiled)
+            fetched = self.pages.fetch(*on_host)
             store.write_heads(rows, groups, targets, fetched)
         self.count_fetched(chosen.count)
         self.steps += 1

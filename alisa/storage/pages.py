@@ -298,13 +298,19 @@ class HostPages:
             self._landing.pop(0)
 
     def fetch(
-        self, rows: torch.Tensor, heads: torch.Tensor, positions: torch.Tensor, *, compiled: bool
+        self,
+        rows: torch.Tensor,
+        heads: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        compiled: bool | None = None,
     ) -> FetchedRows:
         """E tokens (flat index triples, in host memory), for a device region to take.
 
         Only these rows are read (and dequantized, when the device region wants them decoded);
         nothing else of the history is touched. ``compiled``: a float32 device region may take
-        INT8 rows through the CPU kernel (:meth:`FetchedRows.write_into`).
+        INT8 rows through the CPU kernel (:meth:`FetchedRows.write_into`); None: the region's own
+        ``compiled`` (a test passes either to compare the two).
         """
         self.settle()
         _, _, heads_, capacity = self._tensors()[0].shape[:4]
@@ -315,6 +321,7 @@ class HostPages:
         count, last = region[0].shape[1], flat.numpy().max(initial=-1)
         if last >= count:  # both kernels that read these rows (gather, fetch) skip bounds checks
             raise IndexError(f"row {last} of a host region of {count} rows")
+        compiled = self.compiled if compiled is None else compiled
         return FetchedRows(region, flat, self.pair, self.device, self.pin, compiled)
 
     def region(self, protected: int) -> HostRegion:
