@@ -469,7 +469,7 @@ def run_system(name: str, texts: list[str], args, folder: Path, watch, machine: 
                 finally:
                     done.set()
             row.update(measures(answers, args, watch))
-            row.update(server_facts(server_kind, server, seen.result(), args))
+            row.update(server_facts(server_kind, server, seen.result()))
         row["server_exit"] = server.exit
     except (ServerError, ValueError, OSError) as error:
         row.update(error=str(error), server_log=tail(log))
@@ -494,7 +494,7 @@ def tail(log: Path, lines: int = 5) -> str:
     return " | ".join(kept[-lines:])
 
 
-def server_facts(kind: str, server: Server, seen: list[float], args) -> dict:
+def server_facts(kind: str, server: Server, seen: list[float]) -> dict:
     """What the server says of itself: peak KV (the most of the ``seen`` samples and one more
     scrape after the load), preemptions, cache settings and kernels."""
     if kind == "transformers":  # no /metrics; its paged cache is allocated whole
@@ -511,25 +511,9 @@ def server_facts(kind: str, server: Server, seen: list[float], args) -> dict:
         "kv_scrapes": len(seen),  # the peak is the largest of these samples
         "preemptions": sum(preemptions) if preemptions else None,
         "server_cache": info,
-        "kernels": alisa_kernels(info, args),
+        # the kernels the server resolved its setting to on this machine
+        "kernels": info.get("kernels_run", "unknown (no alisa_cache_info scraped)"),
     }
-
-
-def alisa_kernels(info: dict[str, str], args) -> str:
-    """The kernels an ``alisa serve`` cache with these settings runs on this machine, as
-    :func:`alisa.ops.backends.choose_ops` picks them (the server names only its setting)."""
-    import torch
-
-    from alisa.ops.backends import choose_ops
-
-    if not (setting := info.get("kernels")):
-        return "unknown (no alisa_cache_info scraped)"
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        ops = choose_ops(device, served_model(args)[2], setting)
-    except ValueError as error:
-        return f"kernels={setting} ({error})"
-    return f"{ops.describe()} [kernels={setting}]"
 
 
 def percentile(values: list[float], q: float) -> float | None:

@@ -29,6 +29,7 @@ class Turns:
     """One system's state between turns: its cache, decode state and what was measured."""
 
     system: str
+    engine: Engine
     cache: object
     state: DecodeState
     prompt_tokens: list[int]
@@ -69,22 +70,32 @@ def interleaved_rows(
     ValueError
         ``turn`` < 1 or ``new_tokens`` < 2 (no decode step to time).
     """
+    from experiments.systems import compile_setting
     from experiments.worker import system_row
 
     if turn < 1:
         raise ValueError(f"interleave={turn!r} must be at least 1 step per turn")
     if new_tokens < 2:
         raise ValueError(f"new_tokens={new_tokens!r} must be at least 2 to time decode steps")
-    engine = Engine(model, tokenizer, stop_at_eos=False)
+    engines = {
+        system: Engine(model, tokenizer, stop_at_eos=False, compile=compile_setting(system) == "on")
+        for system in systems
+    }
+    # A StaticCache of the timed run's capacity in the warm-up too: a compiled system compiles
+    # its one graph there (its compile_s), and the timed steps replay it.
+    width = tokenizer(prompts, return_tensors="pt", padding=True)["input_ids"].shape[1]
     with torch.inference_mode(), attached(model):
         short = [prompt[: max(1, len(prompt) // 8)] for prompt in prompts]
-        warm = [_start(engine, model, tokenizer, short, system, 3) for system in systems]
+        warm = [
+            _start(engines[system], tokenizer, short, system, 3, width + new_tokens)
+            for system in systems
+        ]
         for _ in range(2):  # kernels compiled, allocator warm, for each system
             for run in warm:
-                _turn(engine, run, 1)
+                _turn(run, 1)
         del warm
         runs = [
-            _start(engine, model, tokenizer, prompts, system, new_tokens)
+            _start(engines[system], tokenizer, prompts, system, new_tokens, width + new_tokens)
             for system in tqdm(systems, desc="prefill", unit="system")
         ]
         total = len(systems) * (new_tokens - 1)
@@ -94,12 +105,12 @@ def interleaved_rows(
                 steps = min(turn, left)
                 for run in runs:
                     run.step_s.append([])
-                    _turn(engine, run, steps)
+                    _turn(run, steps)
                     bar.update(steps)
                 left -= steps
     rows = []
     for run in runs:
-        result = engine.output(
+        result = run.engine.output(
             torch.stack(run.generated, dim=1),
             run.prompt_tokens,
             run.ttft_s,
@@ -107,7 +118,9 @@ def interleaved_rows(
             cache_kv_bytes(run.cache),
             run.peak_kv,
         )
-        result.kv_tier_bytes = cache_tier_bytes(run.cache, engine.device)
+        result.kv_tier_bytes = cache_tier_bytes(run.cache, run.engine.device)
+        compiled = run.engine.compiled
+        result.compile_s = compiled.compile_s if compiled is not None else None
         row = system_row(run.system, model, prompts, result, run.cache)
         row["peak_rss_bytes"] = None  # every system's cache is alive at once
         row["turn_step_ms"] = [1000 * statistics.median(s) for s in run.step_s]
@@ -117,18 +130,19 @@ def interleaved_rows(
 
 
 def _start(
-    engine: Engine, model, tokenizer, prompts: list[str], system: str, new_tokens: int
+    engine: Engine, tokenizer, prompts: list[str], system: str, new_tokens: int, capacity: int
 ) -> Turns:
-    """A system's cache (sized for ``new_tokens``, as ``generate`` sizes it), prefilled on
-    ``prompts``, its first token chosen."""
+    """A system's cache (sized for ``new_tokens``, as ``generate`` sizes it; a StaticCache for
+    ``capacity`` tokens), prefilled on ``prompts``, its first token chosen."""
     from experiments.systems import make_cache
 
-    cache, config = make_cache(system, model)
+    model = engine.model
+    cache, config = make_cache(system, model, max_cache_len=capacity)
     if config is not None:
         cache = AlisaCache(model, config, max_new_tokens=new_tokens)
     batch = tokenizer(prompts, return_tensors="pt", padding=True).to(engine.device)
     state = DecodeState.start(batch["input_ids"], batch["attention_mask"])
-    run = Turns(system, cache, state, state.prompt_tokens(), 0.0)
+    run = Turns(system, engine, cache, state, state.prompt_tokens(), 0.0)
     start = engine.clock()
     tokens = engine.step(state, cache)
     run.ttft_s = engine.clock() - start
@@ -137,8 +151,9 @@ def _start(
     return run
 
 
-def _turn(engine: Engine, run: Turns, steps: int) -> None:
+def _turn(run: Turns, steps: int) -> None:
     """``steps`` timed decode steps of one system (as :meth:`Engine.run` times them)."""
+    engine = run.engine
     for _ in range(steps):
         start = engine.clock()
         tokens = engine.step(run.state, run.cache)

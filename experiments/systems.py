@@ -1,9 +1,11 @@
 """Named KV-cache systems for benchmarks: HF's caches and ALISA configurations.
 
 ``alisa`` names take ``AlisaConfig`` fields after a colon: ``alisa:policy=swa,caching_ratio=0.2,
-kv_bits=8``. HF names: ``hf-dynamic``, ``hf-offloaded`` (``DynamicCache(offloading=True)``: each
-layer's KV waits in CPU memory between its uses, the next layer's copied ahead), ``hf-hqq8``,
-``hf-quanto4``, ``hf-fp8`` (HQQ and quanto need the ``peers`` extra).
+kv_bits=8``. HF names: ``hf-dynamic``; ``hf-static`` and ``hf-static-compiled`` (``StaticCache``
+sized for the run, its decode steps eager or through ``torch.compile``); ``hf-offloaded``
+(``DynamicCache(offloading=True)``: each layer's KV waits in CPU memory between its uses, the next
+layer's copied ahead); ``hf-hqq8``, ``hf-quanto4``, ``hf-fp8`` (HQQ and quanto need the ``peers``
+extra).
 """
 
 from __future__ import annotations
@@ -18,6 +20,13 @@ HF_QUANTIZED = {
     "hf-quanto4": {"backend": "quanto", "nbits": 4},
     "hf-fp8": {"backend": "fp8"},
 }
+# HF's StaticCache, and whether its decode steps run compiled (alisa.generate's ``compile``).
+HF_STATIC = {"hf-static": "off", "hf-static-compiled": "on"}
+
+
+def compile_setting(name: str) -> str:
+    """``"on"`` for a system whose decode steps run compiled, else ``"off"``."""
+    return HF_STATIC.get(name, "off")
 
 
 def parse_alisa(name: str) -> AlisaConfig:
@@ -88,14 +97,19 @@ def host_pairs(systems: list[str]) -> list[HostPair]:
     return pairs
 
 
-def make_cache(name: str, model):
-    """(cache or None, AlisaConfig or None) for a system name; None cache means a new AlisaCache."""
-    from transformers import DynamicCache, QuantizedCache
+def make_cache(name: str, model, *, max_cache_len: int | None = None):
+    """(cache or None, AlisaConfig or None) for a system name; None cache means a new AlisaCache.
+    ``max_cache_len``: the longest prompt plus the new tokens, which a StaticCache is sized for."""
+    from transformers import DynamicCache, QuantizedCache, StaticCache
 
     if name == "hf-dynamic":
         # With the model's config, sliding-window layers (Gemma 3, ...) keep only their window,
         # as HF's own generate() builds the cache.
         return DynamicCache(config=model.config), None
+    if name in HF_STATIC:
+        if max_cache_len is None:
+            raise ValueError(f"system {name!r} is sized per run: decode and context modes only")
+        return StaticCache(config=model.config, max_cache_len=max_cache_len), None
     if name == "hf-offloaded":
         if model.device.type != "cuda":
             raise ValueError("system 'hf-offloaded' needs a model on CUDA (HF copies on streams)")
@@ -105,6 +119,7 @@ def make_cache(name: str, model):
     if name == "alisa" or name.startswith("alisa:"):
         return None, parse_alisa(name)
     raise ValueError(
-        f"unknown system {name!r}; use hf-dynamic, hf-offloaded, {', '.join(HF_QUANTIZED)} "
+        f"unknown system {name!r}; use hf-dynamic, {', '.join(HF_STATIC)}, hf-offloaded, "
+        f"{', '.join(HF_QUANTIZED)} "
         "or alisa:..."
     )

@@ -69,10 +69,11 @@ def measure(args: argparse.Namespace) -> dict:
 def measure_system(model, tokenizer, prompts: list[str], system: str, new_tokens: int) -> dict:
     """One system's row: a warm-up on short prompts, then ``prompts`` timed step by step."""
     from alisa import AlisaCache, generate
-    from experiments.systems import make_cache
+    from experiments.systems import compile_setting, make_cache
 
     def run(batch, new_tokens):
-        cache, config = make_cache(system, model)
+        width = tokenizer(batch, padding=True, return_tensors="pt")["input_ids"].shape[1]
+        cache, config = make_cache(system, model, max_cache_len=width + new_tokens)
         if config is not None:  # as generate() would build it, kept to report its placement
             cache = AlisaCache(model, config, max_new_tokens=new_tokens)
         result = generate(
@@ -83,6 +84,7 @@ def measure_system(model, tokenizer, prompts: list[str], system: str, new_tokens
             max_new_tokens=new_tokens,
             past_key_values=cache,
             stop_at_eos=False,
+            compile=compile_setting(system),
         )
         return result, cache
 
@@ -106,6 +108,8 @@ def system_row(system: str, model, prompts: list[str], result, cache) -> dict:
         "decode_tokens_per_s": len(prompts) / median,
         "median_step_ms": median * 1000,
         "ttft_s": result.ttft_s,
+        # the first compiled step's seconds (tracing, code generation); None when eager
+        "compile_s": result.compile_s,
         "kv_bytes": result.kv_bytes,
         "peak_kv_bytes": result.peak_kv_bytes,
         "kv_tier_bytes": result.kv_tier_bytes,

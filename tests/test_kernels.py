@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import re
 import subprocess
 import sys
 from functools import partial
@@ -20,7 +21,6 @@ import pytest
 import torch
 from conftest import forced_ops, hf_generate, padded_batch, tiny_llama
 
-import alisa.kv.history
 import alisa.ops.cpu as compiled_ops
 import alisa.storage.pages
 from alisa import AlisaCache, AlisaConfig
@@ -101,12 +101,25 @@ def brute_force(inputs: ChoiceInputs) -> list[list[list[int]]]:
 
 
 @pytest.fixture(params=[1, 2, 3], ids=["one-part", "two-parts", "three-parts"])
-def parts(request, monkeypatch):
-    """Rows split into 1-3 parts run in parallel (:mod:`alisa.ops.cpu`), whatever this
-    machine's threads: the results must not depend on it."""
-    for module in (compiled_ops, alisa.kv.history, alisa.storage.pages):
-        monkeypatch.setattr(module, "kernel_parts", lambda rows: max(1, min(rows, request.param)))
+def parts(request):
+    """Rows split into 1-3 parts run in parallel (:func:`alisa.ops.cpu.kernel_parts`), whatever
+    this machine's threads: a test passes it to the functions it calls (``parts=``), and the
+    results must not depend on it."""
     return request.param
+
+
+def test_a_part_count_below_one_is_refused():
+    """Rows split into no parts would leave a kernel's output unwritten: an explicit count that
+    is not a whole number of at least 1 is refused where a kernel's caller takes it and where a
+    backend binds it; a backend without compiled kernels has no rows to split."""
+    inputs = random_choice(np.random.default_rng(0), ties=False)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=re.escape(f"parts={bad!r} must be a whole number")):
+            compiled_ops.select_rule(inputs, parts=bad)
+    with pytest.raises(ValueError, match="parts=0 must be a whole number"):
+        forced_ops("cpu", "cpu", parts=0)
+    with pytest.raises(ValueError, match=r"parts=2 needs compiled=True"):
+        forced_ops("cpu", "reference", parts=2)
 
 
 @pytest.mark.parametrize("ties", [True, False], ids=["ties", "distinct"])
@@ -114,7 +127,7 @@ def test_choose_compiled_equals_torch_and_the_rule(ties, parts):
     rng = np.random.default_rng(0 if ties else 1)
     for _ in range(60):
         inputs = random_choice(rng, ties=ties)
-        compiled, taken = compiled_ops.select_rule(inputs)
+        compiled, taken = compiled_ops.select_rule(inputs, parts=parts)
         defined, defined_taken = reference.select_rule(inputs)
         assert torch.equal(compiled, defined) and torch.equal(taken, defined_taken)
         expected = brute_force(inputs)
@@ -128,7 +141,7 @@ def test_choose_compiled_equals_torch_and_the_rule(ties, parts):
         # same choice; one position fewer is refused.
         needed = inputs.seen - int(inputs.recent.min())
         narrow = dataclasses.replace(inputs, logits=inputs.logits[..., :needed])
-        assert torch.equal(compiled_ops.select_rule(narrow)[0], compiled)
+        assert torch.equal(compiled_ops.select_rule(narrow, parts=parts)[0], compiled)
         assert torch.equal(reference.select_rule(narrow)[0], compiled)
         if needed > 0:
             with pytest.raises(ValueError, match=f"seen - min\\(recent\\) = {needed}"):
@@ -163,10 +176,11 @@ def test_choice_and_swap_in_one_call_equal_choosing_then_the_torch_swap(ties, pa
     fetches = 0
     for _ in range(60):
         inputs = random_choice(rng, ties=ties)
-        chosen, taken = compiled_ops.select_rule(inputs)
+        chosen, taken = compiled_ops.select_rule(inputs, parts=parts)
         apart, fused = slot_map(inputs), slot_map(inputs)
         expected = reference.swap(apart.positions, chosen, taken, inputs.seen)
-        got = compiled_ops.choose_and_swap(dataclasses.replace(inputs, positions=fused.positions))
+        swapping = dataclasses.replace(inputs, positions=fused.positions)
+        got = compiled_ops.choose_and_swap(swapping, parts=parts)
         assert torch.equal(fused.positions, apart.positions)
         assert (got is None) == (expected is None)
         if got is not None:
@@ -198,7 +212,7 @@ def test_accumulate_compiled_equals_torch_and_fades(head_max, parts):
     for _ in range(200):  # the scale of w = 3 passes RESCALE_AT: sums are rescaled on the way
         probabilities = torch.rand(batch, heads, groups, slots - 2)
         for history, flag in zip(histories, (True, False), strict=True):
-            history.add(probabilities, positions, window, width, compiled=flag)
+            history.add(probabilities, positions, window, width, compiled=flag, parts=parts)
         rows = probabilities.amax(2) if head_max else probabilities.sum(2)
         held = positions[..., : slots - 2]
         rows = rows.double().masked_fill(held < 0, 0.0)
@@ -240,7 +254,7 @@ def test_fetched_rows_decode_into_the_slots_as_torch_does(widened, parts):
     written = []
     for flag in (True, False):
         buffers = torch.zeros(2, batch * heads * slots, dim)
-        pages.fetch(rows, heads_, tokens, compiled=flag).write_into(*buffers, flat)
+        pages.fetch(rows, heads_, tokens, compiled=flag, parts=parts).write_into(*buffers, flat)
         written.append(buffers)
     assert torch.equal(written[0], written[1])
     expected = pages.fetch(rows, heads_, tokens, compiled=False).decoded()
@@ -267,7 +281,8 @@ def test_fetched_codes_move_into_an_int8_region_as_torch_puts_them(widened, part
             keys, keys, slots, bits=8, group_size=None, residual_tokens=0, groups=heads
         )
         moved.clear()
-        store.write_heads(rows, heads_, slots_, pages.fetch(rows, heads_, tokens, compiled=flag))
+        fetched = pages.fetch(rows, heads_, tokens, compiled=flag, parts=parts)
+        store.write_heads(rows, heads_, slots_, fetched)
         assert moved == [flag and not widened]  # the compiled copy took the rows, or not
         stores.append(store.codes.tensors())
     assert stores[0][1].dtype == (torch.float32 if widened else torch.float16)
@@ -288,7 +303,7 @@ def test_gathered_rows_equal_index_select(dtype, width, parts):
     region = region.view(dtype)
     for count in (0, 1, 5, 60):
         rows = torch.randint(0, 37, (count,), generator=generator)
-        got = alisa.storage.pages.gathered(region, rows, pin=False, compiled=True)
+        got = alisa.storage.pages.gathered(region, rows, pin=False, compiled=True, parts=parts)
         expected = region.index_select(1, rows)
         assert got.dtype == dtype and got.shape == expected.shape
         assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))  # NaN bits too
@@ -364,15 +379,15 @@ def test_generation_compiled_equals_torch(settings):
 def test_selection_in_one_call_equals_the_separate_calls(settings, parts):
     """Scoring, choosing, swapping and fetching in one compiled call per layer
     (:mod:`alisa.ops.cpu`) leaves every layer as the separate kernels do, bit for bit: the
-    same tokens, slots, device rows, history and fetch counts, on a padded batch whose rows are
-    split over 1-3 threads."""
+    same tokens, slots, device rows, history and fetch counts, on a padded batch whose rows the
+    selection splits into 1-3 parts (:attr:`alisa.ops.backends.Ops.parts`)."""
     model = tiny_llama()
     ids, mask = padded_batch()
     config = AlisaConfig(retention="host", min_budget_tokens=0, **settings)
     outputs, caches, calls = [], [], []
     for fused in (True, False):
         # The one call needs the compiled product: named, not left to this CPU's default.
-        ops = forced_ops("cpu", "cpu", product="compiled", fused=fused)
+        ops = forced_ops("cpu", "cpu", product="compiled", fused=fused, parts=parts)
         keeper = partial(default_keeper, ops=ops)
         cache = AlisaCache(model, config, keeper=keeper)
         outputs.append(hf_generate(model, ids, mask, cache, max_new_tokens=40))

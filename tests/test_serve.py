@@ -328,6 +328,8 @@ def test_metrics_parse_and_hold_every_metric(served, client):
     assert values[("alisa_kv_budget_bytes", (("budget", "kv"),))] == float("inf")
     info = next(labels for name, labels in values if name == "alisa_cache_info")
     assert ("policy", "dense") in info and ("caching_ratio", "1.0") in info
+    kernels = dict(info)["kernels_run"]  # the setting ("auto") resolved on this machine
+    assert dict(info)["kernels"] == "auto" and kernels.startswith(("cpu (numba)", "cuda ("))
 
 
 def test_models_and_health(served, client):

@@ -100,7 +100,7 @@ def test_the_benchmark_tokenizer_ids_fit_every_shape():
     assert tokenizer.padding_side == "left" and tokenizer.pad_token_id is not None
 
 
-FULL, DROP, HOST = bench_speed.CONTEXT_SYSTEMS[1:4]
+FULL, DROP, HOST = bench_speed.CONTEXT_SYSTEMS[len(bench_speed.HF_ANCHORS) :][:3]
 BASE = bench_speed.BASELINE
 
 
@@ -124,9 +124,9 @@ def test_the_host_overhead_and_dense_estimate_follow_the_docstring():
     partial = bench_speed.summary(fake_rows()[:3], list(bench_speed.CONTEXT_SYSTEMS))[0]["hosts"]
     assert partial[HOST]["host_minus_drop_ms"] is None
     lines = bench_speed.table_lines(fake_rows(), list(bench_speed.CONTEXT_SYSTEMS))
-    assert lines[0].count("|") == lines[2].count("|") == 2 + 5 + 4 + 1
-    assert lines[2].startswith(
-        "| 2 | 1000 | 60 | 50 | 30 | 34 | - | 4.0 | 2000.0 | 12500.0 | 0.16 |"
+    assert lines[0].count("|") == lines[2].count("|") == 2 + 7 + 4 + 1  # 7 systems' steps
+    assert lines[2].startswith(  # the static anchors were not run: "-"
+        "| 2 | 1000 | 60 | - | - | 50 | 30 | 34 | - | 4.0 | 2000.0 | 12500.0 | 0.16 |"
     )
 
 
@@ -514,7 +514,7 @@ def test_quant_mode_measures_bytes_per_token_and_each_systems_greedy_agreement(m
     assert rows["alisa:kv_bits=4"]["greedy_tokens_equal_to_baseline"] == 2
     assert rows["alisa:kv_bits=4"]["speedup_vs_baseline"] == pytest.approx(0.5)
     assert out[0].startswith("KV bytes per token (all layers):")
-    assert "| hf-hqq8 | ModuleNotFoundError: No module 'hqq' | | | | | | |" in out
+    assert "| hf-hqq8 | ModuleNotFoundError: No module 'hqq' | | | | | | | | |" in out
 
 
 def test_batch_mode_runs_each_system_under_one_kv_budget_and_checks_dense_agreement(
@@ -558,3 +558,21 @@ def test_batch_mode_runs_each_system_under_one_kv_budget_and_checks_dense_agreem
     assert out[1].startswith("| system | tokens/s | batches (largest) |")
     assert bench_speed.main([*argv, "--systems", "hf-nope"]) == 1
     assert "unknown system 'hf-nope'" in capsys.readouterr().err
+
+
+def test_speed_ups_are_also_read_against_the_fastest_hf_cache():
+    rows = [
+        {"system": "hf-dynamic", "median_step_ms": 60.0},
+        {"system": "hf-static", "median_step_ms": 40.0},
+        {"system": "hf-static-compiled", "error": "no compiler"},
+        {"system": HOST, "median_step_ms": 20.0},
+    ]
+    bench_speed.versus_fastest_hf(rows)
+    assert [row.get("fastest_hf") for row in rows] == ["hf-static"] * 2 + [None, "hf-static"]
+    assert [row.get("speedup_vs_fastest_hf") for row in rows] == [40 / 60, 1.0, None, 2.0]
+    turns = [  # decoded in turns: the median of the paired turns, not of the medians
+        {"system": "hf-static", "median_step_ms": 40.0, "turn_step_ms": [40.0, 40.0, 80.0]},
+        {"system": HOST, "median_step_ms": 30.0, "turn_step_ms": [10.0, 40.0, 20.0]},
+    ]
+    bench_speed.versus_fastest_hf(turns)
+    assert turns[1]["speedup_vs_fastest_hf"] == 4.0

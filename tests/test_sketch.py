@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 import torch
 
-import alisa.storage.sketch as sketch_module
 from alisa.ops.cpu import BLOCK, kernel_parts, shares_torch_threads
 from alisa.storage.sketch import PRODUCTS, SKETCH_DTYPE, KeySketch
 
@@ -171,15 +170,14 @@ def test_the_compiled_products_sum_runs_channel_by_channel_in_order(groups, dim,
 
 
 @pytest.mark.parametrize("parts", [1, 2, 5])
-def test_the_compiled_products_rows_split_into_parts_give_the_same_scores(parts, monkeypatch):
-    """Rows split into parts run in parallel (:mod:`alisa.ops.cpu`), whatever this
-    machine's threads: the scores do not depend on it (5 rows, so parts are uneven)."""
-    monkeypatch.setattr(sketch_module, "kernel_parts", lambda rows: max(1, min(rows, parts)))
+def test_the_compiled_products_rows_split_into_parts_give_the_same_scores(parts):
+    """Rows split into parts run in parallel (:func:`alisa.ops.cpu.kernel_parts`), whatever
+    this machine's threads: the scores do not depend on it (5 rows, so parts are uneven)."""
     keys = keys_with_strong_pairs(batch=5, heads=1, length=90)
     sketch = KeySketch(5, 1, 16, 8, keys.device, product="compiled")
     sketch.write(0, keys, torch.ones(5, 90, dtype=torch.bool))
     query = torch.randn(5, 1, 3, 16)
-    scores = sketch.logits(query)
+    scores = sketch.logits(query, parts=parts)
     assert torch.equal(scores.view(torch.int16), sequential_scores(sketch, query).view(torch.int16))
 
 
@@ -191,6 +189,19 @@ def test_kernel_parts_follow_torchs_threads_and_the_rows():
     try:
         torch.set_num_threads(1)
         assert kernel_parts(64) == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_callers_own_part_count_is_kept_up_to_the_rows():
+    """A count asked for (a test splits rows into more parts than this machine has threads) is
+    kept, capped by the rows, whatever torch's threads; numba's thread count is not touched."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        team = numba.get_num_threads()
+        assert [kernel_parts(rows, 3) for rows in (0, 1, 2, 3, 64)] == [1, 1, 2, 3, 3]
+        assert numba.get_num_threads() == team
     finally:
         torch.set_num_threads(threads)
 

@@ -194,7 +194,7 @@ def fit_prompt(model, tokenizer, prompt: str, args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     from alisa.model.adapter import model_shape
     from alisa.model.loading import chat_prompt
-    from alisa.ops.backends import choose_ops
+    from alisa.ops.backends import model_ops
     from alisa.runtime.generate import generate
 
     check_minimum("--max-new-tokens", args.max_new_tokens, 1)  # as alisa batch: generate some
@@ -211,8 +211,7 @@ def run(args: argparse.Namespace) -> int:
     shape = model_shape(model)
     num_layers = shape.num_layers
     # Refused here, before the prefill, when this machine cannot run the kernels asked for.
-    weight = next(model.parameters())
-    ops = choose_ops(weight.device, weight.dtype, config.kernels)
+    ops = model_ops(model, config.kernels)
     if args.show_config:
         print(describe_settings(config, num_layers), file=sys.stderr)
         print(f"kernels resolved: {ops.describe()}", file=sys.stderr)

@@ -22,7 +22,7 @@ from alisa.kv.packed import PackedLayer, split_kv
 from alisa.kv.swap import copy_replacing
 from alisa.kv.window import WindowKeeper
 from alisa.model.adapter import ModelAdapter, ModelShape
-from alisa.ops.backends import Ops, choose_ops
+from alisa.ops.backends import Ops, model_ops
 from alisa.ops.transfer import upload
 from alisa.planning.tiers import TierPlanner
 from alisa.policies import DensePolicy, KVPolicy
@@ -86,8 +86,7 @@ class AlisaCache(Cache):
         self.shape: ModelShape = adapter.shape
         # The kernels the cache runs, chosen once for every layer (and refused here when this
         # machine cannot run the ones asked for): named by GenerationOutput.kernels.
-        weight = next(model.parameters())
-        self.ops: Ops = choose_ops(weight.device, weight.dtype, self.config.kernels)
+        self.ops: Ops = model_ops(model, self.config.kernels)
         factory = store_factory(self.config, self.shape, compiled=self.ops.compiled)
         self.planner = None
         if self.config.gpu_memory is not None and self.shape.hybrid:

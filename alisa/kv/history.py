@@ -79,6 +79,7 @@ class PositionHistory:
         width: int,
         *,
         compiled: bool,
+        parts: int | None = None,
     ) -> None:
         """Fade, then add one decode step's attention to the positions the slots hold.
 
@@ -95,6 +96,10 @@ class PositionHistory:
             Positions seen (the sums grow to it).
         compiled
             Use the CPU kernel (:func:`alisa.ops.cpu.accumulate`); else PyTorch ops.
+        parts
+            The kernel splits its (sequence, KV head) rows into this many parts, run in
+            parallel (:func:`alisa.ops.cpu.kernel_parts`; None: its own count); the sums do not
+            depend on it.
         """
         self.reserve(width)
         if self.decayed:
@@ -119,7 +124,7 @@ class PositionHistory:
                 self.total.numpy(),
                 scale,
                 self.head_max,
-                kernel_parts(slots.shape[0] * slots.shape[1]),
+                kernel_parts(slots.shape[0] * slots.shape[1], parts),
             )
             return
         rows = probabilities.amax(dim=2) if self.head_max else probabilities.sum(dim=2)

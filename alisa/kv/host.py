@@ -324,7 +324,7 @@ class HostKeeper(Keeper):
         slots.settle(step.budget)
         if chosen.incoming is not None:  # rows the backend left for the store to write
             rows, groups, targets, _, *on_host = chosen.incoming
-            fetched = self.pages.fetch(*on_host)
+            fetched = self.pages.fetch(*on_host, parts=self.ops.parts)
             store.write_heads(rows, groups, targets, fetched)
         self.count_fetched(chosen.count)
         self.steps += 1
@@ -416,7 +416,12 @@ class HostKeeper(Keeper):
                 head_max=self.policy.head_max,  # the policy's combine_heads at decode steps
             )
         self.history.add(
-            probabilities, slots.positions, window, slots.seen, compiled=self.ops.compiled
+            probabilities,
+            slots.positions,
+            window,
+            slots.seen,
+            compiled=self.ops.compiled,
+            parts=self.ops.parts,
         )
 
     # ---- bookkeeping ----------------------------------------------------------------------

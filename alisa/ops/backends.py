@@ -59,6 +59,11 @@ class Ops:
         asynchronously, and a kernel on the device can read host rows.
     feature
         What decided the product on a CPU (its bfloat16 support), for the record; else ``""``.
+    parts
+        The compiled selection (:attr:`select`), the host fetch and the attention history
+        split each call's rows into this many parts, run in parallel (a test asks for more
+        than the machine's threads); None, the default: the count
+        :func:`~alisa.ops.cpu.kernel_parts` picks from torch's threads. Only with ``compiled``.
     select
         Host retention's selection of one layer, ``select(step: SelectionStep) -> Selected``
         (:mod:`alisa.ops.reference`): a plain function bound once from the choices above, so a
@@ -73,6 +78,7 @@ class Ops:
     mapped: bool
     placing: bool
     feature: str = ""
+    parts: int | None = None
     pinned: bool = field(init=False)
     select: Callable[[reference.SelectionStep], reference.Selected] = field(
         init=False, repr=False, compare=False
@@ -93,6 +99,12 @@ class Ops:
             raise ValueError("placing=True needs mapped=True (it places rows the device reads)")
         if self.mapped and self.device == "cuda" and not triton_installed():
             raise ValueError("mapped=True on CUDA reads host rows by a Triton kernel: no Triton")
+        if self.parts is not None and not self.compiled:
+            raise ValueError(f"parts={self.parts!r} needs compiled=True (it splits kernel rows)")
+        if self.parts is not None and (
+            isinstance(self.parts, bool) or not isinstance(self.parts, int) or self.parts < 1
+        ):
+            raise ValueError(f"parts={self.parts!r} must be a whole number of at least 1 or None")
         object.__setattr__(self, "pinned", self.device == "cuda")
         object.__setattr__(self, "select", self._bound_select())
 
@@ -104,6 +116,9 @@ class Ops:
             from alisa.ops import cpu  # numba loads only where its kernels run
 
             choose, alone = cpu.select_rule, cpu.fused if self.fused else cpu.swapped
+            if self.parts is not None:  # bound here: the default path gets no extra call
+                choose = functools.partial(choose, parts=self.parts)
+                alone = functools.partial(alone, parts=self.parts)
         if not self.mapped:
             return alone
         fetch = reference.fetch_placed
@@ -139,6 +154,12 @@ class Ops:
             selection = "selection in separate calls"
         fetch = ", device-read fetch" if self.mapped else ""
         return f"{self.name} ({engine}): {product}, {selection}{fetch}"
+
+
+def model_ops(model: torch.nn.Module, kernels: str = "auto") -> Ops:
+    """:func:`choose_ops` for a model's cache: its weights' device and dtype (its KV's)."""
+    weight = next(model.parameters())
+    return choose_ops(weight.device, weight.dtype, kernels)
 
 
 def triton_installed() -> bool:

@@ -89,14 +89,37 @@ def shares_torch_threads() -> bool:
     return numba.threading_layer() == "omp"
 
 
-def kernel_parts(rows: int) -> int:
+def kernel_parts(rows: int, parts: int | None = None) -> int:
     """Parts to split ``rows`` independent rows into for a parallel kernel: torch's intra-op
     thread count (capped by numba's and by ``rows``) where the threads are shared, else 1; numba's
     next parallel loop on this thread runs exactly that many threads.
 
     Every kernel call asks this before its first parallel loop, so numba's threads start in
     :func:`shares_torch_threads`, which keeps torch's thread count as it was.
+
+    Parameters
+    ----------
+    rows
+        Independent rows the kernel splits.
+    parts
+        The caller's own count instead (a test splits rows into more parts than this machine has
+        threads), capped by ``rows``; numba's thread count is then left as it is (a parallel
+        loop runs its parts on the threads it has). None: the count above.
+
+    Returns
+    -------
+    int
+        At least 1, at most ``max(rows, 1)``.
+
+    Raises
+    ------
+    ValueError
+        ``parts`` is not a whole number of at least 1 (a kernel would split rows into none).
     """
+    if parts is not None:
+        if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+            raise ValueError(f"parts={parts!r} must be a whole number of at least 1")
+        return max(1, min(rows, parts))
     shared = shares_torch_threads()
     parts = 1
     if rows > 1 and shared:
@@ -128,8 +151,8 @@ def kernel_parts(rows: int) -> int:
 # library also does poorly with three rows. :func:`sketch_logits` reads the bfloat16 bits (or the
 # INT8 codes) in place, widens them in registers and accumulates over the channels in order, a
 # block of positions at a time in float32 vectors: on an AVX2 AMD EPYC (rows split over 2 threads,
-# :mod:`alisa.kernel_threads`) 1.3-3 times faster than the widened PyTorch product at 2,080
-# positions and 2.7-14 times at 8,000 (``python -m experiments.kernels sketch``).
+# :func:`kernel_parts`) 1.3-3 times faster than the widened PyTorch product at 2,080 positions
+# and 2.7-14 times at 8,000 (``python -m experiments.kernels sketch``).
 #
 # The arithmetic is fixed: each product of two bfloat16 values is exact in float32, the sum runs
 # over the channels in order from 0 (so a fused multiply-add gives the same bits), an INT8 code's
@@ -218,8 +241,8 @@ def sketch_logits(
         (R, G, M) uint16, M <= N, written: the bfloat16 bits of the logits of positions
         [0, M) (the positions a caller ranks; later ones are not read).
     parts
-        Rows are split into this many parts, run in parallel
-        (:func:`alisa.kernel_threads.kernel_parts`); the results do not depend on it.
+        Rows are split into this many parts, run in parallel (:func:`kernel_parts`); the
+        results do not depend on it.
     """
     rows = query.shape[0]
     size = (rows + parts - 1) // parts
@@ -666,7 +689,7 @@ def choose(
         parallel; (4, 0): only choose.
     parts
         The (sequence, KV head) rows are split into this many parts, run in parallel
-        (:func:`alisa.kernel_threads.kernel_parts`); the result does not depend on it.
+        (:func:`kernel_parts`); the result does not depend on it.
 
     Returns
     -------
@@ -725,7 +748,7 @@ def accumulate(
         Combine a KV head's query heads by their max (else their sum, in head order).
     parts
         The (sequence, KV head) rows are split into this many parts, run in parallel
-        (:func:`alisa.kernel_threads.kernel_parts`); the result does not depend on it.
+        (:func:`kernel_parts`); the result does not depend on it.
     """
     batch, heads, groups, width = probabilities.shape
     rows = batch * heads
@@ -850,8 +873,8 @@ def fetch_rows(
     keys, values
         (M, D) float32 device rows, written.
     parts
-        The rows are split into this many parts, run in parallel
-        (:func:`alisa.kernel_threads.kernel_parts`); the result does not depend on it.
+        The rows are split into this many parts, run in parallel (:func:`kernel_parts`); the
+        result does not depend on it.
     """
     for part in numba.prange(parts):
         start, stop = _span(part, parts, source.shape[0])
@@ -1317,23 +1340,22 @@ def select_and_fetch(
     Parameters
     ----------
     query, channels, sketch, scales
-        The sketch product's operands, as :func:`alisa.storage.product.sketch_logits` takes
-        them: (R, G, D) float32 queries, R = B * H_kv; (R, W) channels; (R, W, N) codes; (R, N)
-        or (R, 0) scales.
+        The sketch product's operands, as :func:`sketch_logits` takes them: (R, G, D) float32
+        queries, R = B * H_kv; (R, W) channels; (R, W, N) codes; (R, N) or (R, 0) scales.
     logits
         (R, G, M) uint16, written: the bfloat16 bits of the logits of positions [0, M), every
         ranked position below M (what the sketch product writes).
     history, shares, positions, first, budget, recent, sinks, seen, chosen
-        As :func:`alisa.kv.kernels.choose` takes them (``positions`` (B, H_kv, S) rewritten,
-        ``chosen`` (B, H_kv, K) written).
+        As :func:`choose` takes them (``positions`` (B, H_kv, S) rewritten, ``chosen`` (B, H_kv,
+        K) written).
     codes, scale, zero, halves
-        The host region as :func:`alisa.storage.kernels.fetch_rows` reads it: (2, R * P, D)
-        uint8 codes, P positions per row; (2, R * P) int16 float16 bits; :data:`HALVES`.
+        The host region as :func:`fetch_rows` reads it: (2, R * P, D) uint8 codes, P positions
+        per row; (2, R * P) int16 float16 bits; :data:`HALVES`.
     keys, values
         (R * S, D) float32 device rows, slot ``s`` of row ``r`` at ``r * S + s``, written.
     parts
-        Rows are split into this many parts, run in parallel
-        (:func:`alisa.kernel_threads.kernel_parts`); the result does not depend on it.
+        Rows are split into this many parts, run in parallel (:func:`kernel_parts`); the
+        result does not depend on it.
 
     Returns
     -------
@@ -1432,6 +1454,7 @@ def attend_slots(
     *,
     scales: tuple[Scales, Scales] | None = None,
     ring: Ring | None = None,
+    parts: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain softmax attention of one query per sequence over the slots of a region.
 
@@ -1453,6 +1476,9 @@ def attend_slots(
         The keys' and the values' :class:`Scales` when they are codes.
     ring
         Full-precision rows read instead of a slot's codes while the slot holds their token.
+    parts
+        The (sequence, KV head) rows are split into this many parts, run in parallel
+        (:func:`kernel_parts`; None: its own count); the result does not depend on it.
 
     Returns
     -------
@@ -1479,7 +1505,7 @@ def attend_slots(
             tuple(t.view(torch.int16).reshape(rows, capacity).numpy() for t in pair)
             for pair in scales
         )
-    parts = kernel_parts(rows)
+    parts = kernel_parts(rows, parts)
     logits = torch.empty(rows, groups, capacity, dtype=torch.float32)
     keys_stored = keys.reshape(rows, capacity, head_dim).numpy()
     slot_logits(
@@ -1521,43 +1547,105 @@ def attend_slots(
 # =================================================================================================
 
 
-def select_rule(inputs: ChoiceInputs) -> tuple[torch.Tensor, torch.Tensor]:
+def select_rule(
+    inputs: ChoiceInputs, *, parts: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`alisa.ops.reference.select_rule` by the compiled :func:`choose` (the same
-    positions, one pass per row)."""
+    positions, one pass per row).
+
+    Parameters
+    ----------
+    inputs
+        The step's inputs (:class:`alisa.ops.reference.ChoiceInputs`).
+    parts
+        The (sequence, KV head) rows are split into this many parts, run in parallel
+        (:func:`kernel_parts`; None: its own count); the result does not depend on it.
+
+    Returns
+    -------
+    tuple
+        (chosen, taken), each (B, H_kv, K), as :func:`alisa.ops.reference.select_rule` gives.
+    """
     batch, heads = inputs.logits.shape[:2]
     chosen = np.empty((batch, heads, int(inputs.budget.max())), dtype=np.int64)
     nothing = np.empty((4, 0), dtype=np.int64)  # no fetch list: choose only
-    choose(*_kernel_inputs(inputs), chosen, nothing, kernel_parts(batch * heads))
+    choose(*_kernel_inputs(inputs), chosen, nothing, kernel_parts(batch * heads, parts))
     return torch.from_numpy(chosen), taken_by_budget(inputs)
 
 
-def choose_and_swap(inputs: ChoiceInputs) -> Incoming | None:
+def choose_and_swap(inputs: ChoiceInputs, *, parts: int | None = None) -> Incoming | None:
     """:func:`select_rule`, then the slots ``inputs.positions`` (rewritten in place) made
     exactly the chosen positions as :func:`alisa.ops.reference.swap` makes them, in one kernel
-    call (:func:`choose` with a fetch list); the same :class:`Incoming`, or None."""
+    call (:func:`choose` with a fetch list).
+
+    Parameters
+    ----------
+    inputs
+        The step's inputs (:class:`alisa.ops.reference.ChoiceInputs`).
+    parts
+        As :func:`select_rule` takes it.
+
+    Returns
+    -------
+    Incoming or None
+        The tokens to bring in, as :func:`alisa.ops.reference.swap` lists them; None: none.
+    """
     batch, heads = inputs.logits.shape[:2]
     chosen = np.empty((batch, heads, int(inputs.budget.max())), dtype=np.int64)
     fetch = np.empty((4, chosen.size), dtype=np.int64)
-    count = choose(*_kernel_inputs(inputs), chosen, fetch, kernel_parts(batch * heads))
+    count = choose(*_kernel_inputs(inputs), chosen, fetch, kernel_parts(batch * heads, parts))
     if count == 0:
         return None
     rows, groups, targets, tokens = torch.from_numpy(fetch[:, :count])
     return Incoming(rows, groups, targets, tokens, rows, groups, tokens)
 
 
-def swapped(step: SelectionStep) -> Selected:
+def swapped(step: SelectionStep, *, parts: int | None = None) -> Selected:
     """The selection in separate compiled calls: the sketch's product where it was left to run
-    (``step.operands``), then :func:`choose_and_swap`; the caller fetches the incoming rows."""
+    (``step.operands``), then :func:`choose_and_swap`; the caller fetches the incoming rows.
+
+    Parameters
+    ----------
+    step
+        The layer's step (:class:`alisa.ops.reference.SelectionStep`).
+    parts
+        Each call's rows are split into this many parts, run in parallel
+        (:func:`kernel_parts`; None: its own count); the result does not depend on it.
+
+    Returns
+    -------
+    Selected
+        The count of tokens to bring in, and those tokens (:class:`Incoming`, or None) for the
+        caller to fetch.
+    """
     if step.operands is not None:
-        sketch_logits(*step.operands, kernel_parts(step.operands[0].shape[0]))
-    incoming = choose_and_swap(step.inputs)
+        sketch_logits(*step.operands, kernel_parts(step.operands[0].shape[0], parts))
+    incoming = choose_and_swap(step.inputs, parts=parts)
     return Selected(0 if incoming is None else incoming.rows.numel(), incoming)
 
 
-def fused(step: SelectionStep) -> Selected:
+def fused(step: SelectionStep, *, parts: int | None = None) -> Selected:
     """The selection in one compiled call per layer (:func:`select_and_fetch`): the sketch's
     product, the choice, the slot swap and the fetch of INT8 host rows into a plain float32
-    device region. Any other layout takes :func:`swapped`: the same slots and rows."""
+    device region. Any other layout takes :func:`swapped`: the same slots and rows.
+
+    Parameters
+    ----------
+    step
+        The layer's step (:class:`alisa.ops.reference.SelectionStep`).
+    parts
+        As :func:`swapped` takes it.
+
+    Returns
+    -------
+    Selected
+        The count of tokens fetched, none left for the caller; or :func:`swapped`'s.
+
+    Raises
+    ------
+    IndexError
+        A chosen position is past the host region (a broken invariant: none is read).
+    """
     device, codes = step.device, step.host.codes
     if (
         step.operands is None
@@ -1565,7 +1653,7 @@ def fused(step: SelectionStep) -> Selected:
         or device is None
         or not all(t.dtype == torch.float32 and t.is_contiguous() for t in device)
     ):
-        return swapped(step)
+        return swapped(step, parts=parts)
     keys, values = device
     inputs = step.inputs
     batch, heads, _, dim = keys.shape
@@ -1578,7 +1666,7 @@ def fused(step: SelectionStep) -> Selected:
         HALVES,
         keys.detach().numpy().reshape(-1, dim),  # views: the rows land in the buffers
         values.detach().numpy().reshape(-1, values.shape[-1]),
-        kernel_parts(batch * heads),
+        kernel_parts(batch * heads, parts),
     )
     if missing:
         raise IndexError(f"{missing} chosen positions are past the host region")

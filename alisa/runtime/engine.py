@@ -18,6 +18,7 @@ from torch import nn
 
 from alisa.kv.cache import AlisaCache
 from alisa.memory import tensor_bytes
+from alisa.runtime.compiled import CompiledDecode
 from alisa.runtime.sampling import SamplingOptions, TokenPicker
 
 
@@ -51,6 +52,9 @@ class GenerationOutput:
         The kernels the cache ran (:meth:`alisa.ops.backends.Ops.describe`, e.g. ``cpu
         (numba): sketch product compiled (AVX2, no oneDNN bfloat16), selection in one call``);
         ``"none (not an AlisaCache)"`` for another cache.
+    compile_s
+        Seconds of the first compiled decode step (tracing and code generation included;
+        :mod:`alisa.runtime.compiled`); None when the steps ran eager.
     """
 
     texts: list[str]
@@ -64,6 +68,7 @@ class GenerationOutput:
     kv_tier_bytes: dict[str, int] = field(default_factory=dict)
     peak_memory_bytes: int = 0
     kernels: str = ""
+    compile_s: float | None = None
 
     @property
     def generated_tokens(self) -> int:
@@ -269,6 +274,9 @@ class Engine:
         Greedy by default; see :class:`~alisa.runtime.sampling.SamplingOptions`.
     stop_at_eos
         False never stops a row early (benchmarks of equal work).
+    compile
+        Run decode steps compiled (:class:`~alisa.runtime.compiled.CompiledDecode`; the cache
+        must be compileable); prefill stays eager.
     """
 
     def __init__(
@@ -278,8 +286,10 @@ class Engine:
         sampling: SamplingOptions | None = None,
         *,
         stop_at_eos: bool = True,
+        compile: bool = False,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
+        self.compiled = CompiledDecode(model) if compile else None
         self.device = next(model.parameters()).device
         self.pick = TokenPicker(model, sampling or SamplingOptions())
         eos = model.generation_config.eos_token_id
@@ -298,6 +308,9 @@ class Engine:
 
     def forward(self, state: DecodeState, cache, **options) -> torch.Tensor:
         """(B, V) last-position logits of feeding ``state.feed``; ``options`` reach attention."""
+        if self.compiled is not None and state.feed.shape[1] == 1:
+            feed, positions, mask = state.feed, state.positions, state.attention_mask
+            return self.compiled(feed, positions, mask, cache, self.clock, **options)
         return self.model(
             input_ids=state.feed,
             attention_mask=state.attention_mask,
@@ -428,6 +441,7 @@ class Engine:
         )
         result.kv_tier_bytes = cache_tier_bytes(cache, self.device)
         result.kernels = cache_kernels(cache)
+        result.compile_s = self.compiled.compile_s if self.compiled is not None else None
         return result
 
     def output(

@@ -14,6 +14,7 @@ from alisa.kv.cache import AlisaCache
 from alisa.kv.hooks import attached
 from alisa.memory import PeakMemory
 from alisa.model.loading import chat_prompt, check_prompt_length
+from alisa.runtime.compiled import check_compile, check_compileable
 from alisa.runtime.engine import DecodeState, Engine, GenerationOutput, cache_kv_bytes
 from alisa.runtime.sampling import SamplingOptions, sampling_or_default
 
@@ -31,6 +32,7 @@ def generate(
     prune_finished: bool = False,
     stop_at_eos: bool = True,
     chat: bool = False,
+    compile: str = "off",
 ) -> GenerationOutput:
     """Generate completions for a batch of prompts with the ALISA cache.
 
@@ -59,6 +61,10 @@ def generate(
     chat
         Send each prompt as a user turn in the model's chat template (instruct models, such as
         the built-in SmolLM2-135M-Instruct, answer it; a plain prompt is continued instead).
+    compile
+        ``"on"`` runs the decode steps through ``torch.compile`` (one graph per batch size and
+        cache capacity; :mod:`alisa.runtime.compiled`), for a cache that says it can: HF's
+        ``StaticCache`` passed as ``past_key_values``. ``"off"`` (default): eager.
 
     Returns
     -------
@@ -70,8 +76,8 @@ def generate(
     ValueError
         An empty prompt, a bad ``max_new_tokens``, an argument of the wrong type (naming it),
         the longest prompt plus ``max_new_tokens`` past the model's context (both numbers
-        named), a ``past_key_values`` that is not an empty cache, or a ``config`` it would
-        ignore.
+        named), a ``past_key_values`` that is not an empty cache, a ``config`` it would
+        ignore, or ``compile="on"`` with a cache that cannot be compiled.
     """
     _check_model(model, tokenizer)
     prompt_list = _check_prompts(prompts)
@@ -85,6 +91,7 @@ def generate(
         or max_new_tokens < 0
     ):
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
+    compiled = check_compile(compile)
     sampling = sampling_or_default(sampling)
     device = next(model.parameters()).device
     batch = tokenizer(prompt_list, return_tensors="pt", padding=True).to(device)
@@ -94,7 +101,9 @@ def generate(
         cache = AlisaCache(model, config, max_new_tokens=max_new_tokens)
     else:
         _check_cache(cache, config)
-    engine = Engine(model, tokenizer, sampling, stop_at_eos=stop_at_eos)
+    if compiled:
+        check_compileable(cache)
+    engine = Engine(model, tokenizer, sampling, stop_at_eos=stop_at_eos, compile=compiled)
     state = DecodeState.start(batch["input_ids"], batch["attention_mask"])
     with attached(model), PeakMemory(device) as memory:  # the model's attention is restored
         result = engine.run(state, cache, max_new_tokens, prune=prune_finished)

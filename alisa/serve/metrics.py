@@ -33,10 +33,17 @@ class ServeMetrics:
         (exported as +Inf).
     model
         The served model's name.
+    kernels
+        The kernels its cache runs on this machine (:meth:`alisa.ops.backends.Ops.describe`;
+        ``config.kernels`` is only the setting, ``"auto"`` by default).
     """
 
     def __init__(
-        self, config: AlisaConfig, budgets: dict[str, int | None], model: str = ""
+        self,
+        config: AlisaConfig,
+        budgets: dict[str, int | None],
+        model: str = "",
+        kernels: str = "",
     ) -> None:
         self.registry = CollectorRegistry()
         registry = self.registry
@@ -111,9 +118,11 @@ class ServeMetrics:
             "The server's cache settings (a request may choose its own)",
             registry=registry,
         )
-        self._initialise(config, budgets, model)
+        self._initialise(config, budgets, model, kernels)
 
-    def _initialise(self, config: AlisaConfig, budgets: dict[str, int | None], model: str) -> None:
+    def _initialise(
+        self, config: AlisaConfig, budgets: dict[str, int | None], model: str, kernels: str
+    ) -> None:
         """Every labelled series exists from the start (a scrape before any request sees 0)."""
         for reason in FINISH_REASONS:
             self.finished.labels(reason=reason)
@@ -125,7 +134,7 @@ class ServeMetrics:
             self.kv_budget.labels(budget=name).set(math.inf if value is None else value)
         settings = {item.name: str(getattr(config, item.name)) for item in fields(config)}
         settings.update({f"{name}_budget": str(value) for name, value in budgets.items()})
-        self.cache.info({"model": model, **settings})
+        self.cache.info({"model": model, **settings, "kernels_run": kernels})
 
     def exposition(self) -> bytes:
         """The text format a Prometheus scrape reads."""

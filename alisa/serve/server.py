@@ -13,6 +13,7 @@ from types import FrameType
 
 import uvicorn
 
+from alisa.ops.backends import model_ops
 from alisa.serve.app import ServeState, create_app
 from alisa.serve.engine import ServeEngine
 from alisa.serve.metrics import ServeMetrics
@@ -60,7 +61,8 @@ class AlisaServer:
     def __init__(
         self, model, tokenizer, settings: ServeSettings, *, log_level: str = "info"
     ) -> None:
-        self.metrics = ServeMetrics(settings.config, settings.budgets, settings.model_name)
+        kernels = model_ops(model, settings.config.kernels).describe()  # "auto" resolved
+        self.metrics = ServeMetrics(settings.config, settings.budgets, settings.model_name, kernels)
         self.engine = ServeEngine(model, tokenizer, settings, self.metrics)
         self.state = ServeState(self.engine, Preparer(model, tokenizer, settings), self.metrics)
         self.app = create_app(self.state)

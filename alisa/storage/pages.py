@@ -36,7 +36,8 @@ class FetchedRows:
 
     ``region`` is the host region's plain (2, N, D) keys/values or its (data, scale, zero point)
     codes, each (2, N, ·) with N = B * H_kv * capacity; ``flat`` (E,) the rows to read, on the
-    host.
+    host. With ``compiled``, the kernels that read them split the rows into ``parts`` parts run
+    in parallel (:func:`alisa.ops.cpu.kernel_parts`; None: its own count).
     """
 
     region: tuple[torch.Tensor, ...]
@@ -45,6 +46,7 @@ class FetchedRows:
     device: torch.device
     pin: bool
     compiled: bool
+    parts: int | None = None
 
     def _stored(self) -> tuple[torch.Tensor, ...]:
         """The rows as stored, each (2, E, ·), on the model's device.
@@ -53,7 +55,10 @@ class FetchedRows:
         page-locked memory when the device is CUDA, so each copy up is asynchronous (on the
         compute stream: see the module) without a second host copy to pin it.
         """
-        picked = (gathered(t, self.flat, pin=self.pin, compiled=self.compiled) for t in self.region)
+        picked = (
+            gathered(t, self.flat, pin=self.pin, compiled=self.compiled, parts=self.parts)
+            for t in self.region
+        )
         return tuple(t.to(self.device, non_blocking=True) for t in picked)
 
     def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +83,7 @@ class FetchedRows:
             and all(t.dtype == c.dtype for t, c in zip(self.region, codes, strict=True))
         ):
             return False
-        parts = kernel_parts(rows.shape[0])
+        parts = kernel_parts(rows.shape[0], self.parts)
         for source, target in zip(self.region, codes, strict=True):
             flat = target.view(2, -1, target.shape[-1])  # (2, B * H_kv * capacity, ·)
             move_rows(byte_view(source), self.flat.numpy(), byte_view(flat), rows.numpy(), parts)
@@ -100,7 +105,7 @@ class FetchedRows:
                 rows.numpy(),
                 keys.numpy(),
                 values.numpy(),
-                kernel_parts(rows.shape[0]),
+                kernel_parts(rows.shape[0], self.parts),
             )
             return
         decoded_keys, decoded_values = self.decoded()
@@ -133,17 +138,43 @@ def decodable(region: tuple[torch.Tensor, ...]) -> tuple[np.ndarray, np.ndarray,
 
 
 def gathered(
-    region: torch.Tensor, rows: torch.Tensor, *, pin: bool, compiled: bool
+    region: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    pin: bool,
+    compiled: bool,
+    parts: int | None = None,
 ) -> torch.Tensor:
     """Rows (E,) of a host (2, N, ·) tensor as a new (2, E, ·) host tensor (page-locked with
     ``pin``): ``region.index_select(1, rows)``, with ``compiled`` by one parallel compiled pass
-    over the bytes. ``rows`` must be below N (unchecked there: :meth:`HostPages.fetch` checks
-    the rows it makes)."""
+    over the bytes (:func:`alisa.ops.cpu.move_rows`).
+
+    Parameters
+    ----------
+    region
+        (2, N, ·) host tensor.
+    rows
+        (E,) int64 rows to copy, in order, below N (unchecked here: :meth:`HostPages.fetch`
+        checks the rows it makes).
+    pin
+        Page-lock the new tensor.
+    compiled
+        Copy by the compiled kernel; else ``index_select``.
+    parts
+        With ``compiled``, the rows are split into this many parts, run in parallel
+        (:func:`alisa.ops.cpu.kernel_parts`; None: its own count).
+
+    Returns
+    -------
+    torch.Tensor
+        (2, E, ·) the rows, ``region``'s dtype.
+    """
     out = torch.empty((2, rows.shape[0], *region.shape[2:]), dtype=region.dtype, pin_memory=pin)
     if not compiled:
         return torch.index_select(region, 1, rows, out=out)
     order = np.arange(rows.shape[0], dtype=np.int64)  # out's rows, in the order asked
-    move_rows(byte_view(region), rows.numpy(), byte_view(out), order, kernel_parts(rows.shape[0]))
+    split = kernel_parts(rows.shape[0], parts)
+    move_rows(byte_view(region), rows.numpy(), byte_view(out), order, split)
     return out
 
 
@@ -304,13 +335,35 @@ class HostPages:
         positions: torch.Tensor,
         *,
         compiled: bool | None = None,
+        parts: int | None = None,
     ) -> FetchedRows:
         """E tokens (flat index triples, in host memory), for a device region to take.
 
         Only these rows are read (and dequantized, when the device region wants them decoded);
-        nothing else of the history is touched. ``compiled``: a float32 device region may take
-        INT8 rows through the CPU kernel (:meth:`FetchedRows.write_into`); None: the region's own
-        ``compiled`` (a test passes either to compare the two).
+        nothing else of the history is touched.
+
+        Parameters
+        ----------
+        rows, heads, positions
+            (E,) sequence, KV head and position of each token.
+        compiled
+            A float32 device region may take INT8 rows through the CPU kernel
+            (:meth:`FetchedRows.write_into`), and the rows are gathered by the compiled copy;
+            None: the region's own ``compiled`` (a test passes either to compare the two).
+        parts
+            The compiled kernels that read the rows split them into this many parts, run in
+            parallel (:func:`alisa.ops.cpu.kernel_parts`; a test asks for more than this
+            machine's threads; None: its own count).
+
+        Returns
+        -------
+        FetchedRows
+            The tokens, read when the device region asks for them.
+
+        Raises
+        ------
+        IndexError
+            A token's row is past the host region.
         """
         self.settle()
         _, _, heads_, capacity = self._tensors()[0].shape[:4]
@@ -322,7 +375,7 @@ class HostPages:
         if last >= count:  # both kernels that read these rows (gather, fetch) skip bounds checks
             raise IndexError(f"row {last} of a host region of {count} rows")
         compiled = self.compiled if compiled is None else compiled
-        return FetchedRows(region, flat, self.pair, self.device, self.pin, compiled)
+        return FetchedRows(region, flat, self.pair, self.device, self.pin, compiled, parts)
 
     def region(self, protected: int) -> HostRegion:
         """The region as a selection reads it (:class:`alisa.ops.reference.HostRegion`), its

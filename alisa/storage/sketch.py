@@ -180,7 +180,9 @@ class KeySketch:
             codes, self.scales[:, :, start:end] = quantize_rows(kept)
             self.keys[..., start:end] = codes.mT
 
-    def logits(self, query: torch.Tensor, upto: int | None = None) -> torch.Tensor:
+    def logits(
+        self, query: torch.Tensor, upto: int | None = None, *, parts: int | None = None
+    ) -> torch.Tensor:
         """Estimated logits, (B, H, G, C) bfloat16, of positions [0, C): every allocated
         position, or with ``upto`` at least [0, upto).
 
@@ -194,6 +196,10 @@ class KeySketch:
             C = min(upto, capacity): at SWA r = 0.2 the recent window and the allocation's
             headroom are about a fifth of the positions. The library products still score
             every allocated position (a slice of the channel-major sketch would be copied).
+        parts
+            The compiled kernel splits its (sequence, KV head) rows into this many parts, run in
+            parallel (:func:`alisa.ops.cpu.kernel_parts`; None: its own count); the logits do
+            not depend on it.
 
         Positions not written yet score 0 (their rows are zeros); callers rank only written
         ones.
@@ -202,7 +208,7 @@ class KeySketch:
             return self.keys.new_zeros(*query.shape[:3], self.capacity)
         if self.product == "compiled":
             scored = self.capacity if upto is None else max(0, min(upto, self.capacity))
-            return self._compiled_logits(query, scored)
+            return self._compiled_logits(query, scored, parts)
         index = self.channels.unsqueeze(2).expand(*query.shape[:3], self.width)
         # (B, H, G, width), rounded to bfloat16 whatever the product: the same operands.
         picked = query.gather(-1, index).to(SKETCH_DTYPE)
@@ -213,12 +219,12 @@ class KeySketch:
             logits.mul_(self.scales.unsqueeze(2))
         return logits.to(SKETCH_DTYPE)
 
-    def _compiled_logits(self, query: torch.Tensor, scored: int) -> torch.Tensor:
+    def _compiled_logits(self, query: torch.Tensor, scored: int, parts: int | None) -> torch.Tensor:
         """:meth:`logits` of positions [0, ``scored``) by the compiled kernel, from (B, H, G,
         D) queries: the kernel takes the channels and rounds them itself (at batch 1 the
         operators doing that cost more than the product)."""
         scoring = self.scoring(query, scored)
-        sketch_logits(*scoring.operands, kernel_parts(scoring.operands[0].shape[0]))
+        sketch_logits(*scoring.operands, kernel_parts(scoring.operands[0].shape[0], parts))
         return scoring.logits
 
     def prepared(self, query: torch.Tensor, upto: int | None, *, defer: bool) -> Scoring:

@@ -1,0 +1,124 @@
+"""A decode step run by ``torch.compile``: one graph per batch size and cache capacity.
+
+Caches whose decode step has fixed shapes (``is_compileable``: HF's ``StaticCache`` today) can
+run it compiled, as HF's ``generate`` does on CUDA and engines that capture the step (vLLM,
+gpt-fast) do; prefill stays eager, since every prompt length would be a new graph. The padding
+mask grows by one column a step, which would make every step a new shape; it is padded to the
+cache's capacity instead (a zero column is a slot not written yet, which the causal mask hides
+anyway), so the compiler sees one shape from the first decode step to the last. Compiling is
+measured, not assumed: the first compiled step's seconds (tracing and code generation
+included) are kept as :attr:`CompiledDecode.compile_s`. See issue 65 and
+https://pytorch.org/docs/stable/torch.compiler.html.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+COMPILE = ("off", "on")
+
+
+def check_compile(compile: str) -> bool:
+    """``"on"`` -> True, ``"off"`` -> False; anything else is a ``ValueError`` naming it."""
+    if compile not in COMPILE:
+        raise ValueError(f"compile={compile!r} must be one of {', '.join(map(repr, COMPILE))}")
+    return compile == "on"
+
+
+def check_compileable(cache) -> None:
+    """Refuse a cache whose decode step cannot be compiled, naming it.
+
+    Raises
+    ------
+    ValueError
+        The cache says ``is_compileable = False`` (``DynamicCache`` grows every step;
+        ``AlisaCache``'s step is not yet static).
+    """
+    if not cache.is_compileable:
+        raise ValueError(
+            f"compile='on': {type(cache).__name__}'s decode step cannot be compiled (its shapes "
+            "change from step to step); use compile='off', or an HF StaticCache as "
+            "past_key_values"
+        )
+
+
+class CompiledDecode:
+    """The model's forward for decode steps, compiled once per shape (``fullgraph=True``).
+
+    Parameters
+    ----------
+    model
+        An HF causal LM; its ``forward`` is wrapped, the model is not changed.
+
+    Attributes
+    ----------
+    compile_s
+        Seconds of the first compiled step (tracing and code generation included); None
+        before it.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        # reduce-overhead: CUDA graphs on a GPU (the launches are the step's cost there);
+        # on a CPU inductor compiles the same graph without them.
+        self.forward: Callable = torch.compile(
+            model.forward, fullgraph=True, dynamic=False, mode="reduce-overhead"
+        )
+        self.compile_s: float | None = None
+
+    def __call__(
+        self,
+        feed: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache,
+        clock: Callable[[], float],
+        **options,
+    ) -> torch.Tensor:
+        """(B, V) last-position logits of one decode step.
+
+        Parameters
+        ----------
+        feed, positions
+            (B, 1) the rows' next token ids and their positions.
+        mask
+            (B, L) padding mask of the L positions fed so far, or None (no padding).
+        cache
+            A compileable cache (:func:`check_compileable`) that holds the rows' past.
+        clock
+            Seconds after the device caught up (times the first, compiling step).
+        options
+            Extra model keyword arguments (they reach attention).
+
+        Raises
+        ------
+        ValueError
+            The cache is not compileable, or the compiler cannot trace the model in one graph.
+        """
+        check_compileable(cache)
+        if mask is not None:
+            mask = nn.functional.pad(mask, (0, cache.get_max_length() - mask.shape[1]))
+        start = clock() if self.compile_s is None else None
+        try:
+            logits = self.forward(
+                input_ids=feed,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+                **options,
+            ).logits[:, -1, :]
+        except torch._dynamo.exc.Unsupported as error:
+            name = type(self.model).__name__
+            first = str(error).splitlines()[0]
+            raise ValueError(
+                f"compile='on': torch.compile cannot trace {name}'s decode step in one graph "
+                f"({first}); use compile='off'"
+            ) from error
+        if start is not None:
+            self.compile_s = clock() - start
+        return logits

@@ -1,0 +1,100 @@
+"""The compiled decode step (alisa.runtime.compiled): exact, one graph, refused where it cannot."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import byte_tokenizer, tiny_llama
+from torch._dynamo.utils import counters
+from transformers import DynamicCache, StaticCache
+
+from alisa import AlisaCache, AlisaConfig, generate
+
+PROMPTS = ["a longer prompt than the others", "short", "middle one"]
+NEW = 12
+
+
+def static_cache(model, tokenizer) -> StaticCache:
+    """A StaticCache for PROMPTS (left-padded to the longest) and NEW tokens."""
+    width = tokenizer(PROMPTS, return_tensors="pt", padding=True)["input_ids"].shape[1]
+    return StaticCache(config=model.config, max_cache_len=width + NEW)
+
+
+def test_compiled_steps_equal_eager_ones_in_one_graph():
+    """Padded rows, a StaticCache: the compiled decode gives the eager tokens (and HF's dense
+    cache's), compiles one graph for all its steps and reports its compile time."""
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    run = dict(max_new_tokens=NEW, stop_at_eos=False)
+    dense = generate(model, tokenizer, PROMPTS, past_key_values=DynamicCache(), **run)
+    eager = generate(
+        model, tokenizer, PROMPTS, past_key_values=static_cache(model, tokenizer), **run
+    )
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = generate(
+        model,
+        tokenizer,
+        PROMPTS,
+        past_key_values=static_cache(model, tokenizer),
+        compile="on",
+        **run,
+    )
+    assert compiled.token_ids == eager.token_ids == dense.token_ids
+    assert counters["stats"]["unique_graphs"] == 1  # every decode step replayed the first graph
+    assert eager.compile_s is None and compiled.compile_s > 0
+    again = generate(
+        model,
+        tokenizer,
+        PROMPTS,
+        past_key_values=static_cache(model, tokenizer),
+        compile="on",
+        **run,
+    )
+    assert again.token_ids == eager.token_ids
+    assert counters["stats"]["unique_graphs"] == 1  # a new cache of the same shape: no recompile
+
+
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [
+        ({"compile": "yes"}, "compile='yes' must be one of 'off', 'on'"),
+        ({"compile": True}, "compile=True must be one of"),
+        ({"compile": "on"}, "compile='on': AlisaCache's decode step cannot be compiled"),
+        ({"compile": "on", "past_key_values": DynamicCache()}, "DynamicCache's decode step"),
+    ],
+    ids=["unknown", "bool", "alisa-cache", "dynamic-cache"],
+)
+def test_compile_refused_naming_the_value_and_the_cache(options, needle):
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        generate(
+            model,
+            tokenizer,
+            PROMPTS,
+            AlisaConfig() if "past_key_values" not in options else None,
+            max_new_tokens=2,
+            **options,
+        )
+
+
+def test_an_alisa_cache_says_it_cannot_be_compiled():
+    """The cache interface's own answer, which HF's generate reads before it auto-compiles."""
+    model = tiny_llama()
+    assert AlisaCache(model, AlisaConfig()).is_compileable is False
+
+
+def test_the_static_anchors_decode_in_turns_as_hf_dynamic_does():
+    """``bench_speed --interleave``'s HF anchors: StaticCache eager and compiled give
+    DynamicCache's tokens; only the compiled one reports a compile time (from its warm-up, so
+    the timed steps replay the graph)."""
+    from experiments.interleave import interleaved_rows
+
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    systems = ["hf-dynamic", "hf-static", "hf-static-compiled"]
+    torch._dynamo.reset()
+    counters.clear()
+    rows = interleaved_rows(model, tokenizer, PROMPTS, systems, 6, 2, "hf-dynamic")
+    tokens = {row["system"]: row["token_ids"] for row in rows}
+    assert tokens["hf-static"] == tokens["hf-static-compiled"] == tokens["hf-dynamic"]
+    assert [row["compile_s"] is None for row in rows] == [True, True, False]
+    assert counters["stats"]["unique_graphs"] == 1  # warm-up and timed run share one graph
