@@ -45,6 +45,27 @@ def check_compileable(cache) -> None:
         )
 
 
+def last_logits(
+    forward: Callable,
+    feed: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor | None,
+    cache,
+    **options,
+) -> torch.Tensor:
+    """(B, V) last-position logits of a forward pass (the model's, eager or compiled) feeding
+    ``feed`` (B, q) at ``positions`` (B, q) over ``cache``; ``options`` reach attention."""
+    return forward(
+        input_ids=feed,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+        **options,
+    ).logits[:, -1, :]
+
+
 class CompiledDecode:
     """The model's forward for decode steps, compiled once per shape (``fullgraph=True``).
 
@@ -103,15 +124,7 @@ class CompiledDecode:
             mask = nn.functional.pad(mask, (0, cache.get_max_length() - mask.shape[1]))
         start = clock() if self.compile_s is None else None
         try:
-            logits = self.forward(
-                input_ids=feed,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-                **options,
-            ).logits[:, -1, :]
+            logits = last_logits(self.forward, feed, positions, mask, cache, **options)
         except torch._dynamo.exc.Unsupported as error:
             name = type(self.model).__name__
             first = str(error).splitlines()[0]

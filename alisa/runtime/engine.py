@@ -18,7 +18,7 @@ from torch import nn
 
 from alisa.kv.cache import AlisaCache
 from alisa.memory import tensor_bytes
-from alisa.runtime.compiled import CompiledDecode
+from alisa.runtime.compiled import CompiledDecode, last_logits
 from alisa.runtime.sampling import SamplingOptions, TokenPicker
 
 
@@ -308,18 +308,10 @@ class Engine:
 
     def forward(self, state: DecodeState, cache, **options) -> torch.Tensor:
         """(B, V) last-position logits of feeding ``state.feed``; ``options`` reach attention."""
-        if self.compiled is not None and state.feed.shape[1] == 1:
-            feed, positions, mask = state.feed, state.positions, state.attention_mask
+        feed, positions, mask = state.feed, state.positions, state.attention_mask
+        if self.compiled is not None and feed.shape[1] == 1:
             return self.compiled(feed, positions, mask, cache, self.clock, **options)
-        return self.model(
-            input_ids=state.feed,
-            attention_mask=state.attention_mask,
-            position_ids=state.positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-            **options,
-        ).logits[:, -1, :]
+        return last_logits(self.model, feed, positions, mask, cache, **options)
 
     def forward_packed(
         self, running: DecodeState, newcomer: DecodeState, cache
