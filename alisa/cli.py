@@ -8,11 +8,12 @@ error (unknown flag, a value of the wrong type); 3 ``alisa batch`` finished but 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable, Sequence
 
 from alisa.commands import COMMANDS
-from alisa.commands.options import EXIT_ERROR, EXIT_INTERRUPTED, CommandError
+from alisa.commands.options import EXIT_ERROR, EXIT_INTERRUPTED, SIZE_FLAGS, CommandError
 from alisa.logs import log_to_stderr
 
 
@@ -37,9 +38,31 @@ def _version() -> str:
         return "(not installed)"
 
 
+NEGATIVE = re.compile(r"-\.?\d")  # how a negative number starts
+
+
+def join_negative_sizes(argv: Sequence[str]) -> list[str]:
+    """``argv`` with ``--gpu-memory -5GB`` written ``--gpu-memory=-5GB`` (any of
+    :data:`~alisa.commands.options.SIZE_FLAGS`).
+
+    argparse takes a word starting with ``-`` for a flag unless it is a plain number, so a
+    negative byte size would be refused as "expected one argument"; joined, it reaches the
+    size check, which says what a size must be. Words after ``--`` are left alone.
+    """
+    words, joined = list(argv), []
+    while words:
+        word = words.pop(0)
+        if word == "--":
+            return [*joined, word, *words]
+        if word in SIZE_FLAGS and words and NEGATIVE.match(words[0]):
+            word = f"{word}={words.pop(0)}"
+        joined.append(word)
+    return joined
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``alisa`` console script; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(join_negative_sizes(sys.argv[1:] if argv is None else argv))
     log_to_stderr()
     run: Callable[[argparse.Namespace], int] = COMMANDS[args.command][2]
     try:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 from alisa import policies  # loads the policy classes (and torch) on first use
-from alisa.checks import check_field_types, check_number, check_optional_int
+from alisa.checks import check_field_types, check_optional_int, check_share
 from alisa.ops import KERNELS
 from alisa.settings import layer_settings, resolve_settings
 from alisa.sizes import parse_budget
@@ -27,8 +27,9 @@ PRESETS = ("default", "paper")
 class AlisaConfig:
     """How the ALISA cache keeps, stores and places KV.
 
-    Every field is type-checked: integers must be ints (not floats or bools), flags bools,
-    names strings; a ``ValueError`` names the field and the value.
+    Every field is type-checked: integers must be integers (not floats or bools), numbers
+    real numbers, flags bools, names strings; a ``ValueError`` names the field and the value.
+    Numpy's numbers are taken as the Python int or float they equal (and stored as it).
 
     Parameters
     ----------
@@ -182,9 +183,7 @@ class AlisaConfig:
             raise ValueError(
                 f"policy={self.policy!r} is unknown; valid: {', '.join(sorted(policies.POLICIES))}"
             )
-        check_number("caching_ratio", self.caching_ratio)
-        if not 0.0 < self.caching_ratio <= 1.0:
-            raise ValueError(f"caching_ratio={self.caching_ratio!r} must be in (0, 1]")
+        check_share("caching_ratio", self.caching_ratio)
         check_optional_int("budget_tokens", self.budget_tokens, minimum=1)
         self._check_budget_applies()
         if self.budget_tokens is not None and self.caching_ratio != 1.0:
@@ -194,9 +193,7 @@ class AlisaConfig:
                 "of the two"
             )
         if self.recent_fraction is not None:
-            check_number("recent_fraction", self.recent_fraction)
-            if not 0.0 <= self.recent_fraction <= 1.0:
-                raise ValueError(f"recent_fraction={self.recent_fraction!r} must be in [0, 1]")
+            check_share("recent_fraction", self.recent_fraction, zero=True)
         check_optional_int("sink_tokens", self.sink_tokens, minimum=0)
         check_optional_int("score_window", self.score_window, minimum=1)
         check_optional_int("stride", self.stride, minimum=1)
@@ -285,9 +282,7 @@ class AlisaConfig:
     def _check_history_share(self) -> None:
         if self.history_share is None:
             return
-        check_number("history_share", self.history_share)
-        if not 0.0 <= self.history_share <= 1.0:
-            raise ValueError(f"history_share={self.history_share!r} must be in [0, 1]")
+        check_share("history_share", self.history_share, zero=True)
         if self.history_share == 0:
             return
         if self.retention != "host":

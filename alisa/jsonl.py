@@ -16,8 +16,8 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
     Raises
     ------
     ValueError
-        An unreadable file, or a line that is not UTF-8, not JSON or not an object
-        (``file:line: ...``).
+        An unreadable file, or a line that is not UTF-8, not JSON, not an object or gives a
+        key twice (``file:line: ...``).
     """
     file = Path(path)
     try:
@@ -38,7 +38,8 @@ def parse_jsonl(lines: Iterable[bytes], name: str) -> Iterator[tuple[int, dict]]
     Raises
     ------
     ValueError
-        A line that is not UTF-8, not JSON or not an object.
+        A line that is not UTF-8, not JSON, not an object, or that gives a key twice in an
+        object (JSON readers keep one of the values silently).
     """
     # Lines end at "\n" only (a binary stream splits there): str.splitlines() would also split
     # inside a JSON string at U+2028, U+0085 or a form feed, which JSON allows unescaped there.
@@ -54,12 +55,40 @@ def parse_jsonl(lines: Iterable[bytes], name: str) -> Iterator[tuple[int, dict]]
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row, twice = _loads(line)
         except json.JSONDecodeError as error:
             raise ValueError(f"{name}:{number}: malformed JSON ({error.msg})") from None
         if not isinstance(row, dict):
             raise ValueError(f"{name}:{number}: expected a JSON object")
+        if twice:
+            raise ValueError(f"{name}:{number}: key {twice[0]!r} given twice{_row_id(row)}")
         yield number, row
+
+
+def _loads(line: str) -> tuple[object, list[str]]:
+    """``json.loads(line)`` and the keys an object of it gives more than once (``json.loads``
+    alone keeps the last value of such a key and drops the others unsaid)."""
+    twice: list[str] = []
+
+    def as_dict(pairs: list[tuple[str, object]]) -> dict:
+        value = dict(pairs)
+        if len(value) < len(pairs):
+            seen: set[str] = set()
+            for key, _ in pairs:
+                if key in seen:
+                    twice.append(key)
+                seen.add(key)
+        return value
+
+    return json.loads(line, object_pairs_hook=as_dict), twice
+
+
+def _row_id(row: dict) -> str:
+    """`` (id 'a')`` for a row with a string or integer ``"id"``, to find it by; else ``""``."""
+    identifier = row.get("id")
+    if isinstance(identifier, bool) or not isinstance(identifier, str | int):
+        return ""
+    return f" (id {identifier!r})"
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

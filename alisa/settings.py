@@ -304,9 +304,10 @@ def _bytes(value: int | str | None, name: str) -> int | None:
 def evicts_nothing_note(config: ConfigFields, num_layers: int, tokens: int) -> str | None:
     """Why an evicting policy keeps all ``tokens`` tokens of each sequence, or None.
 
-    When the floor (``min_budget_tokens``) or ``budget_tokens`` covers every token of a run
-    that short, the policy evicts nothing and the run is dense attention under another name
-    (a 64-token sweep under the default 64-token floor). The note names the setting to lower.
+    When the floor (``min_budget_tokens``), a ``sink_tokens`` given, or ``budget_tokens`` covers
+    every token of a run that short, the policy evicts nothing and the run is dense attention
+    under another name (a 64-token sweep under the default 64-token floor). The note names the
+    setting to lower.
     """
     if not policies.POLICIES[config.policy].evicts:
         return None
@@ -315,10 +316,14 @@ def evicts_nothing_note(config: ConfigFields, num_layers: int, tokens: int) -> s
     if not evicting or any(int(rule.kept(tokens)) < tokens for rule in evicting):
         return None
     floor = min(rule.floor for rule in evicting)
+    sinks = min(rule.sink_tokens for rule in evicting)
     if floor >= tokens:
         setting, lower = f"min_budget_tokens={floor}", "lower it (0: no floor)"
         if config.min_budget_tokens is None:
             setting += f" (the {config.preset} preset's floor)"
+    elif config.sink_tokens is not None and sinks + 1 >= tokens:
+        # Sinks are never evicted and the budget covers them plus the newest token.
+        setting, lower = f"sink_tokens={sinks}", "lower it"
     elif config.budget_tokens is not None:
         setting, lower = f"budget_tokens={config.budget_tokens}", "lower it"
     else:  # round(n * r) rounds up to every token: nothing to blame but r itself

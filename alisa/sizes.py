@@ -21,7 +21,7 @@ _UNITS = {
     "gib": 1024**3,
     "tib": 1024**4,
 }
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(value: str | int | float, *, field: str = "size") -> int:
@@ -44,7 +44,10 @@ def parse_bytes(value: str | int | float, *, field: str = "size") -> int:
             f"{field}={value!r} is not a byte size; use a number with an optional unit "
             "such as 512MB, 2GiB or 1.5G"
         )
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    number = float(match.group(1))
+    if number < 0:
+        raise ValueError(f"{field}={value!r} must be a byte size >= 0")
+    return int(number * _UNITS[match.group(2).lower()])
 
 
 def parse_budget(value: str | int | float, *, field: str) -> int:

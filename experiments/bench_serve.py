@@ -10,7 +10,9 @@ transformers a generation config whose EOS is -1), arriving as a seeded Poisson 
 server started on a free port (read from what it prints), waited for (``GET /health``), warmed up
 with two short requests, loaded, then stopped with SIGTERM (killed ``--stop-timeout-s`` later).
 No request starts after ``--duration-s``; those running then are cut off; each request gives up
-after ``--request-timeout-s``.
+after ``--request-timeout-s``. ``--sigterm-after-s S`` stops the server S seconds into the load
+instead (a drain under load): the row's ``drain`` counts the requests completed, refused (503, or
+no connection once the server exited) and lost (accepted, then broken off), and the exit code.
 
 Systems (``--systems``), all under the KV byte budget ``--kv-budget``:
     alisa-r0.2        ``alisa serve --policy swa --caching-ratio 0.2 --kv-memory B``
@@ -101,6 +103,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--stop-timeout-s", type=float, default=60.0)
     add("--scrape-s", type=float, default=0.25, help="/metrics scrape interval")
     add("--logs", default=None, help="folder to keep the servers' logs in (default: discarded)")
+    add(
+        "--sigterm-after-s",
+        type=float,
+        default=None,
+        help="SIGTERM the server this long into the load (a drain under load): every request "
+        "must complete or be refused (503, or no connection once it exited), none lost",
+    )
     return parser.parse_args(argv)
 
 
@@ -113,6 +122,8 @@ def check_args(args: argparse.Namespace) -> None:
         if not 0 < getattr(args, name) < math.inf:
             value = getattr(args, name)
             raise ValueError(f"--{name.replace('_', '-')}={value} must be a number of seconds > 0")
+    if args.sigterm_after_s is not None and not 0 < args.sigterm_after_s < math.inf:
+        raise ValueError(f"--sigterm-after-s={args.sigterm_after_s} must be seconds > 0")
 
 
 def poisson_arrivals(count: int, rate: float, seed: int) -> list[float]:
@@ -304,6 +315,13 @@ class Server:
     log: Path
     port: int = 0
     exit: str = ""  # how it stopped: "0", "1", "SIGTERM" (died of it), "killed after ..."
+    signalled_s: float | None = None  # when terminate() sent SIGTERM (time.perf_counter())
+
+    def terminate(self) -> None:
+        """SIGTERM now (a drain); stopping it later then waits instead of signalling again,
+        which would stop it at once."""
+        self.signalled_s = time.perf_counter()
+        self.process.terminate()
 
 
 @contextmanager
@@ -326,7 +344,7 @@ def serving(command: list[str], env: dict, log: Path, args) -> Iterator[Server]:
         wait_ready(server, args.startup_timeout_s)
         yield server
     finally:
-        server.exit = stop(process, args.stop_timeout_s)
+        server.exit = stop(process, args.stop_timeout_s, signalled=server.signalled_s is not None)
 
 
 def wait_ready(server: Server, timeout_s: float) -> None:
@@ -355,11 +373,13 @@ def healthy(port: int) -> bool:
     return True
 
 
-def stop(process: subprocess.Popen, timeout_s: float) -> str:
-    """SIGTERM (a drain), then SIGKILL of the whole process group; how it ended."""
+def stop(process: subprocess.Popen, timeout_s: float, *, signalled: bool = False) -> str:
+    """SIGTERM (a drain; not again where it was ``signalled`` already), then SIGKILL of the
+    whole process group; how it ended."""
     ended = None
     if process.poll() is None:
-        process.terminate()
+        if not signalled:
+            process.terminate()
         try:
             process.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -461,14 +481,21 @@ def run_system(name: str, texts: list[str], args, folder: Path, watch, machine: 
             warm_up(server, name, texts, args)
             bodies = [request_body(name, text, args.max_tokens) for text in texts]
             arrivals = poisson_arrivals(len(bodies), args.rate, args.seed)
-            done = threading.Event()
+            done, signal_at = threading.Event(), args.sigterm_after_s
+            if signal_at is not None:  # the drain under load
+                timer = threading.Timer(signal_at, server.terminate)
+                timer.start()
             with ThreadPoolExecutor(1, "bench-scrape") as scraper:
                 seen = scraper.submit(watch_kv, server.port, args.scrape_s, done)
                 try:
                     answers = run_load(server.port, bodies, arrivals, args)
                 finally:
                     done.set()
+                    if signal_at is not None:
+                        timer.cancel()
             row.update(measures(answers, args, watch))
+            if server.signalled_s is not None:
+                row["drain"] = drain_measures(answers, signal_at, server.signalled_s)
             row.update(server_facts(server_kind, server, seen.result()))
         row["server_exit"] = server.exit
     except (ServerError, ValueError, OSError) as error:
@@ -560,11 +587,36 @@ def measures(load: list[Answer | None], args: argparse.Namespace, watch) -> dict
     }
 
 
+# How a request that was never accepted fails: refused while draining, or no server any more.
+REFUSED = ("HTTP 503", "connection: ConnectionRefusedError")
+
+
+def drain_measures(load: list[Answer | None], after_s: float, signalled: float) -> dict:
+    """A load SIGTERM cut into (``--sigterm-after-s``): requests that completed (those still
+    running at the signal among them), refused (:data:`REFUSED`) and lost (accepted, then
+    broken off: what a drain must never do)."""
+    answers = [answer for answer in load if answer is not None]
+    refused = [answer for answer in answers if answer.error in REFUSED]
+    lost = [answer for answer in answers if answer.error is not None and answer not in refused]
+    return {
+        "sigterm_after_s": after_s,
+        "completed": sum(answer.ok for answer in answers),
+        "completed_after_signal": sum(a.ok and a.end_s > signalled for a in answers),
+        "refused": len(refused),
+        "lost": len(lost),
+    }
+
+
 def note(row: dict) -> str:
     """What the table says of a row beyond its numbers."""
     if "error" in row:
         return f"error: {row['error']}"
     notes = []
+    if drain := row.get("drain"):
+        notes.append(
+            f"SIGTERM at {drain['sigterm_after_s']:g} s: {drain['completed_after_signal']} "
+            f"finished after it, {drain['refused']} refused, {drain['lost']} lost"
+        )
     if row["errors"]:
         kinds = ", ".join(f"{count} {kind}" for kind, count in row["error_kinds"].items())
         notes.append(f"errors: {kinds}")

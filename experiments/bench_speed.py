@@ -22,6 +22,12 @@
   ``--prompt-tokens MIN,MAX``, in batches of at most ``--batch`` whose KV fits the same
   ``--kv-budget``; then the share of identical outputs of dense ALISA and ``DynamicCache``.
 
+HF's three caches are the anchors of ``decode`` and ``context`` by default: ``hf-dynamic``,
+``hf-static`` and ``hf-static-compiled`` (``StaticCache``, its decode steps through
+``torch.compile``; the row's ``compile_s`` is its first compiled step). Every row reads its
+speed-up against the baseline (``DynamicCache``) and against the fastest of them
+(``speedup_vs_fastest_hf``), the fair one.
+
 ``--model`` is an ``alisa.load_model`` spec or ``shape:NAME`` (``shape:llama-3.2-1b``, ...): a
 random-weight Llama of that model's dimensions (:mod:`experiments.shapes`), refused up front when
 its weights exceed the free memory. Every mode prints its tables, then one JSON line: the

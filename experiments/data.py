@@ -17,12 +17,21 @@ DEFAULT_DATA_DIR = REPO_ROOT.parent / "shared" / "data"
 
 
 def data_dir(path: str | Path | None = None) -> Path:
-    """The data directory: explicit path, else ``$ALISA_DATA_DIR``, else ``../shared/data``."""
+    """The data directory: explicit path, else ``$ALISA_DATA_DIR``, else ``../shared/data``.
+
+    Raises
+    ------
+    ValueError
+        The chosen path is missing or not a directory (named, with how to give another).
+    """
     chosen = Path(path or os.environ.get("ALISA_DATA_DIR") or DEFAULT_DATA_DIR).expanduser()
     if not chosen.is_dir():
+        problem = "does not exist" if not chosen.exists() else "is not a directory"
+        problem = "is a file, not a directory" if chosen.is_file() else problem
         raise ValueError(
-            f"data directory {str(chosen)!r} does not exist: pass --data-dir PATH "
-            "(or runtime.data_dir in an experiment config) or set $ALISA_DATA_DIR"
+            f"data directory {str(chosen)!r} {problem}: pass --data-dir PATH of the folder "
+            "holding the data (or runtime.data_dir in an experiment config) or set "
+            "$ALISA_DATA_DIR"
         )
     return chosen
 

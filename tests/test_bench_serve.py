@@ -105,6 +105,24 @@ def test_alisa_and_transformers_serve_the_same_workload(tmp_path, capsys):
     )
 
 
+def test_a_sigterm_under_load_drains_and_loses_nothing(tmp_path, capsys):
+    """``--sigterm-after-s``: the real server is told to stop while requests arrive; every
+    request completes or is refused (503 while draining, no connection once it exited), none
+    is broken off, and the server exits 0."""
+    folder, data = model_dir(tmp_path), xsum_fixture(tmp_path)
+    argv = ["--model", str(folder), "--data-dir", str(data), "--prompts", "8", "--clients"]
+    argv += ["2", "--max-tokens", "48", "--rate", "3", "--threads", "1", "--kv-budget", "1MiB"]
+    argv += ["--systems", "alisa-r0.2", "--sigterm-after-s", "0.5"]
+    assert bench_serve.main(argv) == 0
+    out = capsys.readouterr().out
+    (row,) = json_line(out)["systems"]
+    drain = row["drain"]
+    assert drain["lost"] == 0 and row["server_exit"] == "0", row
+    assert drain["completed"] + drain["refused"] == row["sent"] == 8
+    assert drain["completed"] >= 1 and drain["refused"] >= 1  # the signal fell mid-load
+    assert "SIGTERM at 0.5 s" in table_row(out, "alisa-r0.2")[-1]
+
+
 # --------------------------------------------------------------------------- a fake server
 
 
@@ -311,6 +329,7 @@ BAD_FLAGS = {
     "rate-zero": (["--rate", "0"], "--rate=0.0 must be > 0"),
     "rate-nan": (["--rate", "nan"], "--rate=nan must be > 0"),
     "duration-negative": (["--duration-s", "-1"], "--duration-s=-1.0 must be a number"),
+    "sigterm-zero": (["--sigterm-after-s", "0"], "--sigterm-after-s=0.0 must be seconds > 0"),
     "kv-budget-text": (["--kv-budget", "lots"], "--kv-budget='lots' is not a byte size"),
     "dtype-unknown": (["--dtype", "float8"], "--dtype 'float8'"),
     "system-unknown": (["--systems", "alisa-r1,vllm"], "--systems vllm unknown; valid: alisa-r0.2"),

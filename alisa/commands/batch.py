@@ -16,6 +16,7 @@ from alisa.commands.options import (
     add_scheduler_options,
     add_threads_option,
     apply_threads,
+    build_from_flags,
     cache_config_from_args,
     check_minimum,
     load_for_cli,
@@ -23,6 +24,13 @@ from alisa.commands.options import (
 )
 
 HELP = "generate for every prompt of a JSONL file under a memory budget (resumable)"
+
+# BatchJob fields -> the flag that sets each (None: the field's own, e.g. --prefill-tokens).
+JOB_FLAGS = {
+    "input": "INPUT",
+    "output": "-o/--output",
+    **dict.fromkeys(("max_new_tokens", "max_batch", "reserve_tokens", "prefill_tokens")),
+}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +84,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from alisa.jobs import BatchJob
     from alisa.jobs.distributed import launched
-    from alisa.jobs.io import input_name, read_requests
+    from alisa.jobs.io import defaulted, input_name, read_requests
     from alisa.jobs.lock import output_lock
     from alisa.jobs.runner import open_output, run_opened_job
     from alisa.sizes import parse_budget
@@ -109,7 +117,9 @@ def run(args: argparse.Namespace) -> int:
         )
     # The job's budget sizes whole batches; the cache itself is not tiered per batch.
     budget, config = config.gpu_memory, config.with_overrides(gpu_memory=None)
-    job = BatchJob(
+    job = build_from_flags(
+        BatchJob,
+        JOB_FLAGS,
         input=args.input,
         output=args.output,
         config=config,
@@ -143,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
         log = open_output(job)  # every file check before loading the model
         try:
             model, tokenizer = load_for_cli(args.model, args.dtype)
-            _check_new_tokens(args.max_new_tokens, model, tokenizer)
+            pending = [r for r in requests if r.id not in log.done]
+            _check_new_tokens(args.max_new_tokens, model, tokenizer, defaulted(pending))
             summary = run_opened_job(model, tokenizer, job, requests, log)
         finally:
             log.close()
@@ -151,16 +162,18 @@ def run(args: argparse.Namespace) -> int:
         return _report(summary, job)
 
 
-def _check_new_tokens(new_tokens: int, model, tokenizer) -> None:
-    """Refuse a ``--max-new-tokens`` that leaves no room for any prompt in the context (rows
-    that merely do not fit with it fail one by one)."""
+def _check_new_tokens(new_tokens: int, model, tokenizer, using: list) -> None:
+    """Refuse a ``--max-new-tokens`` that leaves no room for any prompt in the context when
+    rows take it (``using``: the pending rows without a ``max_new_tokens`` of their own). A row
+    that does not fit with its own, or merely with this one, fails alone."""
     from alisa.model.loading import context_length
 
     known = context_length(model, tokenizer)
-    if known is not None and new_tokens >= known[0]:
+    if using and known is not None and new_tokens >= known[0]:
         raise CommandError(
             f"--max-new-tokens={new_tokens} leaves no room for a prompt in the model's context "
-            f"of {known[0]} tokens ({known[1]})"
+            f"of {known[0]} tokens ({known[1]}); {len(using)} row(s) set no max_new_tokens of "
+            f"their own and take it (first: line {using[0].line}, id {using[0].id!r})"
         )
 
 
@@ -182,7 +195,7 @@ def _run_ranks(args: argparse.Namespace, job) -> int:
             from_rank0(ranks, take_lock)
             plan = plan_ranks(job, ranks)
             model, tokenizer = load_for_cli(args.model, args.dtype)
-            _check_new_tokens(args.max_new_tokens, model, tokenizer)
+            _check_new_tokens(args.max_new_tokens, model, tokenizer, plan.defaulted)
             summary = run_ranked(model, tokenizer, job, plan, ranks)
             for lock in locks:
                 lock.keep()  # the run finished: its output stays, even with no row in it

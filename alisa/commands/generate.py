@@ -35,7 +35,7 @@ PARALLEL_FLAGS = {
 }
 
 # The settings an evicts-nothing warning may name, as flags.
-FLOOR_FLAGS = dict.fromkeys(("min_budget_tokens", "budget_tokens"))
+FLOOR_FLAGS = dict.fromkeys(("min_budget_tokens", "sink_tokens", "budget_tokens"))
 
 # The flags of the parallel group other than --parallel, with their defaults.
 PARALLEL_DEFAULTS = {
@@ -187,8 +187,17 @@ def fit_prompt(model, tokenizer, prompt: str, args: argparse.Namespace) -> str:
         )
         return prompt
     keep = known[0] - new_tokens  # room for the generated tokens too
+    kept = keep_last_tokens(tokenizer, prompt, keep)
+    if not kept.strip():  # said as what it is, not as an empty prompt the user never gave
+        room = f"{keep} prompt token{'s' if keep != 1 else ''}"
+        last = "last token, which is" if keep == 1 else f"last {keep} tokens, which are"
+        raise CommandError(
+            f"--max-new-tokens={new_tokens} leaves room for only {room} in the model's context "
+            f"of {known[0]} tokens ({known[1]}), and --truncate-prompt kept the prompt's {last} "
+            f"only whitespace ({kept!r}); lower --max-new-tokens"
+        )
     print(f"[alisa] prompt truncated from {tokens} to its last {keep} tokens", file=sys.stderr)
-    return keep_last_tokens(tokenizer, prompt, keep)
+    return kept
 
 
 def run(args: argparse.Namespace) -> int:

@@ -324,10 +324,13 @@ def check_minimum(flag: str, value: int | None, minimum: int) -> None:
         raise CommandError(f"{flag}={value} must be >= {minimum}")
 
 
-def check_new_file(flag: str, path: Path, *, force: bool = False) -> None:
-    """Fail before slow work when ``path`` cannot be written (a directory, a missing parent, a
-    read-only place) or exists and ``force`` is not given (an existing file is never replaced
-    without the user's say)."""
+def check_new_file(flag: str, path: str | Path, *, force: bool = False) -> None:
+    """Fail before slow work when ``path`` cannot be written (empty, a directory, a missing
+    parent, a read-only place) or exists and ``force`` is not given (an existing file is never
+    replaced without the user's say)."""
+    if str(path) == "":  # as typed: Path("") would be ".", a directory
+        raise CommandError(f"{flag} '' is empty; give a file path")
+    path = Path(path)
     if path.is_dir():
         raise CommandError(f"{flag} {str(path)!r} is a directory")
     if path.exists() and not force:
@@ -395,6 +398,11 @@ def apply_threads(command: str, threads: int | None) -> None:
     warning = choice.warning()
     if warning is not None:
         print(f"alisa {command}: {warning}", file=sys.stderr)
+
+
+# The flags whose value is a byte size: a negative one ("-5GB") must reach the size check, not
+# be taken by argparse for a flag (see alisa.cli.join_negative_sizes).
+SIZE_FLAGS = ("--gpu-memory", "--host-memory", "--kv-memory")
 
 
 def add_scheduler_options(parser: argparse.ArgumentParser) -> None:

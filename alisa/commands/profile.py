@@ -20,7 +20,8 @@ HELP = "measure the cost-model rates (fitted on a model's real decode steps) and
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--output", type=Path, help="where to save (default: the planner's path)")
+    # Text, not a Path: Path("") is ".", and an empty --output must be refused as typed.
+    parser.add_argument("--output", help="where to save (default: the planner's path)")
     parser.add_argument(
         "--force", action="store_true", help="overwrite an existing --output file (else an error)"
     )
@@ -64,8 +65,9 @@ def run(args: argparse.Namespace) -> int:
         model, _ = load_for_cli(args.model, args.dtype)
         _check_context(model, sizes[1], given=args.context is not None)
     device = next(model.parameters()).device if model is not None else None
-    path = args.output or default_profile_path(device or torch.device("cpu"))
-    if args.output is None:  # the saved profile is replaced, but its place must be writable
+    default = args.output is None
+    path = default_profile_path(device or torch.device("cpu")) if default else Path(args.output)
+    if default:  # the saved profile is replaced, but its place must be writable
         check_new_file("the default --output", path, force=True)  # before measuring
     report = measure_report(model, device, sizes=sizes, progress=True)
     try:

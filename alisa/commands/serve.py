@@ -95,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
     settings = build_from_flags(
         ServeSettings,
         SETTINGS_FLAGS,
-        model_name=args.served_model_name or args.model,
+        # Only a flag left out falls back: an empty name is refused, not silently replaced.
+        model_name=args.model if args.served_model_name is None else args.served_model_name,
         config=config.with_overrides(gpu_memory=None),
         kv_bytes=kv_bytes,
         device_bytes=device_bytes,
@@ -133,9 +134,6 @@ def _check_fits(model, tokenizer, settings) -> None:
     config the model cannot take, or a budget that holds no one-token prompt."""
     from alisa.kv.cache import AlisaCache
     from alisa.model.loading import context_length
-    from alisa.serve.errors import APIError
-    from alisa.serve.prepare import Preparer
-    from alisa.serve.protocol import GenerationRequest
 
     known = context_length(model, tokenizer)
     if known is not None and settings.max_tokens >= known[0]:
@@ -144,8 +142,38 @@ def _check_fits(model, tokenizer, settings) -> None:
             f"model's context of {known[0]} tokens ({known[1]})"
         )
     AlisaCache(model, settings.config)  # a ValueError names the field (dense_layers, ...)
-    smallest = GenerationRequest(chat=False, prompt=(0,), max_tokens=1)
-    try:
-        Preparer(model, tokenizer, settings).prepare(smallest)
-    except APIError as error:
-        raise CommandError(f"the budget cannot hold even a one-token request: {error}") from None
+    _check_budgets(model, settings)
+
+
+def _check_budgets(model, settings) -> None:
+    """Refuse a budget too small for the smallest request (one prompt token, one new token),
+    saying what that request needs: the operator must raise the flag, no request can help."""
+    from alisa.jobs.sizing import running_memory
+    from alisa.model.adapter import model_shape
+    from alisa.planning.spec import model_spec
+    from alisa.sizes import format_bytes
+
+    spec = model_spec(model, model_shape(model))
+    memory = running_memory(spec, settings.config, [], [(1, 1)])  # as admission sizes a row
+    problems = []
+    device = settings.device_bytes
+    if device is not None and memory.total > device:
+        weights = (
+            f"the model's weights alone are {format_bytes(memory.weights)}"
+            if memory.weights >= device
+            else f"the model's weights are {format_bytes(memory.weights)}"
+        )
+        problems.append(
+            f"--gpu-memory {format_bytes(device)} cannot hold even a one-token request: "
+            f"{weights}, with one token's KV and activations {format_bytes(memory.total)}; "
+            f"raise --gpu-memory (to at least {format_bytes(memory.total)} for that one token)"
+        )
+    kv = settings.kv_bytes
+    if kv is not None and memory.kv > kv:
+        problems.append(
+            f"--kv-memory {format_bytes(kv)} cannot hold even a one-token request: its KV "
+            f"needs {format_bytes(memory.kv)}; raise --kv-memory (to at least "
+            f"{format_bytes(memory.kv)} for that one token)"
+        )
+    if problems:
+        raise CommandError("; ".join(problems))

@@ -10,6 +10,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from alisa.checks import check_text
 from alisa.jsonl import iter_jsonl, parse_jsonl
 
 logger = logging.getLogger(__name__)
@@ -22,6 +23,8 @@ ROW_OPTIONS = {
     "top_p": float,
     "seed": int,
 }
+OPTION_KEYS = ("chat", *ROW_OPTIONS)  # what a row may set besides its id and prompt
+ROW_KEYS = ("id", "prompt", *OPTION_KEYS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,19 +55,24 @@ def read_requests(path: str | Path) -> list[Request]:
     Raises
     ------
     ValueError
-        Malformed JSON, a row that is not an object, a ``prompt`` that is not a non-empty
-        string, a ``chat`` that is not a boolean, an ``id`` that is not a string or integer,
-        a duplicate ``id``, an unknown, mistyped or out-of-range option (same rules as the
-        matching flag).
+        Malformed JSON, a row that is not an object or gives a key twice, a ``prompt`` that is
+        not a non-empty string, a ``chat`` that is not a boolean, a missing ``id`` or one that
+        is not a string or integer, a duplicate ``id``, an ``id`` or ``prompt`` holding a lone
+        surrogate (a ``\\ud800`` escape without its pair), an unknown, mistyped or out-of-range
+        option (same rules as the matching flag).
     """
     name = input_name(path)
     rows = parse_jsonl(sys.stdin.buffer, name) if str(path) == STDIN else iter_jsonl(path)
     requests, seen = [], {}
     for number, row in rows:
         where = f"{name}:{number}"
-        identifier = row.get("id")
+        if "id" not in row:
+            raise ValueError(f"{where}: missing 'id' (a string or an integer){_unknown_keys(row)}")
+        identifier = row["id"]
         if isinstance(identifier, bool) or not isinstance(identifier, str | int):
             raise ValueError(f"{where}: 'id' must be a string or an integer, got {identifier!r}")
+        if isinstance(identifier, str):  # written back to the UTF-8 output: must be valid text
+            _check_row_text(identifier, "'id'", where, "")
         if identifier in seen:
             raise ValueError(
                 f"{where}: duplicate id {identifier!r} (first on line {seen[identifier]})"
@@ -76,7 +84,10 @@ def read_requests(path: str | Path) -> list[Request]:
                 f"{where}: 'prompt' must be a string, got {prompt!r} for id {identifier!r}"
             )
         if not isinstance(prompt, str) or not prompt.strip():
-            raise ValueError(f"{where}: missing or empty 'prompt' for id {identifier!r}")
+            raise ValueError(
+                f"{where}: missing or empty 'prompt' for id {identifier!r}{_unknown_keys(row)}"
+            )
+        _check_row_text(prompt, "'prompt'", where, f" (id {identifier!r})")
         chat = row.get("chat")
         if chat is not None and not isinstance(chat, bool):
             raise ValueError(
@@ -88,6 +99,30 @@ def read_requests(path: str | Path) -> list[Request]:
             Request(id=identifier, prompt=prompt, options=options, line=number, chat=chat)
         )
     return requests
+
+
+def _unknown_keys(row: dict) -> str:
+    """A note naming ``row``'s unknown keys, for a message about a missing one: ``"ID"`` or
+    ``"Prompt"`` is the key the user meant, spelt otherwise."""
+    unknown = [key for key in row if key not in ROW_KEYS]
+    if not unknown:
+        return ""
+    names = ", ".join(map(repr, unknown))
+    verb = "is an unknown key" if len(unknown) == 1 else "are unknown keys"
+    return f"; {names} {verb} (keys are case-sensitive; known: {', '.join(ROW_KEYS)})"
+
+
+def _check_row_text(text: str, key: str, where: str, which: str) -> None:
+    """:func:`~alisa.checks.check_text` of a row's ``key``, its message saying where."""
+    try:
+        check_text(text, key)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}{which}") from None
+
+
+def defaulted(requests: list[Request]) -> list[Request]:
+    """The requests that set no ``max_new_tokens`` of their own: they take the job's."""
+    return [r for r in requests if "max_new_tokens" not in r.options]
 
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed")
@@ -121,8 +156,7 @@ def _check_options(options: dict, where: str, which: str) -> None:
     for key, value in options.items():
         if key not in ROW_OPTIONS:
             raise ValueError(
-                f"{where}: unknown option {key!r}{which}; known: "
-                f"{', '.join(('chat', *ROW_OPTIONS))}"
+                f"{where}: unknown option {key!r}{which}; known: {', '.join(OPTION_KEYS)}"
             )
         kind = ROW_OPTIONS[key]
         if not _is_kind(value, kind):

@@ -21,7 +21,7 @@ from alisa.jobs.distributed import (
     new_parts,
     on_every_rank,
 )
-from alisa.jobs.io import OutputLog, Request, read_requests
+from alisa.jobs.io import OutputLog, Request, defaulted, read_requests
 from alisa.jobs.parts import merge_parts, part_path, share
 from alisa.jobs.runner import RESULT_KEYS, BatchJob, JobSummary, open_job, run_requests
 
@@ -34,6 +34,7 @@ class RankPlan:
     token: str  # this run's name (see new_parts)
     prompts: int
     already_done: int
+    defaulted: list[Request]  # the job's pending rows that take its max_new_tokens
 
 
 def plan_ranks(job: BatchJob, ranks: Ranks) -> RankPlan:
@@ -61,6 +62,7 @@ def plan_ranks(job: BatchJob, ranks: Ranks) -> RankPlan:
         token=token,
         prompts=len(requests),
         already_done=len(requests) - len(pending),
+        defaulted=defaulted(pending),
     )
 
 

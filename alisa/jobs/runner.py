@@ -25,6 +25,7 @@ from alisa.jobs.lock import output_lock
 from alisa.jobs.parts import merge_parts
 from alisa.jobs.sizing import BatchMemory, running_memory
 from alisa.jobs.static import planned_batches, run_static
+from alisa.jobs.stream import over_budget
 from alisa.memory import PeakMemory
 from alisa.model.adapter import model_shape
 from alisa.model.loading import chat_prompt, context_length, prompt_length_error
@@ -68,6 +69,7 @@ class BatchJob:
     prefill_tokens
         Continuous batching: padded prompt tokens (rows x longest) of one prefill forward at
         most (:class:`~alisa.runtime.continuous.ContinuousScheduler`); None: no bound.
+        Static batches prefill each batch in one forward: they take only the default or None.
     mixed_forwards
         Continuous batching: prefill a newcomer inside the running rows' next decode step
         where the model allows it (:func:`~alisa.runtime.continuous.packs`); False: in a
@@ -97,6 +99,11 @@ class BatchJob:
 
     def __post_init__(self) -> None:
         check_field_types(self)  # None or a wrong type fails here, naming the field
+        # Path("") is ".": the messages of an empty name would speak of a directory.
+        if self.input == "":
+            raise ValueError("input='' is empty; give a JSONL file path, or '-' for stdin")
+        if self.output == "":
+            raise ValueError("output='' is empty; give a file path, e.g. 'out.jsonl'")
         for name in ("gpu_memory", "kv_memory"):
             if getattr(self, name) is not None:
                 parse_budget(getattr(self, name), field=name)
@@ -112,6 +119,11 @@ class BatchJob:
             raise ValueError(
                 f"reserve_tokens={self.reserve_tokens!r} applies to continuous batching; static "
                 "batches reserve every row's max_new_tokens"
+            )
+        if self.prefill_tokens not in (None, PREFILL_TOKENS) and self.static:
+            raise ValueError(
+                f"prefill_tokens={self.prefill_tokens!r} applies to continuous batching; static "
+                "batches prefill each batch in one forward"
             )
         if not self.mixed_forwards and self.static:
             raise ValueError(
@@ -214,9 +226,24 @@ class JobSummary:
 RESULT_KEYS = ("id", "finish_reason")  # what every row of a batch output has
 
 
+def check_job(job: BatchJob) -> None:
+    """Refuse anything but a :class:`BatchJob` (a dict, None) before its fields are read.
+
+    Raises
+    ------
+    ValueError
+        Naming the value and the class to build.
+    """
+    if not isinstance(job, BatchJob):
+        raise ValueError(
+            f"job={job!r} must be a BatchJob, e.g. BatchJob(input='in.jsonl', output='out.jsonl')"
+        )
+
+
 def open_job(job: BatchJob) -> tuple[list[Request], OutputLog]:
     """Validated requests and the reopened output log (:func:`read_requests`, then
     :func:`open_output`)."""
+    check_job(job)
     requests = read_requests(job.input)
     return requests, open_output(job)
 
@@ -268,9 +295,11 @@ def run_batch(
     Raises
     ------
     ValueError
-        Bad input rows (file and line), an unwritable output, another run writing the same
-        output (see :func:`alisa.jobs.lock.output_lock`), or a budget below the weights.
+        ``job`` not a :class:`BatchJob`, bad input rows (file and line), an unwritable output,
+        another run writing the same output (see :func:`alisa.jobs.lock.output_lock`), or a
+        budget below the weights.
     """
+    check_job(job)
     requests = read_requests(job.input)
     with output_lock(job.output) as held:
         log = open_output(job)
@@ -467,11 +496,5 @@ def _refused(request: Request, length: int, spec, job: BatchJob, budgets: _Budge
 
 def _too_large(request: Request, need: BatchMemory, budgets: _Budgets) -> dict:
     """The error row of a prompt that fits no budget alone, quoting the budget it exceeds."""
-    if budgets.kv is not None and need.kv > budgets.kv:
-        over = f"{need.kv} bytes of KV, over the KV budget {budgets.kv_name} ({budgets.kv} bytes)"
-    else:
-        over = (
-            f"{need.total} bytes ({need.kv} of KV), over the device budget "
-            f"{budgets.device_name} ({budgets.device} bytes)"
-        )
+    over = over_budget(need, budgets.device, budgets.device_name, budgets.kv, budgets.kv_name)
     return _failed_row(request, "did_not_fit", f"needs about {over} even alone")

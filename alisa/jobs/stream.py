@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from alisa.checks import check_bool, unordered
 from alisa.config import AlisaConfig, config_or_default
-from alisa.jobs.sizing import fits, running_memory
+from alisa.jobs.sizing import BatchMemory, fits, running_memory
 from alisa.kv.cache import AlisaCache
 from alisa.kv.hooks import attached
 from alisa.model.adapter import model_shape
 from alisa.planning.spec import model_spec
 from alisa.runtime.continuous import ContinuousScheduler
 from alisa.runtime.engine import Engine
+from alisa.runtime.generate import check_prompt
 from alisa.runtime.requests import PREFILL_TOKENS, RowShape, StreamRequest, StreamResult
 from alisa.runtime.sampling import SamplingOptions, sampling_or_default
 from alisa.sizes import parse_budget
@@ -100,6 +102,34 @@ def _full(row: RowShape) -> tuple[int, int]:
     return row.tokens, row.new_tokens
 
 
+def over_budget(
+    need: BatchMemory, device: int | None, device_name: str, kv: int | None, kv_name: str
+) -> str:
+    """What a request that fits no budget alone needs, and the budget it exceeds, for its error
+    (``alisa batch``'s rows and :func:`stream_generate`'s results say it alike).
+
+    Parameters
+    ----------
+    need
+        The request's predicted memory alone (:func:`alisa.jobs.sizing.running_memory`).
+    device, device_name, kv, kv_name
+        The device and KV budgets in bytes (None: no limit) and how the message names them
+        (``"--kv-memory 1KB"``, ``"kv_memory='1KB'"``).
+
+    Returns
+    -------
+    str
+        ``"18944 bytes of KV, over the KV budget --kv-memory 1KB (1000 bytes)"`` when the KV
+        budget is exceeded, else the whole (weights included) over the device budget.
+    """
+    if kv is not None and need.kv > kv:
+        return f"{need.kv} bytes of KV, over the KV budget {kv_name} ({kv} bytes)"
+    return (
+        f"{need.total} bytes ({need.kv} of KV), over the device budget {device_name} "
+        f"({device} bytes)"
+    )
+
+
 def stream_generate(
     model,
     tokenizer,
@@ -127,12 +157,15 @@ def stream_generate(
     prompts
         Strings (``max_new_tokens`` each) or :class:`StreamRequest` (token ids, own length and
         id); read lazily, a few rows ahead, so an endless iterator is fine. One string (or one
-        request) is one prompt, as in :func:`alisa.generate`.
+        request) is one prompt, as in :func:`alisa.generate`. A request without an ``id`` gets
+        its arrival index; two requests with one id are refused (the id is what tells results,
+        which come in completion order, apart).
     config
         The cache's KV policy and storage (device tiers, ``gpu_memory`` in the config, are not
         supported: their layout is planned per batch).
     gpu_memory, kv_memory
-        Byte budgets (``"8GiB"``) for weights + KV + activations, and for the KV alone.
+        Byte budgets (``"8GiB"``) for weights + KV + activations, and for the KV alone; a
+        ``gpu_memory`` the weights alone fill is refused.
     max_rows, prefill_rows, prefill_tokens
         Rows running at most; newcomers prefilled together at most, and their padded prompt
         tokens (rows x longest) in that forward at most (None: no bound).
@@ -143,11 +176,20 @@ def stream_generate(
     Yields
     ------
     StreamResult
-        One per prompt; ``finish_reason="did_not_fit"`` for a prompt the budget refuses alone,
-        ``"prompt_too_long"`` / ``"context_exceeded"`` for one that, alone or with its
-        ``max_new_tokens``, is longer than the model's context (never run; ``error`` says why).
+        One per prompt; ``finish_reason="did_not_fit"`` for a prompt the budget refuses alone
+        (``error`` quotes the bytes it needs and the budget), ``"prompt_too_long"`` /
+        ``"context_exceeded"`` for one that, alone or with its ``max_new_tokens``, is longer
+        than the model's context (never run; ``error`` says why).
+
+    Raises
+    ------
+    ValueError
+        Prompts of the wrong type (a dict, bytes, a non-string item; an empty one or one
+        holding a lone surrogate), a flag that is not True or False, a budget the weights alone
+        fill, or an id given twice, naming them; a prompt's when it is read.
     """
     prompts = _prompt_stream(prompts)
+    check_bool("stop_at_eos", stop_at_eos)
     config = config_or_default(config)
     if config.gpu_memory is not None:
         raise ValueError(
@@ -163,6 +205,7 @@ def stream_generate(
         max_rows=max_rows,
         reserve_tokens=reserve_tokens,
     )
+    _check_weights_fit(admission, gpu_memory)
     engine = Engine(model, tokenizer, sampling_or_default(sampling), stop_at_eos=stop_at_eos)
     scheduler = ContinuousScheduler(
         engine,
@@ -172,9 +215,45 @@ def stream_generate(
         prefill_tokens=prefill_tokens,
     )
     # The scheduler checks each request's ids against the vocabulary as it queues it.
-    requests = (_request(tokenizer, prompt, max_new_tokens) for prompt in prompts)
+    pending: dict[object, StreamRequest] = {}  # by id, until its result comes
+    requests = _requests(tokenizer, prompts, max_new_tokens, pending)
     with attached(model):  # the model's attention is restored when the stream ends
-        yield from scheduler.run(requests, lookahead=max_rows)
+        for result in scheduler.run(requests, lookahead=max_rows):
+            request = pending.pop(result.id)
+            if result.finish_reason == "did_not_fit":  # the scheduler knows no bytes: say them
+                result = replace(result, error=_refusal(admission, request, gpu_memory, kv_memory))
+            yield result
+
+
+def _check_weights_fit(admission: ByteBudget, gpu_memory: int | str | None) -> None:
+    """A device budget the weights alone fill would refuse every prompt: say so once (as
+    ``alisa batch`` does), not as each prompt's ``did_not_fit``."""
+    weights = admission.spec.total_weight_bytes
+    if admission.device_bytes is not None and admission.device_bytes <= weights:
+        raise ValueError(
+            f"gpu_memory={gpu_memory!r} ({admission.device_bytes} bytes) is smaller than the "
+            f"weights ({weights} bytes): no prompt could run; raise it"
+        )
+
+
+def _refusal(
+    admission: ByteBudget,
+    request: StreamRequest,
+    gpu_memory: int | str | None,
+    kv_memory: int | str | None,
+) -> str:
+    """Why ``request`` never ran: the bytes it needs even alone and the budget they exceed,
+    as ``alisa batch`` says it."""
+    tokens, new = len(request.prompt_ids), request.max_new_tokens
+    need = running_memory(admission.spec, admission.config, [], [(tokens, new)])
+    over = over_budget(
+        need,
+        admission.device_bytes,
+        f"gpu_memory={gpu_memory!r}",
+        admission.kv_bytes,
+        f"kv_memory={kv_memory!r}",
+    )
+    return f"a prompt of {tokens} tokens with max_new_tokens={new} needs about {over} even alone"
 
 
 def _prompt_stream(prompts) -> Iterable[str | StreamRequest]:
@@ -186,14 +265,56 @@ def _prompt_stream(prompts) -> Iterable[str | StreamRequest]:
         raise ValueError(
             f"prompts={prompts!r} must be a string, a StreamRequest or an iterable of them"
         )
+    kind = unordered(prompts)
+    if kind is not None:
+        raise ValueError(
+            f"prompts={prompts!r} must be a string, a StreamRequest or an iterable of them, "
+            f"not {kind}"
+        )
     return prompts
 
 
-def _request(tokenizer, prompt: str | StreamRequest, max_new_tokens: int) -> StreamRequest:
-    """The request for ``prompt`` (a string tokenized, a request as it is)."""
+def _requests(
+    tokenizer,
+    prompts: Iterable[str | StreamRequest],
+    max_new_tokens: int,
+    pending: dict[object, StreamRequest],
+) -> Iterator[StreamRequest]:
+    """The request of each prompt, lazily, each put in ``pending`` by its id.
+
+    Raises
+    ------
+    ValueError
+        An id given twice, or one that cannot name a result (unhashable), naming the prompt.
+    """
+    seen: set[object] = set()  # every id so far: a finished request's too
+    for index, prompt in enumerate(prompts):
+        request = _request(tokenizer, prompt, max_new_tokens, index)
+        try:
+            repeated = request.id in seen
+        except TypeError:  # a list, say: results could not be looked up by it
+            raise ValueError(
+                f"prompts[{index}] has id={request.id!r}, which cannot name a result; give a "
+                "string or an integer"
+            ) from None
+        if repeated:
+            raise ValueError(
+                f"prompts[{index}] has id={request.id!r}, as an earlier prompt does: results "
+                "come in completion order and only their ids tell them apart (a request "
+                "without an id takes its index)"
+            )
+        seen.add(request.id)
+        pending[request.id] = request
+        yield request
+
+
+def _request(
+    tokenizer, prompt: str | StreamRequest, max_new_tokens: int, index: int
+) -> StreamRequest:
+    """The request for ``prompt``, the ``index``-th: a string tokenized, a request as it is;
+    either named ``index`` when it has no id (its arrival index, as the scheduler would)."""
     if isinstance(prompt, StreamRequest):
-        return prompt
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError(f"prompt {prompt!r} is empty or not a string")
+        return prompt if prompt.id is not None else replace(prompt, id=index)
+    check_prompt(prompt, index)
     ids = tokenizer(prompt)["input_ids"]
-    return StreamRequest(prompt_ids=ids, max_new_tokens=max_new_tokens)
+    return StreamRequest(prompt_ids=ids, max_new_tokens=max_new_tokens, id=index)

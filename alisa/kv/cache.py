@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from functools import partial
 
@@ -110,6 +111,11 @@ class AlisaCache(Cache):
         super().__init__(layers=layers)
         attach(model, adapter=adapter)
         self._model_config = model.config
+        # The model whose geometry, kernels and hooks this cache holds. A weak reference: the
+        # cache does not keep the model alive, and its deep copies (take_rows) share it.
+        self._built_for = weakref.ref(model)
+        # Set by claim() when that model's forward announces a prefill; the prefill takes it.
+        self._claimed = False
 
     def _layer(
         self,
@@ -144,13 +150,19 @@ class AlisaCache(Cache):
                 f"with AlisaCache, which needs {ATTENTION_NAME!r} (set when the cache is built)"
             )
         if layer_idx == 0 and not self._started():  # the prefill: lengths are known now
+            self._take_claim()
             self._check_host_budget(key_states)
         elif layer_idx == 0:  # before any layer stores them (the model's hook checked more)
             self._check_rows(key_states.shape[0], key_states.shape[2])
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def check_continuation(
-        self, batch: int, tokens: int, attention_mask: torch.Tensor | None
+        self,
+        batch: int,
+        tokens: int,
+        attention_mask: torch.Tensor | None,
+        *,
+        model: nn.Module | None = None,
     ) -> None:
         """Refuse, before anything is stored, a forward that would not continue this cache
         exactly as transformers' ``DynamicCache`` continues (HF's ``generate`` given the same
@@ -171,18 +183,59 @@ class AlisaCache(Cache):
         attention_mask
             The forward's (B, seen + tokens) padding mask, or None (every token attended). Read
             only when more than one token is added (one host read; a decode step reads nothing).
+        model
+            The model running the forward: an empty cache's prefill is claimed for it
+            (:meth:`claim`).
 
         Raises
         ------
         ValueError
-            Another batch size, no new token (an input no longer than what is cached), or a
-            multi-token continuation refused by its mode or its padding mask.
+            Another batch size, no new token (an input no longer than what is cached), a
+            multi-token continuation refused by its mode or its padding mask, or another model
+            than the one the cache was built for.
         """
-        if self.layers[0].store is None:  # not filled yet: any prompt
+        if self.layers[0].store is None:  # not filled yet: any prompt, of its own model
+            if model is not None:
+                self.claim(model)
             return
         self._check_rows(batch, tokens)
         if tokens > 1:
             self._check_continuation_mask(attention_mask, batch, tokens)
+
+    def claim(self, model: nn.Module | None) -> None:
+        """Announce that ``model``'s forward prefills this empty cache next (the model's forward
+        hook calls this, and a mixed forward for its newcomer), refusing any model but the one
+        the cache was built for: its geometry, kernels and attention routing are that model's.
+
+        Checked once per prefill, never at a decode step. The prefill (:meth:`update`) takes the
+        claim, and refuses to start without one: a model that was never attached runs its own
+        attention, which would read the cache without its mask.
+
+        Raises
+        ------
+        ValueError
+            Naming both models.
+        """
+        built_for = self._built_for()
+        if model is not built_for:
+            raise ValueError(
+                f"past_key_values (an AlisaCache) was built for {_model_name(built_for)} and is "
+                f"given to another model, {_model_name(model)}: a cache holds its own model's "
+                "geometry, kernels and attention routing; build AlisaCache(model, config) for "
+                "this one"
+            )
+        self._claimed = True
+
+    def _take_claim(self) -> None:
+        """Start a prefill only when the cache's own model announced it (:meth:`claim`)."""
+        if not self._claimed:
+            raise ValueError(
+                f"past_key_values (an AlisaCache) was built for {_model_name(self._built_for())}"
+                ", and this forward reached it without passing through that model: another "
+                "model's own attention would read the cache without its mask; build "
+                "AlisaCache(model, config) for the model you run"
+            )
+        self._claimed = False  # a later prefill (after a reset) is announced again
 
     def _check_rows(self, batch: int, tokens: int) -> None:
         """A filled cache takes its own batch size, at least one new token, and several only
@@ -453,6 +506,9 @@ class PackedCache(Cache):
             raise ValueError(
                 "a mixed forward decodes a prefilled cache's rows and prefills an empty cache"
             )
+        # The forward's hook sees this packed cache, not the newcomer: its prefill is claimed
+        # here, for the running rows' model.
+        newcomer.claim(running._built_for())
         self.running, self.newcomer, self.rows = running, newcomer, rows
         pairs = zip(running.layers, newcomer.layers, strict=True)
         super().__init__(layers=[PackedLayer(mine, theirs, rows) for mine, theirs in pairs])
@@ -463,6 +519,15 @@ class PackedCache(Cache):
         self.running.update(*running, layer_idx)
         self.newcomer.update(*prompt, layer_idx)
         return key_states, value_states
+
+
+def _model_name(model: nn.Module | None) -> str:
+    """``LlamaForCausalLM from '/models/x' at 0x7f...``: a model told apart from its twins."""
+    if model is None:
+        return "a model that no longer exists"
+    path = getattr(getattr(model, "config", None), "_name_or_path", "")
+    origin = f" from {path!r}" if path else ""
+    return f"{type(model).__name__}{origin} at {id(model):#x}"
 
 
 def _check_host_memory_applies(config: AlisaConfig) -> None:

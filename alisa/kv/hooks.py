@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache
 from alisa.kv.attention import ATTENTION_NAME
 from alisa.kv.layer import AlisaLayer
 from alisa.kv.packed import PackedLayer
-from alisa.model.adapter import ModelAdapter, attention_modules
+from alisa.model.adapter import ModelAdapter, attention_modules, check_model
 from alisa.model.routing import CACHE_KWARGS
 
 
@@ -71,7 +71,7 @@ class _Attachment:
         # whose rows its scheduler lays out itself): refused before any layer stores a token.
         inputs = _forward_inputs(model, args, kwargs) if isinstance(first, AlisaLayer) else None
         if inputs is not None:
-            cache.check_continuation(*inputs)
+            cache.check_continuation(*inputs, model=model)
         current = model.config._attn_implementation
         if uses_alisa and self.restored and current == self.previous:
             _switch(model, ATTENTION_NAME)
@@ -109,6 +109,7 @@ def attach(model: nn.Module, *, adapter: ModelAdapter | None = None) -> None:
     another cache, or with :func:`detach`. ``adapter``: the model's inspection, when already
     made (the cache's); else the attention modules are looked up.
     """
+    check_model(model)
     modules = adapter.modules if adapter is not None else attention_modules(model)
     for module in modules:
         if _inject_layer not in module._forward_pre_hooks.values():
@@ -127,6 +128,7 @@ def detach(model: nn.Module, attn_implementation: str | None = None) -> None:
 
     ``attn_implementation`` defaults to the one in use before :func:`attach`.
     """
+    check_model(model)
     attachment = _attachment(model)
     restore = attn_implementation or (attachment.previous if attachment else "sdpa")
     for module in [model, *attention_modules(model)]:

@@ -86,8 +86,7 @@ def model_shape(model: nn.Module) -> ModelShape:
         Naming what is missing: a decoder-only config, one self-attention module per layer
         reached through HF's attention interface and handed the cache, per-head keys and values.
     """
-    if getattr(model, "config", None) is None:
-        raise ValueError(f"model of type {type(model).__name__} has no HF config")
+    check_model(model)
     config = model.config.get_text_config(decoder=True)
     name = type(model).__name__
     if getattr(model.config, "is_encoder_decoder", False):
@@ -121,6 +120,20 @@ def model_shape(model: nn.Module) -> ModelShape:
         windows=windows if any(window is not None for window in windows) else (),
         extras=attention_extras(attention_modules(model)[0]),
     )
+
+
+def check_model(model: object) -> None:
+    """Refuse what is not a Hugging Face torch model before anything reads its modules or config.
+
+    Raises
+    ------
+    ValueError
+        Naming ``model``: not a ``torch.nn.Module``, or one without an HF config.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model={model!r} must be a torch model (load_model returns one)")
+    if getattr(model, "config", None) is None:
+        raise ValueError(f"model of type {type(model).__name__} has no HF config")
 
 
 def layer_types(model: nn.Module) -> list[str]:

@@ -26,6 +26,7 @@ from alisa.model.builtin import (
     missing_packages,
 )
 from alisa.model.dtypes import DTYPES
+from alisa.sizes import parse_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,8 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     Raises
     ------
     ValueError
-        A name torch does not know, or CUDA on a build or machine without it.
+        A name torch does not know, ``meta`` (it holds no weights), or CUDA on a build or
+        machine without it.
     """
     if device is None:
         return default_device()
@@ -68,6 +70,11 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         target = torch.device(device)
     except (RuntimeError, TypeError) as error:
         raise ValueError(f"device={device!r} is not a torch device: {error}") from None
+    if target.type == "meta":  # shapes only: the first forward would find no weights to read
+        raise ValueError(
+            f"device={device!r} holds no data (a meta tensor has a shape but no values), so a "
+            "model there cannot run; give 'cpu' or 'cuda', or leave device unset"
+        )
     if target.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(
             f"device={device!r}: CUDA is not available to torch {torch.__version__}; leave "
@@ -160,6 +167,14 @@ def resolve_model_path(spec: str) -> str:
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return str(convert_gguf(path))
+    if path.is_file():  # a file that exists is what the user meant, not a hub id
+        folder = path.parent
+        hint = "give a directory saved by save_pretrained"
+        if (folder / "config.json").is_file():
+            hint = f"give its folder {str(folder)!r}, which holds the model's config.json"
+        raise ValueError(
+            f"model={spec!r} is a file, not a model directory nor a .gguf file; {hint}"
+        )
     tried.append(f"GGUF file {str(path)!r} ({'not a .gguf file' if path.exists() else 'missing'})")
     if path.is_dir():
         if (path / "config.json").is_file():
@@ -217,15 +232,16 @@ def load_model(
         ``(model, tokenizer)``; the model is in eval mode and the tokenizer pads on the left, as
         batched decoding needs.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     torch_dtype = resolve_dtype(dtype)
     target = resolve_device(device)  # before any slow work
+    budgets = device_budgets(max_memory)
     path = resolve_model_path(spec)
     try:
         _refuse_inline_attention(spec, path)  # before its tokenizer, weights or attention fail
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        placement = {"device_map": "auto", "max_memory": max_memory} if max_memory else {}
+        tokenizer = _load_tokenizer(spec, path)
+        placement = {"device_map": "auto", "max_memory": budgets} if budgets else {}
         # Mismatched shapes are reported, not raised, so that the error can name them.
         model, loading = AutoModelForCausalLM.from_pretrained(
             path,
@@ -240,11 +256,62 @@ def load_model(
     except OSError as error:
         raise ValueError(f"model={spec!r} could not be loaded from {path!r}: {error}") from error
     _refuse_partial_weights(spec, path, type(model).__name__, loading)
-    if not max_memory:
+    if not budgets:
         model.to(target)
     model.eval()
     prepare_tokenizer(tokenizer)
     return model, tokenizer
+
+
+def device_budgets(max_memory: object) -> dict[int | str, int] | None:
+    """``load_model``'s ``max_memory`` with each budget in bytes (None: no placement).
+
+    Raises
+    ------
+    ValueError
+        ``max_memory`` not a dict, or a budget that is not a byte size (naming its device).
+    """
+    if max_memory is None:
+        return None
+    if not isinstance(max_memory, dict):
+        raise ValueError(
+            f"max_memory={max_memory!r} must be a dict of per-device budgets such as "
+            "{0: '6GiB', 'cpu': '30GiB'} (GPU index or 'cpu' -> byte size), or None"
+        )
+    return {
+        device: parse_bytes(budget, field=f"max_memory[{device!r}]")
+        for device, budget in max_memory.items()
+    }
+
+
+# The files a saved tokenizer leaves in its directory (transformers reads one of them at least):
+# the fast tokenizer's, its settings, and the vocabularies of the slow SentencePiece/BPE ones.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+)
+
+
+def _load_tokenizer(spec: str, path: str):
+    """The tokenizer saved with the model; a directory without one is named as such (the
+    library's own error points at installing packages)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (ValueError, OSError, TypeError):
+        folder = Path(path)
+        if not folder.is_dir() or any((folder / name).is_file() for name in TOKENIZER_FILES):
+            raise
+        named = f"{path!r}" if spec == path else f"{path!r} (model={spec!r})"
+        raise ValueError(
+            f"the directory {named} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+            "save the model's tokenizer beside it (tokenizer.save_pretrained(directory))"
+        ) from None
 
 
 def _error_text(error: BaseException) -> str:

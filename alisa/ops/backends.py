@@ -162,6 +162,14 @@ def model_ops(model: torch.nn.Module, kernels: str = "auto") -> Ops:
     return choose_ops(weight.device, weight.dtype, kernels)
 
 
+def compile_mode(device: torch.device | str) -> str:
+    """``torch.compile``'s mode for a decode step on ``device``: ``"reduce-overhead"`` (CUDA
+    graphs: on a GPU the step's cost is launching its kernels) on CUDA, else ``"default"`` (on
+    a CPU ``reduce-overhead`` measured 6.6x slower a step than ``default``, SmolLM2-135M fp32,
+    B = 8 x 1,024: it guards and copies for graphs a CPU never records)."""
+    return "reduce-overhead" if torch.device(device).type == "cuda" else "default"
+
+
 def triton_installed() -> bool:
     """Whether Triton can be imported here (CUDA builds of torch bring it)."""
     return importlib.util.find_spec("triton") is not None

@@ -15,6 +15,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from alisa.checks import check_field_types, check_number, check_optional_int, check_share
 from scheduler.budget import KeepRule
 
 
@@ -28,7 +29,10 @@ class KVPolicy:
 
     A policy with options of its own declares them as dataclass fields and maps the settings
     that fill them in :attr:`config_fields` (setting name -> field name), e.g. SWA's
-    ``{"score_window": "window"}``; it checks their values itself (``__post_init__``).
+    ``{"score_window": "window"}``; it checks their values itself (``__post_init__``, after
+    this class's, which checks the shared fields by the rules ``AlisaConfig`` applies, so a
+    policy built directly, e.g. by :func:`~alisa.policies.registry.get_policy`, is refused as
+    the config would be).
 
     Parameters
     ----------
@@ -81,6 +85,18 @@ class KVPolicy:
     observation_window: int = 0
     head_max: bool = False
     score_decay: bool = False
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        check_share("caching_ratio", self.caching_ratio)
+        check_optional_int("budget_tokens", self.budget_tokens, minimum=1)
+        check_share("recent_fraction", self.recent_fraction, zero=True)
+        check_optional_int("sink_tokens", self.sink_tokens, minimum=0)
+        check_number("budget_scale", self.budget_scale)
+        if self.budget_scale <= 0:
+            raise ValueError(f"budget_scale={self.budget_scale!r} must be > 0")
+        check_optional_int("min_budget_tokens", self.min_budget_tokens, minimum=0)
+        check_optional_int("observation_window", self.observation_window, minimum=0)
 
     @classmethod
     def own_options(cls, settings: Mapping[str, object]) -> dict[str, object]:

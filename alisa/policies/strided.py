@@ -32,6 +32,7 @@ class StridedPolicy(KVPolicy):
     stride: int | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_optional_int("stride", self.stride, minimum=1)
 
     def effective_stride(self) -> int:

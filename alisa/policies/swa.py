@@ -46,6 +46,7 @@ class SWAPolicy(KVPolicy):
     window: int | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_optional_int("window", self.window, minimum=1)
 
     def score_window(self, recent: np.ndarray) -> np.ndarray | None:

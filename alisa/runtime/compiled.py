@@ -73,6 +73,9 @@ class CompiledDecode:
     ----------
     model
         An HF causal LM; its ``forward`` is wrapped, the model is not changed.
+    mode
+        ``torch.compile``'s mode (:func:`alisa.ops.backends.compile_mode` of the model's
+        device).
 
     Attributes
     ----------
@@ -81,12 +84,10 @@ class CompiledDecode:
         before it.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, mode: str) -> None:
         self.model = model
-        # reduce-overhead: CUDA graphs on a GPU (the launches are the step's cost there);
-        # on a CPU inductor compiles the same graph without them.
         self.forward: Callable = torch.compile(
-            model.forward, fullgraph=True, dynamic=False, mode="reduce-overhead"
+            model.forward, fullgraph=True, dynamic=False, mode=mode
         )
         self.compile_s: float | None = None
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from alisa.kv.cache import AlisaCache
 from alisa.memory import tensor_bytes
+from alisa.ops.backends import compile_mode
 from alisa.runtime.compiled import CompiledDecode, last_logits
 from alisa.runtime.sampling import SamplingOptions, TokenPicker
 
@@ -289,8 +290,8 @@ class Engine:
         compile: bool = False,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
-        self.compiled = CompiledDecode(model) if compile else None
         self.device = next(model.parameters()).device
+        self.compiled = CompiledDecode(model, compile_mode(self.device)) if compile else None
         self.pick = TokenPicker(model, sampling or SamplingOptions())
         eos = model.generation_config.eos_token_id
         if eos is None and tokenizer is not None:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
+from alisa.checks import check_bool, check_int, check_text, unordered
 from alisa.config import AlisaConfig, config_or_default
 from alisa.kv.cache import AlisaCache
 from alisa.kv.hooks import attached
@@ -74,23 +75,24 @@ def generate(
     Raises
     ------
     ValueError
-        An empty prompt, a bad ``max_new_tokens``, an argument of the wrong type (naming it),
-        the longest prompt plus ``max_new_tokens`` past the model's context (both numbers
-        named), a ``past_key_values`` that is not an empty cache, a ``config`` it would
-        ignore, or ``compile="on"`` with a cache that cannot be compiled.
+        An empty prompt or one holding a lone surrogate (``"\\ud800"``), prompts in a dict or a
+        set, a bad ``max_new_tokens``, an argument of the wrong type (naming it; the flags must
+        be True or False), the longest prompt plus ``max_new_tokens`` past the model's context
+        (both numbers named), a ``past_key_values`` that is not an empty cache, a ``config`` it
+        would ignore, or ``compile="on"`` with a cache that cannot be compiled.
     """
     _check_model(model, tokenizer)
     prompt_list = _check_prompts(prompts)
-    if not isinstance(chat, bool):
-        raise ValueError(f"chat={chat!r} must be True or False")
+    for name, flag in (
+        ("chat", chat),
+        ("stop_at_eos", stop_at_eos),
+        ("prune_finished", prune_finished),
+    ):
+        check_bool(name, flag)
     if chat:
         prompt_list = [chat_prompt(tokenizer, prompt) for prompt in prompt_list]
-    if (
-        isinstance(max_new_tokens, bool)
-        or not isinstance(max_new_tokens, int)
-        or max_new_tokens < 0
-    ):
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
+    check_int("max_new_tokens", max_new_tokens, minimum=0)
+    max_new_tokens = int(max_new_tokens)  # numpy's int64(2) too: range() and torch take ints
     compiled = check_compile(compile)
     sampling = sampling_or_default(sampling)
     device = next(model.parameters()).device
@@ -161,13 +163,36 @@ def _check_cache(cache, config: AlisaConfig | None) -> None:
 def _check_prompts(prompts: str | Sequence[str]) -> list[str]:
     if isinstance(prompts, bytes | bytearray) or not isinstance(prompts, str | Iterable):
         raise ValueError(f"prompts={prompts!r} must be a string or a list of strings")
+    kind = unordered(prompts)
+    if kind is not None:
+        raise ValueError(f"prompts={prompts!r} must be a string or a list of strings, not {kind}")
     prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
     if not prompt_list:
         raise ValueError("prompts=[] is empty; give at least one prompt")
     for index, prompt in enumerate(prompt_list):
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise ValueError(f"prompts[{index}]={prompt!r} is empty or not a string")
+        check_prompt(prompt, index)
     return prompt_list
+
+
+def check_prompt(prompt: object, index: int) -> None:
+    """Refuse ``prompt`` unless it is text a tokenizer can encode.
+
+    Parameters
+    ----------
+    prompt
+        One prompt as given.
+    index
+        Its place among the prompts, which the message names (``prompts[1]``).
+
+    Raises
+    ------
+    ValueError
+        Naming ``prompts[index]``: not a string, blank, or holding a lone surrogate
+        (:func:`alisa.checks.check_text`; the tokenizer would raise a ``TypeError`` of its own).
+    """
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(f"prompts[{index}]={prompt!r} is empty or not a string")
+    check_text(prompt, f"prompts[{index}]")
 
 
 __all__ = ["GenerationOutput", "SamplingOptions", "cache_kv_bytes", "generate"]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from numbers import Integral
 from typing import Protocol
 
-from alisa.checks import check_number
+from alisa.checks import check_int, check_number, unordered
 
 # Padded prompt tokens (rows x longest) of one prefill forward, by default: see
 # ContinuousScheduler's prefill_tokens.
@@ -22,10 +22,12 @@ class StreamRequest:
     Parameters
     ----------
     prompt_ids
-        The prompt's token ids (at least one; integers >= 0, below the model's vocabulary size,
-        which :meth:`check_vocabulary` checks where the request meets the model).
+        The prompt's token ids, in order (at least one; integers >= 0, below the model's
+        vocabulary size, which :meth:`check_vocabulary` checks where the request meets the
+        model): a list, a tuple, a numpy array, or a 1-D torch tensor (kept as a list).
     max_new_tokens
-        Tokens to generate at most (the row also stops at EOS).
+        Tokens to generate at most (the row also stops at EOS); an integer, numpy's included
+        (kept as a Python int).
     id
         The caller's name for it, returned with the result (default: its arrival index).
     arrival_s
@@ -39,6 +41,8 @@ class StreamRequest:
     arrival_s: float | None = None
 
     def __post_init__(self) -> None:
+        # Frozen: the two fields are set to plain values once, while being validated.
+        object.__setattr__(self, "prompt_ids", self._plain_ids())
         ids = self.prompt_ids
         if isinstance(ids, str | bytes | bytearray) or not (
             isinstance(ids, Sized) and isinstance(ids, Iterable)
@@ -46,6 +50,12 @@ class StreamRequest:
             raise ValueError(
                 f"prompt_ids={ids!r} of request {self.id!r} must be a list of token ids "
                 "(integers >= 0)"
+            )
+        kind = unordered(ids)
+        if kind is not None:
+            raise ValueError(
+                f"prompt_ids={ids!r} of request {self.id!r} must be a list of token ids "
+                f"(integers >= 0) in prompt order, not {kind}"
             )
         if len(ids) == 0:
             raise ValueError(f"prompt_ids of request {self.id!r} is empty")
@@ -55,11 +65,26 @@ class StreamRequest:
                     f"prompt_ids[{index}]={token!r} of request {self.id!r} must be a token id "
                     "(an integer >= 0)"
                 )
-        count = self.max_new_tokens
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ValueError(f"max_new_tokens={count!r} must be an integer >= 0")
+        check_int("max_new_tokens", self.max_new_tokens, minimum=0)
+        object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
         if self.arrival_s is not None:
             check_number("arrival_s", self.arrival_s)
+
+    def _plain_ids(self) -> object:
+        """``prompt_ids``, a torch tensor (a tokenizer's ``return_tensors="pt"`` output, one
+        prompt's row) as the list it holds: its elements are tensors, which no check of a token
+        id would take; anything else as it is."""
+        from torch import Tensor  # here: the CLI imports this module without torch, to start fast
+
+        ids = self.prompt_ids
+        if not isinstance(ids, Tensor):
+            return ids
+        if ids.dim() != 1:
+            raise ValueError(
+                f"prompt_ids of request {self.id!r} is a tensor of shape {tuple(ids.shape)}; give "
+                "one prompt's ids: a 1-D tensor or a list (e.g. input_ids[0])"
+            )
+        return ids.tolist()
 
     def check_vocabulary(self, size: int) -> None:
         """Refuse a prompt id that is no token of a model with ``size`` token ids (its

@@ -3,8 +3,10 @@
 A request is read and checked here (:mod:`~alisa.serve.protocol`, :mod:`~alisa.serve.prepare`),
 queued to the engine, and answered from the events the engine hands back to this event loop:
 at once as one JSON body, or as server-sent events ending in ``data: [DONE]``. A client that
-leaves, streaming or not, has its request cancelled. Every error is an OpenAI-style JSON body;
-a failure of the server itself is a 500 whose body names the exception, never a traceback.
+leaves, streaming or not, has its request cancelled. Every error is an OpenAI-style JSON body.
+Whatever goes wrong while a request's body is read and checked is the client's: a 400 (a client
+that hangs up before sending its whole body is no error at all). Only a failure of the server's
+own work is a 500, which tells the client no Python detail (the server's log has the traceback).
 """
 
 from __future__ import annotations
@@ -20,14 +22,14 @@ from collections.abc import AsyncIterator, Callable
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from alisa.serve.engine import Delta, Event, Failed, Finished, Job, ServeEngine
-from alisa.serve.errors import APIError
+from alisa.serve.errors import APIError, bad_request, internal_error
 from alisa.serve.metrics import ServeMetrics
-from alisa.serve.prepare import Preparer
+from alisa.serve.prepare import Prepared, Preparer
 from alisa.serve.protocol import GenerationRequest, parse_chat, parse_completion, read_json
 
 logger = logging.getLogger("alisa.serve")
@@ -97,9 +99,8 @@ def create_app(state: ServeState) -> Starlette:
         return JSONResponse(APIError(status=status, message=message).body(), status_code=status)
 
     async def server_error(request: Request, error: Exception) -> Response:
-        text = " ".join(f"{type(error).__name__}: {error}".split())
-        failure = APIError(status=500, message=f"internal error: {text}", code="internal_error")
-        return JSONResponse(failure.body(), status_code=500)
+        # Starlette raises the error again once this answered, so that uvicorn logs it.
+        return JSONResponse(internal_error("the request").body(), status_code=500)
 
     return Starlette(
         routes=[
@@ -126,16 +127,11 @@ async def _generate(
         raise APIError(
             status=503, message="the server is shutting down; retry elsewhere", code="draining"
         )
-    parsed = parse(read_json(await _body(request)))
-    name = state.settings.model_name
-    if parsed.model is not None and parsed.model != name:
-        raise APIError(
-            status=404,
-            message=f"model={parsed.model!r} is not served here; this server serves {name!r}",
-            param="model",
-            code="model_not_found",
-        )
-    prepared = state.preparer.prepare(parsed)
+    try:
+        parsed, prepared = await _read(request, state, parse)
+    except ClientDisconnect:  # routine: nobody is left to answer
+        logger.info("a client disconnected before sending its whole request body")
+        return Response(status_code=499)
     events: asyncio.Queue[Event] = asyncio.Queue()
     job = Job(
         prepared=prepared,
@@ -147,7 +143,7 @@ async def _generate(
         arrival_s=arrival,
     )
     state.engine.submit(job)
-    reply = _Reply(parsed, name, len(prepared.prompt_ids))
+    reply = _Reply(parsed, state.settings.model_name, len(prepared.prompt_ids))
     if parsed.stream:
         return StreamingResponse(
             _stream(state.engine, job, events, reply),
@@ -160,6 +156,39 @@ async def _generate(
     if isinstance(event, Failed):
         return JSONResponse(event.error.body(), status_code=event.error.status)
     return JSONResponse(reply.whole(event, prepared.prompt_ids))
+
+
+async def _read(
+    request: Request, state: ServeState, parse: Callable[[dict], GenerationRequest]
+) -> tuple[GenerationRequest, Prepared]:
+    """The request read from its body and checked, ready to queue.
+
+    Raises
+    ------
+    APIError
+        400 (404 for a model not served here) naming the field at fault. Any other failure
+        while reading and checking is the body's fault too: a 400 rather than a 500, and one
+        line in the server's log instead of a traceback.
+    ClientDisconnect
+        The client hung up before sending its whole body.
+    """
+    try:
+        parsed = parse(read_json(await _body(request)))
+        name = state.settings.model_name
+        if parsed.model is not None and parsed.model != name:
+            raise APIError(
+                status=404,
+                message=f"model={parsed.model!r} is not served here; this server serves {name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return parsed, state.preparer.prepare(parsed)
+    except (APIError, ClientDisconnect):
+        raise
+    except Exception as error:  # noqa: BLE001 - a body no check foresaw
+        text = " ".join(str(error).split())
+        logger.warning("refused a request no check foresaw: %s: %s", type(error).__name__, text)
+        raise bad_request(f"the request could not be read: {text or 'no detail'}") from None
 
 
 async def _body(request: Request) -> bytes:

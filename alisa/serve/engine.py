@@ -34,7 +34,7 @@ from alisa.runtime.continuous import ContinuousScheduler
 from alisa.runtime.engine import Engine
 from alisa.runtime.requests import StreamRequest, StreamResult
 from alisa.runtime.sampling import SamplingOptions
-from alisa.serve.errors import APIError
+from alisa.serve.errors import APIError, internal_error
 from alisa.serve.metrics import ServeMetrics
 from alisa.serve.prepare import Prepared
 from alisa.serve.settings import ServeSettings
@@ -270,11 +270,11 @@ class ServeEngine:
             key = self._pending[0].key
             try:
                 group = _Group(key=key, scheduler=self._scheduler(*key))
-            except Exception as error:  # noqa: BLE001 - a config the model refuses
+            except Exception:  # noqa: BLE001 - a config the model refuses
                 logger.exception("could not start a scheduler")
                 for job in [job for job in self._pending if job.key == key]:
                     self._pending.remove(job)
-                    self._end(job, Failed(_internal(error)), "error")
+                    self._end(job, Failed(internal_error("generation")), "error")
                 return
             self._active = group
         elif any(job.key != group.key for job in self._pending):
@@ -320,10 +320,10 @@ class ServeEngine:
         """One scheduler step; hand out its tokens; end the rows that finished or stopped."""
         try:
             results = group.scheduler.step()
-        except Exception as error:  # noqa: BLE001 - one batch's failure must not stop the server
+        except Exception:  # noqa: BLE001 - one batch's failure must not stop the server
             logger.exception("a scheduler step failed")
             for job in list(group.jobs.values()):
-                self._end(job, Failed(_internal(error)), "error")
+                self._end(job, Failed(internal_error("generation")), "error")
             self._active = None
             self._note(None)
             return
@@ -449,9 +449,3 @@ class ServeEngine:
         if new:
             metrics.preemptions.inc(new)
             group.preemptions = scheduler.stats.preemptions
-
-
-def _internal(error: BaseException) -> APIError:
-    """A 500 saying what failed, in one line (the traceback goes to the server's log)."""
-    message = " ".join(f"{type(error).__name__}: {error}".split())
-    return APIError(status=500, message=f"generation failed: {message}", code="internal_error")

@@ -57,3 +57,14 @@ class APIError(Exception):
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     """A 400 naming ``param``."""
     return APIError(status=400, message=message, param=param, code=code)
+
+
+def internal_error(what: str) -> APIError:
+    """A 500: the server's own work failed at ``what``. The client is told no Python detail (an
+    exception's type and text mean nothing to it); the server's log has the traceback."""
+    return APIError(
+        status=500,
+        message=f"{what} failed inside the server (not a fault of the request); the server's log "
+        "has the details",
+        code="internal_error",
+    )

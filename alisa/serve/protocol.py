@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import sys
 from dataclasses import dataclass, fields
 
+from alisa.checks import check_text
 from alisa.config import AlisaConfig
 from alisa.runtime.sampling import SamplingOptions
 from alisa.serve.errors import bad_request
@@ -29,6 +32,9 @@ REQUEST_CACHE_FIELDS = tuple(
 )
 ROLES = ("system", "user", "assistant")
 MAX_STOP = 16  # stop strings per request (each is searched in the text at every token)
+# A JSON escape of half a UTF-16 pair (\ud800-\udfff): only a body holding one can give a lone
+# surrogate, so only such a body has its strings checked (a pair, as in an escaped emoji, is fine).
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def _no_penalty(value) -> bool:
@@ -140,29 +146,92 @@ class GenerationRequest:
         return "messages" if self.chat else "prompt"
 
 
+class _LongInteger:
+    """An integer of more digits than Python reads (its int-string limit guards against slow
+    conversions), kept as its digit count so that the field holding it can be named."""
+
+    def __init__(self, text: str) -> None:
+        self.digits = len(text.lstrip("-"))
+
+
 def read_json(raw: bytes) -> dict:
     """The body as a JSON object.
 
     Raises
     ------
     APIError
-        400: not UTF-8, not JSON, or not an object.
+        400: not UTF-8, not JSON (or nested too deeply to read), not an object, or a string
+        holding a lone surrogate or an integer of more digits than Python reads (naming the
+        field that holds it).
     """
     try:
-        body = json.loads(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise bad_request("the request body is not valid UTF-8", code="invalid_json") from None
+    try:
+        body, marked = _parse(text)
     except json.JSONDecodeError as error:
         raise bad_request(
             f"the request body is not valid JSON: {error.msg} at line {error.lineno} column "
             f"{error.colno}",
             code="invalid_json",
         ) from None
+    except RecursionError:
+        raise bad_request(
+            "the request body nests arrays or objects too deeply to read (no field of this API "
+            "nests more than a few levels)",
+            code="invalid_json",
+        ) from None
     if not isinstance(body, dict):
         raise bad_request(
             f"the request body must be a JSON object, not {_kind(body)}", code="invalid_json"
         )
+    if marked or SURROGATE_ESCAPE.search(text):
+        _check_values(body)
     return body
+
+
+def _parse(text: str) -> tuple[object, bool]:
+    """The JSON value of ``text``, and whether it holds a :class:`_LongInteger`."""
+    try:
+        return json.loads(text), False
+    except json.JSONDecodeError:
+        raise
+    except ValueError:  # the int-string limit, raised bare: read again, marking such integers
+        return json.loads(text, parse_int=_integer), True
+
+
+def _integer(text: str) -> int | _LongInteger:
+    try:
+        return int(text)
+    except ValueError:
+        return _LongInteger(text)
+
+
+def _check_values(body: dict) -> None:
+    """Refuse a string (or a field name) holding a lone surrogate, which no tokenizer and no
+    UTF-8 response can take, and a :class:`_LongInteger`: a 400 naming the field."""
+    stack: list[tuple[str, object]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        try:
+            if isinstance(value, dict):
+                for key in value:
+                    check_text(key, f"a field name in {path or 'the body'}")
+                items = [(f"{path}.{key}" if path else key, item) for key, item in value.items()]
+                stack.extend(reversed(items))  # the first field at fault is the one named
+            elif isinstance(value, list):
+                stack.extend(reversed([(f"{path}[{i}]", item) for i, item in enumerate(value)]))
+            elif isinstance(value, str):
+                check_text(value, path)
+        except ValueError as error:
+            raise bad_request(str(error), path or None) from None
+        if isinstance(value, _LongInteger):
+            raise bad_request(
+                f"{path} is an integer of {value.digits} digits, past any value a field takes "
+                f"(this server reads integers of at most {sys.get_int_max_str_digits()} digits)",
+                path,
+            )
 
 
 def parse_completion(body: dict) -> GenerationRequest:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from alisa.checks import check_text
 from alisa.config import AlisaConfig
 from alisa.runtime.requests import PREFILL_TOKENS
 
@@ -49,8 +50,10 @@ class ServeSettings:
     packing: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model_name, str) or not self.model_name:
-            raise ValueError(f"model_name={self.model_name!r} must be a non-empty string")
+        if not isinstance(self.model_name, str) or not self.model_name.strip():
+            raise ValueError(f"model_name={self.model_name!r} must be a non-empty name")
+        # Every response carries the name, in UTF-8 (a command line's undecodable byte is not).
+        check_text(self.model_name, f"model_name={self.model_name!r}")
         if not isinstance(self.config, AlisaConfig):
             raise ValueError(f"config={self.config!r} must be an AlisaConfig")
         if self.config.gpu_memory is not None:
