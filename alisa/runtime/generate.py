@@ -14,6 +14,7 @@ from alisa.config import AlisaConfig, config_or_default
 from alisa.kv.cache import AlisaCache
 from alisa.kv.hooks import attached
 from alisa.memory import PeakMemory
+from alisa.model.adapter import check_model
 from alisa.model.loading import chat_prompt, check_prompt_length
 from alisa.runtime.compiled import check_compile, check_compileable
 from alisa.runtime.engine import DecodeState, Engine, GenerationOutput, cache_kv_bytes
@@ -114,8 +115,7 @@ def generate(
 
 
 def _check_model(model, tokenizer) -> None:
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model={model!r} must be a torch model (load_model returns one)")
+    check_model(model)
     if not callable(tokenizer):
         raise ValueError(f"tokenizer={tokenizer!r} must be an HF tokenizer (as load_model gives)")
 
