@@ -596,14 +596,14 @@ def drain_measures(load: list[Answer | None], after_s: float, signalled: float) 
     running at the signal among them), refused (:data:`REFUSED`) and lost (accepted, then
     broken off: what a drain must never do)."""
     answers = [answer for answer in load if answer is not None]
-    refused = [answer for answer in answers if answer.error in REFUSED]
-    lost = [answer for answer in answers if answer.error is not None and answer not in refused]
+    errors = Counter(answer.error for answer in answers if answer.error is not None)
+    refused = sum(errors[kind] for kind in REFUSED)
     return {
         "sigterm_after_s": after_s,
         "completed": sum(answer.ok for answer in answers),
         "completed_after_signal": sum(a.ok and a.end_s > signalled for a in answers),
-        "refused": len(refused),
-        "lost": len(lost),
+        "refused": refused,
+        "lost": errors.total() - refused,
     }
 
 
