@@ -211,6 +211,7 @@ REFUSED: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "cross-attend to another input's states": ("mllama",),
         "calls the attention function 2 times per layer": ("diffllama",),
         "builds its own attention mask": ("doge",),
+        "after the cache returns them": ("jetmoe",),
     }
 )
 

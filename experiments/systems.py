@@ -1,8 +1,10 @@
 """Named KV-cache systems for benchmarks: HF's caches and ALISA configurations.
 
 ``alisa`` names take ``AlisaConfig`` fields after a colon: ``alisa:policy=swa,caching_ratio=0.2,
-kv_bits=8``. HF names: ``hf-dynamic``; ``hf-static`` and ``hf-static-compiled`` (``StaticCache``
-sized for the run, its decode steps eager or through ``torch.compile``); ``hf-offloaded``
+kv_bits=8``; ``alisa-compiled:...`` is the same cache made static (``max_cache_len``), its decode
+steps through ``torch.compile``. HF names: ``hf-dynamic``; ``hf-static`` and
+``hf-static-compiled`` (``StaticCache`` sized for the run, its decode steps eager or through
+``torch.compile``); ``hf-offloaded``
 (``DynamicCache(offloading=True)``: each layer's KV waits in CPU memory between its uses, the next
 layer's copied ahead); ``hf-hqq8``, ``hf-quanto4``, ``hf-fp8`` (HQQ and quanto need the ``peers``
 extra).
@@ -24,8 +26,15 @@ HF_QUANTIZED = {
 HF_STATIC = {"hf-static": "off", "hf-static-compiled": "on"}
 
 
+# An alisa system whose decode steps run compiled: ``alisa-compiled:<fields>``, a static
+# AlisaCache (max_cache_len: the run's longest prompt and new tokens, as a StaticCache).
+ALISA_COMPILED = "alisa-compiled"
+
+
 def compile_setting(name: str) -> str:
     """``"on"`` for a system whose decode steps run compiled, else ``"off"``."""
+    if name.split(":")[0] == ALISA_COMPILED:
+        return "on"
     return HF_STATIC.get(name, "off")
 
 
@@ -102,6 +111,8 @@ def make_cache(name: str, model, *, max_cache_len: int | None = None):
     ``max_cache_len``: the longest prompt plus the new tokens, which a StaticCache is sized for."""
     from transformers import DynamicCache, QuantizedCache, StaticCache
 
+    from alisa import AlisaCache  # here: the CLI reads system names without loading torch
+
     if name == "hf-dynamic":
         # With the model's config, sliding-window layers (Gemma 3, ...) keep only their window,
         # as HF's own generate() builds the cache.
@@ -118,8 +129,11 @@ def make_cache(name: str, model, *, max_cache_len: int | None = None):
         return QuantizedCache(config=model.config, **HF_QUANTIZED[name]), None
     if name == "alisa" or name.startswith("alisa:"):
         return None, parse_alisa(name)
+    if name.split(":")[0] == ALISA_COMPILED:
+        if max_cache_len is None:
+            raise ValueError(f"system {name!r} is sized per run: decode and context modes only")
+        return AlisaCache(model, parse_alisa(name), max_cache_len=max_cache_len), None
     raise ValueError(
         f"unknown system {name!r}; use hf-dynamic, {', '.join(HF_STATIC)}, hf-offloaded, "
-        f"{', '.join(HF_QUANTIZED)} "
-        "or alisa:..."
+        f"{', '.join(HF_QUANTIZED)}, alisa:... or {ALISA_COMPILED}:..."
     )

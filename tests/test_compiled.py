@@ -59,28 +59,31 @@ def test_compiled_steps_equal_eager_ones_in_one_graph():
     [
         ({"compile": "yes"}, "compile='yes' must be one of 'off', 'on'"),
         ({"compile": True}, "compile=True must be one of"),
-        ({"compile": "on"}, "compile='on': AlisaCache's decode step cannot be compiled"),
+        ({"compile": "on", "past_key_values": "alisa"}, "AlisaCache's decode step cannot be"),
         ({"compile": "on", "past_key_values": DynamicCache()}, "DynamicCache's decode step"),
+        (
+            {"compile": "on", "config": AlisaConfig(kv_bits=8)},
+            "kv_bits=8 has no static (compiled) decode step yet",
+        ),
     ],
-    ids=["unknown", "bool", "alisa-cache", "dynamic-cache"],
+    ids=["unknown", "bool", "growing-alisa-cache", "dynamic-cache", "int8"],
 )
 def test_compile_refused_naming_the_value_and_the_cache(options, needle):
     model, tokenizer = tiny_llama(), byte_tokenizer()
+    if options.get("past_key_values") == "alisa":  # built without max_cache_len: it grows
+        options = {**options, "past_key_values": AlisaCache(model, AlisaConfig())}
+    if "past_key_values" not in options:
+        options = {"config": AlisaConfig(), **options}
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
-        generate(
-            model,
-            tokenizer,
-            PROMPTS,
-            AlisaConfig() if "past_key_values" not in options else None,
-            max_new_tokens=2,
-            **options,
-        )
+        generate(model, tokenizer, PROMPTS, max_new_tokens=2, **options)
 
 
-def test_an_alisa_cache_says_it_cannot_be_compiled():
-    """The cache interface's own answer, which HF's generate reads before it auto-compiles."""
+def test_an_alisa_cache_says_whether_it_can_be_compiled():
+    """The cache interface's own answer, which HF's generate reads before it auto-compiles:
+    only a static cache (built with max_cache_len) says yes."""
     model = tiny_llama()
     assert AlisaCache(model, AlisaConfig()).is_compileable is False
+    assert AlisaCache(model, AlisaConfig(), max_cache_len=64).is_compileable is True
 
 
 def test_the_static_anchors_decode_in_turns_as_hf_dynamic_does():

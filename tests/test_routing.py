@@ -8,6 +8,7 @@ from transformers.models.doge.modeling_doge import DogeAttention
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 from transformers.models.gpt_bigcode.modeling_gpt_bigcode import GPTBigCodeAttention
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention
+from transformers.models.jetmoe.modeling_jetmoe import JetMoeAttention
 from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.models.mpt.modeling_mpt import MptAttention
 
@@ -54,6 +55,13 @@ class Aliased(nn.Module):
         return ALL_ATTENTION_FUNCTIONS["sdpa"](self, hidden_states, key, value, attention_mask)
 
 
+class Tiled(nn.Module):
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None):
+        key, value = past_key_values.update(hidden_states, hidden_states, 0)
+        key = key.repeat(1, 2, 1, 1)  # the same names, other tensors
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](self, hidden_states, key, value, attention_mask)
+
+
 class NeverStored(nn.Module):
     def forward(self, hidden_states, attention_mask=None, past_key_values=None):
         key = value = hidden_states
@@ -94,6 +102,8 @@ def test_the_cache_s_keys_values_and_transformers_mask_are_followed(module_class
         (OwnMask, "OwnMask builds its own attention mask (bias)"),
         (DogeAttention, "DogeAttention builds its own attention mask (attn_mask)"),
         (DiffLlamaAttention, "DiffLlamaAttention calls the attention function 2 times per layer"),
+        (Tiled, "Tiled changes key after the cache returns them"),
+        (JetMoeAttention, "JetMoeAttention changes key_states / value_states after the cache"),
         (NoCache, "NoCache.forward takes no cache argument"),
         (NeverStored, "NeverStored.forward never stores its keys and values with the cache's"),
     ],

@@ -85,6 +85,38 @@ class AttentionAccumulator:
         self.total[..., : row.shape[-1]] += row
         self._advance(1, window)
 
+    def add_static(
+        self, row: torch.Tensor, keep: torch.Tensor | None, snapshot: torch.Tensor
+    ) -> None:
+        """A static decode step's row (B, Hs, S) over every slot (:mod:`alisa.kv.static`):
+        what :meth:`add` does on the device, with the host's numbers of the step
+        (:meth:`count_step`): a decayed accumulator's (B,) float32 ``keep`` weights, and a
+        windowed one's ``snapshot``, the (1,) ring slot that takes the new totals this step
+        (-1: none)."""
+        if self.decayed:
+            self.total *= _faded(keep, 1)
+        self.total += row
+        if self.windowed:  # a masked copy: every step writes one ring slot, most write it back
+            slot = snapshot.clamp(min=0)
+            current = self.snapshots.index_select(0, slot)
+            taken = torch.where(snapshot.view(1, 1, 1, 1) >= 0, self.total.unsqueeze(0), current)
+            self.snapshots.index_copy_(0, slot, taken)
+
+    def count_step(self, window: np.ndarray | None) -> int:
+        """The host's half of :meth:`add_static`: one more step summed; returns the ring slot
+        the step's totals go to (-1: no snapshot this step), its stamp recorded as
+        :meth:`add` records it."""
+        self.step += 1
+        if self.windowed and self.step - self.last_snapshot >= self._interval(window):
+            return self._stamp(self.step)
+        return -1
+
+    @staticmethod
+    def keep_of(window: np.ndarray) -> np.ndarray:
+        """(B,) float64 per-step keep weight 1 - 1/w of a decayed accumulator (the value
+        :meth:`add` casts to float32)."""
+        return 1.0 - 1.0 / np.maximum(window, 1)
+
     def add_rows(self, rows: torch.Tensor, window: np.ndarray | None) -> None:
         """Add several consecutive steps at once (prefill seeding): rows is (B, Hs, R, S')."""
         width = rows.shape[-1]
@@ -114,9 +146,20 @@ class AttentionAccumulator:
         total = self.total[..., :width]
         if window is None or not self.windowed:
             return total
-        # For each sequence, the newest snapshot taken at least window[b] steps ago. With no such
-        # snapshot, either the history is shorter than the window (sum everything) or the ring
-        # has already recycled it (use the oldest snapshot: a slightly shorter window).
+        choice, has_snapshot = self.snapshot_choice(window)
+        if not has_snapshot.any():
+            return total
+        device = total.device
+        return self._less_snapshot(total, upload(choice, device), upload(has_snapshot, device))
+
+    def snapshot_choice(self, window: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(B,) ring index of the snapshot each sequence's window sum subtracts, and (B,)
+        whether it has one (host numbers: the stamps live on the host).
+
+        For each sequence, the newest snapshot taken at least window[b] steps ago. With no such
+        snapshot, either the history is shorter than the window (sum everything) or the ring
+        has already recycled it (use the oldest snapshot: a slightly shorter window).
+        """
         taken = self.stamps > NO_STAMP  # (B, ring)
         cutoff = self.step - window  # (B,)
         eligible = taken & (self.stamps <= cutoff[:, None])  # (B, ring)
@@ -125,13 +168,23 @@ class AttentionAccumulator:
         ring_full = taken.all(axis=1)
         has_snapshot = eligible.any(axis=1) | ring_full
         choice = np.where(eligible.any(axis=1), newest_eligible, oldest)
-        if not has_snapshot.any():
-            return total
-        index = upload(choice, total.device)
+        return choice, has_snapshot
+
+    def _less_snapshot(
+        self, total: torch.Tensor, choice: torch.Tensor, has_snapshot: torch.Tensor
+    ) -> torch.Tensor:
+        """(B, Hs, width) ``total`` less each sequence's chosen snapshot, where it has one:
+        (B,) ring indices and flags on the device."""
         batch = torch.arange(total.shape[0], device=total.device)
-        older = self.snapshots[index, batch, :, :width]  # (B, Hs, width)
-        keep = upload(has_snapshot, total.device).view(-1, 1, 1)
-        return torch.where(keep, total - older, total)
+        older = self.snapshots[choice, batch, :, : total.shape[-1]]  # (B, Hs, width)
+        return torch.where(has_snapshot.view(-1, 1, 1), total - older, total)
+
+    def static_window_sum(self, choice: torch.Tensor, has_snapshot: torch.Tensor) -> torch.Tensor:
+        """:meth:`window_sum` over every slot of a static step, the host's
+        :meth:`snapshot_choice` given as (B,) device numbers."""
+        if not self.windowed:
+            return self.total
+        return self._less_snapshot(self.total, choice, has_snapshot)
 
     def clear_slots(self, slots: torch.Tensor, taken: torch.Tensor) -> None:
         """Zero the sums of evicted slots so a reused slot starts afresh: (B, Hs, k) distinct
@@ -200,10 +253,8 @@ class AttentionAccumulator:
         """(B, 1, A) weights (1 - 1/w[b]) ** age of rows ``age`` steps old (A = 1 for an int)."""
         if window is None:
             raise ValueError("a decayed accumulator needs the window w of each sequence")
-        keep = upload(1.0 - 1.0 / np.maximum(window, 1), self.total.device, torch.float32)
-        if isinstance(age, int):  # filled on the device: nothing to copy
-            age = torch.full((1,), age, device=self.total.device)
-        return keep.view(-1, 1, 1) ** age.reshape(1, 1, -1)
+        keep = upload(self.keep_of(window), self.total.device, torch.float32)
+        return _faded(keep, age)
 
     def _interval(self, window: np.ndarray | None) -> int:
         widest = int(window.max()) if window is not None and len(window) else 1
@@ -215,9 +266,21 @@ class AttentionAccumulator:
             self._snapshot(self.total, self.step, self.total.shape[-1])
 
     def _snapshot(self, values: torch.Tensor, stamp: int, width: int) -> None:
-        slot = self.next_slot
+        slot = self._stamp(stamp)
         self.snapshots[slot].zero_()
         self.snapshots[slot, ..., :width] = values[..., :width]
+
+    def _stamp(self, stamp: int) -> int:
+        """Record a snapshot at step ``stamp`` on the host; returns the ring slot it takes."""
+        slot = self.next_slot
         self.stamps[:, slot] = stamp
         self.next_slot = (slot + 1) % self.snapshots.shape[0]
         self.last_snapshot = stamp
+        return slot
+
+
+def _faded(keep: torch.Tensor, age: int | torch.Tensor) -> torch.Tensor:
+    """(B, 1, A) weights keep[b] ** age of rows ``age`` steps old (A = 1 for an int)."""
+    if isinstance(age, int):  # filled on the device: nothing to copy
+        age = torch.full((1,), age, device=keep.device)
+    return keep.view(-1, 1, 1) ** age.reshape(1, 1, -1)

@@ -169,7 +169,7 @@ def _attend(
         # The model's own window, as its mask has it: a model whose sliding layers pass none
         # (Moshi) masks causally only and, as HF's sliding cache, attends to what the layer
         # holds (the newest W - 1 tokens and the new ones); with one token either way is the same.
-        visible = _visible(parts, layer.get_seq_length(), query.shape[2], window)
+        visible = _visible(parts, layer.seen_now(), query.shape[2], window)
         attended = grouped_attention_parts(query, parts, visible, scaling, options, rest)
     output, probabilities = attended
     layer.after_attention(query, probabilities)
@@ -392,14 +392,18 @@ def grouped_attention_parts(
     return output, probabilities
 
 
-def _visible(parts: list[Part], seen: int, length: int, window: int | None) -> torch.Tensor:
+def _visible(
+    parts: list[Part], seen: int | torch.Tensor, length: int, window: int | None
+) -> torch.Tensor:
     """(B, Hs, q, S): a slot is visible when it holds a token no later than the query (and,
-    in a sliding-window layer, within the query's window of ``window`` positions)."""
+    in a sliding-window layer, within the query's window of ``window`` positions). ``seen``:
+    tokens seen, a host int or (a static step's) (1,) device tensor."""
     if len(parts) == 1:
         positions = parts[0].positions
     else:
         positions = torch.cat([part.positions for part in parts], dim=-1)
-    queries = torch.arange(seen - length, seen, device=positions.device).view(1, 1, -1, 1)
+    steps = torch.arange(length, device=positions.device)
+    queries = (steps + (seen - length)).view(1, 1, -1, 1)
     slots = positions.unsqueeze(2)
     visible = (slots >= 0) & (slots <= queries)
     if window is not None:  # HF's sliding_window_overlay: positions (p - W, p]

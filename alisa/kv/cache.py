@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
+from alisa.checks import check_int
 from alisa.config import AlisaConfig, config_or_default, policy_for_layer
 from alisa.kv.attention import ATTENTION_NAME
 from alisa.kv.budgets import BudgetBook
@@ -20,6 +21,7 @@ from alisa.kv.host import HostKeeper
 from alisa.kv.keeper import Keeper
 from alisa.kv.layer import AlisaLayer
 from alisa.kv.packed import PackedLayer, split_kv
+from alisa.kv.static import StepPack
 from alisa.kv.swap import copy_replacing
 from alisa.kv.window import WindowKeeper
 from alisa.model.adapter import ModelAdapter, ModelShape
@@ -63,6 +65,15 @@ class AlisaCache(Cache):
     max_new_tokens
         Generation length the tier planner (``gpu_memory``) and the ``host_memory`` check of
         ``retention="host"`` assume.
+    max_cache_len
+        Make the cache static, as HF's ``StaticCache`` (:mod:`alisa.kv.static`): every layer's
+        slot space is fixed after the prefill for contexts of up to this many tokens per
+        sequence (prompt, padding included, and new tokens), so each decode step has one shape
+        and no host read and ``torch.compile`` traces it once (:attr:`is_compileable`). Modes
+        with a static step: dense and dropping (every policy whose scores are not summed over
+        an exact window of steps), sliding-window layers, 16-bit KV; the others are refused
+        here naming why. ``kernels="auto"`` then runs PyTorch's operators on a CPU (numba's
+        cannot be traced). None: the cache grows and compacts as needed.
     keeper
         Builds each full-attention layer's :class:`~alisa.kv.keeper.Keeper` from the config and
         the layer's policy; None: :func:`default_keeper` (dropping, or host retention running
@@ -78,16 +89,23 @@ class AlisaCache(Cache):
         config: AlisaConfig | None = None,
         *,
         max_new_tokens: int = 256,
+        max_cache_len: int | None = None,
         keeper: KeeperFactory | None = None,
     ) -> None:
         self.config = config_or_default(config)
         _check_host_memory_applies(self.config)
         self.max_new_tokens = max_new_tokens
+        self.max_cache_len = _check_static(self.config, max_cache_len)
         adapter = ModelAdapter.of(model)
         self.shape: ModelShape = adapter.shape
         # The kernels the cache runs, chosen once for every layer (and refused here when this
         # machine cannot run the ones asked for): named by GenerationOutput.kernels.
-        self.ops: Ops = model_ops(model, self.config.kernels)
+        traced = max_cache_len is not None
+        self.ops: Ops = model_ops(model, self.config.kernels, traced=traced)
+        # A static cache's step numbers, bound at its first decode step (alisa.kv.static), and
+        # whether a step was planned whose token is not stored yet.
+        self._pack: StepPack | None = None
+        self._planned = False
         factory = store_factory(self.config, self.shape, compiled=self.ops.compiled)
         self.planner = None
         if self.config.gpu_memory is not None and self.shape.hybrid:
@@ -140,6 +158,7 @@ class AlisaCache(Cache):
             store_factory=factory,
             tiering=self.planner,
             compiled=self.ops.compiled,
+            max_cache_len=self.max_cache_len,
         )
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -154,7 +173,16 @@ class AlisaCache(Cache):
             self._check_host_budget(key_states)
         elif layer_idx == 0:  # before any layer stores them (the model's hook checked more)
             self._check_rows(key_states.shape[0], key_states.shape[2])
+            self._planned = False  # a static step's token is being stored: counted from now
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens seen per sequence (padding included). Between a static step's host half
+        (:meth:`begin_forward`, which counts its token ahead) and the step storing it, the
+        count before the step: a model that derives positions from it (no ``position_ids``
+        given) places the token where the growing cache would."""
+        seen = super().get_seq_length(layer_idx)
+        return seen - 1 if self._planned else seen
 
     def check_continuation(
         self,
@@ -202,6 +230,69 @@ class AlisaCache(Cache):
         if tokens > 1:
             self._check_continuation_mask(attention_mask, batch, tokens)
 
+    # Never traced: HF's generate compiles the model's whole call, hooks included, for a cache
+    # that says it is compileable (on CUDA); the host's half of the step then runs eagerly
+    # between graphs instead of being baked into one as constants.
+    @torch.compiler.disable
+    def begin_forward(
+        self,
+        batch: int,
+        tokens: int,
+        attention_mask: torch.Tensor | None,
+        *,
+        model: nn.Module | None = None,
+    ) -> None:
+        """Before a forward: :meth:`check_continuation`, then, before a static cache's decode
+        step, the host's half of the step (:mod:`alisa.kv.static`): each layer counts its
+        token and writes its numbers, uploaded in one copy. The model's forward hook calls
+        this; a compiled step, which runs no hook, calls it first
+        (:class:`~alisa.runtime.compiled.CompiledDecode`).
+
+        Raises
+        ------
+        ValueError
+            What :meth:`check_continuation` refuses, or a static cache past its
+            ``max_cache_len``.
+        """
+        self.check_continuation(batch, tokens, attention_mask, model=model)
+        if self.max_cache_len is None or self.layers[0].store is None:
+            return
+        seen = self.get_seq_length()
+        if seen + tokens > self.max_cache_len:
+            raise ValueError(
+                f"max_cache_len={self.max_cache_len}: this static cache holds {seen} tokens per "
+                f"sequence and cannot take {tokens} more; build it with a larger max_cache_len"
+            )
+        if not self._bound(batch):
+            self._pack = StepPack(self.layers[0].device, batch)
+            for layer in self.layers:
+                layer.bind(self._pack, batch)
+            self._pack.freeze()
+        self._pack.begin(seen)
+        for layer in self.layers:
+            layer.plan_step()
+        self._pack.upload()
+        self._planned = True
+
+    def _bound(self, batch: int) -> bool:
+        """Whether every layer reads this cache's step numbers, laid out for ``batch`` rows."""
+        pack = self._pack
+        return (
+            pack is not None
+            and all(
+                layer.keeper.pack is pack and layer.slots.batch == batch for layer in self.layers
+            )
+            and pack.rows == batch
+        )
+
+    def get_query_offset(self, layer_idx: int = 0) -> int | torch.Tensor:
+        """Tokens before this forward's first query: a static decode step's is the device
+        number of its step (a traced step reads no host count, as HF's ``StaticLayer``
+        answers with a tensor); else :meth:`get_seq_length`."""
+        if self._pack is not None and self.layers[layer_idx].keeper.pack is self._pack:
+            return self._pack.position()[0]
+        return super().get_query_offset(layer_idx)
+
     def claim(self, model: nn.Module | None) -> None:
         """Announce that ``model``'s forward prefills this empty cache next (the model's forward
         hook calls this, and a mixed forward for its newcomer), refusing any model but the one
@@ -240,7 +331,7 @@ class AlisaCache(Cache):
     def _check_rows(self, batch: int, tokens: int) -> None:
         """A filled cache takes its own batch size, at least one new token, and several only
         in a mode that can continue with them."""
-        held = len(self.layers[0].slots.first)
+        held = self.layers[0].slots.batch  # a shape: read by a traced step as a constant
         if batch != held:
             raise ValueError(
                 f"past_key_values (an AlisaCache) holds a batch of {held} sequence(s) and this "
@@ -260,6 +351,11 @@ class AlisaCache(Cache):
         """Refuse modes for which ``tokens`` new tokens after the prefill are not one well
         defined step: dropping attends to every kept token and the new ones, then evicts (as
         its prefill does); these cannot."""
+        if self.max_cache_len is not None:
+            raise ValueError(
+                f"max_cache_len={self.max_cache_len}: a static cache's step takes one token per "
+                f"sequence, not {tokens}: build a new AlisaCache for the whole conversation"
+            )
         if self.planner is not None:
             raise ValueError(
                 f"gpu_memory={self.config.gpu_memory!r}: device/host/recompute tiers are "
@@ -383,6 +479,7 @@ class AlisaCache(Cache):
         """
         if other.config != self.config or len(other.layers) != len(self.layers):
             raise ValueError("caches of different configs or models cannot share a batch")
+        _refuse_static("take rows into a running batch", self, other)
         if self.planner is not None or other.planner is not None:
             raise ValueError(
                 f"gpu_memory={self.config.gpu_memory!r}: tiered caches cannot take rows into a "
@@ -444,6 +541,7 @@ class AlisaCache(Cache):
                 f"gpu_memory={self.config.gpu_memory!r}: tiered caches cannot split their rows "
                 "(their tier sizes are planned per batch)"
             )
+        _refuse_static("split its rows", self)
         taken = copy_replacing(self, lambda tensor: tensor)
         taken.keep_rows(indices)
         rest = [row for row in range(batch) if row not in chosen]
@@ -528,6 +626,38 @@ def _model_name(model: nn.Module | None) -> str:
     path = getattr(getattr(model, "config", None), "_name_or_path", "")
     origin = f" from {path!r}" if path else ""
     return f"{type(model).__name__}{origin} at {id(model):#x}"
+
+
+def _check_static(config: AlisaConfig, max_cache_len: int | None) -> int | None:
+    """``max_cache_len`` as an int, refused (naming the setting) where the mode has no static
+    step yet: KV coded to fewer bits (a region of codes and full-precision recent tokens) and
+    device/host/recompute tiers (their regions move per step). Keepers refuse for their own
+    modes (:meth:`~alisa.kv.keeper.Keeper.static_slots`)."""
+    if max_cache_len is None:
+        return None
+    check_int("max_cache_len", max_cache_len, minimum=1)
+    reasons = {
+        "kv_bits": config.kv_bits != 16,
+        "gpu_memory": config.gpu_memory is not None,
+    }
+    for name, refused in reasons.items():
+        if refused:
+            raise ValueError(
+                f"{name}={getattr(config, name)!r} has no static (compiled) decode step yet: "
+                f"build the cache without max_cache_len={max_cache_len} (compile='off')"
+            )
+    return int(max_cache_len)
+
+
+def _refuse_static(action: str, *caches: AlisaCache) -> None:
+    """Static caches keep one batch: its rows joining or leaving would change every
+    layer's numbers of the step (continuous batching runs eager)."""
+    for cache in caches:
+        if cache.max_cache_len is not None:
+            raise ValueError(
+                f"max_cache_len={cache.max_cache_len}: a static cache cannot {action}; "
+                "continuous batching runs caches built without max_cache_len"
+            )
 
 
 def _check_host_memory_applies(config: AlisaConfig) -> None:

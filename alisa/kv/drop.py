@@ -14,6 +14,7 @@ import torch
 from alisa.kv.accumulator import AttentionAccumulator
 from alisa.kv.keeper import Keeper
 from alisa.kv.slots import SlotMap
+from alisa.kv.static import StepPack
 from alisa.ops.reference import top_k, with_protections
 from alisa.ops.transfer import upload
 from alisa.storage.store import KVStore
@@ -21,6 +22,9 @@ from alisa.storage.store import KVStore
 # Neighbouring tokens pooled into the observation window's vote (SnapKV's kernel, as kvpress):
 # a multi-token fact (a number, a name) is kept whole rather than its single loudest token.
 OBSERVATION_POOL = 5
+# A static step's numbers per sequence: excess, recent share, keep weight, first position,
+# snapshot slot, snapshot subtracted and whether there is one (DropKeeper.reserve).
+STATIC_FIELDS = 7
 
 
 class DropKeeper(Keeper):
@@ -112,6 +116,9 @@ class DropKeeper(Keeper):
         prefilling: bool,
     ) -> None:
         """Account this step's attention, then evict each sequence's excess."""
+        if self.pack is not None and not prefilling:
+            self._after_static(slots, probabilities)
+            return
         if probabilities is not None:
             self.account(probabilities, slots)
         chosen = self.victims(slots)
@@ -145,6 +152,80 @@ class DropKeeper(Keeper):
         # Every group (KV head, when selecting per head) of a sequence drops its excess.
         chosen, taken = top_k(priority, excess, largest=False, ordered=True)
         return chosen, taken, excess
+
+    # ---- a static step (:mod:`alisa.kv.static`) -----------------------------------------
+
+    def static_slots(self, max_len: int) -> int:
+        """The budget at ``max_len`` tokens and the new token (budgets never shrink as a
+        sequence grows, so a step evicts at most the one token it adds); every token when
+        the policy never evicts."""
+        if not self.policy.can_evict():
+            return max_len
+        budget = int(self.policy.budget(np.array([max_len], dtype=np.int64))[0])
+        return min(budget + 1, max_len)
+
+    def reserve(self, pack: StepPack, batch: int) -> None:
+        """Fields (B,) each: the excess over the budget (0 or 1), the recent share, the sums'
+        keep weight, the rows' first positions, the ring slot of this step's snapshot of the
+        sums (the same for every row), each row's snapshot to subtract and whether it has
+        one."""
+        super().reserve(pack, batch)
+        self._fields = pack.reserve(STATIC_FIELDS, batch)
+        self._rows = batch
+
+    def plan_step(self, slots: SlotMap) -> None:
+        """The eager step's numbers, from the same shares: what :meth:`victims` and
+        :meth:`account` compute on the host."""
+        if not self.policy.can_evict():
+            return
+        shares = self.shares(slots)
+        excess = np.maximum(slots.kept - shares.budget, 0)
+        if excess.max(initial=0) > 1:
+            raise ValueError(
+                f"policy={self.policy.name!r}: a budget that shrinks as a sequence grows "
+                f"(excess {excess.tolist()}) has no static step"
+            )
+        block = self.pack.host(self._fields, STATIC_FIELDS, self._rows)
+        block[0], block[1], block[3] = excess, shares.recent, slots.first
+        if self.scores is not None:
+            if self.scores.decayed:
+                block[2] = self.scores.keep_of(shares.window)
+            block[4] = self.scores.count_step(shares.window)
+            if self.scores.windowed and shares.window is not None:
+                block[5], block[6] = self.scores.snapshot_choice(shares.window)
+            else:  # the whole sums (H2O, or no window asked)
+                block[6] = 0
+        slots.release(excess)
+        self.evicted += int(excess.sum()) * slots.groups
+
+    def _field(self, index: int) -> torch.Tensor:
+        return self.pack.field(self._fields, self._rows, index)
+
+    def _after_static(self, slots: SlotMap, probabilities: torch.Tensor) -> None:
+        """:meth:`after_attention` of a static step: the same accounting and choice, every
+        number read from the device (one victim per sequence, taken where its excess is 1)."""
+        if self.scores is not None:
+            rows = self.policy.combine_heads(probabilities, slots.groups)
+            keep = self._field(2).to(torch.float32) if self.scores.decayed else None
+            snapshot = self._field(4)[:1].to(torch.int64)
+            self.scores.add_static(rows[:, :, 0], keep, snapshot)
+        if not self.policy.can_evict():
+            return
+        positions = slots.positions
+        first, recent = self._field(3).to(torch.int64), self._field(1).to(torch.int64)
+        attention = None
+        if self.scores is not None:
+            choice, has = self._field(5).to(torch.int64), self._field(6) > 0
+            attention = self.scores.static_window_sum(choice, has)
+        score = self.policy.score(positions, attention, first).to(torch.float32)
+        seen = self.pack.position() + 1
+        protected = self.policy.protected(positions, first, seen, recent) | (positions < 0)
+        priority = with_protections(score, protected)
+        victim = torch.topk(priority, 1, dim=-1, largest=False, sorted=True).indices
+        taken = (self._field(0) > 0).view(-1, 1, 1).expand(victim.shape)
+        slots.empty(victim, taken)
+        if self.scores is not None:
+            self.scores.clear_slots(victim, taken)
 
     def grow(self, capacity: int) -> None:
         if self.scores is not None:

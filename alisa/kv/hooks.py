@@ -68,10 +68,11 @@ class _Attachment:
         first = _alisa_layer(cache, 0)
         uses_alisa = first is not None
         # AlisaLayers are an AlisaCache's (a mixed forward's PackedCache has PackedLayers,
-        # whose rows its scheduler lays out itself): refused before any layer stores a token.
+        # whose rows its scheduler lays out itself): refused before any layer stores a token,
+        # and a static cache's step numbers written (AlisaCache.begin_forward).
         inputs = _forward_inputs(model, args, kwargs) if isinstance(first, AlisaLayer) else None
         if inputs is not None:
-            cache.check_continuation(*inputs, model=model)
+            cache.begin_forward(*inputs, model=model)
         current = model.config._attn_implementation
         if uses_alisa and self.restored and current == self.previous:
             _switch(model, ATTENTION_NAME)

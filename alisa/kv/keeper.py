@@ -26,6 +26,7 @@ import torch
 from alisa.kv.budgets import BudgetBook, StepShares
 from alisa.kv.rest import RestColumn
 from alisa.kv.slots import SlotMap
+from alisa.kv.static import StepPack
 from alisa.policies import KVPolicy
 from alisa.storage.store import KVStore
 
@@ -53,6 +54,8 @@ class Keeper:
         # The policy's budget and its shares for the current lengths: the cache's layers share
         # one book (:meth:`share_budgets`), which computes them once a step for all of them.
         self.budgets = BudgetBook()
+        # A static cache's step numbers (alisa.kv.static), once its first decode step binds them.
+        self.pack: StepPack | None = None
 
     @property
     def frees_slots(self) -> bool:
@@ -112,6 +115,31 @@ class Keeper:
         (None when already accounted, at prefill)."""
         raise NotImplementedError
 
+    # ---- a static step (:mod:`alisa.kv.static`) -----------------------------------------
+
+    def static_slots(self, max_len: int) -> int:
+        """Slots a static layer needs for contexts of up to ``max_len`` tokens per sequence
+        (the most it ever holds at once, the new token included).
+
+        Raises
+        ------
+        ValueError
+            The keeper has no static decode step (naming the mode and why).
+        """
+        raise ValueError(
+            f"{type(self).__name__} has no static decode step: build the cache without "
+            "max_cache_len (compile='off')"
+        )
+
+    def reserve(self, pack: StepPack, batch: int) -> None:
+        """Take this keeper's fields of a static step's numbers for ``batch`` sequences."""
+        self.pack = pack
+
+    def plan_step(self, slots: SlotMap) -> None:
+        """A static decode step is about to run (the host counted its token:
+        :meth:`SlotMap.advance`): write this keeper's numbers into its fields of
+        :attr:`pack` and count on the host what the step will do on the device."""
+
     def grow(self, capacity: int) -> None:
         """The slot space grew to ``capacity`` slots."""
 
@@ -155,6 +183,7 @@ class Keeper:
         self.evicted = 0
         self._fetched = 0
         self._fetched_on_device = None
+        self.pack = None
 
     @property
     def fetched(self) -> int:

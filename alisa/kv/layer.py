@@ -17,6 +17,7 @@ from transformers.cache_utils import CacheLayerMixin
 from alisa.kv.keeper import Keeper
 from alisa.kv.rest import RestColumn
 from alisa.kv.slots import SlotMap, grown
+from alisa.kv.static import StepPack
 from alisa.kv.tiering import CallInputs, Tiering
 from alisa.storage.store import DenseStore, KVStore, Part, StoreFactory, TokenInputs
 
@@ -37,6 +38,12 @@ class AlisaLayer(CacheLayerMixin):
     compiled
         The slot map claims a decode step's slots by a compiled CPU kernel
         (:attr:`alisa.ops.backends.Ops.compiled`); False: PyTorch operators.
+    max_cache_len
+        Make the layer static (:mod:`alisa.kv.static`): after the prefill its slot space is
+        fixed at what contexts of up to this many tokens per sequence need
+        (:meth:`~alisa.kv.keeper.Keeper.static_slots`, refused here for a keeper without a
+        static step), and each decode step runs with one shape and no host read, so that
+        ``torch.compile`` traces it once; None: the slot space grows and compacts as needed.
     """
 
     is_sliding = False
@@ -51,10 +58,15 @@ class AlisaLayer(CacheLayerMixin):
         store_factory: StoreFactory = DenseStore,
         tiering: Tiering | None = None,
         compiled: bool = False,
+        max_cache_len: int | None = None,
     ) -> None:
         super().__init__()
         self.keeper = keeper
         self.compiled = compiled
+        self.max_cache_len = max_cache_len
+        # Slots of a static layer, fixed once (None: the layer grows and compacts).
+        self.static_slots = None if max_cache_len is None else keeper.static_slots(max_cache_len)
+        self.is_compileable = max_cache_len is not None
         # Transformers sizes its sliding-window masks against a layer that says it is sliding.
         self.is_sliding = keeper.window is not None
         self.layer_idx = layer_idx
@@ -89,6 +101,9 @@ class AlisaLayer(CacheLayerMixin):
         self.prefilling = self.store is None
         if self.prefilling:
             self._start(key_states, value_states)
+        elif self.keeper.pack is not None:  # a static step: the host counted the token
+            slot = self.slots.claim_free(self.keeper.pack.position())
+            self.store.write_slots(slot, key_states, value_states)
         else:
             self.keeper.on_write(self.slots.seen, key_states, value_states, self.slots)
             if key_states.shape[2] == 1:
@@ -103,16 +118,38 @@ class AlisaLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Stored slots plus the query, offset so HF's mask builder stays inside the 2D mask;
         # the ALISA attention builds its own mask from slot positions after prefill.
+        if self.max_cache_len is not None and self.slots is not None:
+            # One size for every step, as HF's StaticLayer (a traced step reads no count);
+            # attention masks by slot positions after the prefill.
+            return self.max_cache_len, 0
         if self.slots is None:
             return query_length, 0
         return self.slots.width + query_length, self.slots.seen - self.slots.width
 
     def get_max_length(self) -> int:
-        return -1
+        return -1 if self.max_cache_len is None else self.max_cache_len
 
     def reset(self) -> None:
         self._clear()
         self.keeper.reset()
+
+    def bind(self, pack: StepPack, batch: int) -> None:
+        """Give a static layer the numbers of its steps (:mod:`alisa.kv.static`): at the first
+        decode step of ``batch`` sequences, and again when the batch changed."""
+        self.keeper.reserve(pack, batch)
+
+    def plan_step(self) -> None:
+        """Before a static decode step (the host's half): count its token and write the
+        keeper's numbers for it into its pack."""
+        self.slots.advance()
+        self.keeper.plan_step(self.slots)
+
+    def seen_now(self) -> int | torch.Tensor:
+        """Tokens seen, the one being attended included: the host count, or in a static
+        step the (1,) device number (a traced step reads no host count)."""
+        if self.keeper.pack is not None and not self.prefilling:
+            return self.keeper.pack.position() + 1
+        return self.slots.seen
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
@@ -193,7 +230,10 @@ class AlisaLayer(CacheLayerMixin):
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The store's own plain attention over the slots for a decode step's (B, H, 1, D)
         ``query`` (:meth:`~alisa.storage.store.KVStore.attend`): ((B, 1, H, D) output,
-        (B, H_kv, G, 1, capacity) probabilities), or None where attention reads :meth:`parts`."""
+        (B, H_kv, G, 1, capacity) probabilities), or None where attention reads :meth:`parts`
+        (always in a static step: the store's own paths are compiled CPU kernels)."""
+        if self.keeper.pack is not None:
+            return None
         return self.store.attend(
             self.slots.positions, query, self.slots.seen, self.keeper.window, scaling
         )
@@ -264,7 +304,10 @@ class AlisaLayer(CacheLayerMixin):
         self.keeper.after_attention(
             self.slots, self.store, query, probabilities, prefilling=self.prefilling
         )
-        if self.keeper.frees_slots:
+        if self.static_slots is not None:
+            if self.prefilling:  # once: the live slots to the front of the fixed space
+                self._compact(force=True)
+        elif self.keeper.frees_slots:
             self._maybe_compact()
         if self.prefilling:
             self._finish_prefill()
@@ -277,6 +320,8 @@ class AlisaLayer(CacheLayerMixin):
         batch, heads, length, _ = keys.shape
         groups = heads if self.keeper.per_head else 1
         capacity = grown(length, self.keeper.window)
+        if self.static_slots is not None:  # the prompt first, then the fixed space
+            capacity = max(length, self.static_slots)
         self.store = self.store_factory(keys, values, capacity, groups=groups)
         self.slots = SlotMap(batch, groups, length, capacity, self.device, compiled=self.compiled)
         self.keeper.start(self.slots, keys, values)
@@ -304,6 +349,11 @@ class AlisaLayer(CacheLayerMixin):
     def _ensure_capacity(self, slots: int) -> None:
         if slots <= self.store.capacity:
             return
+        if self.static_slots is not None:
+            raise ValueError(
+                f"layer {self.layer_idx} needs {slots} slots, past its static "
+                f"{self.store.capacity} for max_cache_len={self.max_cache_len}"
+            )
         self._resize(grown(slots, self.keeper.window))
 
     def _resize(self, capacity: int) -> None:
@@ -340,7 +390,7 @@ class AlisaLayer(CacheLayerMixin):
             self._compact(force=False)
 
     def _compact(self, *, force: bool) -> None:
-        moved = self.slots.compaction(self.keeper.window, force=force)
+        moved = self.slots.compaction(self.keeper.window, force=force, capacity=self.static_slots)
         if moved is None:
             return
         index, capacity = moved

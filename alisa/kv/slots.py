@@ -79,6 +79,10 @@ class SlotMap:
         return self.positions.shape[-1]
 
     @property
+    def batch(self) -> int:
+        return self.positions.shape[0]
+
+    @property
     def groups(self) -> int:
         return self.positions.shape[1]
 
@@ -155,15 +159,46 @@ class SlotMap:
 
         No host round trip (:func:`~alisa.ops.reference.put_taken`).
         """
-        put_taken(self.positions, slots, taken, FREE)
-        self.kept -= excess
+        self.empty(slots, taken)
+        self.release(excess)
 
-    def free_before(self, cutoff: int, leaving: np.ndarray) -> None:
-        """Empty every slot holding a position below ``cutoff``; ``leaving`` (B,) is how many
-        real tokens that is per sequence (per group)."""
+    def free_before(self, cutoff: int | torch.Tensor, leaving: np.ndarray | None) -> None:
+        """Empty every slot holding a position below ``cutoff`` (an int, or a (1,) device
+        tensor in a static step); ``leaving`` (B,) is how many real tokens that is per
+        sequence (per group), None where the host counted them already (:meth:`release`)."""
         held = self.positions >= 0
         self.positions.masked_fill_(held & (self.positions < cutoff), FREE)
+        if leaving is not None:
+            self.release(leaving)
+
+    def empty(self, slots: torch.Tensor, taken: torch.Tensor) -> None:
+        """The device half of :meth:`free`: mark the ``taken`` slots of (B, Hs, k) empty."""
+        put_taken(self.positions, slots, taken, FREE)
+
+    def release(self, leaving: np.ndarray) -> None:
+        """The host half of :meth:`free`: (B,) tokens per sequence (per group) leave."""
         self.kept -= leaving
+
+    # ---- a static step (:mod:`alisa.kv.static`): the host counts, the device places ----
+
+    def advance(self) -> None:
+        """Count a static decode step's token on the host (the device places it:
+        :meth:`claim_free`), before the step's numbers are computed from the lengths."""
+        self.seen += 1
+        self.kept += 1
+
+    def claim_free(self, position: torch.Tensor) -> torch.Tensor:
+        """The first empty slot of every (sequence, group) takes the token at ``position``
+        ((1,) int64 on the device), found on the device: no host round trip, one shape.
+
+        The slot the eager step picks too (:meth:`place_one`: the first free slot below the
+        width, else the frontier, which is the first free slot). A static slot space always
+        has one (:meth:`alisa.kv.keeper.Keeper.static_slots`). Returns the (B, Hs, 1) slots.
+        """
+        free = (self.positions == FREE).to(torch.int8)
+        slot = free.argmax(dim=-1, keepdim=True)
+        self.positions.scatter_(-1, slot, position.view(1, 1, 1).expand(slot.shape))
+        return slot
 
     def settle(self, kept: np.ndarray) -> None:
         """After a selection made the slots its chosen positions (:mod:`alisa.ops.reference`):
@@ -175,25 +210,31 @@ class SlotMap:
         self.width = max(self.width, int((self.kept + self.dead).max()))
 
     def compaction(
-        self, limit: int | None = None, *, force: bool = False
+        self, limit: int | None = None, *, force: bool = False, capacity: int | None = None
     ) -> tuple[torch.Tensor, int] | None:
         """Move live slots to the front once over a third of width is empty (``force``: as
         soon as any slot below width is empty or the capacity exceeds the growth rule's).
 
         Returns (index, capacity): new slot j holds old slot index[b, g, j], for the store and
         the attention sums to follow; None when not worth a copy. ``limit``: slots the layer
-        never needs more of (a sliding window), so no headroom past it.
+        never needs more of (a sliding window), so no headroom past it. ``capacity``: the slot
+        space to end with instead of the growth rule's (a static layer's, fixed).
         """
         live = int(self.kept.max(initial=0))  # compaction drops padding slots as well
+        target = grown(live, limit) if capacity is None else capacity
         if force:
-            if self.width == live and self.capacity <= grown(live, limit):
+            if capacity is None:
+                fits = self.capacity <= target
+            else:  # a static space: its exact size, and no padding slot left (never reused)
+                fits = self.capacity == target and not self.dead.any()
+            if self.width == live and fits:
                 return None
         elif self.width - live <= max(32, self.width // 3):
             return None
         occupied = self.positions[..., : self.width] >= 0
         order = torch.argsort((~occupied).to(torch.int8), dim=-1, stable=True)
         index = order[..., :live]
-        capacity = grown(live, limit)
+        capacity = target
         moved = self.positions.gather(-1, index)
         moved = torch.where(occupied.gather(-1, index), moved, FREE)
         self.positions = torch.nn.functional.pad(moved, (0, capacity - live), value=FREE)

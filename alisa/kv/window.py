@@ -54,15 +54,35 @@ class WindowKeeper(Keeper):
         prefilling: bool,
     ) -> None:
         """Free every slot whose position the next query's window no longer reaches."""
+        if self.pack is not None and not prefilling:  # a static step: counted in plan_step
+            # The token written sits at pack.position(); seen is one more.
+            slots.free_before(self.pack.position() + 2 - self.window, None)
+            return
+        leaving = self._leaving(slots)
+        if leaving is not None:
+            slots.free_before(self.cutoff, leaving)
+
+    def _leaving(self, slots: SlotMap) -> np.ndarray | None:
+        """Move the cutoff to where the next query's window starts; (B,) real tokens of each
+        sequence it passed (padding is not counted: it sits in PAD slots until compaction),
+        known on the host without a sync; None when it did not move."""
         cutoff = slots.seen - self.window + 1
         if cutoff <= self.cutoff:
-            return
-        # Real tokens of each sequence between the last cutoff and this one (padding is not
-        # counted: it sits in PAD slots until compaction), known on the host without a sync.
+            return None
         leaving = np.maximum(cutoff - np.maximum(self.cutoff, slots.first), 0)
-        slots.free_before(cutoff, leaving)
         self.evicted += int(leaving.sum()) * slots.groups
         self.cutoff = cutoff
+        return leaving
+
+    def static_slots(self, max_len: int) -> int:
+        """The window: W - 1 tokens kept and the new one (fewer for shorter contexts)."""
+        return min(self.window, max_len)
+
+    def plan_step(self, slots: SlotMap) -> None:
+        """Count on the host the tokens the step's window leaves behind."""
+        leaving = self._leaving(slots)
+        if leaving is not None:
+            slots.release(leaving)
 
     def shift_positions(self, delta: int, slots: SlotMap) -> None:
         self.cutoff = max(self.cutoff + delta, 0)

@@ -40,11 +40,15 @@ class Routing:
         The names ``cache.update`` binds (key, value), or None when it is not called.
     calls
         Each call of the attention function: the source of its key, value and mask arguments.
+    rebound
+        Names ``cache.update`` binds that are assigned again after it (JetMoE tiles its keys
+        per expert there): the attention function would not see what the cache returned.
     """
 
     cache_kwarg: str | None
     updated: tuple[str, ...] | None
     calls: tuple[tuple[str, str, str], ...]
+    rebound: tuple[str, ...] = ()
 
 
 def routing(module_class: type[nn.Module]) -> Routing:
@@ -54,15 +58,31 @@ def routing(module_class: type[nn.Module]) -> Routing:
     cache_kwarg = next((name for name in CACHE_KWARGS if name in parameters), None)
     interfaces = _interface_names(function)
     caches = _aliases(function, cache_kwarg) if cache_kwarg else set()
-    updated, calls = None, []
+    updated, calls, line = None, [], None
     for node in ast.walk(function):
         if isinstance(node, ast.Assign) and _is_cache_update(node.value, caches):
             target = node.targets[0]
             if isinstance(target, ast.Tuple):
                 updated = tuple(ast.unparse(element) for element in target.elts)
+                line = node.lineno
         if isinstance(node, ast.Call) and _calls_interface(node, interfaces):
             calls.append(_attention_arguments(node))
-    return Routing(cache_kwarg=cache_kwarg, updated=updated, calls=tuple(calls))
+    rebound = _assigned_after(function, updated or (), line) if line is not None else ()
+    return Routing(cache_kwarg=cache_kwarg, updated=updated, calls=tuple(calls), rebound=rebound)
+
+
+def _assigned_after(
+    function: ast.FunctionDef, names: tuple[str, ...], line: int
+) -> tuple[str, ...]:
+    """Which of ``names`` an assignment after source line ``line`` binds again."""
+    found = []
+    for node in ast.walk(function):
+        if isinstance(node, ast.Assign | ast.AugAssign) and node.lineno > line:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                elements = target.elts if isinstance(target, ast.Tuple) else [target]
+                found += [ast.unparse(e) for e in elements if ast.unparse(e) in names]
+    return tuple(dict.fromkeys(found))
 
 
 def routing_reason(module_class: type[nn.Module]) -> str | None:
@@ -96,6 +116,12 @@ def routing_reason(module_class: type[nn.Module]) -> str | None:
             "the cache could not hold the tokens attended"
         )
     key, value, mask = found.calls[0]
+    if found.rebound:
+        return (
+            f"{name} changes {' / '.join(found.rebound)} after the cache returns them (JetMoE "
+            "tiles its keys per expert), and alisa's attention reads its own kept slots, which "
+            "would pair query heads with the wrong keys"
+        )
     if (key, value) != found.updated[:2]:
         return (
             f"{name} attends to {key} / {value} instead of the keys and values the cache "

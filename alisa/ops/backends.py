@@ -156,9 +156,21 @@ class Ops:
         return f"{self.name} ({engine}): {product}, {selection}{fetch}"
 
 
-def model_ops(model: torch.nn.Module, kernels: str = "auto") -> Ops:
-    """:func:`choose_ops` for a model's cache: its weights' device and dtype (its KV's)."""
+def model_ops(model: torch.nn.Module, kernels: str = "auto", *, traced: bool = False) -> Ops:
+    """:func:`choose_ops` for a model's cache: its weights' device and dtype (its KV's).
+
+    ``traced``: the cache's decode step runs under ``torch.compile`` (a static cache,
+    :mod:`alisa.kv.static`), which cannot trace numba's kernels: ``auto`` takes PyTorch's
+    operators on a CPU (inductor compiles them), and ``cpu`` is refused.
+    """
     weight = next(model.parameters())
+    if traced and kernels in ("auto", "cpu") and weight.device.type == "cpu":
+        if kernels == "cpu":
+            raise ValueError(
+                "kernels='cpu' runs numba's kernels, which torch.compile cannot trace: a "
+                "static (compiled) cache runs kernels='reference' or 'auto' on a CPU"
+            )
+        kernels = "reference"
     return choose_ops(weight.device, weight.dtype, kernels)
 
 

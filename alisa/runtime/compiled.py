@@ -1,6 +1,7 @@
 """A decode step run by ``torch.compile``: one graph per batch size and cache capacity.
 
-Caches whose decode step has fixed shapes (``is_compileable``: HF's ``StaticCache`` today) can
+Caches whose decode step has fixed shapes (``is_compileable``: HF's ``StaticCache``, and an
+``AlisaCache`` built with ``max_cache_len``, :mod:`alisa.kv.static`) can
 run it compiled, as HF's ``generate`` does on CUDA and engines that capture the step (vLLM,
 gpt-fast) do; prefill stays eager, since every prompt length would be a new graph. The padding
 mask grows by one column a step, which would make every step a new shape; it is padded to the
@@ -17,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from alisa.kv.cache import AlisaCache
 
 COMPILE = ("off", "on")
 
@@ -40,8 +43,8 @@ def check_compileable(cache) -> None:
     if not cache.is_compileable:
         raise ValueError(
             f"compile='on': {type(cache).__name__}'s decode step cannot be compiled (its shapes "
-            "change from step to step); use compile='off', or an HF StaticCache as "
-            "past_key_values"
+            "change from step to step); use compile='off', an AlisaCache built with "
+            "max_cache_len, or an HF StaticCache as past_key_values"
         )
 
 
@@ -121,6 +124,8 @@ class CompiledDecode:
             The cache is not compileable, or the compiler cannot trace the model in one graph.
         """
         check_compileable(cache)
+        if isinstance(cache, AlisaCache):  # the host's half of its step (no hook runs here)
+            cache.begin_forward(feed.shape[0], feed.shape[1], mask, model=self.model)
         if mask is not None:
             mask = nn.functional.pad(mask, (0, cache.get_max_length() - mask.shape[1]))
         start = clock() if self.compile_s is None else None

@@ -65,7 +65,9 @@ def generate(
         the built-in SmolLM2-135M-Instruct, answer it; a plain prompt is continued instead).
     compile
         ``"on"`` runs the decode steps through ``torch.compile`` (one graph per batch size and
-        cache capacity; :mod:`alisa.runtime.compiled`), for a cache that says it can: HF's
+        cache capacity; :mod:`alisa.runtime.compiled`), for a cache that says it can: the
+        ``AlisaCache`` built here is then static (``max_cache_len`` = the longest prompt plus
+        ``max_new_tokens``; a mode without a static step is refused naming why), or HF's
         ``StaticCache`` passed as ``past_key_values``. ``"off"`` (default): eager.
 
     Returns
@@ -101,7 +103,9 @@ def generate(
     check_prompt_length(model, tokenizer, batch["input_ids"].shape[-1], new_tokens=max_new_tokens)
     cache = past_key_values
     if cache is None:
-        cache = AlisaCache(model, config, max_new_tokens=max_new_tokens)
+        # Compiled: a static cache sized for the longest prompt and every new token.
+        longest = batch["input_ids"].shape[-1] + max_new_tokens if compiled else None
+        cache = AlisaCache(model, config, max_new_tokens=max_new_tokens, max_cache_len=longest)
     else:
         _check_cache(cache, config)
     if compiled:

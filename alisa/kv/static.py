@@ -1,0 +1,102 @@
+"""A static cache's decode step: fixed shapes, and the host's numbers handed over in one copy.
+
+``torch.compile`` (and a CUDA graph) replays one trace of a decode step only while nothing the
+trace read from Python changes: a length, a budget or a counter read as a Python number is baked
+into the graph and guarded, so the next step would compile again. An ``AlisaCache`` built with
+``max_cache_len`` is static: every layer's slot space is sized once for the longest context the
+request may reach (as HF's ``StaticCache``), the new token takes the first free slot (found on
+the device), and the numbers the host keeps per step (the new token's position, each layer's
+excess over its budget, its recent window, its sums' fade, its rows' first positions) are
+written into one :class:`StepPack` before the step and copied to the device at once. The traced
+step reads them from that one tensor, whose address never changes (a CUDA graph replays reads of
+it), so the host keeps its NumPy bookkeeping (exactly the numbers of the eager step: one rule)
+and the device never waits for it. See issue 65, nano-vllm's static input buffers, and
+https://pytorch.org/docs/stable/torch.compiler_cudagraph_trees.html.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class StepPack:
+    """The host's numbers of one decode step, in one float64 buffer, uploaded in one copy.
+
+    Float64 holds every integer a step needs exactly (positions, counts below 2**53) and each
+    fade weight as the eager step computes it before its cast to float32. Users
+    :meth:`reserve` their fields once, then :meth:`freeze` allocates the buffers; each step
+    they fill their :meth:`host` rows and the owner calls :meth:`upload`.
+
+    Parameters
+    ----------
+    device
+        Where the traced step reads the numbers (the model's device).
+    rows
+        The sequences of the batch the fields are laid out for.
+    """
+
+    def __init__(self, device: torch.device, rows: int) -> None:
+        self.device = torch.device(device)
+        self.rows = rows  # the batch the fields are laid out for
+        self.size = 1  # slot 0: the position of the token a step writes
+        # Two host buffers taken in turn on CUDA: an asynchronous copy may still be reading
+        # one when the host fills the next step's numbers (each waits for its own last copy).
+        self._buffers: list[torch.Tensor] = []
+        self._copied: list[torch.cuda.Event | None] = []
+        self._turn = 0
+        self.values: torch.Tensor | None = None  # the device copy the traced step reads
+
+    def reserve(self, rows: int, width: int) -> int:
+        """Room for ``rows`` fields of ``width`` numbers each; returns their offset."""
+        if self.values is not None:
+            raise ValueError("a step pack takes no fields once frozen")
+        offset = self.size
+        self.size += rows * width
+        return offset
+
+    def freeze(self) -> None:
+        """Allocate the buffers: page-locked on the host where the device is CUDA (the copy
+        is then asynchronous), and a device buffer whose address stays for every step."""
+        cuda = self.device.type == "cuda"
+        for _ in range(2 if cuda else 1):
+            self._buffers.append(torch.zeros(self.size, dtype=torch.float64, pin_memory=cuda))
+            self._copied.append(None)
+        self.values = torch.zeros(self.size, dtype=torch.float64, device=self.device)
+        torch._dynamo.mark_static_address(self.values)
+
+    def _current(self) -> np.ndarray:
+        return self._buffers[self._turn].numpy()
+
+    def begin(self, position: int) -> None:
+        """Start filling a step: ``position`` is the padded position of the token it writes.
+        Waits only for the copy that last read this host buffer (two steps ago on CUDA)."""
+        event = self._copied[self._turn]
+        if event is not None:
+            event.synchronize()
+        self._current()[0] = position
+
+    def host(self, offset: int, rows: int, width: int) -> np.ndarray:
+        """The (rows, width) host view of a field block, to fill before :meth:`upload`."""
+        return self._current()[offset : offset + rows * width].reshape(rows, width)
+
+    def upload(self) -> None:
+        """Copy the host numbers to the device buffer (no wait for the device)."""
+        source = self._buffers[self._turn]
+        if self.device.type == "cuda":
+            self.values.copy_(source, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._copied[self._turn] = event
+            self._turn = 1 - self._turn
+        else:
+            self.values.copy_(source)
+
+    def position(self) -> torch.Tensor:
+        """(1,) int64 on the device: the position of the token this step writes."""
+        return self.values[:1].to(torch.int64)
+
+    def field(self, offset: int, width: int, row: int) -> torch.Tensor:
+        """(width,) float64 on the device: row ``row`` of a field block at ``offset``."""
+        start = offset + row * width
+        return self.values[start : start + width]

@@ -1,0 +1,265 @@
+"""A static AlisaCache (alisa.kv.static): one traced decode step for every step, the eager
+step's tokens, and a clear refusal where a mode has no static step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import byte_tokenizer, tiny_llama
+from torch._dynamo.utils import counters
+
+from alisa import AlisaCache, AlisaConfig, generate
+from alisa.runtime.compiled import last_logits
+from experiments.architectures import FAMILIES, build, prompts
+
+# Modes with a static step: dense, SWA's default preset (decayed sums, per KV head, head max),
+# SWA's exact window (the paper's: snapshots of the sums), TOVA's last step, H2O's
+# whole-history sums over one index set, recency only, a fixed budget with sinks, strides.
+MODES = {
+    "dense": {"caching_ratio": 1.0},
+    "swa": {"policy": "swa", "caching_ratio": 0.3},
+    "swa-exact-window": {"policy": "swa", "caching_ratio": 0.3, "score_decay": False},
+    "swa-paper": {"policy": "swa", "caching_ratio": 0.3, "preset": "paper"},
+    "tova": {"policy": "tova", "caching_ratio": 0.3},
+    "h2o-one-set": {"policy": "h2o", "caching_ratio": 0.4, "per_head": False},
+    "streaming": {"policy": "streaming", "budget_tokens": 9},
+    "local": {"policy": "local", "caching_ratio": 0.5},
+    "strided": {"policy": "strided", "caching_ratio": 0.4},
+}
+
+
+def config(mode: str) -> AlisaConfig:
+    return AlisaConfig(kernels="reference", **MODES[mode])
+
+
+def greedy(model, cache, ids, mask, steps: int, forward) -> torch.Tensor:
+    """(B, steps + 1) greedy tokens: an eager prefill (through the model's hooks), then
+    ``steps`` decode steps through ``forward`` (the model's, or its traced twin), each after
+    the cache's host half (:meth:`AlisaCache.begin_forward`, which the hook runs eagerly)."""
+    batch, width = ids.shape
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        logits = last_logits(model, ids, positions, mask, cache)
+        tokens = [logits.argmax(-1)]
+        for step in range(steps):
+            mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype)], dim=1)
+            position = positions[:, -1:] + step + 1
+            feed = tokens[-1][:, None]
+            if forward is model:  # the hook writes the step's numbers
+                logits = last_logits(model, feed, position, mask, cache)
+            else:
+                cache.begin_forward(batch, 1, mask, model=model)
+                padded = torch.nn.functional.pad(mask, (0, cache.get_max_length() - mask.shape[1]))
+                logits = last_logits(forward, feed, position, padded, cache)
+            tokens.append(logits.argmax(-1))
+    return torch.stack(tokens, dim=1)
+
+
+def traced(model):
+    """The model's forward traced by dynamo in one graph, run without code generation (the
+    graph, its guards and its recompiles are inductor's; only the kernels are not)."""
+    return torch.compile(model.forward, backend="eager", fullgraph=True, dynamic=False)
+
+
+def traced_equals_eager(model, mode: str, ids, mask, steps: int) -> torch.Tensor:
+    """Assert that ``steps`` traced static steps give the eager static step's tokens from one
+    graph (a recompile is an error); returns them."""
+    longest = ids.shape[1] + steps + 1
+    eager_cache = AlisaCache(model, config(mode), max_cache_len=longest)
+    eager = greedy(model, eager_cache, ids, mask, steps, model)
+    static = AlisaCache(model, config(mode), max_cache_len=longest)
+    assert static.is_compileable
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        tokens = greedy(model, static, ids, mask, steps, traced(model))
+    assert torch.equal(tokens, eager)
+    assert counters["stats"]["unique_graphs"] == 1
+    return tokens
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_three_hundred_traced_steps_replay_one_graph_of_the_eager_step(mode):
+    """Padded rows, 300 decode steps across budget growth, evictions and the whole fixed slot
+    space: the traced static step gives every token of the eager static step, from one graph
+    (a recompile is an error); r = 1 gives HF's dense tokens too (100 of them)."""
+    model = tiny_llama()
+    ids, mask = prompts(lengths=(20, 11, 16))
+    tokens = traced_equals_eager(model, mode, ids, mask, 300)
+    if mode == "dense":  # HF's SDPA sums in another order: a near tie of this random
+        # model's logits parts them at step 194 of the first row, eager cache or static
+        with torch.inference_mode():
+            hf = model.generate(ids, attention_mask=mask, max_new_tokens=100)
+        assert torch.equal(tokens[:, :100], hf[:, ids.shape[1] :])
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_the_static_step_keeps_what_the_growing_cache_keeps(mode):
+    """The static step's rule is the eager cache's: 200 steps of padded rows give its tokens.
+    In float64, since the two lay their slots out differently and float32 sums in another
+    order can part a near tie of evictions (SWA's exact window subtracts snapshots: at step
+    111 of one row in float32 here, never in float64)."""
+    model = tiny_llama().to(torch.float64)
+    ids, mask = prompts(lengths=(20, 11, 16))
+    steps = 200
+    growing = greedy(model, AlisaCache(model, config(mode)), ids, mask, steps, model)
+    static = AlisaCache(model, config(mode), max_cache_len=ids.shape[1] + steps + 1)
+    assert torch.equal(greedy(model, static, ids, mask, steps, model), growing)
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3_text", "qwen2-window", "gpt2", "qwen3"])
+@pytest.mark.parametrize("mode", ["dense", "swa"])
+def test_each_family_traces_its_static_step_to_the_eager_tokens(name, mode):
+    """Sliding-window layers (Mistral, Gemma 3's hybrid, Qwen2's window), GPT-2's fused
+    projections, Qwen3's norms: the traced static step is the eager step, in one graph."""
+    traced_equals_eager(build(FAMILIES[name]), mode, *prompts(), 24)
+
+
+@pytest.mark.parametrize("mode", ["dense", "swa"])
+def test_generate_compiles_a_static_cache_to_the_eager_tokens(mode):
+    """``generate(compile="on")`` builds the static cache itself and runs inductor's code: the
+    eager tokens, one graph, its compile time reported."""
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    prompts_ = ["a longer prompt than the others", "short", "middle one"]
+    run = dict(config=config(mode), max_new_tokens=20, stop_at_eos=False)
+    eager = generate(model, tokenizer, prompts_, **run)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = generate(model, tokenizer, prompts_, compile="on", **run)
+    assert compiled.token_ids == eager.token_ids
+    assert counters["stats"]["unique_graphs"] == 1
+    assert compiled.compile_s > 0 and eager.compile_s is None
+
+
+def test_the_static_slot_space_is_fixed_and_bounded_by_the_budget():
+    """After the prefill every layer holds the budget at max_cache_len plus one slot (and the
+    slot space never changes), whatever the prompt; a dense layer holds max_cache_len."""
+    model = tiny_llama()
+    ids, mask = prompts(lengths=(90, 60))  # past the preset's 64-token floor: evicted
+    longest = ids.shape[1] + 60
+    static = AlisaCache(model, config("swa"), max_cache_len=longest)
+    dense = AlisaCache(model, config("dense"), max_cache_len=longest)
+    greedy(model, static, ids, mask, 1, model)
+    greedy(model, dense, ids, mask, 1, model)
+    budget = max(round(longest * 0.3), static.layers[0].keeper.policy.min_budget_tokens)
+    assert budget + 1 < ids.shape[1]  # the prompt's slots were given back
+    assert {layer.store.capacity for layer in static.layers} == {budget + 1}
+    assert {layer.store.capacity for layer in dense.layers} == {longest}
+    static.reset()
+    greedy(model, static, ids, mask, 50, model)
+    assert {layer.store.capacity for layer in static.layers} == {budget + 1}
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"kv_bits": 8}, "kv_bits=8 has no static (compiled) decode step yet"),
+        ({"gpu_memory": "1GiB"}, "gpu_memory='1GiB' has no static (compiled) decode step yet"),
+        (
+            {"policy": "swa", "caching_ratio": 0.3, "retention": "host"},
+            "HostKeeper has no static decode step",
+        ),
+        ({"kernels": "cpu"}, "kernels='cpu' runs numba's kernels, which torch.compile cannot"),
+    ],
+    ids=["int8", "tiers", "host", "numba"],
+)
+def test_modes_without_a_static_step_are_refused_when_built(fields, needle):
+    model = tiny_llama()
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        AlisaCache(model, AlisaConfig(**fields), max_cache_len=64)
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5, True, "64"])
+def test_a_bad_max_cache_len_is_refused_naming_it(value):
+    with pytest.raises(ValueError, match=f"max_cache_len={value!r} must be an integer >= 1"):
+        AlisaCache(tiny_llama(), AlisaConfig(), max_cache_len=value)
+
+
+def test_a_static_cache_refuses_to_outgrow_max_cache_len_or_change_its_rows():
+    model = tiny_llama()
+    ids, mask = prompts()
+    cache = AlisaCache(model, config("swa"), max_cache_len=ids.shape[1] + 3)
+    greedy(model, cache, ids, mask, 3, model)
+    with pytest.raises(ValueError, match="max_cache_len=15: this static cache holds 15 tokens"):
+        greedy_step(model, cache, ids.shape[0], ids.shape[1] + 3)
+    with pytest.raises(ValueError, match="a static cache cannot split its rows"):
+        cache.take_rows(torch.tensor([0]))
+
+
+def greedy_step(model, cache, batch: int, seen: int) -> None:
+    """One more eager decode step of ``batch`` rows that have ``seen`` tokens."""
+    feed = torch.zeros(batch, 1, dtype=torch.long)
+    mask = torch.ones(batch, seen + 1, dtype=torch.long)
+    with torch.inference_mode():
+        last_logits(model, feed, torch.full((batch, 1), seen), mask, cache)
+
+
+def test_the_speed_benchmark_runs_alisa_compiled_beside_eager():
+    """``bench_speed``'s ``alisa-compiled:...`` system: the eager system's tokens, its compile
+    time reported from the warm-up, whose graph the timed steps replay."""
+    from experiments.interleave import interleaved_rows
+
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    fields = "policy=swa,caching_ratio=0.3"
+    systems = [f"alisa:{fields},kernels=reference", f"alisa-compiled:{fields}"]
+    prompts_ = ["a longer prompt than the others", "short", "middle one"]
+    torch._dynamo.reset()
+    counters.clear()
+    rows = interleaved_rows(model, tokenizer, prompts_, systems, 8, 2, systems[0])
+    assert rows[0]["token_ids"] == rows[1]["token_ids"]
+    assert rows[0]["compile_s"] is None and rows[1]["compile_s"] > 0
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_compiled_model_call_runs_the_host_half_between_graphs():
+    """HF's generate compiles ``model.__call__`` (hooks included, ``fullgraph=False``) for its
+    decode steps with a cache that says it is compileable (its prefill runs eager): the
+    cache's host half then runs eagerly between graphs (never traced as constants), and the
+    tokens are the eager ones."""
+    model = tiny_llama()
+    ids, mask = prompts()
+    runs = []
+    for call in (model.__call__, torch.compile(model.__call__, backend="eager")):
+        cache = AlisaCache(model, config("swa"), max_cache_len=ids.shape[1] + 21)
+        seen, tokens = mask, []
+        with torch.inference_mode():
+            logits = model(input_ids=ids, attention_mask=seen, past_key_values=cache).logits
+            tokens.append(logits[:, -1].argmax(-1))
+            for _ in range(20):
+                seen = torch.cat([seen, torch.ones(len(ids), 1, dtype=seen.dtype)], dim=1)
+                position = (seen.cumsum(-1) - 1)[:, -1:]
+                feed = tokens[-1][:, None]
+                logits = call(
+                    input_ids=feed,
+                    attention_mask=seen,
+                    position_ids=position,
+                    past_key_values=cache,
+                ).logits
+                tokens.append(logits[:, -1].argmax(-1))
+        runs.append(torch.stack(tokens, dim=1))
+    assert torch.equal(*runs)
+
+
+def test_a_forward_without_positions_places_the_token_where_the_growing_cache_does():
+    """A model given no ``position_ids`` derives them from ``get_seq_length()``, read during
+    the forward, after the host half counted the step's token ahead: it still answers the
+    count before the step (RoPE places the token as with the growing cache)."""
+    model = tiny_llama()
+    ids = torch.randint(3, 200, (1, 10), generator=torch.Generator().manual_seed(0))
+    runs, counts = [], []
+    for longest in (None, 30):
+        cache = AlisaCache(model, config("swa"), max_cache_len=longest)
+        with torch.inference_mode():
+            tokens = [model(input_ids=ids, past_key_values=cache).logits[:, -1].argmax(-1)]
+            for _ in range(8):
+                logits = model(input_ids=tokens[-1][:, None], past_key_values=cache).logits
+                tokens.append(logits[:, -1].argmax(-1))
+        runs.append(torch.stack(tokens, dim=1))
+        counts.append(cache.get_seq_length())
+    assert torch.equal(*runs)
+    assert counts == [18, 18]
+    static = AlisaCache(model, config("swa"), max_cache_len=30)
+    with torch.inference_mode():
+        model(input_ids=ids, past_key_values=static)
+        static.begin_forward(1, 1, None, model=model)
+    assert static.get_seq_length() == 10  # planned, not stored yet
