@@ -1,12 +1,14 @@
 """Checks shared by the frozen settings dataclasses (``AlisaConfig``, the KV policies).
 
 Each raises ``ValueError`` naming the field and the value, as every config of the project does.
-A number is any ``numbers.Integral`` / ``numbers.Real`` (numpy's scalars included), never a bool.
+A number is any ``numbers.Integral`` / ``numbers.Real`` (numpy's scalars included), never a bool;
+a bool is Python's or numpy's (``numpy.bool_``, what a comparison of arrays gives).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import types
 from collections.abc import Mapping, Set
 from dataclasses import fields
@@ -51,8 +53,17 @@ def check_optional_int(name: str, value: object, *, minimum: int) -> None:
 def check_bool(name: str, value: object) -> None:
     """``value`` is True or False: a string such as ``"no"`` or None would be read by its
     truth, often the opposite of what it says."""
-    if not isinstance(value, bool):
+    if not is_bool(value):
         raise ValueError(f"{name}={value!r} must be True or False")
+
+
+def is_bool(value: object) -> bool:
+    """Whether ``value`` is True or False: Python's bool or numpy's ``bool_`` (which is no
+    ``bool`` subclass, nor registered with :mod:`numbers`, but means the same)."""
+    if isinstance(value, bool):
+        return True
+    numpy = sys.modules.get("numpy")  # not imported: no numpy value can exist
+    return numpy is not None and isinstance(value, numpy.bool_)
 
 
 def unordered(value: object) -> str | None:
@@ -98,19 +109,31 @@ def check_field_types(settings: object) -> None:
     """Every dataclass field of ``settings`` holds a value of its annotated type.
 
     Ints must be integers (not floats or bools), bools bools, strings strings; a float field
-    also takes an integer; ``X | None`` also takes ``None``. A number of another type (numpy's
-    ``float32(0.5)``, ``int64(2)``) is stored as the Python int or float it equals, so the
-    settings compare, print and serialize as if it had been written in Python (``settings`` is
-    a dataclass, frozen or not, checked in its ``__post_init__``).
+    also takes an integer; ``X | None`` also takes ``None``. A number or bool of another type
+    (numpy's ``float32(0.5)``, ``int64(2)``, ``bool_(True)``) is stored as the Python int,
+    float or bool it equals, so the settings compare, print and serialize as if it had been
+    written in Python (``settings`` is a dataclass, frozen or not, checked in its
+    ``__post_init__``).
     """
     for name, allowed in _field_types(type(settings)):
         value = getattr(settings, name)  # a declared dataclass field, read by name
         if not any(_is_instance(value, kind) for kind in allowed):
             wanted = " or ".join(_TYPE_NAMES.get(kind, kind.__name__) for kind in allowed)
             raise ValueError(f"{name}={value!r} must be {wanted}")
-        if _is_real(value) and type(value) not in (int, float):
-            plain = int(value) if isinstance(value, Integral) else float(value)
+        plain = _plain(value)
+        if plain is not value:
             object.__setattr__(settings, name, plain)  # frozen: set once, while validating
+
+
+def _plain(value: object) -> object:
+    """The Python bool, int or float a numpy scalar equals; ``value`` itself otherwise."""
+    if type(value) in (bool, int, float):
+        return value
+    if is_bool(value):
+        return bool(value)
+    if _is_real(value):
+        return int(value) if isinstance(value, Integral) else float(value)
+    return value
 
 
 @cache
@@ -128,7 +151,7 @@ def _is_instance(value: object, kind: type) -> bool:
     if kind is type(None):
         return value is None
     if kind is bool:
-        return isinstance(value, bool)
+        return is_bool(value)
     if kind is float:
         return _is_real(value)
     if kind is int:

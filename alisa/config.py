@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 from alisa import policies  # loads the policy classes (and torch) on first use
 from alisa.checks import check_field_types, check_optional_int, check_share
 from alisa.ops import KERNELS
-from alisa.settings import layer_settings, resolve_settings
+from alisa.settings import IgnoredSettingWarning, ignored_settings, layer_settings, resolve_settings
 from alisa.sizes import parse_budget
 from scheduler.budget import KeepRule
 
@@ -29,7 +30,14 @@ class AlisaConfig:
 
     Every field is type-checked: integers must be integers (not floats or bools), numbers
     real numbers, flags bools, names strings; a ``ValueError`` names the field and the value.
-    Numpy's numbers are taken as the Python int or float they equal (and stored as it).
+    Numpy's numbers and bools are taken as the Python int, float or bool they equal (and
+    stored as it). A setting that would change nothing is refused where it names a budget or a
+    host region the run would not have (``caching_ratio`` or ``retention="host"`` with
+    ``dense``, ``reselect_every`` without ``retention="host"``); any other that no part of a
+    run would read (``stride`` with ``swa``, ``score_decay`` with ``h2o``, ``sink_tokens`` with
+    ``dense``) is accepted, since a sweep or a shared config may set it for several policies,
+    with an :class:`~alisa.settings.IgnoredSettingWarning` saying why (the rule of
+    :func:`alisa.settings.ignored_settings`, which the CLI prints as warning lines).
 
     Parameters
     ----------
@@ -249,6 +257,7 @@ class AlisaConfig:
                 "per_head=True cannot be combined with gpu_memory (tiers are per layer)"
             )
         self._check_retention_applies()
+        self._warn_ignored()
 
     def _check_budget_applies(self) -> None:
         """A policy that never evicts keeps every token: a budget for it would be meaningless
@@ -278,6 +287,19 @@ class AlisaConfig:
                 "keeps every token: there is nothing to keep on the host; leave it at 'drop' or "
                 "choose an evicting policy (e.g. swa)"
             )
+
+    def _warn_ignored(self, *, said: Collection[str] = (), stacklevel: int = 4) -> None:
+        """One :class:`~alisa.settings.IgnoredSettingWarning` per setting no run would read,
+        but those in ``said``; ``stacklevel`` 4 names the line that built the config (past
+        this method, ``__post_init__`` and ``__init__``).
+
+        ``recompute`` and ``profile`` without ``gpu_memory`` are not judged here: the planner
+        (``alisa plan``, :mod:`alisa.planning`) reads them over the whole device, so only the
+        caller knows whether they matter (the CLI does).
+        """
+        for note in ignored_settings(self, tiered=True):
+            if note not in said:
+                warnings.warn(note, IgnoredSettingWarning, stacklevel=stacklevel)
 
     def _check_history_share(self) -> None:
         if self.history_share is None:
@@ -345,12 +367,21 @@ class AlisaConfig:
         )
 
     def with_overrides(self, **changes) -> AlisaConfig:
-        """A copy with some fields changed (validated again); unknown names raise ``ValueError``."""
+        """A copy with some fields changed (validated again); unknown names raise ``ValueError``.
+
+        An :class:`~alisa.settings.IgnoredSettingWarning` comes only for what the changes
+        leave unread: this config's own were said when it was built (``alisa batch`` copies
+        the CLI's config without ``gpu_memory``, a server each request's settings over its own).
+        """
         known = {f.name for f in fields(self)}
         unknown = sorted(set(changes) - known)
         if unknown:
             raise ValueError(f"unknown AlisaConfig field(s) {unknown}; valid: {sorted(known)}")
-        return replace(self, **changes)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", IgnoredSettingWarning)
+            copy = replace(self, **changes)
+        copy._warn_ignored(said=ignored_settings(self, tiered=True), stacklevel=3)
+        return copy
 
 
 def config_or_default(config: AlisaConfig | None) -> AlisaConfig:

@@ -11,7 +11,7 @@ config through :class:`ConfigFields`, the attributes it needs.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, Field, dataclass, fields
 from typing import TYPE_CHECKING, Protocol
 
 from alisa import policies  # loads the policy classes (and torch) on first use
@@ -56,7 +56,8 @@ UNSET_MEANS = {
 
 
 class ConfigFields(Protocol):
-    """The :class:`~alisa.config.AlisaConfig` fields the resolver reads."""
+    """The :class:`~alisa.config.AlisaConfig` fields the resolver and :func:`ignored_settings`
+    read."""
 
     policy: str
     caching_ratio: float
@@ -68,8 +69,11 @@ class ConfigFields(Protocol):
     dense_layers: int
     layer_schedule: str
     per_head: bool | None
+    kv_bits: int
     gpu_memory: int | str | None
     host_memory: int | str | None
+    recompute: str
+    profile: str | None
     retention: str
     history_share: float | None
     reselect_every: int | None
@@ -333,6 +337,82 @@ def evicts_nothing_note(config: ConfigFields, num_layers: int, tokens: int) -> s
         f"{config.policy!r} at r={config.caching_ratio:g} evicts nothing and runs as dense; "
         f"{lower} or give more tokens to measure it"
     )
+
+
+class IgnoredSettingWarning(UserWarning):
+    """A config sets a field that no part of a run reads (:func:`ignored_settings` says which
+    and why): accepted, since a sweep or a shared config may set it for other policies, but
+    said, since a setting given for nothing is usually a mistake."""
+
+
+# Settings of how a policy evicts: a policy that keeps every token reads none of them.
+EVICTION_FIELDS = (
+    "recent_fraction",
+    "sink_tokens",
+    "min_budget_tokens",
+    "score_window",
+    "score_decay",
+    "head_max",
+    "per_head",
+    "observation_window",
+    "stride",
+)
+
+
+def ignored_settings(config: ConfigFields, *, tiered: bool = False) -> list[str]:
+    """What ``config`` sets (other than its default) that no part of a run reads, one
+    ``field=value has no effect ...`` each: the one rule behind ``AlisaConfig``'s
+    :class:`IgnoredSettingWarning` and the CLI's warning lines.
+
+    Parameters
+    ----------
+    config
+        An ``AlisaConfig`` (a dataclass with these fields and their defaults).
+    tiered
+        KV is placed in tiers even without ``gpu_memory`` (``alisa plan`` budgets the whole
+        device, as :mod:`alisa.planning` may from Python), so ``recompute`` and ``profile``
+        are read.
+
+    Returns
+    -------
+    list[str]
+        The notes, in field order of the rules below; empty when every setting is read.
+    """
+    cls = policies.POLICIES[config.policy]
+    items = fields(config)  # type: ignore[arg-type]  # an AlisaConfig dataclass
+    changed = {item.name for item in items if getattr(config, item.name) != field_default(item)}
+    why: dict[str, str] = {}
+    policy = f"policy={config.policy!r}"
+    if not cls.evicts:
+        for name in (*EVICTION_FIELDS, "dense_layers", "layer_schedule"):
+            why[name] = f"with {policy}, which keeps every token"
+    else:
+        for name in ("score_window", "stride"):
+            if name not in cls.config_fields:
+                why[name] = f"with {policy}, which does not read it"
+        if not cls.needs_attention:
+            for name in ("head_max", "observation_window", "score_decay"):
+                why[name] = f"with {policy}, which does not score tokens by attention"
+        elif not cls.windowed_scores:
+            why["score_decay"] = (
+                f"with {policy}, which has no score window of several decode steps to fade"
+            )
+    if config.kv_bits == 16:
+        why["residual_tokens"] = why["quant_group_size"] = "with kv_bits=16 (nothing quantized)"
+    if config.retention != "host":
+        why["host_bits"] = f"with retention={config.retention!r} (no host region)"
+    if config.gpu_memory is None and not tiered:
+        why["recompute"] = why["profile"] = "without gpu_memory (no device/host tiers)"
+    return [
+        f"{name}={getattr(config, name)!r} has no effect {reason}"
+        for name, reason in why.items()
+        if name in changed
+    ]
+
+
+def field_default(item: Field) -> object:
+    """The default value of a dataclass field (its factory's product for a mutable one)."""
+    return item.default_factory() if item.default is MISSING else item.default
 
 
 def effective_values(config: ConfigFields, num_layers: int) -> dict[str, str]:

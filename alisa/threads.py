@@ -19,6 +19,13 @@ from pathlib import Path
 CGROUP_V2_QUOTA = Path("/sys/fs/cgroup/cpu.max")
 CGROUP_V1_QUOTA = Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")
 CGROUP_V1_PERIOD = Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+# The kernel's limits on the threads a process can start (Linux; elsewhere none is known).
+MAX_MAP_COUNT = Path("/proc/sys/vm/max_map_count")
+THREADS_MAX = Path("/proc/sys/kernel/threads-max")
+CGROUP_PIDS_MAX = Path("/sys/fs/cgroup/pids.max")
+# OS threads one torch thread may cost: torch's OpenMP pool and MKL's each start that many
+# (measured: set_num_threads(500) then a matmul runs 1000 threads).
+POOLS = 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +94,53 @@ def _cgroup_quota() -> float | None:
     return None
 
 
+def max_threads() -> tuple[int, str] | None:
+    """The most torch threads this process can start, and the kernel limit that sets it
+    (``None``: no limit is known).
+
+    Past such a limit a thread's start fails where no error can be handled (libgomp aborts, or
+    the next library loaded finds no room to map itself), so a count over it is refused before
+    torch is asked. Each torch thread counts as :data:`POOLS` OS threads, each OS thread as two
+    memory mappings (its stack and the guard page below it), and half of every limit is left to
+    the rest of the process (libraries, the model's weights, other threads).
+    """
+    limits = []  # (OS threads the limit allows, the limit)
+    maps = _read_limit(MAX_MAP_COUNT)
+    if maps is not None:
+        limits.append((maps // 2, f"vm.max_map_count={maps}, at two mappings a thread,"))
+    threads = _read_limit(THREADS_MAX)
+    if threads is not None:
+        limits.append((threads, f"kernel.threads-max={threads}"))
+    pids = _read_limit(CGROUP_PIDS_MAX)
+    if pids is not None:
+        limits.append((pids, f"the cgroup's pids.max={pids}"))
+    if not limits:
+        return None
+    allowed, limit = min(limits)
+    return max(1, allowed // 2 // POOLS), f"{limit} allows {allowed} threads"
+
+
+def _read_limit(path: Path) -> int | None:
+    """The integer in ``path`` (``None``: no such file, ``max``, or not a number)."""
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _check_startable(requested: int, name: str, cpus: int) -> None:
+    """Refuse a thread count over :func:`max_threads` (``name``: the setting that gave it)."""
+    limit = max_threads()
+    if limit is None or requested <= limit[0]:
+        return
+    most, reason = limit
+    raise ValueError(
+        f"{name}={requested} is more than this machine can start; give at most {most} ({reason}; "
+        f"a torch thread may start {POOLS} and half is kept for the rest of the process; with "
+        f"{cpus} usable CPU(s), threads beyond {cpus} only wait)"
+    )
+
+
 def choose_threads(requested: int | None, *, environ: dict[str, str] | None = None) -> ThreadChoice:
     """The thread count for ``requested`` (``--threads``), else ``OMP_NUM_THREADS``, else the
     usable CPUs less the load others put on them (at least 1).
@@ -94,19 +148,23 @@ def choose_threads(requested: int | None, *, environ: dict[str, str] | None = No
     Raises
     ------
     ValueError
-        ``threads`` below 1, or an ``OMP_NUM_THREADS`` that is not a positive integer.
+        ``threads`` below 1, or an ``OMP_NUM_THREADS`` that is not a positive integer, or
+        either more than this machine can start (:func:`max_threads`).
     """
     environ = os.environ if environ is None else environ
     if requested is not None and (
         isinstance(requested, bool) or not isinstance(requested, int) or requested < 1
     ):
         raise ValueError(f"threads={requested!r} must be an integer >= 1")
+    name = "threads"
     if requested is None and environ.get("OMP_NUM_THREADS"):
         text = environ["OMP_NUM_THREADS"]
         if not text.isdigit() or int(text) < 1:
             raise ValueError(f"OMP_NUM_THREADS={text!r} must be an integer >= 1")
-        requested = int(text)
+        requested, name = int(text), "OMP_NUM_THREADS"
     cpus = usable_cpus()
+    if requested is not None:
+        _check_startable(requested, name, cpus)
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):  # no load average on this platform

@@ -14,6 +14,7 @@ import itertools
 import json
 import re
 import shlex
+import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import tomllib
 
 from alisa import AlisaConfig
 from alisa.assignments import parse_field
+from alisa.settings import IgnoredSettingWarning
 from experiments.systems import point_overrides
 
 TOP_KEYS = ("name", "sweep", "options", "runtime")
@@ -145,7 +147,11 @@ def point_config(point: dict) -> AlisaConfig | None:
 
 def alisa_config(point: dict) -> AlisaConfig:
     """The point's ``AlisaConfig`` (fields not in the point keep their defaults)."""
-    return AlisaConfig(**{k: v for k, v in point.items() if k in CONFIG_FIELDS})
+    with warnings.catch_warnings():
+        # A sweep crosses every policy with every value by design (smoke.toml gives dense the
+        # others' min_budget_tokens): a setting a point's policy does not read is not a mistake.
+        warnings.simplefilter("ignore", IgnoredSettingWarning)
+        return AlisaConfig(**{k: v for k, v in point.items() if k in CONFIG_FIELDS})
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:

@@ -130,6 +130,7 @@ def parallel_config(args: argparse.Namespace):
     if args.parallel not in MODES:
         valid = ", ".join(("none", *MODES))
         raise CommandError(f"--parallel={args.parallel!r} is unknown; valid: {valid}")
+    _check_partition_table(args)
     return build_from_flags(
         ParallelConfig,
         PARALLEL_FLAGS,
@@ -139,6 +140,20 @@ def parallel_config(args: argparse.Namespace):
         table_path=args.partition_table,
         table_key=args.partition_key,
     )
+
+
+def _check_partition_table(args: argparse.Namespace) -> None:
+    """``--partition table`` reads one entry of a table: say which of its two flags is missing
+    (ParallelConfig's own error names its fields, not the flags)."""
+    if args.partition != "table":
+        return
+    needed = {
+        "--partition-table": (args.partition_table, "the JSON table of splits"),
+        "--partition-key": (args.partition_key, "the entry of --partition-table to use"),
+    }
+    missing = [f"{flag} ({what})" for flag, (value, what) in needed.items() if not value]
+    if missing:
+        raise CommandError(f"--partition table needs {' and '.join(missing)}")
 
 
 def _refuse_parallel_flags(args: argparse.Namespace) -> None:

@@ -13,13 +13,15 @@ import sys
 import tempfile
 import types
 import typing
+import warnings
 from collections.abc import Callable
-from dataclasses import MISSING, Field, fields
+from dataclasses import Field, fields
 from pathlib import Path
 
 from alisa.config import AlisaConfig
 from alisa.model.builtin import BUILTIN_MODELS, DEFAULT_MODEL
 from alisa.model.dtypes import DTYPES
+from alisa.settings import IgnoredSettingWarning, field_default, ignored_settings
 
 if typing.TYPE_CHECKING:
     from alisa.runtime.sampling import SamplingOptions
@@ -82,10 +84,6 @@ def _settable_fields(only: tuple[str, ...] | None) -> list[Field]:
     return [f for f in fields(AlisaConfig) if f.init and (only is None or f.name in only)]
 
 
-def _default(item: Field):
-    return item.default_factory() if item.default is MISSING else item.default
-
-
 # The AlisaConfig fields by what they decide, in the order ``--help`` shows them; a new field
 # belongs in one group (tests/test_cli.py checks that every field is in exactly one).
 CACHE_GROUPS = {
@@ -146,7 +144,7 @@ def add_cache_options(
 
 def _add_field_flag(group, item: Field, doc: str | None, annotation) -> None:
     """The flag of one config field in ``group``."""
-    default = _default(item)
+    default = field_default(item)
     # A field left at None is a flag not given: say so in the flag's words.
     text = doc or f"AlisaConfig.{item.name}"
     help_text = re.sub(r"\bNone\b", "unset", text).replace("%", "%%")
@@ -179,9 +177,11 @@ def cache_config_from_args(
         file that cannot be read.
     """
     names = [item.name for item in _settable_fields(only)]
-    config = build_from_flags(
-        AlisaConfig, dict.fromkeys(names), **{name: getattr(args, name) for name in names}
-    )
+    with warnings.catch_warnings():  # said below, naming the flags, in the command's words
+        warnings.simplefilter("ignore", IgnoredSettingWarning)
+        config = build_from_flags(
+            AlisaConfig, dict.fromkeys(names), **{name: getattr(args, name) for name in names}
+        )
     tiered = args.command == "plan"  # the plan places KV on the whole device by default
     for note in ignored_settings(config, tiered=tiered):  # a flag for nothing: said, not refused
         print(
@@ -196,53 +196,6 @@ def cache_config_from_args(
         except ValueError as error:
             raise CommandError(f"--profile: {error}") from None
     return config
-
-
-# Settings of how a policy evicts: a policy that keeps every token reads none of them.
-EVICTION_FIELDS = (
-    "recent_fraction",
-    "sink_tokens",
-    "min_budget_tokens",
-    "score_window",
-    "score_decay",
-    "head_max",
-    "per_head",
-    "observation_window",
-    "stride",
-)
-
-
-def ignored_settings(config: AlisaConfig, *, tiered: bool = False) -> list[str]:
-    """What ``config`` sets that no part of a run reads, one ``field=value has no effect ...``
-    each (a flag given for nothing would otherwise pass unsaid). ``tiered``: KV is placed in
-    tiers even without ``gpu_memory`` (``alisa plan`` budgets the whole device)."""
-    from alisa import policies
-
-    cls = policies.POLICIES[config.policy]
-    changed = {item.name for item in fields(config) if getattr(config, item.name) != _default(item)}
-    why: dict[str, str] = {}
-    policy = f"policy={config.policy!r}"
-    if not cls.evicts:
-        for name in (*EVICTION_FIELDS, "dense_layers", "layer_schedule"):
-            why[name] = f"with {policy}, which keeps every token"
-    else:
-        for name in ("score_window", "stride"):
-            if name not in cls.config_fields:
-                why[name] = f"with {policy}, which does not read it"
-        if not cls.needs_attention:
-            for name in ("head_max", "observation_window", "score_decay"):
-                why[name] = f"with {policy}, which does not score tokens by attention"
-    if config.kv_bits == 16:
-        why["residual_tokens"] = why["quant_group_size"] = "with kv_bits=16 (nothing quantized)"
-    if config.retention != "host":
-        why["host_bits"] = f"with retention={config.retention!r} (no host region)"
-    if config.gpu_memory is None and not tiered:
-        why["recompute"] = "without gpu_memory (no device/host tiers)"
-    return [
-        f"{name}={getattr(config, name)!r} has no effect {reason}"
-        for name, reason in why.items()
-        if name in changed
-    ]
 
 
 def build_from_flags(factory: Callable[..., T], flags: dict[str, str | None], **values) -> T:
@@ -393,8 +346,8 @@ def apply_threads(command: str, threads: int | None) -> None:
     check_minimum("--threads", threads, 1)
     try:
         choice = use_threads(threads)
-    except ValueError as error:  # a bad OMP_NUM_THREADS
-        raise CommandError(str(error)) from None
+    except ValueError as error:  # a bad OMP_NUM_THREADS, or more than the machine can start
+        raise CommandError(with_flag(str(error), {"threads": "--threads"})) from None
     warning = choice.warning()
     if warning is not None:
         print(f"alisa {command}: {warning}", file=sys.stderr)

@@ -41,7 +41,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         default="bfloat16",
-        help=f"weights dtype, presets included: {', '.join(DTYPES)} (default: bfloat16)",
+        help=f"weights dtype: {', '.join(DTYPES)} (default: bfloat16; auto: the model's own, "
+        "float16 for a preset)",
     )
     parser.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
     parser.add_argument(
@@ -58,8 +59,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    import torch
-
     from alisa.planning.hardware import cpu_model
     from alisa.planning.spec import config_workload, empty_model_spec
     from alisa.planning.tiers import in_config_terms
@@ -68,15 +67,16 @@ def run(args: argparse.Namespace) -> int:
 
     for flag in ("--batch", "--prompt-len", "--gen-len"):
         check_minimum(flag, getattr(args, flag[2:].replace("-", "_")), 1)
-    torch_dtype = dtype_from_flag(args.dtype) or torch.bfloat16
     config = cache_config_from_args(args, only=PLAN_FIELDS)
-    profile = _hardware(args, config)
-    for note in mismatches(profile, cpu_model(), str(torch_dtype).removeprefix("torch.")):
-        print(f"[alisa] warning: {note}; its rates may not hold here", file=sys.stderr)
     try:
-        spec, recomputable = empty_model_spec(args.model, args.dtype)
+        torch_dtype = weights_dtype(args.model, args.dtype)
+        dtype_name = str(torch_dtype).removeprefix("torch.")
+        spec, recomputable = empty_model_spec(args.model, dtype_name)
     except ValueError as error:
         raise CommandError(f"{error}; plan presets: {', '.join(MODEL_PRESETS)}") from None
+    profile = _hardware(args, config)
+    for note in mismatches(profile, cpu_model(), dtype_name):
+        print(f"[alisa] warning: {note}; its rates may not hold here", file=sys.stderr)
     if args.model.lower() in MODEL_PRESETS:  # a preset's bytes follow --dtype too
         spec = replace(spec, bytes_per_element=torch_dtype.itemsize)
     _check_context(spec, args.prompt_len, args.gen_len)
@@ -99,6 +99,40 @@ def run(args: argparse.Namespace) -> int:
         print(plan.describe())
         print(weight_placement(spec, plan.weight_host_fraction, profile.device_bytes))
     return 0
+
+
+# The published presets' weights (OPT, LLaMA) are float16: ``--dtype auto``'s for them.
+PRESET_DTYPE = "float16"
+
+
+def weights_dtype(model: str, dtype: str):
+    """The torch dtype of ``--dtype`` for ``model``: ``auto`` is the model's own, as
+    ``generate``, ``batch`` and ``serve`` load it (read from its config; a preset's float16).
+
+    Raises
+    ------
+    CommandError
+        An unknown ``--dtype``, or ``auto`` for a model whose config names no dtype.
+    ValueError
+        A model that resolves to nothing.
+    """
+    import torch
+
+    from alisa.model.loading import config_dtype
+    from scheduler import MODEL_PRESETS
+
+    chosen = dtype_from_flag(dtype)
+    if chosen is not None:
+        return chosen
+    if model.lower() in MODEL_PRESETS:
+        return getattr(torch, PRESET_DTYPE)
+    own = config_dtype(model)
+    if own is None:  # loading would take the weights' dtype, which plan does not read
+        raise CommandError(
+            f"--dtype {dtype}: the config of {model!r} names no dtype (loading takes its "
+            "weights' own); give --dtype float32, bfloat16 or float16"
+        )
+    return own
 
 
 def _check_context(spec, prompt_len: int, gen_len: int) -> None:

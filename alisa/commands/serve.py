@@ -73,8 +73,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from alisa.serve import AlisaServer, ServeSettings, bind
+    from alisa.serve.server import base_url
     from alisa.sizes import parse_budget
 
+    if not args.host.strip():  # an unset $HOST in a script: never "every interface" by accident
+        raise CommandError(
+            f"--host {args.host!r} is empty; give an address (127.0.0.1: this machine; "
+            "0.0.0.0: every interface)"
+        )
     check_minimum("--max-new-tokens", args.max_new_tokens, 1)
     check_minimum("--max-batch", args.max_batch, 1)
     check_minimum("--max-queue", args.max_queue, 1)
@@ -119,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         server = AlisaServer(model, tokenizer, settings, log_level=args.log_level)
         host, port = sock.getsockname()[:2]
         print(
-            f"alisa serve: {settings.model_name} on http://{host}:{port}/v1 "
+            f"alisa serve: {settings.model_name} on {base_url(host, port)} "
             f"(policy {settings.config.policy} r={settings.config.caching_ratio:g}); "
             "SIGTERM or Ctrl-C drains and stops",
             file=sys.stderr,

@@ -32,12 +32,33 @@ logger = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
-    """Directory for converted checkpoints: ``$ALISA_CACHE_DIR`` or ``~/.cache/alisa``."""
+    """Directory for converted checkpoints: ``$ALISA_CACHE_DIR`` or ``~/.cache/alisa``.
+
+    Raises
+    ------
+    ValueError
+        The directory, or a folder above it, is a file: named with the variable that chose it,
+        before any slow work (a conversion would fail only when it writes).
+    """
     override = os.environ.get("ALISA_CACHE_DIR")
     if override:
-        return Path(override).expanduser()
+        return _cache_folder(Path(override).expanduser(), f"ALISA_CACHE_DIR={override!r}")
     xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "alisa"
+    if xdg:
+        return _cache_folder(Path(xdg) / "alisa", f"XDG_CACHE_HOME={xdg!r}")
+    return _cache_folder(Path.home() / ".cache" / "alisa", "the default cache (~/.cache/alisa)")
+
+
+def _cache_folder(folder: Path, source: str) -> Path:
+    """``folder``, unless it or the nearest existing folder above it is not a directory."""
+    existing = next((path for path in (folder, *folder.parents) if path.exists()), None)
+    if existing is None or existing.is_dir():
+        return folder
+    which = "" if existing == folder else f": {str(existing)!r} in its path"
+    raise ValueError(
+        f"{source}{which} is a file, not a directory; alisa caches converted models there: "
+        "point ALISA_CACHE_DIR at a directory (created if missing)"
+    )
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -48,6 +69,24 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
         raise ValueError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
     name = DTYPES[dtype]
     return None if name is None else getattr(torch, name)
+
+
+def config_dtype(spec: str) -> torch.dtype | None:
+    """The dtype ``load_model(spec, dtype="auto")`` gives the weights, read from the config alone
+    (``alisa plan`` loads no weights): its ``dtype`` entry, ``None`` when it names none (loading
+    then takes the weights' own dtype, which only the checkpoint's files tell).
+
+    Raises
+    ------
+    ValueError
+        A spec that resolves to nothing (see :func:`resolve_model_path`).
+    """
+    from transformers import AutoConfig
+
+    dtype = getattr(AutoConfig.from_pretrained(resolve_model_path(spec)), "dtype", None)
+    if isinstance(dtype, str):  # a config read from JSON may hold the name
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def default_device() -> torch.device:

@@ -73,6 +73,10 @@ class KVPolicy:
     # (SWA, docs/drop-quality.md).
     head_max_by_default: ClassVar[bool] = False
     decays_by_default: ClassVar[bool] = False
+    # True: score_window() spans several decode steps, so score_decay (fading them) changes what
+    # is kept. Without one (H2O sums every step) or with a one-step window (TOVA reads the last
+    # step alone), a faded sum is the exact sum: the setting has no effect.
+    windowed_scores: ClassVar[bool] = False
     evicts: ClassVar[bool] = True  # False: keeps every token whatever its budget options
     config_fields: ClassVar[Mapping[str, str]] = {}
 

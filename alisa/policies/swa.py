@@ -42,6 +42,7 @@ class SWAPolicy(KVPolicy):
     per_head_by_default = True
     head_max_by_default = True
     decays_by_default = True
+    windowed_scores = True
     config_fields = {"score_window": "window"}
     window: int | None = None
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Sequence, Sized
 from dataclasses import dataclass, field
-from numbers import Integral
+from numbers import Integral, Real
 from typing import Protocol
 
 from alisa.checks import check_int, check_number, unordered
@@ -29,7 +30,8 @@ class StreamRequest:
         Tokens to generate at most (the row also stops at EOS); an integer, numpy's included
         (kept as a Python int).
     id
-        The caller's name for it, returned with the result (default: its arrival index).
+        The caller's name for it, returned with the result (default: its arrival index); not
+        NaN, which equals no id, itself included, so results could not be told apart by it.
     arrival_s
         When it arrived (``time.perf_counter()``), which its TTFT counts from; None: when
         submitted to the scheduler. A batch job's rows all arrive when the job starts.
@@ -41,6 +43,13 @@ class StreamRequest:
     arrival_s: float | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.id, Real) and math.isnan(self.id):
+            # Ids tell results apart by equality (duplicates are refused by it), and NaN equals
+            # nothing: two NaN-named requests would pass as distinct and return alike.
+            raise ValueError(
+                f"id={self.id!r} of a StreamRequest is NaN, which equals no id (itself "
+                "included): results could not be told apart by it; give a string or an integer"
+            )
         # Frozen: the two fields are set to plain values once, while being validated.
         object.__setattr__(self, "prompt_ids", self._plain_ids())
         ids = self.prompt_ids

@@ -59,7 +59,7 @@ def create_app(state: ServeState) -> Starlette:
     -------
     Starlette
         Routes ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-        ``GET /health``, ``GET /metrics``.
+        ``GET /v1/models/{name}``, ``GET /health``, ``GET /metrics``.
     """
 
     async def completions(request: Request) -> Response:
@@ -69,15 +69,14 @@ def create_app(state: ServeState) -> Starlette:
         return await _generate(request, state, parse_chat)
 
     async def models(request: Request) -> Response:
-        context = state.preparer.context
-        card = {
-            "id": state.settings.model_name,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "alisa",
-            "max_model_len": context[0] if context is not None else None,
-        }
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [_model_card(state)]})
+
+    async def model(request: Request) -> Response:
+        # The OpenAI reference's retrieve-model route (``client.models.retrieve``).
+        name = request.path_params["name"]
+        if name != state.settings.model_name:
+            raise _not_served(name, state.settings.model_name, param=None)
+        return JSONResponse(_model_card(state))
 
     async def health(request: Request) -> Response:
         if not state.engine.alive:
@@ -107,6 +106,8 @@ def create_app(state: ServeState) -> Starlette:
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            # :path: a served name may hold slashes (owner/name, the --model directory).
+            Route("/v1/models/{name:path}", model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
         ],
@@ -176,12 +177,7 @@ async def _read(
         parsed = parse(read_json(await _body(request)))
         name = state.settings.model_name
         if parsed.model is not None and parsed.model != name:
-            raise APIError(
-                status=404,
-                message=f"model={parsed.model!r} is not served here; this server serves {name!r}",
-                param="model",
-                code="model_not_found",
-            )
+            raise _not_served(parsed.model, name)
         return parsed, state.preparer.prepare(parsed)
     except (APIError, ClientDisconnect):
         raise
@@ -189,6 +185,29 @@ async def _read(
         text = " ".join(str(error).split())
         logger.warning("refused a request no check foresaw: %s: %s", type(error).__name__, text)
         raise bad_request(f"the request could not be read: {text or 'no detail'}") from None
+
+
+def _model_card(state: ServeState) -> dict:
+    """The served model as the OpenAI reference's model object (with vLLM's context length)."""
+    context = state.preparer.context
+    return {
+        "id": state.settings.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "alisa",
+        "max_model_len": context[0] if context is not None else None,
+    }
+
+
+def _not_served(name: str, served: str, param: str | None = "model") -> APIError:
+    """The 404 of a model name this server does not serve (``param``: the body field naming
+    it; None: the request's path)."""
+    return APIError(
+        status=404,
+        message=f"model={name!r} is not served here; this server serves {served!r}",
+        param=param,
+        code="model_not_found",
+    )
 
 
 async def _body(request: Request) -> bytes:

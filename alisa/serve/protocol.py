@@ -17,12 +17,13 @@ import json
 import math
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from alisa.checks import check_text
 from alisa.config import AlisaConfig
 from alisa.runtime.sampling import SamplingOptions
-from alisa.serve.errors import bad_request
+from alisa.serve.errors import APIError, bad_request
 
 # The cache settings a request may choose for itself (``"alisa": {...}``): every AlisaConfig
 # field but the memory budgets and tiers, which belong to the whole server.
@@ -37,8 +38,25 @@ MAX_STOP = 16  # stop strings per request (each is searched in the text at every
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
-def _no_penalty(value) -> bool:
-    return value == 0
+@dataclass(frozen=True)
+class _NoOp:
+    """A field of the OpenAI reference alisa cannot honour, and the value that asks for nothing.
+
+    ``kind`` is the JSON type the reference gives the field (as :func:`_kind` words it; None:
+    several), so that a value of another type is told its type is wrong (``"0"`` is no number)
+    rather than that it is not the no-op value it may look like.
+    """
+
+    allowed: Callable[[object], bool]
+    value: str
+    reason: str
+    kind: str | None
+
+
+def _number(target: int) -> Callable[[object], bool]:
+    """Whether a value is the number ``target`` (JSON's ``true`` is no number, though Python's
+    ``True == 1``)."""
+    return lambda value: not isinstance(value, bool) and value == target
 
 
 def _empty(value) -> bool:
@@ -47,27 +65,34 @@ def _empty(value) -> bool:
 
 # Fields of the OpenAI reference alisa cannot honour: accepted only at the value that asks for
 # nothing (null always passes), else refused naming the field and why.
+PENALTY = "penalties are not implemented"
 UNSUPPORTED = {
-    "frequency_penalty": (_no_penalty, "0 (penalties are not implemented)"),
-    "presence_penalty": (_no_penalty, "0 (penalties are not implemented)"),
-    "logit_bias": (_empty, "{} (logit bias is not implemented)"),
+    "frequency_penalty": _NoOp(_number(0), "0", PENALTY, "a number"),
+    "presence_penalty": _NoOp(_number(0), "0", PENALTY, "a number"),
+    "logit_bias": _NoOp(_empty, "{}", "logit bias is not implemented", "an object"),
 }
 COMPLETION_UNSUPPORTED = {
-    "echo": (lambda value: value is False, "false (the prompt is not echoed)"),
-    "logprobs": (lambda value: False, "null (log-probabilities are not returned)"),
-    "best_of": (lambda value: value == 1, "1 (one completion per request)"),
-    "suffix": (lambda value: value == "", '"" (insertion is not supported)'),
+    "echo": _NoOp(lambda value: value is False, "false", "the prompt is not echoed", "a boolean"),
+    "logprobs": _NoOp(lambda value: False, "null", "log-probabilities are not returned", None),
+    "best_of": _NoOp(_number(1), "1", "one completion per request", "a number"),
+    "suffix": _NoOp(lambda value: value == "", '""', "insertion is not supported", "a string"),
 }
 CHAT_UNSUPPORTED = {
-    "logprobs": (lambda value: value is False, "false (log-probabilities are not returned)"),
-    "top_logprobs": (lambda value: value == 0, "0 (log-probabilities are not returned)"),
-    "tools": (_empty, "[] (tool calls are not supported)"),
-    "tool_choice": (lambda value: value == "none", '"none" (tool calls are not supported)'),
-    "response_format": (
-        lambda value: value == {"type": "text"},
-        '{"type": "text"} (structured output is not supported)',
+    "logprobs": _NoOp(
+        lambda value: value is False, "false", "log-probabilities are not returned", "a boolean"
     ),
-    "parallel_tool_calls": (lambda value: isinstance(value, bool), "true or false"),
+    "top_logprobs": _NoOp(_number(0), "0", "log-probabilities are not returned", "a number"),
+    "tools": _NoOp(_empty, "[]", "tool calls are not supported", "an array"),
+    # A string or an object naming a function in the reference.
+    "tool_choice": _NoOp(
+        lambda value: value == "none", '"none"', "tool calls are not supported", None
+    ),
+    "response_format": _NoOp(
+        lambda value: value == {"type": "text"},
+        '{"type": "text"}',
+        "structured output is not supported",
+        "an object",
+    ),
 }
 COMMON_FIELDS = (
     "model",
@@ -92,6 +117,7 @@ CHAT_FIELDS = (
     *COMMON_FIELDS,
     *UNSUPPORTED,
     *CHAT_UNSUPPORTED,
+    "parallel_tool_calls",  # any boolean: without tools it asks for nothing
 )
 
 
@@ -261,6 +287,7 @@ def parse_chat(body: dict) -> GenerationRequest:
         400 naming the field at fault.
     """
     _check_fields(body, CHAT_FIELDS, {**UNSUPPORTED, **CHAT_UNSUPPORTED})
+    _optional_bool(body, "parallel_tool_calls")
     if body.get("messages") is None:
         raise bad_request("messages is required", "messages", "missing_field")
     tokens = _optional_tokens(body)
@@ -276,7 +303,7 @@ def parse_chat(body: dict) -> GenerationRequest:
     )
 
 
-def _check_fields(body: dict, known: tuple[str, ...], unsupported: dict) -> None:
+def _check_fields(body: dict, known: tuple[str, ...], unsupported: dict[str, _NoOp]) -> None:
     """Refuse unknown fields, and fields alisa cannot honour set to anything but a no-op."""
     for name, value in body.items():
         if name not in known:
@@ -285,14 +312,22 @@ def _check_fields(body: dict, known: tuple[str, ...], unsupported: dict) -> None
                 name,
                 "unknown_field",
             )
-        if name in unsupported and value is not None:
-            allowed, wanted = unsupported[name]
-            if not allowed(value):
-                raise bad_request(
-                    f"{name}={_show(value)} is not supported: it must be {wanted}",
-                    name,
-                    "unsupported_value",
-                )
+        if name in unsupported and value is not None and not unsupported[name].allowed(value):
+            raise _not_a_no_op(name, value, unsupported[name])
+
+
+def _not_a_no_op(name: str, value: object, no_op: _NoOp) -> APIError:
+    """The 400 of a field alisa cannot honour set to ``value``: of the wrong JSON type (a
+    client's type error), or of the right type but asking for what is not implemented."""
+    if no_op.kind is not None and _kind(value) != no_op.kind:
+        return bad_request(
+            f"{name}={_show(value)} must be {no_op.kind} ({no_op.value}: {no_op.reason})", name
+        )
+    return bad_request(
+        f"{name}={_show(value)} is not supported: it must be {no_op.value} ({no_op.reason})",
+        name,
+        "unsupported_value",
+    )
 
 
 def _common(body: dict, max_tokens: int | None) -> dict:
@@ -326,7 +361,10 @@ def _optional_tokens(body: dict) -> int | None:
 
 def _prompt(value) -> str | tuple[int, ...]:
     """A prompt string or token ids; a list of several prompts is refused (n=1, one answer)."""
-    if isinstance(value, list) and value and all(_is_int(item) for item in value):
+    if value in ("", []):
+        raise bad_request("prompt is empty", "prompt")
+    if isinstance(value, list) and not isinstance(value[0], str | list | dict):
+        # Token ids, as its first item says: an item of another kind is a bad id, not a prompt.
         return _token_ids(value, "prompt")
     if isinstance(value, list):
         if len(value) != 1:
@@ -348,7 +386,7 @@ def _prompt(value) -> str | tuple[int, ...]:
             "prompt",
         )
     if not value:
-        raise bad_request("prompt is empty", "prompt")
+        raise bad_request("prompt[0] is empty", "prompt[0]")
     return value
 
 
@@ -531,7 +569,12 @@ def _is_int(value) -> bool:
 
 
 def _kind(value) -> str:
-    names: dict[type, str] = {list: "an array", str: "a string", bool: "a boolean"}
+    names: dict[type, str] = {
+        dict: "an object",
+        list: "an array",
+        str: "a string",
+        bool: "a boolean",
+    }
     return names.get(type(value), "a number" if isinstance(value, int | float) else "null")
 
 

@@ -118,3 +118,9 @@ def bind(host: str, port: int) -> socket.socket:
         raise
     sock.set_inheritable(True)
     return sock
+
+
+def base_url(host: str, port: int) -> str:
+    """The ``http://HOST:PORT/v1`` address clients are given for a listening ``host``:``port``,
+    an IPv6 address in brackets (``http://[::1]:8000/v1``: bare, its colons read as the port's)."""
+    return f"http://[{host}]:{port}/v1" if ":" in host else f"http://{host}:{port}/v1"
