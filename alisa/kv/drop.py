@@ -37,6 +37,8 @@ class DropKeeper(Keeper):
     def __init__(self, policy, *, per_head: bool = False) -> None:
         super().__init__(policy, per_head=per_head)
         self.scores: AttentionAccumulator | None = None
+        # Where this keeper's fields sit in a static cache's step pack, for how many rows.
+        self._fields, self._rows = 0, 0
 
     @property
     def needs_attention(self) -> bool:
