@@ -264,7 +264,7 @@ class AlisaCache(Cache):
                 f"sequence and cannot take {tokens} more; build it with a larger max_cache_len"
             )
         if not self._bound(batch):
-            self._pack = StepPack(self.layers[0].device, batch)
+            self._pack = StepPack(self.layers[0].device, batch, pinned=self.ops.pinned)
             for layer in self.layers:
                 layer.bind(self._pack, batch)
             self._pack.freeze()

@@ -37,8 +37,8 @@ class DropKeeper(Keeper):
     def __init__(self, policy, *, per_head: bool = False) -> None:
         super().__init__(policy, per_head=per_head)
         self.scores: AttentionAccumulator | None = None
-        # Where this keeper's fields sit in a static cache's step pack, for how many rows.
-        self._fields, self._rows = 0, 0
+        # Where this keeper's fields sit in a static cache's step pack (laid out for pack.rows).
+        self._fields = 0
 
     @property
     def needs_attention(self) -> bool:
@@ -173,7 +173,6 @@ class DropKeeper(Keeper):
         one."""
         super().reserve(pack, batch)
         self._fields = pack.reserve(STATIC_FIELDS, batch)
-        self._rows = batch
 
     def plan_step(self, slots: SlotMap) -> None:
         """The eager step's numbers, from the same shares: what :meth:`victims` and
@@ -187,7 +186,7 @@ class DropKeeper(Keeper):
                 f"policy={self.policy.name!r}: a budget that shrinks as a sequence grows "
                 f"(excess {excess.tolist()}) has no static step"
             )
-        block = self.pack.host(self._fields, STATIC_FIELDS, self._rows)
+        block = self.pack.host(self._fields, STATIC_FIELDS, self.pack.rows)
         block[0], block[1], block[3] = excess, shares.recent, slots.first
         if self.scores is not None:
             if self.scores.decayed:
@@ -201,7 +200,7 @@ class DropKeeper(Keeper):
         self.evicted += int(excess.sum()) * slots.groups
 
     def _field(self, index: int) -> torch.Tensor:
-        return self.pack.field(self._fields, self._rows, index)
+        return self.pack.field(self._fields, self.pack.rows, index)
 
     def _after_static(self, slots: SlotMap, probabilities: torch.Tensor) -> None:
         """:meth:`after_attention` of a static step: the same accounting and choice, every

@@ -34,11 +34,15 @@ class StepPack:
         Where the traced step reads the numbers (the model's device).
     rows
         The sequences of the batch the fields are laid out for.
+    pinned
+        Stage the host numbers in page-locked memory and copy them asynchronously (the
+        cache's kernels say where: :attr:`alisa.ops.backends.Ops.pinned`, on CUDA).
     """
 
-    def __init__(self, device: torch.device, rows: int) -> None:
+    def __init__(self, device: torch.device, rows: int, *, pinned: bool) -> None:
         self.device = torch.device(device)
         self.rows = rows  # the batch the fields are laid out for
+        self.pinned = pinned
         self.size = 1  # slot 0: the position of the token a step writes
         # Two host buffers taken in turn on CUDA: an asynchronous copy may still be reading
         # one when the host fills the next step's numbers (each waits for its own last copy).
@@ -58,9 +62,9 @@ class StepPack:
     def freeze(self) -> None:
         """Allocate the buffers: page-locked on the host where the device is CUDA (the copy
         is then asynchronous), and a device buffer whose address stays for every step."""
-        cuda = self.device.type == "cuda"
-        for _ in range(2 if cuda else 1):
-            self._buffers.append(torch.zeros(self.size, dtype=torch.float64, pin_memory=cuda))
+        for _ in range(2 if self.pinned else 1):
+            buffer = torch.zeros(self.size, dtype=torch.float64, pin_memory=self.pinned)
+            self._buffers.append(buffer)
             self._copied.append(None)
         self.values = torch.zeros(self.size, dtype=torch.float64, device=self.device)
         torch._dynamo.mark_static_address(self.values)
@@ -83,7 +87,7 @@ class StepPack:
     def upload(self) -> None:
         """Copy the host numbers to the device buffer (no wait for the device)."""
         source = self._buffers[self._turn]
-        if self.device.type == "cuda":
+        if self.pinned:
             self.values.copy_(source, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
