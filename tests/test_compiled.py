@@ -9,6 +9,9 @@ from torch._dynamo.utils import counters
 from transformers import DynamicCache, StaticCache
 
 from alisa import AlisaCache, AlisaConfig, generate
+from alisa.cli import main
+from alisa.runtime.compiled import CompileChoice, choose_compile, settle_compile
+from alisa.runtime.generate import new_cache
 
 PROMPTS = ["a longer prompt than the others", "short", "middle one"]
 NEW = 12
@@ -57,7 +60,7 @@ def test_compiled_steps_equal_eager_ones_in_one_graph():
 @pytest.mark.parametrize(
     ("options", "needle"),
     [
-        ({"compile": "yes"}, "compile='yes' must be one of 'off', 'on'"),
+        ({"compile": "yes"}, "compile='yes' must be one of 'auto', 'on', 'off'"),
         ({"compile": True}, "compile=True must be one of"),
         ({"compile": "on", "past_key_values": "alisa"}, "AlisaCache's decode step cannot be"),
         ({"compile": "on", "past_key_values": DynamicCache()}, "DynamicCache's decode step"),
@@ -65,8 +68,12 @@ def test_compiled_steps_equal_eager_ones_in_one_graph():
             {"compile": "on", "config": AlisaConfig(kv_bits=8)},
             "kv_bits=8 has no static (compiled) decode step yet",
         ),
+        (
+            {"compile": "on", "prune_finished": True},
+            "compile='on' runs one static batch, and prune_finished=True drops",
+        ),
     ],
-    ids=["unknown", "bool", "growing-alisa-cache", "dynamic-cache", "int8"],
+    ids=["unknown", "bool", "growing-alisa-cache", "dynamic-cache", "int8", "prune"],
 )
 def test_compile_refused_naming_the_value_and_the_cache(options, needle):
     model, tokenizer = tiny_llama(), byte_tokenizer()
@@ -101,3 +108,62 @@ def test_the_static_anchors_decode_in_turns_as_hf_dynamic_does():
     assert tokens["hf-static"] == tokens["hf-static-compiled"] == tokens["hf-dynamic"]
     assert [row["compile_s"] is None for row in rows] == [True, True, False]
     assert counters["stats"]["unique_graphs"] == 1  # warm-up and timed run share one graph
+
+
+def test_auto_compiles_on_cuda_and_runs_eager_on_a_cpu():
+    """``"auto"`` reads the device (a CPU: eager, its compile time outweighs a call's saving);
+    ``"on"`` and ``"off"`` are the user's."""
+    cpu, cuda = choose_compile("auto", "cpu"), choose_compile("auto", torch.device("cuda"))
+    assert (cpu.compiled, cuda.compiled) == (False, True)
+    assert cpu.describe().startswith("off (auto: a CPU") and cuda.reason.startswith("auto: CUDA")
+    assert choose_compile("on", "cpu") == CompileChoice(asked="on", compiled=True, reason="asked")
+    assert choose_compile("off", "cuda").describe() == "off (asked)"
+
+
+def test_auto_settles_eager_where_the_cache_cannot_compile_and_on_refuses():
+    """A mode without a static step, or a growing cache given: ``"auto"`` runs eager and says
+    why; ``"on"`` is refused naming the setting."""
+    model = tiny_llama()
+    wants = CompileChoice(asked="auto", compiled=True, reason="auto: CUDA")
+    cache, settled = new_cache(model, AlisaConfig(kv_bits=8), 4, 16, wants)
+    assert cache.max_cache_len is None and not cache.is_compileable
+    assert settled.describe() == "off (auto: kv_bits=8 has no static (compiled) decode step yet)"
+    cache, settled = new_cache(model, AlisaConfig(policy="swa", caching_ratio=0.5), 4, 16, wants)
+    assert cache.max_cache_len == 16 and settled == wants
+    with pytest.raises(ValueError, match="kv_bits=8 has no static"):
+        new_cache(
+            model, AlisaConfig(kv_bits=8), 4, 16, CompileChoice(**{**vars(wants), "asked": "on"})
+        )
+    settled = settle_compile(wants, DynamicCache())
+    assert settled.describe() == "off (auto: DynamicCache's step changes shape)"
+    with pytest.raises(ValueError, match="DynamicCache's decode step cannot be compiled"):
+        settle_compile(CompileChoice(asked="on", compiled=True, reason="asked"), DynamicCache())
+
+
+def test_generate_says_whether_its_steps_ran_compiled():
+    """The default is ``"auto"``: on a CPU the eager tokens, reported as such."""
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    run = dict(max_new_tokens=3, stop_at_eos=False)
+    auto = generate(model, tokenizer, PROMPTS, **run)
+    off = generate(model, tokenizer, PROMPTS, compile="off", **run)
+    assert auto.token_ids == off.token_ids and auto.compile_s is None
+    assert auto.compile.startswith("off (auto: a CPU") and off.compile == "off (asked)"
+
+
+def test_the_cli_takes_compile_and_shows_what_it_settled(tmp_path, capsys):
+    """``--compile`` is checked by the parser; ``--show-config`` and the [alisa] line say
+    whether the steps ran compiled."""
+    tiny_llama().save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    argv = ["generate", "hello", "--model", str(tmp_path), "--max-new-tokens", "2"]
+    with pytest.raises(SystemExit) as stopped:
+        main([*argv, "--compile", "maybe"])
+    assert (
+        stopped.value.code == 2 and "--compile: invalid choice: 'maybe'" in capsys.readouterr().err
+    )
+    assert main([*argv, "--show-config"]) == 0
+    err = capsys.readouterr().err
+    assert "\ncompile: off (auto: a CPU" in err
+    assert "| compile off (auto)" in err.split("[alisa]")[1]
+    assert main([*argv, "--compile", "on", "--kv-bits", "8"]) == 1
+    assert "kv_bits=8 has no static (compiled) decode step yet" in capsys.readouterr().err

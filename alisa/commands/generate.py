@@ -21,6 +21,7 @@ from alisa.commands.options import (
     with_flag,
 )
 from alisa.config import AlisaConfig
+from alisa.ops import COMPILE
 from alisa.parallel.config import DECODES, MODES, PARTITIONS
 from alisa.settings import describe_settings, effective_values, evicts_nothing_note
 
@@ -71,6 +72,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print every effective cache setting (what unset fields became, per layer) to "
         "stderr before generating",
+    )
+    parser.add_argument(
+        "--compile",
+        choices=COMPILE,
+        default="auto",
+        help="run the decode steps through torch.compile: auto (default) compiles where that "
+        "pays on the model's device (CUDA) and the cache has a static step, and runs eager on "
+        "a CPU, where the first step takes 16-150 s to compile; on / off force it",
     )
     add_cache_options(parser)
     parallel = parser.add_argument_group("multi-process (launch with torchrun --nproc-per-node N)")
@@ -219,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
     from alisa.model.adapter import model_shape
     from alisa.model.loading import chat_prompt
     from alisa.ops.backends import model_ops
+    from alisa.runtime.compiled import choose_compile
     from alisa.runtime.generate import generate
 
     check_minimum("--max-new-tokens", args.max_new_tokens, 1)  # as alisa batch: generate some
@@ -236,16 +246,30 @@ def run(args: argparse.Namespace) -> int:
     num_layers = shape.num_layers
     # Refused here, before the prefill, when this machine cannot run the kernels asked for.
     ops = model_ops(model, config.kernels)
+    if parallel is not None and args.compile == "on":
+        raise CommandError(
+            "--compile=on: the multi-process modes (--parallel) run their decode steps eager"
+        )
     if args.show_config:
         print(describe_settings(config, num_layers), file=sys.stderr)
         print(f"kernels resolved: {ops.describe()}", file=sys.stderr)
+        # What the device makes of --compile; a mode without a static step settles eager, as
+        # the [alisa] line says.
+        compile_choice = choose_compile(args.compile, next(model.parameters()).device)
+        print(f"compile: {compile_choice.describe()}", file=sys.stderr)
     if parallel is not None:
         result = _parallel(args, model, tokenizer, prompt, config, parallel, sampling)
         if result is None:  # not the last rank: it printed nothing, the last rank reports
             return 0
     else:
         result = generate(
-            model, tokenizer, prompt, config, max_new_tokens=args.max_new_tokens, sampling=sampling
+            model,
+            tokenizer,
+            prompt,
+            config,
+            max_new_tokens=args.max_new_tokens,
+            sampling=sampling,
+            compile=args.compile,
         )
     print(result.texts[0])
     floor = evicts_nothing_note(
@@ -355,8 +379,18 @@ def stats_line(
         + f"policy {config.policy} r={config.caching_ratio:g}"
         + (f" | settings {extra}" if extra else "")
         + (f" | kernels {result.kernels}" if result.kernels else "")
+        + (f" | compile {compile_text(result)}" if result.compile else "")
         + (f" | {note}" if note else "")
     )
+
+
+def compile_text(result) -> str:
+    """``on (first step 62.3 s)``, ``off (auto)``: the [alisa] line's short form of
+    ``result.compile`` (``--show-config`` gives the reason)."""
+    state, reason = result.compile.split(" ", 1)
+    if result.compile_s is not None:
+        return f"{state} (first step {result.compile_s:.1f} s)"
+    return f"{state} ({reason.strip('()').split(':')[0]})"
 
 
 def tiers_text(tiers: dict[str, int]) -> str:

@@ -76,6 +76,7 @@ def run_static(
             past_key_values=factory() if factory else None,
             prune_finished=True,
             stop_at_eos=job.stop_at_eos,
+            compile="off",  # rows leave the batch (prune), and every batch has its own shape
         )
         _record(log, summary, batch, result, waited_s=start - started_s)
         for record in batch_steps(result, start) if on_step else ():

@@ -7,3 +7,7 @@ module itself imports none of them: a config names a backend without loading tor
 
 # The backends a cache can be asked for (AlisaConfig.kernels); "auto" picks the device's.
 KERNELS = ("auto", "reference", "cpu", "cuda")
+
+# Whether decode steps run compiled (generate's compile, --compile): "auto" picks the device's
+# (alisa.ops.backends.compiles_by_default).
+COMPILE = ("auto", "on", "off")

@@ -15,20 +15,58 @@ https://pytorch.org/docs/stable/torch.compiler.html.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from alisa.kv.cache import AlisaCache
+from alisa.ops import COMPILE
+from alisa.ops.backends import compiles_by_default
 
-COMPILE = ("off", "on")
+
+@dataclass(frozen=True, kw_only=True)
+class CompileChoice:
+    """Whether decode steps run compiled, as asked and as settled.
+
+    Attributes
+    ----------
+    asked
+        ``"auto"``, ``"on"`` or ``"off"``.
+    compiled
+        Whether the steps run through :class:`CompiledDecode`.
+    reason
+        Why (``"asked"``, or what ``"auto"`` read: the device, a mode without a static step).
+    """
+
+    asked: str
+    compiled: bool
+    reason: str
+
+    def describe(self) -> str:
+        """``on (asked)``, ``off (auto: a CPU, ...)``: for ``--show-config`` and the results."""
+        return f"{'on' if self.compiled else 'off'} ({self.reason})"
+
+    def eager(self, why: str) -> CompileChoice:
+        """``"auto"`` settled eager because of ``why`` (a cache without a static step)."""
+        return replace(self, compiled=False, reason=f"auto: {why}")
 
 
-def check_compile(compile: str) -> bool:
-    """``"on"`` -> True, ``"off"`` -> False; anything else is a ``ValueError`` naming it."""
-    if compile not in COMPILE:
+def choose_compile(compile: str, device: torch.device | str) -> CompileChoice:
+    """``compile`` resolved for ``device``: ``"on"`` and ``"off"`` as asked, ``"auto"`` by
+    :func:`alisa.ops.backends.compiles_by_default`.
+
+    Raises
+    ------
+    ValueError
+        ``compile`` is not one of ``"auto"``, ``"on"``, ``"off"`` (naming it).
+    """
+    if not isinstance(compile, str) or compile not in COMPILE:
         raise ValueError(f"compile={compile!r} must be one of {', '.join(map(repr, COMPILE))}")
-    return compile == "on"
+    if compile != "auto":
+        return CompileChoice(asked=compile, compiled=compile == "on", reason="asked")
+    compiled, reason = compiles_by_default(device)
+    return CompileChoice(asked=compile, compiled=compiled, reason=reason)
 
 
 def check_compileable(cache) -> None:
@@ -46,6 +84,17 @@ def check_compileable(cache) -> None:
             "change from step to step); use compile='off', an AlisaCache built with "
             "max_cache_len, or an HF StaticCache as past_key_values"
         )
+
+
+def settle_compile(choice: CompileChoice, cache) -> CompileChoice:
+    """``choice`` for the cache the steps run over: ``"auto"`` runs eager over a cache that
+    cannot be compiled (naming why), ``"on"`` refuses it (:func:`check_compileable`)."""
+    if not choice.compiled or cache.is_compileable:
+        return choice
+    if choice.asked == "auto":
+        return choice.eager(f"{type(cache).__name__}'s step changes shape")
+    check_compileable(cache)
+    return choice
 
 
 def last_logits(

@@ -56,6 +56,10 @@ class GenerationOutput:
     compile_s
         Seconds of the first compiled decode step (tracing and code generation included;
         :mod:`alisa.runtime.compiled`); None when the steps ran eager.
+    compile
+        Whether the decode steps ran compiled, and why
+        (:meth:`~alisa.runtime.compiled.CompileChoice.describe`, e.g. ``off (auto: a CPU,
+        ...)``); empty where the caller did not choose (the engine alone).
     """
 
     texts: list[str]
@@ -70,6 +74,7 @@ class GenerationOutput:
     peak_memory_bytes: int = 0
     kernels: str = ""
     compile_s: float | None = None
+    compile: str = ""
 
     @property
     def generated_tokens(self) -> int:

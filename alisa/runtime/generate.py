@@ -16,7 +16,7 @@ from alisa.kv.hooks import attached
 from alisa.memory import PeakMemory
 from alisa.model.adapter import check_model
 from alisa.model.loading import chat_prompt, check_prompt_length
-from alisa.runtime.compiled import check_compile, check_compileable
+from alisa.runtime.compiled import CompileChoice, choose_compile, settle_compile
 from alisa.runtime.engine import DecodeState, Engine, GenerationOutput, cache_kv_bytes
 from alisa.runtime.sampling import SamplingOptions, sampling_or_default
 
@@ -34,7 +34,7 @@ def generate(
     prune_finished: bool = False,
     stop_at_eos: bool = True,
     chat: bool = False,
-    compile: str = "off",
+    compile: str = "auto",
 ) -> GenerationOutput:
     """Generate completions for a batch of prompts with the ALISA cache.
 
@@ -68,7 +68,11 @@ def generate(
         cache capacity; :mod:`alisa.runtime.compiled`), for a cache that says it can: the
         ``AlisaCache`` built here is then static (``max_cache_len`` = the longest prompt plus
         ``max_new_tokens``; a mode without a static step is refused naming why), or HF's
-        ``StaticCache`` passed as ``past_key_values``. ``"off"`` (default): eager.
+        ``StaticCache`` passed as ``past_key_values``. ``"off"``: eager. ``"auto"`` (default):
+        compiled where that pays on the model's device
+        (:func:`alisa.ops.backends.compiles_by_default`: CUDA yes, a CPU no) and the cache can
+        be, else eager; ``GenerationOutput.compile`` says which ran and why. Each new batch
+        size and length compiles again: for many calls of other shapes, pass ``"off"``.
 
     Returns
     -------
@@ -96,26 +100,59 @@ def generate(
         prompt_list = [chat_prompt(tokenizer, prompt) for prompt in prompt_list]
     check_int("max_new_tokens", max_new_tokens, minimum=0)
     max_new_tokens = int(max_new_tokens)  # numpy's int64(2) too: range() and torch take ints
-    compiled = check_compile(compile)
     sampling = sampling_or_default(sampling)
     device = next(model.parameters()).device
+    choice = choose_compile(compile, device)
     batch = tokenizer(prompt_list, return_tensors="pt", padding=True).to(device)
     check_prompt_length(model, tokenizer, batch["input_ids"].shape[-1], new_tokens=max_new_tokens)
+    if prune_finished and choice.compiled:
+        if choice.asked != "auto":
+            raise ValueError(
+                f"compile={choice.asked!r} runs one static batch, and prune_finished=True drops "
+                "finished rows from it: pass one of the two"
+            )
+        choice = choice.eager("prune_finished drops rows, and a compiled step keeps its batch")
     cache = past_key_values
     if cache is None:
-        # Compiled: a static cache sized for the longest prompt and every new token.
-        longest = batch["input_ids"].shape[-1] + max_new_tokens if compiled else None
-        cache = AlisaCache(model, config, max_new_tokens=max_new_tokens, max_cache_len=longest)
+        longest = batch["input_ids"].shape[-1] + max_new_tokens
+        cache, choice = new_cache(model, config, max_new_tokens, longest, choice)
     else:
         _check_cache(cache, config)
-    if compiled:
-        check_compileable(cache)
-    engine = Engine(model, tokenizer, sampling, stop_at_eos=stop_at_eos, compile=compiled)
+    choice = settle_compile(choice, cache)
+    engine = Engine(model, tokenizer, sampling, stop_at_eos=stop_at_eos, compile=choice.compiled)
     state = DecodeState.start(batch["input_ids"], batch["attention_mask"])
     with attached(model), PeakMemory(device) as memory:  # the model's attention is restored
         result = engine.run(state, cache, max_new_tokens, prune=prune_finished)
     result.peak_memory_bytes = memory.peak_bytes
+    result.compile = choice.describe()
     return result
+
+
+def new_cache(
+    model: nn.Module,
+    config: AlisaConfig | None,
+    max_new_tokens: int,
+    longest: int,
+    choice: CompileChoice,
+) -> tuple[AlisaCache, CompileChoice]:
+    """The ``AlisaCache`` a ``generate`` call builds: static (``max_cache_len=longest``, the
+    longest prompt plus every new token) when its steps run compiled, else growing.
+
+    ``compile="on"`` with a mode that has no static step is refused (the cache's message);
+    ``"auto"`` then settles eager, naming the mode's reason, since the user asked for no
+    compilation in particular. A bad setting is refused either way: the growing cache checks
+    it again.
+    """
+    if choice.compiled:
+        try:
+            cache = AlisaCache(model, config, max_new_tokens=max_new_tokens, max_cache_len=longest)
+        except ValueError as refusal:
+            if choice.asked != "auto":
+                raise  # the cache names the setting without a static step
+            choice = choice.eager(str(refusal).split(": ")[0])
+        else:
+            return cache, choice
+    return AlisaCache(model, config, max_new_tokens=max_new_tokens), choice
 
 
 def _check_model(model, tokenizer) -> None:
