@@ -8,9 +8,16 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 GIB = 1024**3
-OPTIONAL_RATES = ("step_overhead_s", "recompute_flops", "kv_bytes_per_s", "select_overhead_s")
+OPTIONAL_RATES = (
+    "step_overhead_s",
+    "recompute_flops",
+    "kv_bytes_per_s",
+    "select_overhead_s",
+    "decode_miss",
+    "select_miss",
+)
 # 0 means "not measured" for OPTIONAL_RATES; these are None instead (0 would be a broken rate).
-UNMEASURED = ("select_bytes_per_s",)
+UNMEASURED = ("select_bytes_per_s", "decode_miss", "select_miss")
 TEXT_FIELDS = ("name", "overlap", "simulated", "device_type", "cpu_model", "torch_version", "dtype")
 FLAGS = ("overlap", "simulated")  # of the fields above, the booleans (a string would read true)
 # Physical ceilings (bytes/s, FLOP/s): a measured rate above them is a broken measurement (a
@@ -67,6 +74,12 @@ class HardwareProfile:
         ``select_bytes_per_s``; 0 when not measured.
     simulated
         True for presets built from published figures rather than measured here.
+    decode_miss, select_miss
+        How well the calibration fits its own steps: the largest relative miss of the fitted
+        decode step cost on the resident steps it was fitted to, and of the fitted selection
+        cost on the ``retention="host"`` steps; None where not calibrated (presets, defaults,
+        older profiles). A plan refuses a profile that misses by more than
+        :data:`PLAN_TOLERANCE` (:func:`calibration_error`).
     device_type, cpu_model, torch_version, dtype
         Where a measured profile was taken (``"cpu"``/``"cuda"``, the CPU's model name, torch's
         version, the model dtype it was calibrated in); empty for presets and old profiles.
@@ -87,6 +100,8 @@ class HardwareProfile:
     select_bytes_per_s: float | None = None
     select_overhead_s: float = 0.0
     simulated: bool = False
+    decode_miss: float | None = None
+    select_miss: float | None = None
     device_type: str = ""
     cpu_model: str = ""
     torch_version: str = ""
@@ -125,6 +140,36 @@ class HardwareProfile:
     def save(self, path: str | Path) -> None:
         """Write the profile as JSON."""
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+
+# The most a calibrated cost may miss its own steps by for a plan to be made from it (the cost
+# model is to hold within 20 % of measured steps: issue 67).
+PLAN_TOLERANCE = 0.2
+
+
+def calibration_error(profile: HardwareProfile) -> str | None:
+    """Why ``profile``'s calibration cannot be planned with, or None when it fits.
+
+    A calibration whose fitted costs miss the very steps they were fitted to by more than
+    :data:`PLAN_TOLERANCE` (a loaded machine, a kernel path the cost formulas do not describe)
+    would plan from wrong times; the plan is refused instead, naming the miss.
+    """
+    misses = {
+        "decode step (resident KV)": profile.decode_miss,
+        "host selection (retention='host')": profile.select_miss,
+    }
+    off = {
+        what: miss for what, miss in misses.items() if miss is not None and miss > PLAN_TOLERANCE
+    }
+    if not off:
+        return None
+    named = ", ".join(f"the {what} by {miss:.0%}" for what, miss in off.items())
+    return (
+        f"profile {profile.name!r}: its calibrated cost misses the steps it was measured on "
+        f"({named}; a plan needs {PLAN_TOLERANCE:.0%}), so its plans would cost wrong times: "
+        "re-run `alisa profile` on a quiet machine (nothing else running), or plan with "
+        "--hardware"
+    )
 
 
 def mismatches(profile: HardwareProfile, cpu_model: str, dtype: str) -> list[str]:

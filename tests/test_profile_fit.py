@@ -20,7 +20,7 @@ from scheduler.calibrate import (
     fit_selection,
     fit_selection_constant,
 )
-from scheduler.hardware import mismatches
+from scheduler.hardware import calibration_error, mismatches
 
 FLOPS_PER_TOKEN = 2.7e8  # SmolLM2-135M-like
 KV_PER_TOKEN = 46_080.0
@@ -232,6 +232,27 @@ def test_mismatches_name_the_other_cpu_and_dtype():
     assert mismatches(profile(simulated=True), "Intel Xeon", "float32") == []
 
 
+def test_plan_refuses_a_profile_whose_calibration_misses_its_own_steps(tmp_path, capsys):
+    """A calibration whose fitted costs miss the steps they were fitted to by more than 20 %
+    (a loaded machine, a kernel path the formulas miss) is refused by ``plan``, naming the
+    miss; within 20 % it plans."""
+    path = tmp_path / "p.json"
+    argv = ["plan", "--profile", str(path), "--dtype", "bfloat16"]
+    profile(cpu_model=cpu_model(), decode_miss=0.79, select_miss=0.05).save(path)
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "misses the steps it was measured on (the decode step (resident KV) by 79%" in err
+    assert "selection" not in err and "re-run `alisa profile` on a quiet machine" in err
+    profile(cpu_model=cpu_model(), decode_miss=0.1, select_miss=0.7).save(path)
+    assert main(argv) == 1
+    assert "the host selection (retention='host') by 70%" in capsys.readouterr().err
+    profile(cpu_model=cpu_model(), decode_miss=0.2, select_miss=0.19).save(path)
+    assert main(argv) == 0
+    assert calibration_error(profile()) is None  # not calibrated: nothing to check
+    with pytest.raises(ValueError, match="decode_miss=-0.1 must be positive"):
+        profile(decode_miss=-0.1)
+
+
 def test_plan_warns_on_a_profile_from_another_cpu_or_dtype(tmp_path, capsys):
     path = tmp_path / "p.json"
     profile(cpu_model="Some Other CPU", dtype="float32").save(path)
@@ -276,6 +297,9 @@ def test_measured_profile_records_machine_and_labels_every_term(capsys):
     text = describe(report)
     assert "min" in text and "median" in text and "max" in text
     assert all(t.source in text for t in report.terms)
+    # How well the fits hold on their own steps is recorded, and said.
+    assert measured.decode_miss >= 0 and measured.select_miss >= 0
+    assert f"the decode fit misses its own steps by up to {measured.decode_miss:.1%}" in text
 
 
 def test_selection_calibration_keeps_the_picks_that_fit(monkeypatch):
@@ -303,11 +327,15 @@ def test_selection_calibration_keeps_the_picks_that_fit(monkeypatch):
     model, device = tiny_llama(), torch.device("cpu")
     measured = profile(kv_bytes_per_s=5e9)
     failing = {"max"}
-    rate, overhead = calibration.calibrate_selection(model, device, measured, batch=1, context=256)
+    rate, overhead, _ = calibration.calibrate_selection(
+        model, device, measured, batch=1, context=256
+    )
     assert rate.median == 2e9 and overhead.median == 0.01
     assert "fallback" not in rate.source
     failing = {"min", "median", "max"}
-    rate, overhead = calibration.calibrate_selection(model, device, measured, batch=1, context=256)
+    rate, overhead, _ = calibration.calibrate_selection(
+        model, device, measured, batch=1, context=256
+    )
     assert rate.median == 5e9 and overhead.median == 0.02
     assert "fallback" in rate.source and "fallback" in overhead.source
 
@@ -338,7 +366,10 @@ def test_the_selection_is_a_host_steps_time_beyond_a_resident_step_timed_in_turn
         return [(host, NothingFetched()), (resident, None)]
 
     monkeypatch.setattr(calibration, "steps_in_turns", in_turns)
-    rate, overhead = calibration.calibrate_selection(model, device, profile(), batch=2, context=512)
+    rate, overhead, miss = calibration.calibrate_selection(
+        model, device, profile(), batch=2, context=512
+    )
+    assert miss == pytest.approx(0.0, abs=1e-9)  # the steps follow the cost formula exactly
     assert "fallback" not in rate.source
     for term, expected in ((rate, 2e9), (overhead, 0.004)):
         assert term.low == pytest.approx(expected, rel=1e-6)

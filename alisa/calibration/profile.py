@@ -137,9 +137,11 @@ def measure_report(
         "device_bytes_per_s": Spread.of("device_bytes_per_s", memory_bandwidth(device), MICRO),
         "device_flops": Spread.of("device_flops", matmul_flops(device, dtype), MICRO),
     }
+    misses: dict[str, float] = {}
     if model is not None:
-        terms.update(_calibrated_terms(model, device, terms, sizes, progress))
-    return ProfileReport(_profile(device, dtype, terms), tuple(terms.values()))
+        calibrated, misses = _calibrated_terms(model, device, terms, sizes, progress)
+        terms.update(calibrated)
+    return ProfileReport(_profile(device, dtype, terms, misses), tuple(terms.values()))
 
 
 def context_error(model, context: int, name: str) -> str | None:
@@ -171,9 +173,10 @@ def context_error(model, context: int, name: str) -> str | None:
 
 def _calibrated_terms(
     model, device: torch.device, micro: dict[str, Spread], sizes: tuple[int, int], progress: bool
-) -> dict[str, Spread]:
+) -> tuple[dict[str, Spread], dict[str, float]]:
     """The terms real steps give: the fitted decode terms, the tiered rates, then the selection
-    cost of retention="host" (costed on top of the others).
+    cost of retention="host" (costed on top of the others); and how far the decode and the
+    selection fits miss their own steps (``decode_miss``, ``select_miss``).
 
     The progress bar counts estimated milliseconds (:func:`calibration_estimate`), so its
     remaining time is right as soon as the first steps show how fast this machine really is;
@@ -206,7 +209,7 @@ def _calibrated_terms(
                 f"about {left:.0f} s left at their pace"
             )
 
-    terms, resident = _fit_decode_twice(model, device, micro, sizes, decode_tick)
+    terms, resident, decode_miss = _fit_decode_twice(model, device, micro, sizes, decode_tick)
     bar.total = bar.n + sum(later)  # a first fit that held skips the second round
     later_units = iter(later)
 
@@ -226,11 +229,12 @@ def _calibrated_terms(
     terms = {**micro, **terms, "h2d_bytes_per_s": reads, "recompute_flops": rebuilds}
     bar.set_description("alisa profile: retention='host' steps")
     dtype = next(model.parameters()).dtype
-    selection = calibrate_selection(
+    *selection, select_miss = calibrate_selection(
         model, device, _profile(device, dtype, terms), *sizes, tick=tick
     )
     bar.close()
-    return {**terms, **{term.field: term for term in selection}}
+    misses = {"decode_miss": decode_miss, "select_miss": select_miss}
+    return {**terms, **{term.field: term for term in selection}}, misses
 
 
 def time_left(elapsed: float, done: float, total: float) -> float:
@@ -268,9 +272,10 @@ def _fit_decode_twice(
     micro: dict[str, Spread],
     sizes: tuple[int, int],
     tick: Callable[[], object],
-) -> tuple[dict[str, Spread], list[float]]:
-    """(fitted decode terms, timings of the step at ``sizes``); a fit that misses its own
-    steps (noise, a stall) is measured once more and the better fit kept."""
+) -> tuple[dict[str, Spread], list[float], float]:
+    """(fitted decode terms, timings of the step at ``sizes``, the fit's largest relative miss
+    on its steps); a fit that misses its own steps (noise, a stall) is measured once more and
+    the better fit kept."""
     spec = model_spec(model, model_shape(model))
     weight_seconds = spec.total_weight_bytes / micro["device_bytes_per_s"].median
     fallback = (micro["device_flops"].median, micro["device_bytes_per_s"].median)
@@ -283,7 +288,7 @@ def _fit_decode_twice(
             best = (miss, {t.field: t for t in fitted}, resident)
         if miss <= FIT_TOLERANCE:
             break
-    return best[1], best[2]
+    return best[1], best[2], best[0]
 
 
 def micro_recompute(model, device: torch.device, tokens: int = 512) -> float:
@@ -300,8 +305,14 @@ def micro_recompute(model, device: torch.device, tokens: int = 512) -> float:
         return statistics.median(_rates(flops, lambda: recomputer(0, hidden, positions), device))
 
 
-def _profile(device: torch.device, dtype: torch.dtype, terms: dict[str, Spread]) -> HardwareProfile:
-    """The profile of the measured medians, tagged with this machine, torch and dtype."""
+def _profile(
+    device: torch.device,
+    dtype: torch.dtype,
+    terms: dict[str, Spread],
+    misses: dict[str, float] | None = None,
+) -> HardwareProfile:
+    """The profile of the measured medians, tagged with this machine, torch and dtype, and
+    with how far its fits miss their own steps (``misses``: none for micro-benchmarks)."""
     if device.type == "cuda":
         device_bytes = torch.cuda.get_device_properties(device).total_memory
     else:
@@ -317,4 +328,5 @@ def _profile(device: torch.device, dtype: torch.dtype, terms: dict[str, Spread])
         torch_version=torch.__version__,
         dtype=str(dtype).removeprefix("torch."),
         **{name: term.median for name, term in terms.items()},
+        **(misses or {}),
     )

@@ -251,9 +251,10 @@ def calibrate_selection(
     batch: int = 4,
     context: int = 1024,
     tick: Callable[[], object] = lambda: None,
-) -> tuple[Spread, Spread]:
+) -> tuple[Spread, Spread, float]:
     """The selection cost of ``retention="host"``: ``select_bytes_per_s`` and
-    ``select_overhead_s`` with their spreads, from real host steps.
+    ``select_overhead_s`` with their spreads, from real host steps, and the median pick's fit's
+    largest relative miss on those steps (``HardwareProfile.select_miss``).
 
     :data:`SELECTION_CONFIG` steps (each one selects) of ``batch`` sequences are timed at
     :data:`SELECTION_CONTEXTS` evenly spaced contexts, each in turns with a resident step over
@@ -303,18 +304,25 @@ def calibrate_selection(
     if not fits:
         rate = profile.kv_bytes_per_s or profile.device_bytes_per_s
         why = "(fallback: the host steps did not grow with the tokens seen)"
-        constants = [
-            fit_selection_constant(samples, bases(pick), sketch, rate, pick).overhead_s
-            for pick in PICKS
-        ]
+        fits = [fit_selection_constant(samples, bases(pick), sketch, rate, pick) for pick in PICKS]
         return (
             Spread.of("select_bytes_per_s", [rate], f"KV read rate {why}"),
-            Spread.of("select_overhead_s", constants, f"fitted at that rate {why}"),
+            Spread.of(
+                "select_overhead_s", [f.overhead_s for f in fits], f"fitted at that rate {why}"
+            ),
+            fits[1].worst_miss,
         )
     return (
         Spread.of("select_bytes_per_s", [f.bytes_per_s for f in fits], SELECTED),
         Spread.of("select_overhead_s", [f.overhead_s for f in fits], SELECTED),
+        _middle_miss(fits),
     )
+
+
+def _middle_miss(fits: list) -> float:
+    """The worst miss of the middle fit of those that held (the median pick's when all did):
+    the fit the profile's medians come closest to."""
+    return sorted(fit.worst_miss for fit in fits)[(len(fits) - 1) // 2]
 
 
 def selection_attended(num_layers: int, context: int) -> int:

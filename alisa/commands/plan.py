@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from alisa.planning.spec import config_workload, empty_model_spec
     from alisa.planning.tiers import in_config_terms
     from scheduler import MODEL_PRESETS, Options, solve
-    from scheduler.hardware import mismatches
+    from scheduler.hardware import calibration_error, mismatches
 
     for flag in ("--batch", "--prompt-len", "--gen-len"):
         check_minimum(flag, getattr(args, flag[2:].replace("-", "_")), 1)
@@ -75,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise CommandError(f"{error}; plan presets: {', '.join(MODEL_PRESETS)}") from None
     profile = _hardware(args, config)
+    error = calibration_error(profile)
+    if error is not None:
+        raise CommandError(error)
     for note in mismatches(profile, cpu_model(), dtype_name):
         print(f"[alisa] warning: {note}; its rates may not hold here", file=sys.stderr)
     if args.model.lower() in MODEL_PRESETS:  # a preset's bytes follow --dtype too

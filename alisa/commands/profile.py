@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from alisa.commands.options import (
@@ -41,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from alisa.calibration.profile import PLAN_SIZES, measure_report
     from alisa.calibration.steps import smallest_context
     from alisa.planning.hardware import default_profile_path
+    from scheduler.hardware import calibration_error
 
     dtype_from_flag(args.dtype)
     calibrated = args.model.lower() != "none"
@@ -77,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"cannot save the profile to {str(path)!r}: {error.strerror}") from None
     print(describe(report))
     print(f"saved to {path}")
+    error = calibration_error(report.profile)
+    if error is not None:  # saved all the same: the user sees its terms and may re-run
+        print(f"alisa profile: warning: {error}; `alisa plan` refuses it", file=sys.stderr)
     return 0
 
 
@@ -118,4 +123,7 @@ def describe(report) -> str:
         label, divisor, unit = UNITS[term.field]
         values = " ".join(f"{v / divisor:9.3f}" for v in (term.low, term.median, term.high))
         lines.append(f"  {label:<22} {values}  {unit:<8}  {term.source}")
+    for label, miss in (("decode", profile.decode_miss), ("selection", profile.select_miss)):
+        if miss is not None:
+            lines.append(f"  the {label} fit misses its own steps by up to {miss:.1%}")
     return "\n".join(lines)
