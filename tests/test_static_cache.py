@@ -157,7 +157,7 @@ def test_the_static_slot_space_is_fixed_and_bounded_by_the_budget():
         ({"gpu_memory": "1GiB"}, "gpu_memory='1GiB' has no static (compiled) decode step yet"),
         (
             {"policy": "swa", "caching_ratio": 0.3, "retention": "host"},
-            "HostKeeper has no static decode step",
+            "retention='host' has no static (compiled) decode step yet",
         ),
         ({"kernels": "cpu"}, "kernels='cpu' runs numba's kernels, which torch.compile cannot"),
     ],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 from alisa.commands.options import (
@@ -23,7 +24,12 @@ from alisa.commands.options import (
 from alisa.config import AlisaConfig
 from alisa.ops import COMPILE
 from alisa.parallel.config import DECODES, MODES, PARTITIONS
-from alisa.settings import describe_settings, effective_values, evicts_nothing_note
+from alisa.settings import (
+    IgnoredSettingWarning,
+    describe_settings,
+    effective_values,
+    evicts_nothing_note,
+)
 
 HELP = "generate a completion for one prompt"
 # ParallelConfig field -> the flag that sets it, so its errors name the flag.
@@ -176,16 +182,6 @@ def _refuse_parallel_flags(args: argparse.Namespace) -> None:
             )
 
 
-def warn_ignored_sampling(sampling) -> None:
-    """One line on stderr when sampling flags are given but greedy decoding ignores them."""
-    if sampling.ignored:
-        flags = ", ".join("--" + name.replace("_", "-") for name in sampling.ignored)
-        print(
-            f"alisa generate: warning: {flags} ignored without --do-sample (greedy decoding)",
-            file=sys.stderr,
-        )
-
-
 def fit_prompt(model, tokenizer, prompt: str, args: argparse.Namespace) -> str:
     """The prompt, or with ``--truncate-prompt`` its last tokens that fit the context with the
     ``--max-new-tokens`` to generate; without it, a prompt that does not fit is an error."""
@@ -236,7 +232,6 @@ def run(args: argparse.Namespace) -> int:
     config = cache_config_from_args(args)
     parallel = parallel_config(args)
     sampling = sampling_from_args(args)
-    warn_ignored_sampling(sampling)
     apply_threads("generate", args.threads)
     model, tokenizer = load_for_cli(args.model, args.dtype)
     if args.chat:
@@ -262,15 +257,17 @@ def run(args: argparse.Namespace) -> int:
         if result is None:  # not the last rank: it printed nothing, the last rank reports
             return 0
     else:
-        result = generate(
-            model,
-            tokenizer,
-            prompt,
-            config,
-            max_new_tokens=args.max_new_tokens,
-            sampling=sampling,
-            compile=args.compile,
-        )
+        with warnings.catch_warnings():  # said below in flags, from what the run held
+            warnings.simplefilter("ignore", IgnoredSettingWarning)
+            result = generate(
+                model,
+                tokenizer,
+                prompt,
+                config,
+                max_new_tokens=args.max_new_tokens,
+                sampling=sampling,
+                compile=args.compile,
+            )
     print(result.texts[0])
     floor = evicts_nothing_note(
         config, num_layers, result.prompt_tokens[0] + len(result.token_ids[0])

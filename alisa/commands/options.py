@@ -257,10 +257,11 @@ def add_sampling_options(
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingOptions:
     """The :class:`~alisa.runtime.sampling.SamplingOptions` of :func:`add_sampling_options`'s
-    flags; a bad value is a :class:`CommandError` naming its flag."""
+    flags; a bad value is a :class:`CommandError` naming its flag, and flags greedy decoding
+    would ignore are one warning line on stderr (and dropped)."""
     from alisa.runtime.sampling import SamplingOptions  # torch: not at the CLI's start
 
-    return build_from_flags(
+    sampling = build_from_flags(
         SamplingOptions,
         SAMPLING_FLAGS,
         do_sample=args.do_sample,
@@ -269,6 +270,14 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingOptions:
         top_p=args.top_p,
         seed=args.seed,
     )
+    if not sampling.ignored:
+        return sampling
+    flags = ", ".join("--" + name.replace("_", "-") for name in sampling.ignored)
+    print(
+        f"alisa {args.command}: warning: {flags} ignored without --do-sample (greedy decoding)",
+        file=sys.stderr,
+    )
+    return SamplingOptions()  # said once here, in flags: greedy, with nothing left to ignore
 
 
 def check_minimum(flag: str, value: int | None, minimum: int) -> None:

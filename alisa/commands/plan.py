@@ -95,7 +95,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan = solve(profile, spec, workload, options)
     except ValueError as error:  # the scheduler names the profile's budgets: say the flags
-        raise CommandError(in_config_terms(str(error), config)) from None
+        workload_flags = (
+            f"--batch {args.batch}, --prompt-len {args.prompt_len}, --gen-len {args.gen_len}"
+        )
+        raise CommandError(
+            f"{in_config_terms(str(error), config)} (for the workload {workload_flags})"
+        ) from None
     if args.json:
         print(json.dumps(plan.to_dict(), default=str))
     else:

@@ -94,7 +94,8 @@ class AlisaCache(Cache):
     ) -> None:
         self.config = config_or_default(config)
         _check_host_memory_applies(self.config)
-        self.max_new_tokens = max_new_tokens
+        check_int("max_new_tokens", max_new_tokens, minimum=0)
+        self.max_new_tokens = int(max_new_tokens)
         self.max_cache_len = _check_static(self.config, max_cache_len)
         adapter = ModelAdapter.of(model)
         self.shape: ModelShape = adapter.shape
@@ -630,21 +631,23 @@ def _model_name(model: nn.Module | None) -> str:
 
 def _check_static(config: AlisaConfig, max_cache_len: int | None) -> int | None:
     """``max_cache_len`` as an int, refused (naming the setting) where the mode has no static
-    step yet: KV coded to fewer bits (a region of codes and full-precision recent tokens) and
-    device/host/recompute tiers (their regions move per step). Keepers refuse for their own
-    modes (:meth:`~alisa.kv.keeper.Keeper.static_slots`)."""
+    step yet: KV coded to fewer bits (a region of codes and full-precision recent tokens),
+    device/host/recompute tiers (their regions move per step) and host retention (its
+    selection and fetch are numba/Triton kernels, not custom operators). Keepers refuse for
+    their own modes too (:meth:`~alisa.kv.keeper.Keeper.static_slots`)."""
     if max_cache_len is None:
         return None
     check_int("max_cache_len", max_cache_len, minimum=1)
     reasons = {
         "kv_bits": config.kv_bits != 16,
         "gpu_memory": config.gpu_memory is not None,
+        "retention": config.retention == "host",
     }
     for name, refused in reasons.items():
         if refused:
             raise ValueError(
                 f"{name}={getattr(config, name)!r} has no static (compiled) decode step yet: "
-                f"build the cache without max_cache_len={max_cache_len} (compile='off')"
+                "run it eager (compile='off' or 'auto'; a cache built without max_cache_len)"
             )
     return int(max_cache_len)
 
@@ -696,7 +699,10 @@ def store_factory(config: AlisaConfig, shape: ModelShape, *, compiled: bool) -> 
     try:
         check_options(config.kv_bits, group, shape.head_dim)
     except ValueError as error:
-        raise ValueError(f"quant_group_size={config.quant_group_size!r}: {error}") from None
+        raise ValueError(
+            f"quant_group_size={config.quant_group_size!r} must divide the model's head size "
+            f"({shape.head_dim}; unset: the head size itself): {error}"
+        ) from None
     return partial(
         QuantizedStore,
         bits=config.kv_bits,

@@ -342,11 +342,18 @@ def _load_tokenizer(spec: str, path: str):
 
     try:
         return AutoTokenizer.from_pretrained(path)
-    except (ValueError, OSError, TypeError):
+    except Exception as error:  # noqa: BLE001 - a damaged file fails in JSON's, Rust's, ... parsers
         folder = Path(path)
-        if not folder.is_dir() or any((folder / name).is_file() for name in TOKENIZER_FILES):
-            raise
         named = f"{path!r}" if spec == path else f"{path!r} (model={spec!r})"
+        saved = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
+        if not folder.is_dir():
+            raise
+        if saved:
+            raise ValueError(
+                f"cannot read the tokenizer saved in {named} ({', '.join(saved)}): "
+                f"{_error_text(error)}; is it complete? save it again "
+                "(tokenizer.save_pretrained(directory))"
+            ) from None
         raise ValueError(
             f"the directory {named} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
             "save the model's tokenizer beside it (tokenizer.save_pretrained(directory))"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import fields
 
@@ -19,6 +20,7 @@ from alisa.model.loading import chat_prompt, check_prompt_length
 from alisa.runtime.compiled import CompileChoice, choose_compile, settle_compile
 from alisa.runtime.engine import DecodeState, Engine, GenerationOutput, cache_kv_bytes
 from alisa.runtime.sampling import SamplingOptions, sampling_or_default
+from alisa.settings import IgnoredSettingWarning, evicts_nothing_note
 
 
 @torch.inference_mode()
@@ -119,6 +121,11 @@ def generate(
     else:
         _check_cache(cache, config)
     choice = settle_compile(choice, cache)
+    if isinstance(cache, AlisaCache):  # as the CLI warns: an evicting policy that keeps all
+        longest = batch["input_ids"].shape[-1] + max_new_tokens
+        note = evicts_nothing_note(cache.config, cache.shape.num_layers, longest)
+        if note is not None:
+            warnings.warn(note, IgnoredSettingWarning, stacklevel=3)  # past inference_mode
     engine = Engine(model, tokenizer, sampling, stop_at_eos=stop_at_eos, compile=choice.compiled)
     state = DecodeState.start(batch["input_ids"], batch["attention_mask"])
     with attached(model), PeakMemory(device) as memory:  # the model's attention is restored

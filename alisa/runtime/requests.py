@@ -43,6 +43,13 @@ class StreamRequest:
     arrival_s: float | None = None
 
     def __post_init__(self) -> None:
+        try:  # ids key the results (and refuse duplicates) in dicts: a list could not be one
+            hash(self.id)
+        except TypeError:
+            raise ValueError(
+                f"id={self.id!r} of a StreamRequest must be a string, an integer or None, not "
+                f"a {type(self.id).__name__}"
+            ) from None
         if isinstance(self.id, Real) and math.isnan(self.id):
             # Ids tell results apart by equality (duplicates are refused by it), and NaN equals
             # nothing: two NaN-named requests would pass as distinct and return alike.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ from transformers.generation.logits_process import (
 )
 
 from alisa.checks import check_field_types
+from alisa.settings import IgnoredSettingWarning
 
 # HF GenerationConfig defaults, used when the model's own generation config leaves them unset.
 HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
@@ -65,13 +67,21 @@ class SamplingOptions:
 
 def sampling_or_default(sampling: SamplingOptions | None) -> SamplingOptions:
     """``sampling``, or greedy ``SamplingOptions()`` for None; anything else (a dict) is a
-    ``ValueError`` naming it."""
+    ``ValueError`` naming it, and fields greedy decoding ignores are an
+    :class:`~alisa.settings.IgnoredSettingWarning`."""
     if sampling is None:
         return SamplingOptions()
     if not isinstance(sampling, SamplingOptions):
         raise ValueError(
             f"sampling={sampling!r} must be a SamplingOptions, e.g. "
             "SamplingOptions(do_sample=True, temperature=0.7) (None: greedy)"
+        )
+    if sampling.ignored:  # as HF's generate warns: a setting accepted and ignored is said
+        given = ", ".join(f"{name}={getattr(sampling, name)!r}" for name in sampling.ignored)
+        warnings.warn(
+            f"sampling: {given} ignored without do_sample=True (greedy decoding)",
+            IgnoredSettingWarning,
+            stacklevel=4,  # the caller of generate() (past it and torch's inference_mode)
         )
     return sampling
 

@@ -62,6 +62,14 @@ class Preparer:
         self.spec = model_spec(model, model_shape(model))
         self.vocab_size = vocabulary_size(model)
         self._valid: set[AlisaConfig] = {settings.config}
+        # A text longer than this cannot fit the context however it is tokenized: refused
+        # before tokenizing, which runs on the event loop (30 MiB of one letter held it, and
+        # every other request, for minutes). Twice the bound: a normalizer may shorten text.
+        longest = max(map(len, tokenizer.get_vocab()), default=1)
+        self.longest_token = max(longest, 1)
+        self.max_text_chars = (
+            None if self.context is None else 2 * self.context[0] * self.longest_token
+        )
 
     def prepare(self, request: GenerationRequest) -> Prepared:
         """Token ids, length and config of ``request``.
@@ -110,6 +118,14 @@ class Preparer:
                     )
             return request.prompt
         text = self._chat_text(request) if request.chat else request.prompt
+        if self.max_text_chars is not None and len(text) > self.max_text_chars:
+            raise bad_request(
+                f"{request.prompt_field} has {len(text)} characters, more than any tokenization "
+                f"of them fits in the model's context of {self.context[0]} tokens (its longest "
+                f"token has {self.longest_token} characters)",
+                request.prompt_field,
+                code="context_length_exceeded",
+            )
         ids = tuple(self.tokenizer(text)["input_ids"])
         if not ids:
             raise bad_request(f"{request.prompt_field} gives no tokens", request.prompt_field)

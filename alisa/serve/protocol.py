@@ -220,11 +220,27 @@ def read_json(raw: bytes) -> dict:
 def _parse(text: str) -> tuple[object, bool]:
     """The JSON value of ``text``, and whether it holds a :class:`_LongInteger`."""
     try:
-        return json.loads(text), False
+        return json.loads(text, object_pairs_hook=_unique), False
     except json.JSONDecodeError:
         raise
     except ValueError:  # the int-string limit, raised bare: read again, marking such integers
-        return json.loads(text, parse_int=_integer), True
+        return json.loads(text, parse_int=_integer, object_pairs_hook=_unique), True
+
+
+def _unique(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object whose keys are each given once: ``{"max_tokens": 2, "max_tokens": 3}``
+    would otherwise be read as its last value, a setting silently dropped (as
+    :mod:`alisa.jsonl` refuses such a row)."""
+    body = dict(pairs)
+    if len(body) < len(pairs):
+        seen: set[str] = set()
+        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise bad_request(
+            f"the request body gives the field {twice!r} more than once; give each field once",
+            param=twice,
+            code="invalid_json",
+        )
+    return body
 
 
 def _integer(text: str) -> int | _LongInteger:
