@@ -597,7 +597,7 @@ CASES = {
         ("--output", "/proc/alisa-none/p.json", "cannot be written"),
     ),
     "profile-context-below-the-floor": Case(
-        "profile --model {tmp}/no-model --context 16 --output {tmp}/p.json",
+        "profile --model {model} --context 16 --output {tmp}/p.json",
         ERR,
         ("--context=16", "must be >= 130"),
     ),

@@ -107,7 +107,7 @@ CASES = {
     "sampling-flag-without-do-sample": Case(
         BATCH + " --seed 3",
         OK,
-        ('without "do_sample": true', "decode greedily"),
+        ("alisa batch: warning: --seed ignored without --do-sample (greedy decoding)",),
         {"in.jsonl": ONE},
     ),
     # each number of the memory line says what it counts

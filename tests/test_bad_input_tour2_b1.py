@@ -99,10 +99,10 @@ def test_stream_generate_refuses_an_id_that_a_request_without_one_would_take(tok
         _stream(tokenizer, requests)
 
 
-def test_stream_generate_refuses_an_id_that_names_no_result(tokenizer):
-    request = StreamRequest(prompt_ids=[5], max_new_tokens=2, id=["x"])
-    with pytest.raises(ValueError, match=r"prompts\[0\] has id=\['x'\], which cannot name a"):
-        _stream(tokenizer, [request])
+def test_stream_generate_refuses_an_id_that_names_no_result():
+    """Refused where the request is built (fourth tour: the request itself accepted it)."""
+    with pytest.raises(ValueError, match=r"id=\['x'\] of a StreamRequest must be a string"):
+        StreamRequest(prompt_ids=[5], max_new_tokens=2, id=["x"])
 
 
 def test_stream_generate_names_requests_without_an_id_by_their_index(tokenizer):

@@ -37,6 +37,13 @@ CASES = {
         ERR,
         ("quant_group_size=7 must divide the model's head size (16;",),
     ),
+    "profile-a-model-too-short-to-calibrate": Case(
+        "profile --model {short} --context 100 --output {tmp}/p.json",
+        ERR,
+        ("a calibration needs --context >= 130, which this model cannot hold",),
+        absent=("p.json",),
+        unsaid=("must be >= 130",),
+    ),
     "batch-sampling-flags-without-do-sample": Case(
         "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --no-progress --max-new-tokens 2 --temperature 0.5",
         OK,

@@ -350,7 +350,8 @@ def test_the_fidelity_config_reads_passkeys_answers_from_ten_new_tokens(workspac
     )
     asked = []
 
-    def generate(model, tokenizer, prompt, config, max_new_tokens):
+    def generate(model, tokenizer, prompt, config, max_new_tokens, compile):
+        assert compile == "off"  # a new length every row: never compiled
         asked.append(max_new_tokens)
         return type("Output", (), {"texts": [" 71432"]})()
 

@@ -44,7 +44,8 @@ def context(tmp_path_factory):
 def test_niah_scores_rulers_string_match_and_skips_long_prompts(context, monkeypatch):
     answers = []
 
-    def generate(model, tokenizer, prompt, config, max_new_tokens):
+    def generate(model, tokenizer, prompt, config, max_new_tokens, compile):
+        assert compile == "off"  # a new length every row: never compiled
         answers.append(max_new_tokens)
         return type("Output", (), {"texts": [" the number 4815162 ."]})()
 

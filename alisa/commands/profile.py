@@ -53,11 +53,6 @@ def run(args: argparse.Namespace) -> int:
                 "steps are calibrated, only micro-benchmarks run)"
             )
     check_minimum("--batch", args.batch, 1)
-    if args.context is not None and args.context < smallest_context():
-        raise CommandError(
-            f"--context={args.context} must be >= {smallest_context()}: the host selection is "
-            "timed at three contexts past its budget floor, and a decode fit needs two contexts"
-        )
     if args.output is not None:
         check_new_file("--output", args.output, force=args.force)  # before measuring, not after
     apply_threads("profile", args.threads)
@@ -65,7 +60,15 @@ def run(args: argparse.Namespace) -> int:
     model = None
     if calibrated:
         model, _ = load_for_cli(args.model, args.dtype)
+        # The model's own context first: a model too short to calibrate at all is said so,
+        # rather than asked for a --context it cannot hold.
         _check_context(model, sizes[1], given=args.context is not None)
+        if args.context is not None and args.context < smallest_context():
+            raise CommandError(
+                f"--context={args.context} must be >= {smallest_context()}: the host selection "
+                "is timed at three contexts past its budget floor, and a decode fit needs two "
+                "contexts"
+            )
     device = next(model.parameters()).device if model is not None else None
     default = args.output is None
     path = default_profile_path(device or torch.device("cpu")) if default else Path(args.output)

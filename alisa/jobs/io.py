@@ -195,10 +195,16 @@ class OutputLog:
     anything else. Ids of rows without an ``"error"`` are done; failed rows are retried.
     """
 
-    def __init__(self, path: str | Path, keys: tuple[str, ...] = ("id",)) -> None:
+    def __init__(
+        self, path: str | Path, keys: tuple[str, ...] = ("id",), settings: dict | None = None
+    ) -> None:
         self.path = Path(path)
         self.keys = keys
         self.done: set = set()
+        # What decides a row's tokens (``job_settings``), written into every row appended, and
+        # the distinct settings the done rows already there were made with (older rows: none).
+        self.settings = settings
+        self.made_with: list[dict] = []
         check_output_file(self.path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -254,9 +260,20 @@ class OutputLog:
     def _add(self, row: dict) -> None:
         if "error" not in row:
             self.done.add(row["id"])
+            made = row.get("settings")
+            if isinstance(made, dict) and made not in self.made_with:
+                self.made_with.append(made)
+
+    def record(self, settings: dict) -> None:
+        """Write ``settings`` into every row appended from now on (:meth:`append`)."""
+        self.settings = settings
 
     def append(self, row: dict) -> None:
-        """Write one result row durably (``ValueError`` naming the path when it fails)."""
+        """Write one result row durably (``ValueError`` naming the path when it fails), with
+        the log's ``settings`` when it has them and the row has none (a merged part's row
+        keeps its own)."""
+        if self.settings is not None and "settings" not in row:
+            row = {**row, "settings": self.settings}
         self._write(_line(row))
         self._add(row)
 

@@ -23,7 +23,15 @@ from alisa.jobs.distributed import (
 )
 from alisa.jobs.io import OutputLog, Request, defaulted, read_requests
 from alisa.jobs.parts import merge_parts, part_path, share
-from alisa.jobs.runner import RESULT_KEYS, BatchJob, JobSummary, open_job, run_requests
+from alisa.jobs.runner import (
+    RESULT_KEYS,
+    BatchJob,
+    JobSummary,
+    job_settings,
+    model_identity,
+    open_job,
+    run_requests,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,7 +92,8 @@ def run_ranked(
     output = Path(job.output)
     total = plan.prompts - plan.already_done
     bar = RankProgress(ranks, plan.token, total, job.progress, "alisa batch")
-    log = OutputLog(part_path(output, ranks.rank), keys=RESULT_KEYS)
+    made_with = {**job_settings(job), "model": model_identity(model)}
+    log = OutputLog(part_path(output, ranks.rank), keys=RESULT_KEYS, settings=made_with)
     try:
         summary = run_requests(
             model, tokenizer, job, plan.pending, log, bar, cache_factory, ranks.local_world

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
@@ -267,10 +268,82 @@ def open_output(job: BatchJob) -> OutputLog:
     log = OutputLog(job.output, keys=RESULT_KEYS)
     try:
         merge_parts(log)
+        _check_made_with(log, job_settings(job))  # the model's part: once it is loaded
     except ValueError:
         log.close()
         raise
     return log
+
+
+# Settings that decide where KV lives, which kernels run and how rows are batched: each is exact
+# (offload, recompute and the kernel backends never change a token), so resuming across them
+# mixes nothing.
+PLACEMENT_FIELDS = ("gpu_memory", "host_memory", "recompute", "profile", "kernels")
+
+
+def job_settings(job: BatchJob) -> dict:
+    """What decides the tokens of a job's rows (a plain JSON object, recorded in every row):
+    the default ``max_new_tokens``, chat, stopping at EOS, the sampling options set, and the
+    cache settings that differ from the defaults, placement aside (:data:`PLACEMENT_FIELDS`)."""
+    default = AlisaConfig()
+    cache = {
+        item.name: getattr(job.config, item.name)
+        for item in fields(AlisaConfig)
+        if item.name not in PLACEMENT_FIELDS
+        and getattr(job.config, item.name) != getattr(default, item.name)
+    }
+    sampling = {
+        item.name: getattr(job.sampling, item.name)
+        for item in fields(SamplingOptions)
+        if getattr(job.sampling, item.name) not in (None, False)
+    }
+    settings = {
+        "max_new_tokens": job.max_new_tokens,
+        "chat": job.chat,
+        "stop_at_eos": job.stop_at_eos,
+        "sampling": sampling,
+        "cache": cache,
+    }
+    return json.loads(json.dumps(settings, default=str))  # as a row reads back
+
+
+def model_identity(model) -> str:
+    """The model a job's rows were made with: its class and where it was loaded from (a
+    directory resolved, so that two spellings of one path are one model)."""
+    source = str(getattr(model.config, "_name_or_path", "") or "")
+    if source and Path(source).exists():
+        source = str(Path(source).resolve())
+    return f"{type(model).__name__} ({source or 'built in memory'})"
+
+
+def _check_made_with(log: OutputLog, settings: dict) -> None:
+    """Refuse to resume an output whose finished rows were made with other ``settings`` (of
+    those named: the model is known only once loaded): the output would mix rows of two runs
+    as if of one (a re-run with another --max-new-tokens reported its rows done)."""
+    others = [made for made in log.made_with if {k: made.get(k) for k in settings} != settings]
+    if not others:
+        return
+    differences = "; ".join(
+        f"{name}: {there} there, {now} now"
+        for name, (there, now) in _differences(others[0], settings).items()
+    )
+    raise ValueError(
+        f"the output {str(log.path)!r} holds finished rows made with other settings "
+        f"({differences}); resuming would mix them with this run's rows: give the same "
+        "settings to finish it, or another output (nothing was changed)"
+    )
+
+
+def _differences(there: dict, now: dict, prefix: str = "") -> dict[str, tuple]:
+    """``{name: (there, now)}`` of the settings that differ, nested ones as ``cache.policy``."""
+    found = {}
+    for name in sorted(set(there) | set(now)):
+        old, new = there.get(name), now.get(name)
+        if isinstance(old, dict) and isinstance(new, dict):
+            found.update(_differences(old, new, f"{prefix}{name}."))
+        elif old != new:
+            found[f"{prefix}{name}"] = (old, new)
+    return found
 
 
 def run_batch(
@@ -325,7 +398,11 @@ def run_opened_job(
 ) -> JobSummary:
     """:func:`run_batch` for a caller that read ``requests`` (``job.input``'s) and opened
     ``log`` (:func:`open_output`) under ``output_lock(job.output)`` (the CLI does, to check
-    every file before loading the model); ``log`` stays open."""
+    every file before loading the model); ``log`` stays open. An output whose finished rows
+    another model made is refused here (``ValueError``), before any row is written."""
+    made_with = {**job_settings(job), "model": model_identity(model)}
+    _check_made_with(log, made_with)  # before any row is written: nothing changed if refused
+    log.record(made_with)
     pending = [r for r in requests if r.id not in log.done]
     bar = tqdm(total=len(pending), unit="prompt", disable=not job.progress, desc="alisa batch")
     summary = run_requests(model, tokenizer, job, pending, log, bar, cache_factory, on_step=on_step)

@@ -285,19 +285,13 @@ def _requests(
     Raises
     ------
     ValueError
-        An id given twice, or one that cannot name a result (unhashable), naming the prompt.
+        An id given twice, naming the prompt (an unhashable one is refused by
+        :class:`~alisa.runtime.requests.StreamRequest` itself).
     """
     seen: set[object] = set()  # every id so far: a finished request's too
     for index, prompt in enumerate(prompts):
         request = _request(tokenizer, prompt, max_new_tokens, index)
-        try:
-            repeated = request.id in seen
-        except TypeError:  # a list, say: results could not be looked up by it
-            raise ValueError(
-                f"prompts[{index}] has id={request.id!r}, which cannot name a result; give a "
-                "string or an integer"
-            ) from None
-        if repeated:
+        if request.id in seen:  # hashable: StreamRequest refuses an id that is not
             raise ValueError(
                 f"prompts[{index}] has id={request.id!r}, as an earlier prompt does: results "
                 "come in completion order and only their ids tell them apart (a request "

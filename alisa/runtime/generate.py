@@ -115,14 +115,13 @@ def generate(
             )
         choice = choice.eager("prune_finished drops rows, and a compiled step keeps its batch")
     cache = past_key_values
+    longest = batch["input_ids"].shape[-1] + max_new_tokens  # the most a row holds
     if cache is None:
-        longest = batch["input_ids"].shape[-1] + max_new_tokens
         cache, choice = new_cache(model, config, max_new_tokens, longest, choice)
     else:
         _check_cache(cache, config)
     choice = settle_compile(choice, cache)
     if isinstance(cache, AlisaCache):  # as the CLI warns: an evicting policy that keeps all
-        longest = batch["input_ids"].shape[-1] + max_new_tokens
         note = evicts_nothing_note(cache.config, cache.shape.num_layers, longest)
         if note is not None:
             warnings.warn(note, IgnoredSettingWarning, stacklevel=3)  # past inference_mode
