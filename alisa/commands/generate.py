@@ -376,7 +376,7 @@ def stats_line(
         + f"policy {config.policy} r={config.caching_ratio:g}"
         + (f" | settings {extra}" if extra else "")
         + (f" | kernels {result.kernels}" if result.kernels else "")
-        + (f" | compile {compile_text(result)}" if result.compile else "")
+        + (f" | compile {compile_text(result)}" if result.compile is not None else "")
         + (f" | {note}" if note else "")
     )
 
@@ -384,10 +384,9 @@ def stats_line(
 def compile_text(result) -> str:
     """``on (first step 62.3 s)``, ``off (auto)``: the [alisa] line's short form of
     ``result.compile`` (``--show-config`` gives the reason)."""
-    state, reason = result.compile.split(" ", 1)
     if result.compile_s is not None:
-        return f"{state} (first step {result.compile_s:.1f} s)"
-    return f"{state} ({reason.strip('()').split(':')[0]})"
+        return f"on (first step {result.compile_s:.1f} s)"
+    return f"{'on' if result.compile.compiled else 'off'} ({result.compile.asked})"
 
 
 def tiers_text(tiers: dict[str, int]) -> str:

@@ -19,7 +19,7 @@ from torch import nn
 from alisa.kv.cache import AlisaCache
 from alisa.memory import tensor_bytes
 from alisa.ops.backends import compile_mode
-from alisa.runtime.compiled import CompiledDecode, last_logits
+from alisa.runtime.compiled import CompileChoice, CompiledDecode, last_logits
 from alisa.runtime.sampling import SamplingOptions, TokenPicker
 
 
@@ -57,9 +57,9 @@ class GenerationOutput:
         Seconds of the first compiled decode step (tracing and code generation included;
         :mod:`alisa.runtime.compiled`); None when the steps ran eager.
     compile
-        Whether the decode steps ran compiled, and why
-        (:meth:`~alisa.runtime.compiled.CompileChoice.describe`, e.g. ``off (auto: a CPU,
-        ...)``); empty where the caller did not choose (the engine alone).
+        Whether the decode steps ran compiled, as asked and why
+        (:class:`~alisa.runtime.compiled.CompileChoice`; ``describe()`` gives e.g. ``off
+        (auto: a CPU, ...)``); None where the caller did not choose (the engine alone).
     """
 
     texts: list[str]
@@ -74,7 +74,7 @@ class GenerationOutput:
     peak_memory_bytes: int = 0
     kernels: str = ""
     compile_s: float | None = None
-    compile: str = ""
+    compile: CompileChoice | None = None
 
     @property
     def generated_tokens(self) -> int:

@@ -130,7 +130,7 @@ def generate(
     with attached(model), PeakMemory(device) as memory:  # the model's attention is restored
         result = engine.run(state, cache, max_new_tokens, prune=prune_finished)
     result.peak_memory_bytes = memory.peak_bytes
-    result.compile = choice.describe()
+    result.compile = choice
     return result
 
 
