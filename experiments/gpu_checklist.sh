@@ -13,7 +13,9 @@
 #
 # Parts, in this order: tests, stalls, fetch (host retention's gather of fetched rows,
 # experiments.kernels fetch), smoke (B = 1 x 32K, 4 new tokens: does every system run at all),
-# speed (B = 16 x 8K), costmodel, long (B = 1 x 32K), offloaded. Writes every log under $OUT/work
+# speed (B = 16 x 8K), costmodel, long (B = 1 x 32K), captured and longcaptured (B = 16 x 8K
+# and 1 x 32K: compiled steps against HF's StaticCache, recompiles and CUDA graph skips logged),
+# offloaded. Writes every log under $OUT/work
 # and packs them into $OUT/gpu.tgz after each part (what ran comes back even if a later part is
 # cut off).
 set -u
@@ -23,7 +25,7 @@ WORK="$OUT/work"
 mkdir -p "$WORK"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-PARTS=${PARTS:-tests stalls fetch speed costmodel long offloaded}
+PARTS=${PARTS:-tests stalls fetch speed captured costmodel long longcaptured offloaded}
 
 part() {  # part NAME SECONDS COMMAND...: run, log, say how it ended
     local name=$1 limit=$2 start=$SECONDS
@@ -48,6 +50,17 @@ SYSTEMS="hf-dynamic;alisa:policy=swa,caching_ratio=0.2,retention=host"
 SYSTEMS="$SYSTEMS;alisa:policy=swa,caching_ratio=0.2;alisa:policy=swa,caching_ratio=1.0"
 SYSTEMS="$SYSTEMS;alisa:policy=swa,caching_ratio=0.1,retention=host"
 SYSTEMS="$SYSTEMS;alisa:policy=swa,caching_ratio=0.1"
+# Captured decode steps (issue 65): HF's StaticCache eager and compiled (the fair anchors) beside
+# alisa's static caches compiled (CUDA graphs), dropping and dense, and the eager modes.
+# The captured dropping step last: it stopped at a device-side assert in the sixth run
+# (docs/gpu.md), which ends the process.
+CAPTURED="hf-dynamic;hf-static;hf-static-compiled;alisa-compiled:caching_ratio=1.0"
+CAPTURED="$CAPTURED;alisa:policy=swa,caching_ratio=0.2"
+CAPTURED="$CAPTURED;alisa:policy=swa,caching_ratio=0.2,retention=host"
+CAPTURED="$CAPTURED;alisa-compiled:policy=swa,caching_ratio=0.2"
+LONG_CAPTURED="hf-static;hf-static-compiled;alisa-compiled:caching_ratio=1.0"
+LONG_CAPTURED="$LONG_CAPTURED;alisa:policy=swa,caching_ratio=0.2,retention=host"
+LONG_CAPTURED="$LONG_CAPTURED;alisa-compiled:policy=swa,caching_ratio=0.2"
 
 part tests "${T_TESTS:-150}" $PY -m pytest -q --tb=short -p no:cacheprovider tests/test_cuda.py
 part stalls "${T_STALLS:-100}" $PY -m probes.gpu_stalls --out "$WORK"
@@ -60,6 +73,11 @@ part costmodel "${T_COST:-150}" $PY -m experiments.bench_cost_model --model shap
     --prompts random --dtype bfloat16 --batch 8 --prompt-tokens 1024
 part long "${T_LONG:-80}" $PY -m experiments.bench_speed $SHAPE --batch 1 \
     --prompt-tokens 32768 --new-tokens 64 --systems "$SYSTEMS;alisa:gpu_memory=18GiB"
+part captured "${T_CAPTURED:-330}" env TORCH_LOGS=recompiles,perf_hints $PY -m experiments.bench_speed \
+    $SHAPE --batch 16 --prompt-tokens 8192 --new-tokens 64 --systems "$CAPTURED"
+part longcaptured "${T_LONGCAPTURED:-150}" env TORCH_LOGS=recompiles,perf_hints \
+    $PY -m experiments.bench_speed $SHAPE --batch 1 --prompt-tokens 32768 --new-tokens 64 \
+    --systems "$LONG_CAPTURED"
 part offloaded "${T_OFFLOAD:-120}" $PY -m experiments.bench_speed $SHAPE --batch 16 \
     --prompt-tokens 8192 --new-tokens 8 --systems "hf-dynamic;hf-offloaded"
 

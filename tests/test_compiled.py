@@ -120,6 +120,25 @@ def test_auto_compiles_on_cuda_and_runs_eager_on_a_cpu():
     assert choose_compile("off", "cuda").describe() == "off (asked)"
 
 
+def test_auto_on_cuda_captures_no_step_that_frees_slots_yet():
+    """On CUDA the dropping step captured at 16 x 8K stopped at a device-side assert
+    (docs/gpu.md, sixth run): ``"auto"`` builds a growing cache and runs such a mode eager,
+    saying why, while a mode that never frees a slot is captured; ``"on"`` captures both."""
+    cuda = choose_compile("auto", torch.device("cuda"))
+    assert cuda.compiled and "frees slots" in cuda.freeing
+    assert choose_compile("auto", "cpu").freeing is None
+    assert choose_compile("on", torch.device("cuda")).freeing is None
+    model = tiny_llama()  # the choice is the device's; the cache is built on this CPU model
+    dropping = AlisaConfig(policy="swa", caching_ratio=0.3)
+    cache, settled = new_cache(model, dropping, 8, 40, cuda)
+    assert cache.max_cache_len is None and cache.frees_slots
+    assert settled.describe() == f"off (auto: {cuda.freeing})"
+    cache, settled = new_cache(model, AlisaConfig(caching_ratio=1.0), 8, 40, cuda)
+    assert cache.max_cache_len == 40 and not cache.frees_slots and settled == cuda
+    cache, settled = new_cache(model, dropping, 8, 40, choose_compile("on", "cpu"))
+    assert cache.max_cache_len == 40 and settled.compiled
+
+
 def test_auto_settles_eager_where_the_cache_cannot_compile_and_on_refuses():
     """A mode without a static step, or a growing cache given: ``"auto"`` runs eager and says
     why; ``"on"`` is refused naming the setting."""

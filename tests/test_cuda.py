@@ -406,7 +406,8 @@ def test_a_mapped_fetch_decodes_the_tokens_the_host_fetch_does(dtype, bits):
 def test_the_banded_sliding_prefill_equals_the_full_call_on_the_device(dtype):
     """A long prompt's sliding-window prefill by blocks (alisa.kv.banded) against SDPA's full
     call on the device's own kernels: bit for bit where they add keys in blocks that divide 512
-    (as the CPU's flash kernel does; tests/test_banded.py)."""
+    (as the CPU's flash kernel does; tests/test_banded.py). CUDA's do not (bfloat16 differed in
+    3 % of elements on an H200): there the banded path declines and the full call runs."""
     from test_banded import Attention, inputs, sliding_mask
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -418,7 +419,10 @@ def test_the_banded_sliding_prefill_equals_the_full_call_on_the_device(dtype):
     mask = sliding_mask(lengths, window).to(DEVICE)
     full, _ = sdpa_attention_forward(Attention(), query, key, value, mask, scaling=0.2)
     banded = banded_prefill(Attention(), query, key, value, mask, window, scaling=0.2)
-    torch.testing.assert_close(banded, full, rtol=0, atol=0, equal_nan=True)
+    if CUDA:  # CUDA's kernels add keys in other blocks (bfloat16 differed): the full call runs
+        assert banded is None
+    else:
+        torch.testing.assert_close(banded, full, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
@@ -437,3 +441,36 @@ def test_a_capped_or_sink_prefill_by_chunk_bands_gives_hfs_tokens_on_the_device(
     for config in (AlisaConfig(), AlisaConfig(policy="swa", caching_ratio=1.0, **HOST)):
         ours = hf_generate(model, ids, mask, AlisaCache(model, config), max_new_tokens=8)
         assert torch.equal(ours, reference), config
+
+
+@only_cuda
+@pytest.mark.parametrize(
+    "fields",
+    [
+        pytest.param({"caching_ratio": 1.0}, id="dense"),
+        pytest.param({"policy": "swa", "caching_ratio": 0.3, "min_budget_tokens": 0}, id="swa"),
+    ],
+)
+def test_a_compiled_static_step_replays_a_cuda_graph_of_the_eager_tokens(fields):
+    """``compile="on"`` on CUDA captures the static decode step (``reduce-overhead``): the
+    eager tokens, one graph, and no CUDA graph skipped (every buffer the step writes in
+    place has a fixed address: :func:`alisa.kv.static.mark_static`)."""
+    from conftest import byte_tokenizer
+    from torch._dynamo.utils import counters
+
+    from alisa import generate
+
+    model, tokenizer = on_device(tiny_llama), byte_tokenizer()
+    prompts = ["a longer prompt than the others, longer still", "short", "middle one"]
+    run = dict(config=AlisaConfig(**fields), max_new_tokens=24, stop_at_eos=False)
+    eager = generate(model, tokenizer, prompts, compile="off", **run)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = generate(model, tokenizer, prompts, compile="on", **run)
+    assert compiled.compile.compiled
+    assert compiled.token_ids == eager.token_ids
+    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    again = generate(model, tokenizer, prompts, compile="on", **run)  # a new cache: no new graph
+    assert again.token_ids == eager.token_ids
+    assert counters["stats"]["unique_graphs"] == 1

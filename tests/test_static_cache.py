@@ -42,7 +42,9 @@ def greedy(model, cache, ids, mask, steps: int, forward) -> torch.Tensor:
         logits = last_logits(model, ids, positions, mask, cache)
         tokens = [logits.argmax(-1)]
         for step in range(steps):
-            mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype)], dim=1)
+            mask = torch.cat(
+                [mask, torch.ones(batch, 1, dtype=mask.dtype, device=mask.device)], dim=1
+            )
             position = positions[:, -1:] + step + 1
             feed = tokens[-1][:, None]
             if forward is model:  # the hook writes the step's numbers
@@ -129,6 +131,37 @@ def test_generate_compiles_a_static_cache_to_the_eager_tokens(mode):
     assert compiled.token_ids == eager.token_ids
     assert counters["stats"]["unique_graphs"] == 1
     assert compiled.compile_s > 0 and eager.compile_s is None
+
+
+@pytest.mark.parametrize("mode", ["dense", "swa", "swa-exact-window"])
+def test_the_buffers_a_static_step_writes_keep_their_addresses_and_say_so(mode):
+    """CUDA graphs replay a step that writes the cache in place only if those buffers have
+    fixed addresses (else they skip the graph, as they would for HF's StaticCache without
+    ``mark_static_address``): every buffer a static step writes (the keys and values, the
+    slot positions, the attention sums and their snapshots, the step's numbers) is marked
+    static at the first decode step and keeps its address for every later one."""
+    model = tiny_llama()
+    ids, mask = prompts(lengths=(20, 11, 16))
+    cache = AlisaCache(model, config(mode), max_cache_len=ids.shape[1] + 40)
+
+    def written():
+        for layer in cache.layers:
+            yield from layer.store.static_buffers()
+            yield from layer.slots.static_buffers()
+            yield from layer.keeper.static_buffers()
+        yield cache._pack.values
+
+    addresses = []
+
+    def forward(**inputs):  # the eager step, then where its buffers are
+        logits = model.forward(**inputs)
+        addresses.append([tensor.data_ptr() for tensor in written()])
+        return logits
+
+    greedy(model, cache, ids, mask, 30, forward)
+    assert len(addresses) == 30 and len(addresses[0]) >= 3 * len(cache.layers) + 1
+    assert all(step == addresses[0] for step in addresses)
+    assert all(tensor._dynamo_static_input_type == "unguarded" for tensor in written())
 
 
 def test_the_static_slot_space_is_fixed_and_bounded_by_the_budget():

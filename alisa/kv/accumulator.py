@@ -78,6 +78,10 @@ class AttentionAccumulator:
         """Bytes held by the running totals and snapshots."""
         return self.total.nbytes + self.snapshots.nbytes
 
+    def static_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The totals and snapshots, which a static step adds to and clears in place."""
+        return self.total, self.snapshots
+
     def add(self, row: torch.Tensor, window: np.ndarray | None) -> None:
         """Add one step's attention row (B, Hs, S') over the first S' slots."""
         if self.decayed:
@@ -93,9 +97,11 @@ class AttentionAccumulator:
         (:meth:`count_step`): a decayed accumulator's (B,) float32 ``keep`` weights, and a
         windowed one's ``snapshot``, the (1,) ring slot that takes the new totals this step
         (-1: none)."""
+        # In place by method: ``self.total += row`` would rebind the attribute, which a traced
+        # step returns as an output (a CUDA graph's output buffer, rewritten by the next replay).
         if self.decayed:
-            self.total *= _faded(keep, 1)
-        self.total += row
+            self.total.mul_(_faded(keep, 1))
+        self.total.add_(row)
         if self.windowed:  # a masked copy: every step writes one ring slot, most write it back
             slot = snapshot.clamp(min=0)
             current = self.snapshots.index_select(0, slot)

@@ -243,6 +243,9 @@ class DropKeeper(Keeper):
     def state_bytes(self) -> int:
         return self.scores.nbytes() if self.scores is not None else 0
 
+    def static_buffers(self) -> tuple[torch.Tensor, ...]:
+        return self.scores.static_buffers() if self.scores is not None else ()
+
     def select_batch(self, indices: torch.Tensor) -> None:
         if self.scores is not None:
             self.scores.select_batch(indices)

@@ -135,6 +135,10 @@ class Keeper:
         """Take this keeper's fields of a static step's numbers for ``batch`` sequences."""
         self.pack = pack
 
+    def static_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The device tensors of this keeper a static step writes in place (none here)."""
+        return ()
+
     def plan_step(self, slots: SlotMap) -> None:
         """A static decode step is about to run (the host counted its token:
         :meth:`SlotMap.advance`): write this keeper's numbers into its fields of

@@ -17,7 +17,7 @@ from transformers.cache_utils import CacheLayerMixin
 from alisa.kv.keeper import Keeper
 from alisa.kv.rest import RestColumn
 from alisa.kv.slots import SlotMap, grown
-from alisa.kv.static import StepPack
+from alisa.kv.static import StepPack, mark_static
 from alisa.kv.tiering import CallInputs, Tiering
 from alisa.storage.store import DenseStore, KVStore, Part, StoreFactory, TokenInputs
 
@@ -135,8 +135,14 @@ class AlisaLayer(CacheLayerMixin):
 
     def bind(self, pack: StepPack, batch: int) -> None:
         """Give a static layer the numbers of its steps (:mod:`alisa.kv.static`): at the first
-        decode step of ``batch`` sequences, and again when the batch changed."""
+        decode step of ``batch`` sequences, and again when the batch changed. Its buffers keep
+        their addresses from here on, and say so (:func:`alisa.kv.static.mark_static`)."""
         self.keeper.reserve(pack, batch)
+        mark_static(
+            *self.store.static_buffers(),
+            *self.slots.static_buffers(),
+            *self.keeper.static_buffers(),
+        )
 
     def plan_step(self) -> None:
         """Before a static decode step (the host's half): count its token and write the

@@ -282,3 +282,7 @@ class SlotMap:
 
     def nbytes(self) -> int:
         return self.positions.nbytes
+
+    def static_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The slot positions, which a static step claims and empties in place."""
+        return (self.positions,)

@@ -20,6 +20,21 @@ import numpy as np
 import torch
 
 
+def mark_static(*tensors: torch.Tensor) -> None:
+    """Tell the compiler these tensors keep their address for every step (as HF's
+    ``StaticLayer`` does for its keys and values).
+
+    A compiled step writes a static cache's buffers in place (the new token's slot, the
+    evicted slots, the attention sums); CUDA graphs skip a graph whose inputs are mutated
+    unless their addresses are fixed, and would otherwise copy every input into the graph's
+    own buffers each replay. Called outside the traced region (when a layer binds its step).
+    """
+    for tensor in tensors:
+        # Unguarded: a new cache of the same shape re-records the graph instead of compiling
+        # the step again (older torch releases guarded by default).
+        torch._dynamo.mark_static_address(tensor, guard=False)
+
+
 class StepPack:
     """The host's numbers of one decode step, in one float64 buffer, uploaded in one copy.
 
@@ -67,7 +82,7 @@ class StepPack:
             self._buffers.append(buffer)
             self._copied.append(None)
         self.values = torch.zeros(self.size, dtype=torch.float64, device=self.device)
-        torch._dynamo.mark_static_address(self.values)
+        mark_static(self.values)
 
     def _current(self) -> np.ndarray:
         return self._buffers[self._turn].numpy()

@@ -111,6 +111,11 @@ class KVStore(Protocol):
 
     def nbytes(self) -> int: ...
 
+    def static_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The buffers a static (compiled) decode step writes in place, whose addresses stay
+        fixed from the first decode step on (:mod:`alisa.kv.static`)."""
+        ...
+
     def tier_bytes(self) -> dict[str, int]: ...
 
     def read(self, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,6 +225,9 @@ class DeviceResident:
 
     def nbytes(self) -> int:
         raise NotImplementedError
+
+    def static_buffers(self) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError(f"{type(self).__name__} has no static decode step")
 
     def read(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -333,6 +341,10 @@ class DenseStore(DeviceResident):
     def nbytes(self) -> int:
         """Bytes held by the buffers, spare capacity included."""
         return self.keys.nbytes + self.values.nbytes
+
+    def static_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The keys and values: a static step writes its token into them in place."""
+        return self.keys, self.values
 
     def attend(self, positions, query, seen: int, window, scaling: float):
         """A float32 decode step on a CPU: :func:`alisa.ops.cpu.attend_slots` over the

@@ -101,6 +101,9 @@ class TieredStore:
     def nbytes(self) -> int:
         return sum(region.nbytes() for region in self._regions)
 
+    def static_buffers(self) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError("a tiered store has no static decode step (its regions move)")
+
     def tier_bytes(self) -> dict[str, int]:
         """Bytes held per tier (device KV, host KV, host hidden states for recomputation)."""
         totals: dict[str, int] = {}
