@@ -13,9 +13,10 @@
 #
 # Parts, in this order: tests, stalls, fetch (host retention's gather of fetched rows,
 # experiments.kernels fetch), smoke (B = 1 x 32K, 4 new tokens: does every system run at all),
-# speed (B = 16 x 8K), costmodel, long (B = 1 x 32K), captured and longcaptured (B = 16 x 8K
+# speed (B = 16 x 8K), probe-eager / -default / -reduce-overhead (the static dropping step at
+# 16 x 8K eager, under inductor, captured: where it fails), captured and longcaptured (B = 16 x 8K
 # and 1 x 32K: compiled steps against HF's StaticCache, recompiles and CUDA graph skips logged),
-# offloaded. Writes every log under $OUT/work
+# costmodel, long (B = 1 x 32K), offloaded. Writes every log under $OUT/work
 # and packs them into $OUT/gpu.tgz after each part (what ran comes back even if a later part is
 # cut off).
 set -u
@@ -25,7 +26,7 @@ WORK="$OUT/work"
 mkdir -p "$WORK"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-PARTS=${PARTS:-tests stalls fetch speed captured costmodel long longcaptured offloaded}
+PARTS=${PARTS:-tests stalls fetch speed probe-eager probe-default probe-reduce-overhead captured costmodel long longcaptured offloaded}
 
 part() {  # part NAME SECONDS COMMAND...: run, log, say how it ended
     local name=$1 limit=$2 start=$SECONDS
@@ -73,6 +74,12 @@ part costmodel "${T_COST:-150}" $PY -m experiments.bench_cost_model --model shap
     --prompts random --dtype bfloat16 --batch 8 --prompt-tokens 1024
 part long "${T_LONG:-80}" $PY -m experiments.bench_speed $SHAPE --batch 1 \
     --prompt-tokens 32768 --new-tokens 64 --systems "$SYSTEMS;alisa:gpu_memory=18GiB"
+# Where the captured dropping step parts from the eager one at the failing shape (docs/gpu.md,
+# sixth run): the static step eager, under inductor, captured; each in its own process.
+for how in eager default reduce-overhead; do
+    part "probe-$how" "${T_PROBE:-150}" env CUDA_LAUNCH_BLOCKING=1 $PY probes/gpu_static_probe.py \
+        "$how" --shape llama-3.1-8b --dtype bfloat16 --batch 16 --prompt-tokens 8192 --steps 16
+done
 part captured "${T_CAPTURED:-330}" env TORCH_LOGS=recompiles,perf_hints $PY -m experiments.bench_speed \
     $SHAPE --batch 16 --prompt-tokens 8192 --new-tokens 64 --systems "$CAPTURED"
 part longcaptured "${T_LONGCAPTURED:-150}" env TORCH_LOGS=recompiles,perf_hints \

@@ -1,16 +1,20 @@
 """Where a static SWA decode step parts from the growing cache's, on this machine's device.
 
 docs/gpu.md (sixth run): the dropping step captured as a CUDA graph at the Llama-3.1-8B shape,
-16 x 8,192, stopped at a device-side assert; on a tiny Llama it gives the growing cache's tokens
-eager, under inductor and captured. Run each way in its own process (an assert ends the CUDA
-context):
+16 x 8,192, bf16, stopped at a device-side assert; on a tiny float32 Llama it gives the growing
+cache's tokens eager, under inductor and captured. Run each way in its own process (an assert
+ends the CUDA context), with ``CUDA_LAUNCH_BLOCKING=1`` for the failing op's stack:
 
-    python probes/gpu_static_probe.py eager|default|reduce-overhead [LENGTHS] [preset]
+    python probes/gpu_static_probe.py eager|default|reduce-overhead              # tiny Llama
+    python probes/gpu_static_probe.py reduce-overhead --shape llama-3.1-8b --batch 16 \\
+        --prompt-tokens 8192 --dtype bfloat16                                    # the failing run
 
-LENGTHS: comma-separated prompt lengths (200,180,150); ``preset``: the default preset's budget
-floor (else none). Prints whether the tokens equal the growing cache's, or the traceback.
+``eager``: the static cache's eager step; ``default``: inductor's code, no CUDA graphs;
+``reduce-overhead``: captured. Prints whether the tokens equal the growing cache's (a float
+near-tie may part them in bfloat16), or the traceback.
 """
 
+import argparse
 import sys
 import traceback
 
@@ -21,32 +25,46 @@ from test_static_cache import greedy  # noqa: E402
 
 from alisa import AlisaCache, AlisaConfig  # noqa: E402
 from experiments.architectures import prompts  # noqa: E402
+from experiments.shapes import load_benchmark_model, random_prompts  # noqa: E402
 
-STEPS = 20
 
-
-def main(how: str, lengths: tuple[int, ...], floor: bool) -> None:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = tiny_llama().to(device)
-    ids, mask = (tensor.to(device) for tensor in prompts(lengths=lengths))
-    config = AlisaConfig(
-        policy="swa", caching_ratio=0.2, **({} if floor else {"min_budget_tokens": 0})
+def inputs(args, device: str):
+    """(model, ids, mask): a tiny Llama with padded rows, or a shape's model with random rows."""
+    if args.shape is None:
+        model = tiny_llama().to(device, getattr(torch, args.dtype))
+        ids, mask = prompts(lengths=(200, 180, 150))
+        return model, ids.to(device), mask.to(device)
+    model, tokenizer = load_benchmark_model(
+        f"shape:{args.shape}", dtype=args.dtype, tokenizer="bytes"
     )
+    batch = tokenizer(random_prompts(args.prompt_tokens, args.batch), return_tensors="pt")
+    return model, batch["input_ids"].to(device), batch["attention_mask"].to(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("how", choices=("eager", "default", "reduce-overhead"))
+    parser.add_argument("--shape", help="a shape of experiments.shapes (default: a tiny Llama)")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=8192)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, ids, mask = inputs(args, device)
+    config = AlisaConfig(policy="swa", caching_ratio=0.2)
     try:
-        growing = greedy(model, AlisaCache(model, config), ids, mask, STEPS, model)
-        static = AlisaCache(model, config, max_cache_len=ids.shape[1] + STEPS + 1)
+        growing = greedy(model, AlisaCache(model, config), ids, mask, args.steps, model)
+        static = AlisaCache(model, config, max_cache_len=ids.shape[1] + args.steps + 1)
         forward = model
-        if how != "eager":
-            forward = torch.compile(model.forward, fullgraph=True, dynamic=False, mode=how)
-        tokens = greedy(model, static, ids, mask, STEPS, forward)
-        print(how, "equal to growing:", torch.equal(tokens.cpu(), growing.cpu()))
+        if args.how != "eager":
+            forward = torch.compile(model.forward, fullgraph=True, dynamic=False, mode=args.how)
+        tokens = greedy(model, static, ids, mask, args.steps, forward)
+        print(args.how, "equal to growing:", torch.equal(tokens.cpu(), growing.cpu()))
     except Exception:
         traceback.print_exc()
-        print(how, "FAILED")
+        print(args.how, "FAILED")
 
 
 if __name__ == "__main__":
-    lengths = (200, 180, 150)
-    if len(sys.argv) > 2:
-        lengths = tuple(int(length) for length in sys.argv[2].split(","))
-    main(sys.argv[1], lengths, floor=len(sys.argv) > 3)
+    main()
