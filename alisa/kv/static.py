@@ -65,6 +65,10 @@ class StepPack:
         self._copied: list[torch.cuda.Event | None] = []
         self._turn = 0
         self.values: torch.Tensor | None = None  # the device copy the traced step reads
+        self._reserved: list[tuple[int, int, int]] = []  # (offset, rows, width) of each block
+        # Views of ``values``, made once by freeze(): the step's position, each field block.
+        self._position: torch.Tensor | None = None
+        self._blocks: dict[int, torch.Tensor] = {}
 
     def reserve(self, rows: int, width: int) -> int:
         """Room for ``rows`` fields of ``width`` numbers each; returns their offset."""
@@ -72,6 +76,7 @@ class StepPack:
             raise ValueError("a step pack takes no fields once frozen")
         offset = self.size
         self.size += rows * width
+        self._reserved.append((offset, rows, width))
         return offset
 
     def freeze(self) -> None:
@@ -82,7 +87,16 @@ class StepPack:
             self._buffers.append(buffer)
             self._copied.append(None)
         self.values = torch.zeros(self.size, dtype=torch.float64, device=self.device)
-        mark_static(self.values)
+        # A view per block, made here (outside the traced step): the step reads each block
+        # from the start of its own view, so every layer's kernels are the same code, compiled
+        # once. Offsets into one buffer would be constants baked into each layer's kernels
+        # (30 copies of each kernel for a 30-layer model, the most of a cold compile's time).
+        self._position = self.values[:1]
+        self._blocks = {
+            offset: self.values[offset : offset + rows * width].view(rows, width)
+            for offset, rows, width in self._reserved
+        }
+        mark_static(self.values, self._position, *self._blocks.values())
 
     def _current(self) -> np.ndarray:
         return self._buffers[self._turn].numpy()
@@ -113,9 +127,12 @@ class StepPack:
 
     def position(self) -> torch.Tensor:
         """(1,) int64 on the device: the position of the token this step writes."""
-        return self.values[:1].to(torch.int64)
+        return self._position.to(torch.int64)
 
     def field(self, offset: int, width: int, row: int) -> torch.Tensor:
-        """(width,) float64 on the device: row ``row`` of a field block at ``offset``."""
-        start = offset + row * width
-        return self.values[start : start + width]
+        """(width,) float64 on the device: row ``row`` of the field block at ``offset``
+        (reserved with ``width`` numbers a row)."""
+        block = self._blocks[offset]
+        if block.shape[1] != width:
+            raise ValueError(f"the block at {offset} has rows of {block.shape[1]}, not {width}")
+        return block[row]
