@@ -39,7 +39,7 @@ def main() -> None:
         run["config"] = AlisaConfig(policy="swa", caching_ratio=0.2, min_budget_tokens=0)
     result = generate(model, tokenizer, prompts, **run)
     phases = dict(
-        line.split(", ") for line in compile_times(repr="str").splitlines()[2:] if ", " in line
+        line.rsplit(", ", 1) for line in compile_times(repr="str").splitlines()[2:] if ", " in line
     )
     print(
         f"{args.system}: first compiled step {result.compile_s:.1f} s;",
