@@ -37,7 +37,7 @@ def _batch(tmp_path, models, capsys, monkeypatch, *flags, model="model"):
         (
             ("--max-new-tokens", "2"),
             ("--max-new-tokens", "2", "--policy", "swa", "--caching-ratio", "0.3"),
-            ("cache.caching_ratio: None there, 0.3 now", "cache.policy: None there, swa now"),
+            ("cache.caching_ratio: 1.0 there, 0.3 now", "cache.policy: dense there, swa now"),
         ),
         (
             ("--max-new-tokens", "2"),

@@ -5,6 +5,7 @@ loses no finished row)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 
 from alisa.jobs.io import OutputLog, Request
 from alisa.jobs.stream import ByteBudget
@@ -65,9 +66,12 @@ def continuous_results(
     )
     for group in groups.values():
         engine = Engine(model, tokenizer, sampling(group[0].options), stop_at_eos=job.stop_at_eos)
+        # The most new tokens a row of the group may take: what a cache's host_memory check
+        # counts (not AlisaCache's default, which a refusal would quote to the user).
+        longest = max(r.options.get("max_new_tokens", job.max_new_tokens) for r in group)
         scheduler = ContinuousScheduler(
             engine,
-            lambda: AlisaCache(model, job.config),
+            partial(AlisaCache, model, job.config, max_new_tokens=longest),
             admission,
             prefill_tokens=job.prefill_tokens,
             on_step=on_step,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import psutil
@@ -323,9 +323,14 @@ def _check_made_with(log: OutputLog, settings: dict) -> None:
     others = [made for made in log.made_with if {k: made.get(k) for k in settings} != settings]
     if not others:
         return
+    # Only the settings compared (the model is not known yet when a resume is checked), a
+    # cache setting left out of a record by its default value.
+    there = {name: others[0].get(name) for name in settings}
+    defaults = json.loads(json.dumps(asdict(AlisaConfig()), default=str))
+    there["cache"] = {**defaults, **(there.get("cache") or {})}
+    now = {**settings, "cache": {**defaults, **settings["cache"]}}
     differences = "; ".join(
-        f"{name}: {there} there, {now} now"
-        for name, (there, now) in _differences(others[0], settings).items()
+        f"{name}: {old} there, {new} now" for name, (old, new) in _differences(there, now).items()
     )
     raise ValueError(
         f"the output {str(log.path)!r} holds finished rows made with other settings "
@@ -373,6 +378,9 @@ def run_batch(
         budget below the weights.
     """
     check_job(job)
+    for name, value in (("cache_factory", cache_factory), ("on_step", on_step)):
+        if value is not None and not callable(value):
+            raise ValueError(f"{name}={value!r} must be callable or None")
     requests = read_requests(job.input)
     with output_lock(job.output) as held:
         log = open_output(job)

@@ -131,7 +131,13 @@ def check_model(model: object) -> None:
         Naming ``model``: not a ``torch.nn.Module``, or one without an HF config.
     """
     if not isinstance(model, nn.Module):
-        raise ValueError(f"model={model!r} must be a torch model (load_model returns one)")
+        shown = repr(model)
+        if len(shown) > 80:  # a tokenizer's repr runs to kilobytes: its type says enough
+            shown = f"<{type(model).__name__} ...>"
+        hint = ""
+        if callable(getattr(model, "encode", None)):  # a tokenizer where the model goes
+            hint = "; model and tokenizer look swapped: generate(model, tokenizer, prompts)"
+        raise ValueError(f"model={shown} must be a torch model (load_model returns one){hint}")
     if getattr(model, "config", None) is None:
         raise ValueError(f"model of type {type(model).__name__} has no HF config")
 

@@ -315,7 +315,9 @@ class Engine:
     def forward(self, state: DecodeState, cache, **options) -> torch.Tensor:
         """(B, V) last-position logits of feeding ``state.feed``; ``options`` reach attention."""
         feed, positions, mask = state.feed, state.positions, state.attention_mask
-        if self.compiled is not None and feed.shape[1] == 1:
+        # A decode step only: a one-token prompt's prefill feeds one token too, but writes an
+        # empty cache (eager: its slots are laid out then, which a traced step cannot branch on).
+        if self.compiled is not None and feed.shape[1] == 1 and cache.get_seq_length() > 0:
             return self.compiled(feed, positions, mask, cache, self.clock, **options)
         return last_logits(self.model, feed, positions, mask, cache, **options)
 

@@ -85,6 +85,14 @@ class StreamRequest:
         object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
         if self.arrival_s is not None:
             check_number("arrival_s", self.arrival_s)
+            # A time.perf_counter() reading taken already: a later one would give a negative
+            # TTFT, one below zero (no such reading) a TTFT of the machine's uptime.
+            now = time.perf_counter()
+            if not 0 <= self.arrival_s <= now:
+                raise ValueError(
+                    f"arrival_s={self.arrival_s!r} of request {self.id!r} must be a "
+                    f"time.perf_counter() reading taken already (now {now:.3f}), or None"
+                )
 
     def _plain_ids(self) -> object:
         """``prompt_ids``, a torch tensor (a tokenizer's ``return_tensors="pt"`` output, one
