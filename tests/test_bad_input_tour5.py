@@ -96,3 +96,20 @@ def test_a_tokenizer_given_as_the_model_is_named_shortly():
     message = str(refusal.value)
     assert len(message) < 300 and message.startswith("model=<")
     assert "look swapped: generate(model, tokenizer, prompts)" in message
+
+
+def test_a_state_space_model_is_refused_with_alisas_reason_at_load(tmp_path):
+    """A Mamba checkpoint failed at load with transformers' SDPA message (pointing the user at
+    ``attn_implementation="eager"``, which would not help); now alisa's reason, as ``alisa
+    plan`` gives it."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    from alisa import load_model
+
+    config = MambaConfig(
+        vocab_size=300, hidden_size=16, num_hidden_layers=2, state_size=4, intermediate_size=32
+    )
+    MambaForCausalLM(config).save_pretrained(tmp_path / "mamba")
+    byte_tokenizer().save_pretrained(tmp_path / "mamba")
+    with pytest.raises(ValueError, match=r"not supported: it has layers of kind linear_attention"):
+        load_model(str(tmp_path / "mamba"))

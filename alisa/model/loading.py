@@ -292,6 +292,11 @@ def load_model(
         )
     except SafetensorError as error:
         raise ValueError(_unreadable_weights(spec, path, error)) from error
+    except ValueError as error:  # transformers' reason (an SDPA it lacks) where alisa has its own
+        refused = _unsupported_without_weights(path)
+        if refused is None:
+            raise
+        raise ValueError(f"model={spec!r} ({refused[0]}) is not supported: {refused[1]}") from error
     except OSError as error:
         raise ValueError(f"model={spec!r} could not be loaded from {path!r}: {error}") from error
     _refuse_partial_weights(spec, path, type(model).__name__, loading)
@@ -442,6 +447,25 @@ def _refuse_inline_attention(spec: str, path: str) -> None:
         return
     if not cls._can_set_attn_implementation():
         raise ValueError(f"model={spec!r} ({cls.__name__}) is not supported: {INLINE_ATTENTION}")
+
+
+def _unsupported_without_weights(path: str) -> tuple[str, str] | None:
+    """(class name, why) the model at ``path`` cannot run with the ALISA cache
+    (:func:`unsupported_reason` of it built on the meta device from its config), or None (also
+    when it cannot be built so)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from alisa.model.adapter import unsupported_reason
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, OSError, KeyError, TypeError):
+        return None
+    reason = unsupported_reason(model)
+    return None if reason is None else (type(model).__name__, reason)
 
 
 def prepare_tokenizer(tokenizer) -> None:
