@@ -281,22 +281,24 @@ def load_model(
         _refuse_inline_attention(spec, path)  # before its tokenizer, weights or attention fail
         tokenizer = _load_tokenizer(spec, path)
         placement = {"device_map": "auto", "max_memory": budgets} if budgets else {}
-        # Mismatched shapes are reported, not raised, so that the error can name them.
-        model, loading = AutoModelForCausalLM.from_pretrained(
-            path,
-            dtype=torch_dtype or "auto",
-            attn_implementation=attn_implementation,
-            output_loading_info=True,
-            ignore_mismatched_sizes=True,
-            **placement,
-        )
+        try:
+            # Mismatched shapes are reported, not raised, so that the error can name them.
+            model, loading = AutoModelForCausalLM.from_pretrained(
+                path,
+                dtype=torch_dtype or "auto",
+                attn_implementation=attn_implementation,
+                output_loading_info=True,
+                ignore_mismatched_sizes=True,
+                **placement,
+            )
+        except ValueError as error:  # transformers' reason (an SDPA it lacks), where alisa has one
+            refused = _unsupported_without_weights(path)
+            if refused is None:
+                raise
+            name, reason = refused
+            raise ValueError(f"model={spec!r} ({name}) is not supported: {reason}") from error
     except SafetensorError as error:
         raise ValueError(_unreadable_weights(spec, path, error)) from error
-    except ValueError as error:  # transformers' reason (an SDPA it lacks) where alisa has its own
-        refused = _unsupported_without_weights(path)
-        if refused is None:
-            raise
-        raise ValueError(f"model={spec!r} ({refused[0]}) is not supported: {refused[1]}") from error
     except OSError as error:
         raise ValueError(f"model={spec!r} could not be loaded from {path!r}: {error}") from error
     _refuse_partial_weights(spec, path, type(model).__name__, loading)
@@ -449,19 +451,26 @@ def _refuse_inline_attention(spec: str, path: str) -> None:
         raise ValueError(f"model={spec!r} ({cls.__name__}) is not supported: {INLINE_ATTENTION}")
 
 
-def _unsupported_without_weights(path: str) -> tuple[str, str] | None:
-    """(class name, why) the model at ``path`` cannot run with the ALISA cache
-    (:func:`unsupported_reason` of it built on the meta device from its config), or None (also
-    when it cannot be built so)."""
+def empty_model(path: str, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The causal LM of the checkpoint at ``path`` (a resolved model path) built from its
+    config on the meta device (accelerate's ``init_empty_weights``): shapes and modules, no
+    weights read."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    config = AutoConfig.from_pretrained(path)
+    with init_empty_weights():
+        return AutoModelForCausalLM.from_config(config, **({"dtype": dtype} if dtype else {}))
+
+
+def _unsupported_without_weights(path: str) -> tuple[str, str] | None:
+    """(class name, why) the model at ``path`` cannot run with the ALISA cache
+    (:func:`unsupported_reason` of its :func:`empty_model`), or None (also when it cannot be
+    built so)."""
     from alisa.model.adapter import unsupported_reason
 
     try:
-        config = AutoConfig.from_pretrained(path)
-        with init_empty_weights():
-            model = AutoModelForCausalLM.from_config(config)
+        model = empty_model(path)
     except (ValueError, OSError, KeyError, TypeError):
         return None
     reason = unsupported_reason(model)

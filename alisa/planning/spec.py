@@ -80,20 +80,14 @@ def empty_model_spec(spec: str, dtype: str = "bfloat16") -> tuple[ModelSpec, boo
     like ``load_model`` and instantiated on the meta device with accelerate's
     ``init_empty_weights``, so only the config is read.
     """
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from alisa.model.adapter import model_shape
-    from alisa.model.loading import resolve_dtype, resolve_model_path
+    from alisa.model.loading import empty_model, resolve_dtype, resolve_model_path
     from alisa.storage.recompute import KVRecomputer
     from scheduler import MODEL_PRESETS
 
     if spec.lower() in MODEL_PRESETS:
         return MODEL_PRESETS[spec.lower()], True
-    config = AutoConfig.from_pretrained(resolve_model_path(spec))
-    torch_dtype = resolve_dtype(dtype) or torch.bfloat16
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    model = empty_model(resolve_model_path(spec), resolve_dtype(dtype) or torch.bfloat16)
     model.tie_weights()
     shape = model_shape(model)
     try:
