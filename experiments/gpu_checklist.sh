@@ -53,8 +53,8 @@ SYSTEMS="$SYSTEMS;alisa:policy=swa,caching_ratio=0.1,retention=host"
 SYSTEMS="$SYSTEMS;alisa:policy=swa,caching_ratio=0.1"
 # Captured decode steps (issue 65): HF's StaticCache eager and compiled (the fair anchors) beside
 # alisa's static caches compiled (CUDA graphs), dropping and dense, and the eager modes.
-# The captured dropping step last: it stopped at a device-side assert in the sixth run
-# (docs/gpu.md), which ends the process.
+# The captured dropping step last: a device-side assert (the sixth run's, fixed in the seventh:
+# docs/gpu.md) ends the process.
 CAPTURED="hf-dynamic;hf-static;hf-static-compiled;alisa-compiled:caching_ratio=1.0"
 CAPTURED="$CAPTURED;alisa:policy=swa,caching_ratio=0.2"
 CAPTURED="$CAPTURED;alisa:policy=swa,caching_ratio=0.2,retention=host"

@@ -474,3 +474,24 @@ def test_a_compiled_static_step_replays_a_cuda_graph_of_the_eager_tokens(fields)
     again = generate(model, tokenizer, prompts, compile="on", **run)  # a new cache: no new graph
     assert again.token_ids == eager.token_ids
     assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("shape", [(16, 8, 1652), (1, 8, 6566)])
+def test_the_first_free_slot_compiled_at_8b_shapes_is_the_eager_one(shape):
+    """The slot a static step's token takes, compiled at the slot spaces of Llama-3.1-8B's
+    dropping step (16 x 8K and 1 x 32K, r = 0.2): an inductor ``argmax`` of an int8 mask
+    gave indices past the row there on an H200 (docs/gpu.md, seventh run)."""
+    from alisa.kv.slots import first_free
+    from alisa.ops.reference import FREE
+
+    generator = torch.Generator().manual_seed(0)
+    positions = torch.randint(0, 10_000, shape, generator=generator)
+    free = torch.rand(shape, generator=generator) < 0.01
+    free[0, 0] = False  # one row with no free slot: the width
+    positions = torch.where(free, FREE, positions).to(DEVICE)
+    compiled = torch.compile(first_free, fullgraph=True, dynamic=False)
+    expected = [
+        [next((j for j in range(shape[2]) if row[j]), shape[2]) for row in group]
+        for group in free.tolist()
+    ]
+    assert compiled(positions, shape[2]).squeeze(-1).tolist() == expected

@@ -321,3 +321,15 @@ def test_a_forward_without_positions_places_the_token_where_the_growing_cache_do
         model(input_ids=ids, past_key_values=static)
         static.begin_forward(1, 1, None, model=model)
     assert static.get_seq_length() == 10  # planned, not stored yet
+
+
+def test_the_first_free_slot_is_below_the_width_or_the_width():
+    """:func:`alisa.kv.slots.first_free`: the first empty slot below ``width`` per row; a row
+    whose empty slots are all at or past ``width`` gets ``width`` (the frontier)."""
+    from alisa.kv.slots import first_free
+    from alisa.ops.reference import FREE
+
+    positions = torch.tensor([[[5, FREE, 7, FREE], [4, 6, 8, FREE], [FREE, 1, 2, 3]]])
+    assert first_free(positions, 3).squeeze(-1).tolist() == [[1, 3, 0]]
+    assert first_free(positions, 4).squeeze(-1).tolist() == [[1, 3, 0]]
+    assert first_free(positions[..., 1:], 3).squeeze(-1).tolist() == [[0, 2, 3]]

@@ -318,13 +318,6 @@ class AlisaCache(Cache):
             )
         self._claimed = True
 
-    @property
-    def frees_slots(self) -> bool:
-        """Whether a decode step may free slots in some layer (a policy that evicts, a sliding
-        window): what ``compile="auto"`` does not capture yet on CUDA
-        (:func:`alisa.ops.backends.captures_freeing_steps`)."""
-        return any(layer.keeper.frees_slots for layer in self.layers)
-
     def _take_claim(self) -> None:
         """Start a prefill only when the cache's own model announced it (:meth:`claim`)."""
         if not self._claimed:

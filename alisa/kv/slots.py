@@ -23,6 +23,20 @@ from alisa.ops.reference import FREE, put_taken  # FREE: slot holds nothing; may
 from alisa.ops.transfer import upload
 from alisa.storage.store import headroom
 
+
+def first_free(positions: torch.Tensor, width: int) -> torch.Tensor:
+    """The first empty slot below ``width`` of every (sequence, group) of (B, Hs, S)
+    ``positions``: (B, Hs, 1) int64, ``width`` where a row has none (the frontier).
+
+    A minimum over slot numbers, not an ``argmax`` over a 0/1 mask: inductor's CUDA argmax of
+    an int8 mask gave indices past the row at Llama-3.1-8B shapes (docs/gpu.md, seventh run),
+    and a minimum has one answer whatever the reduction's split.
+    """
+    view = positions[..., :width]
+    slots = torch.arange(view.shape[-1], device=view.device)
+    return torch.where(view == FREE, slots, view.shape[-1]).amin(dim=-1, keepdim=True)
+
+
 PAD = -2  # slot holds a left-padding token; masked, reclaimed at the next compaction
 
 
@@ -125,10 +139,8 @@ class SlotMap:
             grows = cpu.place_one(self.positions.numpy(), self.width, self.seen, append, slots)
             placed = torch.from_numpy(slots[..., None])
         else:
-            free = self.positions[..., : self.width] == FREE
-            first_free = free.to(torch.int8).argmax(dim=-1, keepdim=True)  # (B, Hs, 1)
             appended = upload(append, self.device).view(-1, 1, 1)
-            placed = torch.where(appended, self.width, first_free)
+            placed = torch.where(appended, self.width, first_free(self.positions, self.width))
             self.positions.scatter_(-1, placed, self.seen)
             grows = bool(append.any())
         if grows:
@@ -195,8 +207,7 @@ class SlotMap:
         width, else the frontier, which is the first free slot). A static slot space always
         has one (:meth:`alisa.kv.keeper.Keeper.static_slots`). Returns the (B, Hs, 1) slots.
         """
-        free = (self.positions == FREE).to(torch.int8)
-        slot = free.argmax(dim=-1, keepdim=True)
+        slot = first_free(self.positions, self.capacity)
         self.positions.scatter_(-1, slot, position.view(1, 1, 1).expand(slot.shape))
         return slot
 

@@ -196,21 +196,6 @@ def compiles_by_default(device: torch.device | str) -> tuple[bool, str]:
     return False, "auto: a CPU, where compiling the first step (16-150 s) outweighs what it saves"
 
 
-def captures_freeing_steps(device: torch.device | str) -> str | None:
-    """Why ``compile="auto"`` runs a decode step that frees slots (dropping, sliding windows)
-    eager on ``device``, or None where it captures it as any other.
-
-    On CUDA such a step is not captured yet: the dropping step (SWA r = 0.2, Llama-3.1-8B
-    shape, 16 x 8,192, bf16) captured as a CUDA graph stopped at a device-side assert (a gather
-    or scatter index out of range) on an H200, where the same step on a tiny model, on CUDA or
-    a CPU, gives the eager tokens; the dense step captured there ran 3.3x HF's StaticCache
-    (docs/gpu.md, sixth run). ``compile="on"`` still captures it.
-    """
-    if torch.device(device).type == "cuda":
-        return "a step that frees slots is not yet captured on CUDA (docs/gpu.md)"
-    return None
-
-
 def bands_match_sdpa(device: torch.device | str) -> bool:
     """Whether a sliding-window prefill by bands of 512 keys (:mod:`alisa.kv.banded`) gives
     SDPA's full call bit for bit on ``device``: on a CPU, whose flash kernel adds a row's keys

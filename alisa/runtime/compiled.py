@@ -22,7 +22,7 @@ from torch import nn
 
 from alisa.kv.cache import AlisaCache
 from alisa.ops import COMPILE
-from alisa.ops.backends import captures_freeing_steps, compiles_by_default
+from alisa.ops.backends import compiles_by_default
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,15 +37,11 @@ class CompileChoice:
         Whether the steps run through :class:`CompiledDecode`.
     reason
         Why (``"asked"``, or what ``"auto"`` read: the device, a mode without a static step).
-    freeing
-        Why ``"auto"`` runs a step that frees slots (dropping, sliding windows) eager on this
-        device (:func:`alisa.ops.backends.captures_freeing_steps`), or None: captured too.
     """
 
     asked: str
     compiled: bool
     reason: str
-    freeing: str | None = None
 
     def describe(self) -> str:
         """``on (asked)``, ``off (auto: a CPU, ...)``: for ``--show-config`` and the results."""
@@ -70,8 +66,7 @@ def choose_compile(compile: str, device: torch.device | str) -> CompileChoice:
     if compile != "auto":
         return CompileChoice(asked=compile, compiled=compile == "on", reason="asked")
     compiled, reason = compiles_by_default(device)
-    freeing = captures_freeing_steps(device)
-    return CompileChoice(asked=compile, compiled=compiled, reason=reason, freeing=freeing)
+    return CompileChoice(asked=compile, compiled=compiled, reason=reason)
 
 
 def check_compileable(cache) -> None:

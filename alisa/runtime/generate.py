@@ -157,9 +157,7 @@ def new_cache(
                 raise  # the cache names the setting without a static step
             choice = choice.eager(str(refusal).split(": ")[0])
         else:
-            if choice.freeing is None or not cache.frees_slots:
-                return cache, choice
-            choice = choice.eager(choice.freeing)
+            return cache, choice
     return AlisaCache(model, config, max_new_tokens=max_new_tokens), choice
 
 
