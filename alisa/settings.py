@@ -10,7 +10,7 @@ config through :class:`ConfigFields`, the attributes it needs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import MISSING, Field, dataclass, fields
 from typing import TYPE_CHECKING, Protocol
 
@@ -359,7 +359,9 @@ EVICTION_FIELDS = (
 )
 
 
-def ignored_settings(config: ConfigFields, *, tiered: bool = False) -> list[str]:
+def ignored_settings(
+    config: ConfigFields, *, tiered: bool = False, typed: Collection[str] = ()
+) -> list[str]:
     """What ``config`` sets (other than its default) that no part of a run reads, one
     ``field=value has no effect ...`` each: the one rule behind ``AlisaConfig``'s
     :class:`IgnoredSettingWarning` and the CLI's warning lines.
@@ -372,6 +374,8 @@ def ignored_settings(config: ConfigFields, *, tiered: bool = False) -> list[str]
         KV is placed in tiers even without ``gpu_memory`` (``alisa plan`` budgets the whole
         device, as :mod:`alisa.planning` may from Python), so ``recompute`` and ``profile``
         are read.
+    typed
+        Fields the user named (a CLI flag typed), noted even at their default value.
 
     Returns
     -------
@@ -381,6 +385,7 @@ def ignored_settings(config: ConfigFields, *, tiered: bool = False) -> list[str]
     cls = policies.POLICIES[config.policy]
     items = fields(config)  # type: ignore[arg-type]  # an AlisaConfig dataclass
     changed = {item.name for item in items if getattr(config, item.name) != field_default(item)}
+    changed |= set(typed)
     why: dict[str, str] = {}
     policy = f"policy={config.policy!r}"
     if not cls.evicts:

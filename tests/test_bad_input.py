@@ -257,6 +257,17 @@ CASES = {
         OK,
         ("--host-bits", "host_bits=4 has no effect", "retention='drop'"),
     ),
+    # a flag typed at its default value asked for something too (fifth tour, S2)
+    "host-bits-typed-at-its-default-without-host-retention": Case(
+        "generate hi --host-bits 8 --max-new-tokens 2",
+        OK,
+        ("--host-bits", "host_bits=8 has no effect", "retention='drop'"),
+    ),
+    "residual-tokens-typed-at-its-default-without-kv-bits": Case(
+        "generate hi --residual-tokens 64 --max-new-tokens 2",
+        OK,
+        ("--residual-tokens", "residual_tokens=64 has no effect", "kv_bits=16"),
+    ),
     "recompute-without-gpu-memory": Case(
         "generate hi --recompute always --max-new-tokens 2",
         OK,

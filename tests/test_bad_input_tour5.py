@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -113,3 +114,34 @@ def test_a_state_space_model_is_refused_with_alisas_reason_at_load(tmp_path):
     byte_tokenizer().save_pretrained(tmp_path / "mamba")
     with pytest.raises(ValueError, match=r"not supported: it has layers of kind linear_attention"):
         load_model(str(tmp_path / "mamba"))
+
+
+def _rows(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["continuous", "static"])
+def test_a_batch_row_records_the_settings_it_was_made_with(tmp_path, static):
+    """S3 of the fifth tour: a row's ``settings`` held the job's ``max_new_tokens`` and
+    ``chat``, not the row's own; a resume changing only ``--max-new-tokens`` was refused
+    though no row read it. Rows record their own; a resume compares each done row's."""
+    source, output = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    source.write_text(
+        '{"id": "own", "prompt": "hi", "max_new_tokens": 3, "chat": false, "temperature": 0.5,'
+        ' "do_sample": true, "seed": 1}\n{"id": "job", "prompt": "yo"}\n'
+    )
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    job = dict(input=source, output=output, progress=False, static=static)
+    run_batch(model, tokenizer, BatchJob(max_new_tokens=2, **job))
+    made = {row["id"]: row["settings"] for row in _rows(output)}
+    assert made["own"]["max_new_tokens"] == 3 and made["job"]["max_new_tokens"] == 2
+    assert made["own"]["sampling"] == {"do_sample": True, "temperature": 0.5, "seed": 1}
+    assert made["job"]["sampling"] == {} and made["job"]["chat"] is False
+    # Only the row that sets its own length done: --max-new-tokens is read by no done row.
+    output.write_text(json.dumps({**_rows(output)[0], "id": "own"}) + "\n")
+    summary = run_batch(model, tokenizer, BatchJob(max_new_tokens=5, **job))
+    assert summary.already_done == 1 and _rows(output)[1]["settings"]["max_new_tokens"] == 5
+    before = output.read_bytes()
+    with pytest.raises(ValueError, match=r"row id='job': max_new_tokens: 5 there, 4 now"):
+        run_batch(model, tokenizer, BatchJob(max_new_tokens=4, **job))
+    assert output.read_bytes() == before

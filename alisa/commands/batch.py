@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         )
     # One writer per output: held from the file checks to the failures file.
     with output_lock(job.output) as held:
-        log = open_output(job)  # every file check before loading the model
+        log = open_output(job, requests)  # every file check before loading the model
         try:
             model, tokenizer = load_for_cli(args.model, args.dtype)
             pending = [r for r in requests if r.id not in log.done]

@@ -133,6 +133,7 @@ def add_cache_options(
     docs = field_docs(AlisaConfig)
     hints = typing.get_type_hints(AlisaConfig)
     settable = {item.name: item for item in _settable_fields(only)}
+    parser.set_defaults(typed_fields=frozenset())
     for group_title, names in CACHE_GROUPS.items():
         chosen = [settable[name] for name in names if name in settable]
         if not chosen:
@@ -152,16 +153,38 @@ def _add_field_flag(group, item: Field, doc: str | None, annotation) -> None:
         help_text += f" (default: {default})"
     kind, metavar = _flag_type(annotation)
     if kind is bool:
-        group.add_argument(
-            flag_name(item.name),
-            action=argparse.BooleanOptionalAction,
-            default=default,
-            help=help_text,
-        )
+        group.add_argument(flag_name(item.name), action=_TypedBool, default=default, help=help_text)
     else:
         group.add_argument(
-            flag_name(item.name), type=kind, default=default, metavar=metavar, help=help_text
+            flag_name(item.name),
+            action=_Typed,
+            type=kind,
+            default=default,
+            metavar=metavar,
+            help=help_text,
         )
+
+
+def _note_typed(namespace: argparse.Namespace, name: str) -> None:
+    # A flag typed at its default value still asks for something: a note that it does nothing
+    # is owed to the user who typed it (``--host-bits 8`` without host retention).
+    namespace.typed_fields = namespace.typed_fields | {name}
+
+
+class _Typed(argparse.Action):
+    """Store a field flag's value and note that the user typed the flag."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        _note_typed(namespace, self.dest)
+
+
+class _TypedBool(argparse.BooleanOptionalAction):
+    """``--x`` / ``--no-x``, noting that the user typed the flag."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        _note_typed(namespace, self.dest)
 
 
 def cache_config_from_args(
@@ -183,7 +206,8 @@ def cache_config_from_args(
             AlisaConfig, dict.fromkeys(names), **{name: getattr(args, name) for name in names}
         )
     tiered = args.command == "plan"  # the plan places KV on the whole device by default
-    for note in ignored_settings(config, tiered=tiered):  # a flag for nothing: said, not refused
+    typed = args.typed_fields
+    for note in ignored_settings(config, tiered=tiered, typed=typed):  # said, not refused
         print(
             f"alisa {args.command}: warning: {with_flag(note, dict.fromkeys(names))}",
             file=sys.stderr,

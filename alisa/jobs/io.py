@@ -25,6 +25,27 @@ ROW_OPTIONS = {
 }
 OPTION_KEYS = ("chat", *ROW_OPTIONS)  # what a row may set besides its id and prompt
 ROW_KEYS = ("id", "prompt", *OPTION_KEYS)
+# What decides a row's tokens that the row may set itself (else the job's): recorded per row.
+OWN_SETTINGS = ("max_new_tokens", "chat", "sampling")
+
+
+def row_settings(request: Request, *, max_new_tokens: int, chat: bool) -> dict:
+    """The :data:`OWN_SETTINGS` a row was (or is to be) generated with, as a row reads back.
+
+    ``request`` carries the job's sampling options where it sets none
+    (``BatchJob.row_defaults``); ``max_new_tokens`` and ``chat`` are the job's defaults.
+    """
+    options = request.options
+    sampling = {
+        key: options[key]
+        for key in ROW_OPTIONS
+        if key != "max_new_tokens" and options.get(key) not in (None, False)
+    }
+    return {
+        "max_new_tokens": options.get("max_new_tokens", max_new_tokens),
+        "chat": chat if request.chat is None else request.chat,
+        "sampling": sampling,
+    }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,10 +222,11 @@ class OutputLog:
         self.path = Path(path)
         self.keys = keys
         self.done: set = set()
-        # What decides a row's tokens (``job_settings``), written into every row appended, and
-        # the distinct settings the done rows already there were made with (older rows: none).
+        # What decides the tokens of every row (``job_settings``), written into each row
+        # appended with the row's own (:func:`row_settings`), and the settings each done row
+        # already there was made with, by id (older rows: none).
         self.settings = settings
-        self.made_with: list[dict] = []
+        self.made: dict = {}
         check_output_file(self.path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -261,19 +283,29 @@ class OutputLog:
         if "error" not in row:
             self.done.add(row["id"])
             made = row.get("settings")
-            if isinstance(made, dict) and made not in self.made_with:
-                self.made_with.append(made)
+            if isinstance(made, dict):
+                self.made[row["id"]] = made
+
+    @property
+    def made_with(self) -> list[dict]:
+        """The distinct settings the done rows were made with."""
+        distinct: list[dict] = []
+        for made in self.made.values():
+            if made not in distinct:
+                distinct.append(made)
+        return distinct
 
     def record(self, settings: dict) -> None:
         """Write ``settings`` into every row appended from now on (:meth:`append`)."""
         self.settings = settings
 
-    def append(self, row: dict) -> None:
+    def append(self, row: dict, own: dict | None = None) -> None:
         """Write one result row durably (``ValueError`` naming the path when it fails), with
-        the log's ``settings`` when it has them and the row has none (a merged part's row
-        keeps its own)."""
+        the log's ``settings`` and the row's ``own`` (:func:`row_settings`) when the log has
+        settings and the row has none (a merged part's row keeps its own)."""
         if self.settings is not None and "settings" not in row:
-            row = {**row, "settings": self.settings}
+            settings = {**self.settings, **(own or {})}
+            row = {**row, "settings": json.loads(json.dumps(settings, default=str))}
         self._write(_line(row))
         self._add(row)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -15,10 +15,12 @@ from alisa.checks import check_field_types
 from alisa.config import AlisaConfig
 from alisa.jobs.continuous import continuous_results, recorded
 from alisa.jobs.io import (
+    OWN_SETTINGS,
     OutputLog,
     Request,
     check_failures_file,
     read_requests,
+    row_settings,
     same_file,
     warn_ignored_sampling,
 )
@@ -246,13 +248,15 @@ def open_job(job: BatchJob) -> tuple[list[Request], OutputLog]:
     :func:`open_output`)."""
     check_job(job)
     requests = read_requests(job.input)
-    return requests, open_output(job)
+    return requests, open_output(job, requests)
 
 
-def open_output(job: BatchJob) -> OutputLog:
+def open_output(job: BatchJob, requests: Sequence[Request] = ()) -> OutputLog:
     """The reopened output log, every output check done before any model work.
 
-    Parts left by a killed multi-process run of the same output are merged in first.
+    Parts left by a killed multi-process run of the same output are merged in first. A done
+    row of ``requests`` made with other settings of its own than this job gives it is refused
+    here too (:func:`own_settings`).
 
     Raises
     ------
@@ -268,7 +272,7 @@ def open_output(job: BatchJob) -> OutputLog:
     log = OutputLog(job.output, keys=RESULT_KEYS)
     try:
         merge_parts(log)
-        _check_made_with(log, job_settings(job))  # the model's part: once it is loaded
+        _check_made_with(log, job_settings(job), job, requests)  # the model: once it is loaded
     except ValueError:
         log.close()
         raise
@@ -282,9 +286,9 @@ PLACEMENT_FIELDS = ("gpu_memory", "host_memory", "recompute", "profile", "kernel
 
 
 def job_settings(job: BatchJob) -> dict:
-    """What decides the tokens of a job's rows (a plain JSON object, recorded in every row):
-    the default ``max_new_tokens``, chat, stopping at EOS, the sampling options set, and the
-    cache settings that differ from the defaults, placement aside (:data:`PLACEMENT_FIELDS`)."""
+    """What decides the tokens of every row of a job (a plain JSON object, recorded in every
+    row beside the row's :func:`own_settings`): stopping at EOS and the cache settings that
+    differ from the defaults, placement aside (:data:`PLACEMENT_FIELDS`)."""
     default = AlisaConfig()
     cache = {
         item.name: getattr(job.config, item.name)
@@ -292,19 +296,17 @@ def job_settings(job: BatchJob) -> dict:
         if item.name not in PLACEMENT_FIELDS
         and getattr(job.config, item.name) != getattr(default, item.name)
     }
-    sampling = {
-        item.name: getattr(job.sampling, item.name)
-        for item in fields(SamplingOptions)
-        if getattr(job.sampling, item.name) not in (None, False)
-    }
-    settings = {
-        "max_new_tokens": job.max_new_tokens,
-        "chat": job.chat,
-        "stop_at_eos": job.stop_at_eos,
-        "sampling": sampling,
-        "cache": cache,
-    }
+    settings = {"stop_at_eos": job.stop_at_eos, "cache": cache}
     return json.loads(json.dumps(settings, default=str))  # as a row reads back
+
+
+def own_settings(job: BatchJob, request: Request) -> dict:
+    """What decides a row's tokens that the row may set itself (``max_new_tokens``, ``chat``,
+    sampling), the job's where it does not: recorded in the row (a row of
+    ``examples/prompts.jsonl`` asking ``"chat": true, "max_new_tokens": 48`` records those)."""
+    with_job = _with_defaults(request, job.row_defaults())
+    own = row_settings(with_job, max_new_tokens=job.max_new_tokens, chat=job.chat)
+    return json.loads(json.dumps(own, default=str))
 
 
 def model_identity(model) -> str:
@@ -316,10 +318,29 @@ def model_identity(model) -> str:
     return f"{type(model).__name__} ({source or 'built in memory'})"
 
 
-def _check_made_with(log: OutputLog, settings: dict) -> None:
+def _check_made_with(
+    log: OutputLog, settings: dict, job: BatchJob, requests: Sequence[Request]
+) -> None:
     """Refuse to resume an output whose finished rows were made with other ``settings`` (of
-    those named: the model is known only once loaded): the output would mix rows of two runs
-    as if of one (a re-run with another --max-new-tokens reported its rows done)."""
+    those named: the model is known only once loaded), or a done row of ``requests`` with
+    other settings of its own than ``job`` gives it now: the output would mix rows of two runs
+    as if of one (a re-run with another --max-new-tokens reported its rows done). A row that
+    sets its own ``max_new_tokens`` reads no ``--max-new-tokens``: changing it is no reason."""
+    for request in requests:
+        made = log.made.get(request.id)
+        now = own_settings(job, request)
+        if made is not None and {key: made.get(key) for key in OWN_SETTINGS} != now:
+            there = {key: made.get(key) for key in OWN_SETTINGS}
+            differences = "; ".join(
+                f"{name}: {old} there, {new} now"
+                for name, (old, new) in _differences(there, now).items()
+            )
+            raise ValueError(
+                f"the output {str(log.path)!r} holds finished rows made with other settings "
+                f"(row id={request.id!r}: {differences}); resuming would mix them with this "
+                "run's rows: give the same settings to finish it, or another output (nothing "
+                "was changed)"
+            )
     others = [made for made in log.made_with if {k: made.get(k) for k in settings} != settings]
     if not others:
         return
@@ -383,7 +404,7 @@ def run_batch(
             raise ValueError(f"{name}={value!r} must be callable or None")
     requests = read_requests(job.input)
     with output_lock(job.output) as held:
-        log = open_output(job)
+        log = open_output(job, requests)
         try:
             summary = run_opened_job(
                 model, tokenizer, job, requests, log, cache_factory=cache_factory, on_step=on_step
@@ -409,7 +430,7 @@ def run_opened_job(
     every file before loading the model); ``log`` stays open. An output whose finished rows
     another model made is refused here (``ValueError``), before any row is written."""
     made_with = {**job_settings(job), "model": model_identity(model)}
-    _check_made_with(log, made_with)  # before any row is written: nothing changed if refused
+    _check_made_with(log, made_with, job, requests)  # before any row: nothing changed if refused
     log.record(made_with)
     pending = [r for r in requests if r.id not in log.done]
     bar = tqdm(total=len(pending), unit="prompt", disable=not job.progress, desc="alisa batch")
@@ -530,7 +551,7 @@ def run_requests(
                 on_step=on_step,
             )
             batches = recorded(
-                rows, log, summary, lambda r: _refused(r, lengths[r.id], spec, job, budgets)
+                rows, log, summary, lambda r: _refused(r, lengths[r.id], spec, job, budgets), job
             )
         for batch in batches:
             if len(batch) == 1 and isinstance(batch[0], dict):  # did not fit even alone

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from alisa.jobs.io import OutputLog, Request
+from alisa.jobs.io import OutputLog, Request, row_settings
 from alisa.jobs.sizing import BatchMemory, batch_memory, largest_batch
 from alisa.runtime.generate import SamplingOptions, generate
 from alisa.runtime.requests import StepRecord
@@ -78,7 +78,7 @@ def run_static(
             stop_at_eos=job.stop_at_eos,
             compile="off",  # rows leave the batch (prune), and every batch has its own shape
         )
-        _record(log, summary, batch, result, waited_s=start - started_s)
+        _record(log, summary, batch, result, waited_s=start - started_s, job=job)
         for record in batch_steps(result, start) if on_step else ():
             on_step(record)
         yield batch
@@ -96,12 +96,15 @@ def batch_steps(result, started_s: float) -> list[StepRecord]:
     return records
 
 
-def _record(log: OutputLog, summary, batch: list[Request], result, waited_s: float) -> None:
-    """Append a batch's rows; each one's TTFT is its wait for the batch plus the batch's
-    prefill (``waited_s``: from the job's start to the batch's)."""
+def _record(log: OutputLog, summary, batch: list[Request], result, waited_s: float, job) -> None:
+    """Append a batch's rows, each with its own settings; each one's TTFT is its wait for the
+    batch plus the batch's prefill (``waited_s``: from the job's start to the batch's)."""
     rows = zip(batch, result.texts, result.token_ids, result.finish_reasons, strict=True)
     for request, text, ids, reason in rows:
-        log.append({"id": request.id, "text": text, "tokens": len(ids), "finish_reason": reason})
+        log.append(
+            {"id": request.id, "text": text, "tokens": len(ids), "finish_reason": reason},
+            own=row_settings(request, max_new_tokens=job.max_new_tokens, chat=job.chat),
+        )
     summary.batches.append(len(batch))
     summary.completed += len(batch)
     summary.generated_tokens += result.generated_tokens
