@@ -77,7 +77,7 @@ part long "${T_LONG:-80}" $PY -m experiments.bench_speed $SHAPE --batch 1 \
 # Where the captured dropping step parts from the eager one at the failing shape (docs/gpu.md,
 # sixth run): the static step eager, under inductor, captured; each in its own process.
 for how in eager default reduce-overhead; do
-    part "probe-$how" "${T_PROBE:-150}" env CUDA_LAUNCH_BLOCKING=1 $PY probes/gpu_static_probe.py \
+    part "probe-$how" "${T_PROBE:-240}" env CUDA_LAUNCH_BLOCKING=1 $PY probes/gpu_static_probe.py \
         "$how" --shape llama-3.1-8b --dtype bfloat16 --batch 16 --prompt-tokens 8192 --steps 16
 done
 part captured "${T_CAPTURED:-330}" env TORCH_LOGS=recompiles,perf_hints $PY -m experiments.bench_speed \

@@ -10,8 +10,13 @@ ends the CUDA context), with ``CUDA_LAUNCH_BLOCKING=1`` for the failing op's sta
         --prompt-tokens 8192 --dtype bfloat16                                    # the failing run
 
 ``eager``: the static cache's eager step; ``default``: inductor's code, no CUDA graphs;
-``reduce-overhead``: captured. Prints whether the tokens equal the growing cache's (a float
-near-tie may part them in bfloat16), or the traceback.
+``reduce-overhead``: captured. Prints whether the tokens equal the growing cache's, or the
+traceback; where they part, the static cache is run again fed the growing cache's tokens
+(teacher forcing) and each step's largest logit difference is printed beside the growing
+cache's gap between its two best logits where the choices differ: a difference near the gap
+is a float near-tie (bfloat16 with random weights has many), one far above it a wrong step.
+
+(The seventh GPU run found the sixth's assert with it: inductor's ``argmax`` of an int8 mask.)
 """
 
 import argparse
@@ -21,7 +26,7 @@ import traceback
 sys.path.insert(0, "tests")
 import torch  # noqa: E402
 from conftest import tiny_llama  # noqa: E402
-from test_static_cache import greedy  # noqa: E402
+from test_static_cache import decode  # noqa: E402
 
 from alisa import AlisaCache, AlisaConfig  # noqa: E402
 from experiments.architectures import prompts  # noqa: E402
@@ -54,16 +59,35 @@ def main() -> None:
     model, ids, mask = inputs(args, device)
     config = AlisaConfig(policy="swa", caching_ratio=0.2)
     try:
-        growing = greedy(model, AlisaCache(model, config), ids, mask, args.steps, model)
-        static = AlisaCache(model, config, max_cache_len=ids.shape[1] + args.steps + 1)
+        growing, grown = decode(model, AlisaCache(model, config), ids, mask, args.steps, model)
         forward = model
         if args.how != "eager":
             forward = torch.compile(model.forward, fullgraph=True, dynamic=False, mode=args.how)
-        tokens = greedy(model, static, ids, mask, args.steps, forward)
-        print(args.how, "equal to growing:", torch.equal(tokens.cpu(), growing.cpu()))
+        longest = ids.shape[1] + args.steps + 1
+        static = AlisaCache(model, config, max_cache_len=longest)
+        tokens = decode(model, static, ids, mask, args.steps, forward)[0]
+        equal = torch.equal(tokens.cpu(), growing.cpu())
+        print(args.how, "equal to growing:", equal)
+        if not equal:
+            static = AlisaCache(model, config, max_cache_len=longest)
+            _, logits = decode(model, static, ids, mask, args.steps, forward, forced=growing)
+            report_ties(grown.float(), logits.float())
     except Exception:
         traceback.print_exc()
         print(args.how, "FAILED")
+
+
+def report_ties(grown: torch.Tensor, static: torch.Tensor) -> None:
+    """Per step, fed the same tokens: the largest logit difference between the caches, and
+    where their choices part, the growing cache's gap between its two best logits."""
+    top = grown.topk(2, dim=-1).values
+    gap = top[..., 0] - top[..., 1]  # (B, steps + 1)
+    parted = grown.argmax(-1) != static.argmax(-1)
+    difference = (grown - static).abs().amax(-1)
+    for step in range(grown.shape[1]):
+        rows = parted[:, step].nonzero().flatten().tolist()
+        gaps = ", ".join(f"row {r}: gap {gap[r, step].item():.4g}" for r in rows)
+        print(f"step {step}: max |logit difference| {difference[:, step].max().item():.4g}", gaps)
 
 
 if __name__ == "__main__":

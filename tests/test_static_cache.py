@@ -38,25 +38,32 @@ def greedy(model, cache, ids, mask, steps: int, forward) -> torch.Tensor:
     """(B, steps + 1) greedy tokens: an eager prefill (through the model's hooks), then
     ``steps`` decode steps through ``forward`` (the model's, or its traced twin), each after
     the cache's host half (:meth:`AlisaCache.begin_forward`, which the hook runs eagerly)."""
+    return decode(model, cache, ids, mask, steps, forward)[0]
+
+
+def decode(model, cache, ids, mask, steps: int, forward, forced=None):
+    """:func:`greedy`'s tokens and the (B, steps + 1, V) logits they came from; ``forced``
+    (B, steps + 1): feed these tokens instead of the argmax (teacher forcing, so that two
+    caches are compared step by step on the same inputs)."""
     batch, width = ids.shape
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.inference_mode():
-        logits = last_logits(model, ids, positions, mask, cache)
-        tokens = [logits.argmax(-1)]
+        logits = [last_logits(model, ids, positions, mask, cache)]
+        tokens = [logits[-1].argmax(-1)]
         for step in range(steps):
             mask = torch.cat(
                 [mask, torch.ones(batch, 1, dtype=mask.dtype, device=mask.device)], dim=1
             )
             position = positions[:, -1:] + step + 1
-            feed = tokens[-1][:, None]
+            feed = (tokens[-1] if forced is None else forced[:, step])[:, None]
             if forward is model:  # the hook writes the step's numbers
-                logits = last_logits(model, feed, position, mask, cache)
+                logits.append(last_logits(model, feed, position, mask, cache))
             else:
                 cache.begin_forward(batch, 1, mask, model=model)
                 padded = torch.nn.functional.pad(mask, (0, cache.get_max_length() - mask.shape[1]))
-                logits = last_logits(forward, feed, position, padded, cache)
-            tokens.append(logits.argmax(-1))
-    return torch.stack(tokens, dim=1)
+                logits.append(last_logits(forward, feed, position, padded, cache))
+            tokens.append(logits[-1].argmax(-1))
+    return torch.stack(tokens, dim=1), torch.stack(logits, dim=1)
 
 
 def traced(model):
