@@ -5,18 +5,18 @@
     MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=67108864 \
         python -m experiments.bench_cost_model --dtype float32 --threads 1
 
-Per dtype: a hardware profile is measured (as ``alisa profile``, calibrated at the benchmark's batch
-and prompt length); then the tiered cache runs with all KV resident, about half offloaded to the
-host pool and about half recomputed, then ``retention="host"`` at r = 0.2 (every token on the host,
-re-selecting every ``reselect_every`` steps as by default; its selection cost is the profile's). The
-placement each run used is costed with ``scheduler.evaluate`` against its median measured step
-(target: within 20 %, or `alisa plan` refuses the profile because its fits miss their own steps by
-more: ``scheduler.hardware.calibration_error``), and the LP solved at the half budget must pick the
-faster of host offload and recomputation as measured. Each configuration runs in a fresh process
-(``experiments.worker``), as a user runs one: in one process, what ran before decides whether glibc
-serves a step's temporaries from the heap or from fresh pages (the host row took 197 and 242 ms a
-step there against 181 ms alone); the allocator thresholds above make steps steadier, and the JSON
-line's environment reports them. Prints a table, then one JSON line.
+Per dtype: a hardware profile is measured (as ``alisa profile``, in a fresh process, calibrated at
+the benchmark's batch and prompt length); then the tiered cache runs with all KV resident, about
+half offloaded to the host pool and about half recomputed, then ``retention="host"`` at r = 0.2
+(every token on the host, re-selecting every ``reselect_every`` steps as by default; its selection
+cost is the profile's). The placement each run used is costed with ``scheduler.evaluate`` against
+its median measured step (target: within 20 %, or `alisa plan` refuses the profile because its fits
+miss their own steps by more: ``scheduler.hardware.calibration_error``), and the LP solved at the
+half budget must pick the faster of host offload and recomputation as measured. Each configuration
+runs in a fresh process (``experiments.worker``), as a user runs one: in one process, what ran
+before decides whether glibc serves a step's temporaries from the heap or from fresh pages (the host
+row took 197 and 242 ms a step there against 181 ms alone); the allocator thresholds above make
+steps steadier, and the JSON line's environment reports them. Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -30,15 +30,14 @@ import torch
 from tqdm.auto import tqdm
 
 from alisa import AlisaConfig
-from alisa.calibration.profile import measure_report
 from alisa.calibration.steps import SELECTION_CONFIG, half_offload_budget
 from alisa.model.adapter import model_shape
 from alisa.planning.spec import config_workload, model_spec
 from experiments.bench_speed import environment, worker_options
 from experiments.shapes import load_benchmark_model
 from experiments.systems import system_name
-from experiments.worker import add_prompts_argument, run_in_subprocess
-from scheduler import Options, Workload, evaluate, solve
+from experiments.worker import PROFILE, add_prompts_argument, run_in_subprocess
+from scheduler import HardwareProfile, Options, Workload, evaluate, solve
 from scheduler.hardware import calibration_error
 
 HOST_ROW = "host retention r=0.2"
@@ -62,8 +61,9 @@ def bench_dtype(args: argparse.Namespace, dtype: str) -> dict:
     """Profile, run the three placements and the LP choice in one dtype."""
     tokenizer = "bytes" if args.prompts == "random" else "smollm2"
     model, _ = load_benchmark_model(args.model, dtype=dtype, tokenizer=tokenizer)
-    report = measure_report(model, sizes=(args.batch, args.prompt_tokens))
-    profile = report.profile
+    options = {**worker_options(args), "dtype": dtype}
+    report = run_in_subprocess(PROFILE, options)  # a fresh process, as a user's `alisa profile`
+    profile = HardwareProfile(**report["profile"])
     spec = model_spec(model, model_shape(model), name=args.model)
     half = half_offload_budget(spec, args.batch, args.prompt_tokens + args.new_tokens)
     configs = {
@@ -87,7 +87,6 @@ def bench_dtype(args: argparse.Namespace, dtype: str) -> dict:
         gen_len=args.new_tokens,
         windows=spec.windows,
     )
-    options = {**worker_options(args), "dtype": dtype}
     rows = []
     for name, config in tqdm(configs.items(), desc=f"{dtype} configurations", unit="run"):
         run = run_in_subprocess(system_name(config), options)  # a fresh process (docstring)
@@ -109,7 +108,7 @@ def bench_dtype(args: argparse.Namespace, dtype: str) -> dict:
     return {
         "dtype": dtype,
         "profile": profile.__dict__,
-        "terms": [term.__dict__ for term in report.terms],
+        "terms": report["terms"],
         "rows": rows,
         "lp_choice": lp_choice(profile, spec, workload, half, rows),
         # Why `alisa plan` would refuse this profile (its fits miss their own steps), or None.

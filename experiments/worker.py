@@ -2,7 +2,8 @@
 
 Run by :func:`run_in_subprocess` with one argument, the JSON of its options (``system`` and
 ``bench_speed``'s workload flags); by hand, ``python -m experiments.bench_speed --systems S``
-runs one system this way.
+runs one system this way. ``system`` :data:`PROFILE` measures the model's hardware profile
+instead (as ``alisa profile``, a fresh process too) and prints it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 
 # What a worker reads that a caller may leave out (bench_speed's defaults).
 DEFAULTS = {"data_dir": None, "prompts": "text", "text": None}
+PROFILE = "profile"  # the system name that calibrates instead (:func:`calibrate`)
 
 
 def add_prompts_argument(parser: argparse.ArgumentParser) -> None:
@@ -62,8 +64,30 @@ def load_workload(args: argparse.Namespace):
 
 
 def measure(args: argparse.Namespace) -> dict:
+    if args.system == PROFILE:
+        return calibrate(args)
     model, tokenizer, prompts = load_workload(args)
     return measure_system(model, tokenizer, prompts, args.system, args.new_tokens)
+
+
+def calibrate(args: argparse.Namespace) -> dict:
+    """The hardware profile ``alisa profile`` measures for ``args.model`` in ``args.dtype``,
+    calibrated at (``args.batch``, ``args.prompt_tokens``): ``{"profile": its fields,
+    "terms": each measured term's spread}``, in a fresh process, as a
+    user runs it (in a process that ran other work first, the calibration steps ran up to 28 %
+    slower than the same steps alone: docs/results.md, stop 72)."""
+    from dataclasses import asdict
+
+    import torch
+
+    from alisa.calibration.profile import measure_report
+    from experiments.shapes import load_benchmark_model
+
+    torch.set_num_threads(args.threads)
+    tokenizer = "bytes" if args.prompts == "random" else "smollm2"
+    model, _ = load_benchmark_model(args.model, dtype=args.dtype, tokenizer=tokenizer)
+    report = measure_report(model, sizes=(args.batch, args.prompt_tokens))
+    return {"profile": asdict(report.profile), "terms": [asdict(t) for t in report.terms]}
 
 
 def measure_system(model, tokenizer, prompts: list[str], system: str, new_tokens: int) -> dict:

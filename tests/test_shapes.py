@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -576,3 +577,35 @@ def test_speed_ups_are_also_read_against_the_fastest_hf_cache():
     ]
     bench_speed.versus_fastest_hf(turns)
     assert turns[1]["speedup_vs_fastest_hf"] == 4.0
+
+
+def test_the_cost_model_benchmark_calibrates_in_a_worker_of_its_own(monkeypatch):
+    """The profile is measured in a fresh process, as a user's ``alisa profile`` (in the
+    benchmark's own process, after other work, the calibration steps ran slower: stop 72):
+    the worker's ``profile`` system returns the profile's fields and terms as JSON."""
+    import argparse
+    from types import SimpleNamespace
+
+    from alisa.calibration import profile as calibration
+    from experiments import worker
+    from scheduler import preset
+
+    seen = {}
+
+    def load(spec, *, dtype, tokenizer):
+        seen["model"] = (spec, dtype, tokenizer)
+        return "model", None
+
+    def measure_report(model, *, sizes):
+        seen["sizes"] = sizes
+        return SimpleNamespace(profile=preset("v100-32gb"), terms=())
+
+    monkeypatch.setattr(shapes, "load_benchmark_model", load)
+    monkeypatch.setattr(calibration, "measure_report", measure_report)
+    options = {**worker.DEFAULTS, "prompts": "random", "threads": 1, "batch": 4}
+    args = argparse.Namespace(
+        **options, system=worker.PROFILE, model="shape:x", dtype="float32", prompt_tokens=64
+    )
+    made = json.loads(json.dumps(worker.measure(args)))
+    assert seen == {"model": ("shape:x", "float32", "bytes"), "sizes": (4, 64)}
+    assert made == {"profile": json.loads(json.dumps(asdict(preset("v100-32gb")))), "terms": []}
