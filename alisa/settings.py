@@ -10,7 +10,7 @@ config through :class:`ConfigFields`, the attributes it needs.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import MISSING, Field, dataclass, fields
 from typing import TYPE_CHECKING, Protocol
 
@@ -303,6 +303,27 @@ def _estimate_rest(config: ConfigFields) -> bool:
 
 def _bytes(value: int | str | None, name: str) -> int | None:
     return None if value is None else parse_bytes(value, field=name)
+
+
+def no_evicting_layer_note(config: ConfigFields, windows: Sequence[int | None]) -> str | None:
+    """Why an evicting policy evicts in no layer of a model whose every layer is a sliding
+    window (``windows``, one per layer; None: full attention), or None.
+
+    Sliding layers keep their window as the model does (the policy and ``caching_ratio`` apply
+    to full-attention layers only), so on such a model the run is the model's own attention:
+    the same tokens as ``policy='dense'``, said as ``dense_layers`` making every layer dense is.
+    """
+    if not policies.POLICIES[config.policy].evicts or not windows:
+        return None
+    if any(window is None for window in windows):
+        return None
+    sizes = "/".join(str(size) for size in sorted(set(windows)))
+    return (
+        f"policy={config.policy!r} evicts in no layer of this model: all its {len(windows)} "
+        f"layers are {sizes}-token sliding windows, kept as the model keeps them, so "
+        f"caching_ratio={config.caching_ratio:g} has no effect; choose policy='dense' or a "
+        "model with full-attention layers"
+    )
 
 
 def evicts_nothing_note(config: ConfigFields, num_layers: int, tokens: int) -> str | None:

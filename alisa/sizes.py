@@ -21,23 +21,27 @@ _UNITS = {
     "gib": 1024**3,
     "tib": 1024**4,
 }
-_SIZE = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"^\s*(-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)\s*([a-zA-Z]*)\s*$")
+# More bytes than any machine holds (4 EiB): a typo (1e99), refused before any arithmetic
+# on it overflows a 64-bit integer.
+MOST_BYTES = 2**62
 
 
 def parse_bytes(value: str | int | float, *, field: str = "size") -> int:
-    """Parse ``"16GiB"``, ``"512MB"``, ``"1.5g"`` or a plain number into bytes.
+    """Parse ``"16GiB"``, ``"512MB"``, ``"1.5g"``, ``"1e9"`` or a plain number into bytes.
 
     Raises
     ------
     ValueError
-        For negative, infinite, non-numeric or unknown-unit values, naming ``field`` and the value.
+        For negative, infinite, non-numeric or unknown-unit values, or more than
+        :data:`MOST_BYTES`, naming ``field`` and the value.
     """
     if isinstance(value, bool):
         raise ValueError(f"{field}={value!r} is not a byte size")
     if isinstance(value, int | float):
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"{field}={value!r} must be a finite number of bytes >= 0")
-        return int(value)
+        return _at_most(int(value), value, field)
     match = _SIZE.match(str(value))
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(
@@ -47,7 +51,13 @@ def parse_bytes(value: str | int | float, *, field: str = "size") -> int:
     number = float(match.group(1))
     if number < 0:
         raise ValueError(f"{field}={value!r} must be a byte size >= 0")
-    return int(number * _UNITS[match.group(2).lower()])
+    return _at_most(int(number * _UNITS[match.group(2).lower()]), value, field)
+
+
+def _at_most(size: int, value: object, field: str) -> int:
+    if size > MOST_BYTES:
+        raise ValueError(f"{field}={value!r} is more bytes than any machine holds (4 EiB)")
+    return size
 
 
 def parse_budget(value: str | int | float, *, field: str) -> int:

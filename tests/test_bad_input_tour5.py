@@ -96,7 +96,7 @@ def test_a_tokenizer_given_as_the_model_is_named_shortly():
         generate(tokenizer, model, ["Hi"], max_new_tokens=2)
     message = str(refusal.value)
     assert len(message) < 300 and message.startswith("model=<")
-    assert "look swapped: generate(model, tokenizer, prompts)" in message
+    assert "it looks like a tokenizer: pass the model here" in message
 
 
 def test_a_state_space_model_is_refused_with_alisas_reason_at_load(tmp_path):

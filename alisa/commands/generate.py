@@ -29,6 +29,7 @@ from alisa.settings import (
     describe_settings,
     effective_values,
     evicts_nothing_note,
+    no_evicting_layer_note,
 )
 
 HELP = "generate a completion for one prompt"
@@ -274,6 +275,9 @@ def run(args: argparse.Namespace) -> int:
     )
     if floor is not None:
         print(f"alisa generate: warning: {with_flag(floor, FLOOR_FLAGS)}", file=sys.stderr)
+    unevicted = no_evicting_layer_note(config, shape.windows)
+    if unevicted is not None:
+        print(f"alisa generate: warning: {unevicted}", file=sys.stderr)
     notes = [note for note in (window_note(shape), spare_note(result, model, config)) if note]
     budget = budget_text(result, model, config)
     print(stats_line(result, config, num_layers, " | ".join(notes), budget), file=sys.stderr)

@@ -68,6 +68,12 @@ def run(args: argparse.Namespace) -> int:
     for flag in ("--batch", "--prompt-len", "--gen-len"):
         check_minimum(flag, getattr(args, flag[2:].replace("-", "_")), 1)
     config = cache_config_from_args(args, only=PLAN_FIELDS)
+    if config.recompute == "always":  # the LP chooses the recomputed share either way
+        print(
+            "alisa plan: warning: --recompute: recompute='always' plans as 'auto' (the plan "
+            "chooses how much is recomputed; 'always' makes a running cache recompute)",
+            file=sys.stderr,
+        )
     try:
         torch_dtype = weights_dtype(args.model, args.dtype)
         dtype_name = str(torch_dtype).removeprefix("torch.")

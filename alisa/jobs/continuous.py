@@ -4,10 +4,10 @@ loses no finished row)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 
-from alisa.jobs.io import OutputLog, Request, row_settings
+from alisa.jobs.io import OutputLog, Request
 from alisa.jobs.stream import ByteBudget
 from alisa.kv.cache import AlisaCache
 from alisa.runtime.continuous import ContinuousScheduler
@@ -103,11 +103,11 @@ def recorded(
     log: OutputLog,
     summary,
     refused: Callable[[Request], dict],
-    job,
+    own: Mapping,
 ) -> Iterator[list]:
     """Append each result to ``log`` the moment it comes (a killed job keeps every finished
-    row), with the row's own settings (``job``'s where it sets none), and count it in
-    ``summary`` (a :class:`~alisa.jobs.runner.JobSummary`).
+    row), with its own settings (``own``, by id: ``alisa.jobs.runner.own_settings``), and count
+    it in ``summary`` (a :class:`~alisa.jobs.runner.JobSummary`).
 
     Yields what the static path yields per batch, for its progress loop: [request], or
     [error row] from ``refused`` for a request no budget admits even alone.
@@ -129,7 +129,7 @@ def recorded(
                 "tokens": len(result.token_ids),
                 "finish_reason": result.finish_reason,
             },
-            own=row_settings(request, max_new_tokens=job.max_new_tokens, chat=job.chat),
+            own=own[request.id],
         )
         summary.completed += 1
         summary.preemptions += result.paused

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -25,12 +26,15 @@ ROW_OPTIONS = {
 }
 OPTION_KEYS = ("chat", *ROW_OPTIONS)  # what a row may set besides its id and prompt
 ROW_KEYS = ("id", "prompt", *OPTION_KEYS)
-# What decides a row's tokens that the row may set itself (else the job's): recorded per row.
-OWN_SETTINGS = ("max_new_tokens", "chat", "sampling")
+# What decides a row's tokens that is the row's own (its prompt, and what it may set itself, else
+# the job's): recorded per row.
+OWN_SETTINGS = ("prompt_sha256", "max_new_tokens", "chat", "sampling")
 
 
 def row_settings(request: Request, *, max_new_tokens: int, chat: bool) -> dict:
-    """The :data:`OWN_SETTINGS` a row was (or is to be) generated with, as a row reads back.
+    """The :data:`OWN_SETTINGS` a row was (or is to be) generated with, as a row reads back:
+    a digest of its prompt as the input gives it (an edited prompt is another row's work), its
+    length, chat and sampling.
 
     ``request`` carries the job's sampling options where it sets none
     (``BatchJob.row_defaults``); ``max_new_tokens`` and ``chat`` are the job's defaults.
@@ -42,6 +46,7 @@ def row_settings(request: Request, *, max_new_tokens: int, chat: bool) -> dict:
         if key != "max_new_tokens" and options.get(key) not in (None, False)
     }
     return {
+        "prompt_sha256": hashlib.sha256(request.prompt.encode()).hexdigest(),
         "max_new_tokens": options.get("max_new_tokens", max_new_tokens),
         "chat": chat if request.chat is None else request.chat,
         "sampling": sampling,

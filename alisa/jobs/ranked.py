@@ -28,7 +28,7 @@ from alisa.jobs.runner import (
     BatchJob,
     JobSummary,
     job_settings,
-    model_identity,
+    model_settings,
     open_job,
     run_requests,
 )
@@ -92,7 +92,7 @@ def run_ranked(
     output = Path(job.output)
     total = plan.prompts - plan.already_done
     bar = RankProgress(ranks, plan.token, total, job.progress, "alisa batch")
-    made_with = {**job_settings(job), "model": model_identity(model)}
+    made_with = {**job_settings(job), **model_settings(model)}
     log = OutputLog(part_path(output, ranks.rank), keys=RESULT_KEYS, settings=made_with)
     try:
         summary = run_requests(

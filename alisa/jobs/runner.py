@@ -19,6 +19,7 @@ from alisa.jobs.io import (
     OutputLog,
     Request,
     check_failures_file,
+    input_name,
     read_requests,
     row_settings,
     same_file,
@@ -34,7 +35,13 @@ from alisa.model.adapter import model_shape
 from alisa.model.loading import chat_prompt, context_length, prompt_length_error
 from alisa.planning.spec import model_spec
 from alisa.runtime.generate import SamplingOptions
-from alisa.runtime.requests import PREFILL_TOKENS, StepRecord
+from alisa.runtime.requests import (
+    PREFILL_TOKENS,
+    TOKENIZER_HINT,
+    StepRecord,
+    past_vocabulary,
+    vocabulary_size,
+)
 from alisa.sizes import format_bytes, parse_budget, parse_bytes
 
 
@@ -309,6 +316,13 @@ def own_settings(job: BatchJob, request: Request) -> dict:
     return json.loads(json.dumps(own, default=str))
 
 
+def model_settings(model) -> dict:
+    """What a job's rows were made with of the model: its identity and its weights' dtype
+    (``--dtype`` decides tokens: bfloat16 changed 4 of 8 rows' text against float32)."""
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return {"model": model_identity(model), "dtype": dtype}
+
+
 def model_identity(model) -> str:
     """The model a job's rows were made with: its class and where it was loaded from (a
     directory resolved, so that two spellings of one path are one model)."""
@@ -325,14 +339,19 @@ def _check_made_with(
     those named: the model is known only once loaded), or a done row of ``requests`` with
     other settings of its own than ``job`` gives it now: the output would mix rows of two runs
     as if of one (a re-run with another --max-new-tokens reported its rows done). A row that
-    sets its own ``max_new_tokens`` reads no ``--max-new-tokens``: changing it is no reason."""
+    sets its own ``max_new_tokens`` reads no ``--max-new-tokens``: changing it is no reason.
+    What an older alisa's rows did not record (a prompt's digest, the dtype) is not compared."""
     for request in requests:
         made = log.made.get(request.id)
-        now = own_settings(job, request)
-        if made is not None and {key: made.get(key) for key in OWN_SETTINGS} != now:
-            there = {key: made.get(key) for key in OWN_SETTINGS}
+        if made is None:
+            continue
+        there = {key: made[key] for key in OWN_SETTINGS if key in made}
+        now = {key: value for key, value in own_settings(job, request).items() if key in there}
+        if there != now:
             differences = "; ".join(
-                f"{name}: {old} there, {new} now"
+                "prompt: edited since (its digest differs)"
+                if name == "prompt_sha256"
+                else f"{name}: {old} there, {new} now"
                 for name, (old, new) in _differences(there, now).items()
             )
             raise ValueError(
@@ -341,15 +360,20 @@ def _check_made_with(
                 "run's rows: give the same settings to finish it, or another output (nothing "
                 "was changed)"
             )
-    others = [made for made in log.made_with if {k: made.get(k) for k in settings} != settings]
+    others = [
+        made
+        for made in log.made_with
+        if any(name in made and made[name] != value for name, value in settings.items())
+    ]
     if not others:
         return
-    # Only the settings compared (the model is not known yet when a resume is checked), a
-    # cache setting left out of a record by its default value.
-    there = {name: others[0].get(name) for name in settings}
+    # Only the settings compared (the model is not known yet when a resume is checked) and
+    # recorded, a cache setting left out of a record by its default value.
+    there = {name: others[0][name] for name in settings if name in others[0]}
     defaults = json.loads(json.dumps(asdict(AlisaConfig()), default=str))
     there["cache"] = {**defaults, **(there.get("cache") or {})}
-    now = {**settings, "cache": {**defaults, **settings["cache"]}}
+    now = {name: settings[name] for name in there}
+    now["cache"] = {**defaults, **settings["cache"]}
     differences = "; ".join(
         f"{name}: {old} there, {new} now" for name, (old, new) in _differences(there, now).items()
     )
@@ -429,7 +453,7 @@ def run_opened_job(
     ``log`` (:func:`open_output`) under ``output_lock(job.output)`` (the CLI does, to check
     every file before loading the model); ``log`` stays open. An output whose finished rows
     another model made is refused here (``ValueError``), before any row is written."""
-    made_with = {**job_settings(job), "model": model_identity(model)}
+    made_with = {**job_settings(job), **model_settings(model)}
     _check_made_with(log, made_with, job, requests)  # before any row: nothing changed if refused
     log.record(made_with)
     pending = [r for r in requests if r.id not in log.done]
@@ -508,12 +532,14 @@ def run_requests(
     summary.budget_name, summary.kv_budget_name = budgets.device_name, budgets.kv_name
     summary.kv_budget_bytes = budgets.kv
     summary.peak_memory_counts = PEAK_COUNTS.get(device.type, PEAK_COUNTS["cpu"])
+    own = {request.id: own_settings(job, request) for request in pending}  # as the input has it
     defaults = job.row_defaults()  # once: the same for every row
     pending = [_with_defaults(request, defaults) for request in pending]
     warn_ignored_sampling(pending, job.input)
     pending = [_in_template(request, tokenizer, job.chat) for request in pending]
     encoded = tokenizer([r.prompt for r in pending])["input_ids"] if pending else []
     prompt_ids = {r.id: list(ids) for r, ids in zip(pending, encoded, strict=True)}
+    _check_vocabulary(pending, prompt_ids, vocabulary_size(model), job.input)
     lengths = {key: len(ids) for key, ids in prompt_ids.items()}
     context = context_length(model, tokenizer)
     pending = _drop_too_long(pending, lengths, context, summary, job.max_new_tokens)
@@ -535,6 +561,7 @@ def run_requests(
                 sampling=_sampling,
                 factory=cache_factory,
                 started_s=started,
+                own=own,
                 on_step=on_step,
             )
         else:
@@ -551,7 +578,7 @@ def run_requests(
                 on_step=on_step,
             )
             batches = recorded(
-                rows, log, summary, lambda r: _refused(r, lengths[r.id], spec, job, budgets), job
+                rows, log, summary, lambda r: _refused(r, lengths[r.id], spec, job, budgets), own
             )
         for batch in batches:
             if len(batch) == 1 and isinstance(batch[0], dict):  # did not fit even alone
@@ -581,6 +608,18 @@ def _drop_too_long(pending, lengths, context, summary: JobSummary, new_tokens: i
         summary.errors[request.id] = _failed_row(request, reason, error)
         summary.too_long.append(request.id)
     return kept
+
+
+def _check_vocabulary(pending: list[Request], prompt_ids: dict, size: int, source) -> None:
+    """Refuse the job (before any work) at the first row whose prompt the tokenizer turned into
+    an id the model cannot embed: every row would, the tokenizer being another model's."""
+    for request in pending:
+        found = past_vocabulary(prompt_ids[request.id], size)
+        if found is not None:
+            raise ValueError(
+                f"{input_name(source)}:{request.line}: id {request.id!r}: the prompt tokenizes to "
+                f"id {found[1]}, past the model's vocabulary of {size} tokens: {TOKENIZER_HINT}"
+            )
 
 
 def _sampling(options: dict) -> SamplingOptions:

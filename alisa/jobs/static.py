@@ -6,9 +6,9 @@ join). Kept for comparison with continuous batching (:mod:`alisa.jobs.continuous
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
-from alisa.jobs.io import OutputLog, Request, row_settings
+from alisa.jobs.io import OutputLog, Request
 from alisa.jobs.sizing import BatchMemory, batch_memory, largest_batch
 from alisa.runtime.generate import SamplingOptions, generate
 from alisa.runtime.requests import StepRecord
@@ -56,6 +56,7 @@ def run_static(
     sampling: Callable[[dict], SamplingOptions],
     factory: Callable | None,
     started_s: float,
+    own: Mapping,
     on_step: Callable[[StepRecord], None] | None = None,
 ) -> Iterator[list]:
     """Run each of ``batches`` through :func:`~alisa.runtime.generate.generate` (a fresh cache
@@ -78,7 +79,7 @@ def run_static(
             stop_at_eos=job.stop_at_eos,
             compile="off",  # rows leave the batch (prune), and every batch has its own shape
         )
-        _record(log, summary, batch, result, waited_s=start - started_s, job=job)
+        _record(log, summary, batch, result, waited_s=start - started_s, own=own)
         for record in batch_steps(result, start) if on_step else ():
             on_step(record)
         yield batch
@@ -96,14 +97,17 @@ def batch_steps(result, started_s: float) -> list[StepRecord]:
     return records
 
 
-def _record(log: OutputLog, summary, batch: list[Request], result, waited_s: float, job) -> None:
-    """Append a batch's rows, each with its own settings; each one's TTFT is its wait for the
-    batch plus the batch's prefill (``waited_s``: from the job's start to the batch's)."""
+def _record(
+    log: OutputLog, summary, batch: list[Request], result, waited_s: float, own: Mapping
+) -> None:
+    """Append a batch's rows, each with its own settings (``own``, by id); each one's TTFT is
+    its wait for the batch plus the batch's prefill (``waited_s``: from the job's start to the
+    batch's)."""
     rows = zip(batch, result.texts, result.token_ids, result.finish_reasons, strict=True)
     for request, text, ids, reason in rows:
         log.append(
             {"id": request.id, "text": text, "tokens": len(ids), "finish_reason": reason},
-            own=row_settings(request, max_new_tokens=job.max_new_tokens, chat=job.chat),
+            own=own[request.id],
         )
     summary.batches.append(len(batch))
     summary.completed += len(batch)

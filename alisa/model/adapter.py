@@ -11,6 +11,7 @@ import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from os import PathLike
 
 import torch
 from torch import nn
@@ -134,10 +135,12 @@ def check_model(model: object) -> None:
         shown = repr(model)
         if len(shown) > 80:  # a tokenizer's repr runs to kilobytes: its type says enough
             shown = f"<{type(model).__name__} ...>"
-        hint = ""
-        if callable(getattr(model, "encode", None)):  # a tokenizer where the model goes
-            hint = "; model and tokenizer look swapped: generate(model, tokenizer, prompts)"
-        raise ValueError(f"model={shown} must be a torch model (load_model returns one){hint}")
+        hint = " (load_model returns one)"
+        if isinstance(model, str | bytes | PathLike):  # a name or path: not loaded yet
+            hint = f"; load it first: model, tokenizer = alisa.load_model({str(model)!r})"
+        elif callable(getattr(model, "encode", None)):  # a tokenizer where the model goes
+            hint = "; it looks like a tokenizer: pass the model here (load_model returns both)"
+        raise ValueError(f"model={shown} must be a torch model{hint}")
     if getattr(model, "config", None) is None:
         raise ValueError(f"model of type {type(model).__name__} has no HF config")
 

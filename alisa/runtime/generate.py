@@ -19,8 +19,9 @@ from alisa.model.adapter import check_model
 from alisa.model.loading import chat_prompt, check_prompt_length
 from alisa.runtime.compiled import CompileChoice, choose_compile, settle_compile
 from alisa.runtime.engine import DecodeState, Engine, GenerationOutput, cache_kv_bytes
+from alisa.runtime.requests import TOKENIZER_HINT, past_vocabulary, vocabulary_size
 from alisa.runtime.sampling import SamplingOptions, sampling_or_default
-from alisa.settings import IgnoredSettingWarning, evicts_nothing_note
+from alisa.settings import IgnoredSettingWarning, evicts_nothing_note, no_evicting_layer_note
 
 
 @torch.inference_mode()
@@ -105,7 +106,9 @@ def generate(
     sampling = sampling_or_default(sampling)
     device = next(model.parameters()).device
     choice = choose_compile(compile, device)
-    batch = tokenizer(prompt_list, return_tensors="pt", padding=True).to(device)
+    batch = tokenizer(prompt_list, return_tensors="pt", padding=True)
+    _check_vocabulary(model, batch["input_ids"])  # on the host: before it reaches the model
+    batch = batch.to(device)
     check_prompt_length(model, tokenizer, batch["input_ids"].shape[-1], new_tokens=max_new_tokens)
     if prune_finished and choice.compiled:
         if choice.asked != "auto":
@@ -122,9 +125,13 @@ def generate(
         _check_cache(cache, config)
     choice = settle_compile(choice, cache)
     if isinstance(cache, AlisaCache):  # as the CLI warns: an evicting policy that keeps all
-        note = evicts_nothing_note(cache.config, cache.shape.num_layers, longest)
-        if note is not None:
-            warnings.warn(note, IgnoredSettingWarning, stacklevel=3)  # past inference_mode
+        notes = (
+            no_evicting_layer_note(cache.config, cache.shape.windows),
+            evicts_nothing_note(cache.config, cache.shape.num_layers, longest),
+        )
+        for note in notes:
+            if note is not None:
+                warnings.warn(note, IgnoredSettingWarning, stacklevel=3)  # past inference_mode
     engine = Engine(model, tokenizer, sampling, stop_at_eos=stop_at_eos, compile=choice.compiled)
     state = DecodeState.start(batch["input_ids"], batch["attention_mask"])
     with attached(model), PeakMemory(device) as memory:  # the model's attention is restored
@@ -159,6 +166,19 @@ def new_cache(
         else:
             return cache, choice
     return AlisaCache(model, config, max_new_tokens=max_new_tokens), choice
+
+
+def _check_vocabulary(model, input_ids: torch.Tensor) -> None:
+    """Refuse a prompt the tokenizer turned into an id the model cannot embed (a tokenizer of
+    another model), naming the prompt and the id, instead of the embedding's ``IndexError``."""
+    size = vocabulary_size(model)
+    for row, ids in enumerate(input_ids.tolist()):
+        found = past_vocabulary(ids, size)
+        if found is not None:
+            raise ValueError(
+                f"prompts[{row}] tokenizes to id {found[1]}, past the model's vocabulary of "
+                f"{size} tokens (ids 0..{size - 1}): {TOKENIZER_HINT}"
+            )
 
 
 def _check_model(model, tokenizer) -> None:

@@ -120,13 +120,25 @@ class StreamRequest:
         ValueError
             Naming the first id past the vocabulary, its index and ``size``.
         """
-        if max(self.prompt_ids) < size:
+        found = past_vocabulary(self.prompt_ids, size)
+        if found is None:
             return
-        index, token = next((i, t) for i, t in enumerate(self.prompt_ids) if t >= size)
+        index, token = found
         raise ValueError(
-            f"prompt_ids[{index}]={int(token)} of request {self.id!r} is past the model's "
+            f"prompt_ids[{index}]={token} of request {self.id!r} is past the model's "
             f"vocabulary of {size} tokens (ids 0..{size - 1})"
         )
+
+
+# Said where a tokenizer turned text into an id the model cannot embed: a tokenizer of another
+# model (its added tokens, or another vocabulary altogether).
+TOKENIZER_HINT = "does the tokenizer belong to this model?"
+
+
+def past_vocabulary(ids: Sequence[int], size: int) -> tuple[int, int] | None:
+    """(index, id) of the first of ``ids`` that a model with ``size`` token ids cannot embed,
+    or None (every id in 0 .. size - 1)."""
+    return next(((index, int(token)) for index, token in enumerate(ids) if token >= size), None)
 
 
 def vocabulary_size(model) -> int:

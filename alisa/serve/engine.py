@@ -34,7 +34,7 @@ from alisa.runtime.continuous import ContinuousScheduler
 from alisa.runtime.engine import Engine
 from alisa.runtime.requests import StreamRequest, StreamResult
 from alisa.runtime.sampling import SamplingOptions
-from alisa.serve.errors import APIError, internal_error
+from alisa.serve.errors import APIError, bad_request, internal_error
 from alisa.serve.metrics import ServeMetrics
 from alisa.serve.prepare import Prepared
 from alisa.serve.settings import ServeSettings
@@ -307,14 +307,18 @@ class ServeEngine:
         prepared = job.prepared
         job.text = TextStream(self.tokenizer, job.stop, self.eos_ids)
         group.jobs[job.id] = job
-        group.scheduler.submit(
-            StreamRequest(
-                prompt_ids=list(prepared.prompt_ids),
-                max_new_tokens=prepared.max_tokens,
-                id=job.id,
-                arrival_s=job.arrival_s,
+        try:
+            group.scheduler.submit(
+                StreamRequest(
+                    prompt_ids=list(prepared.prompt_ids),
+                    max_new_tokens=prepared.max_tokens,
+                    id=job.id,
+                    arrival_s=job.arrival_s,
+                )
             )
-        )
+        except ValueError as refusal:  # one request's refusal ends that request, not the engine
+            del group.jobs[job.id]
+            self._end(job, Failed(bad_request(str(refusal), "prompt")), "error")
 
     def _step(self, group: _Group) -> None:
         """One scheduler step; hand out its tokens; end the rows that finished or stopped."""

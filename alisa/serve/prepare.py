@@ -8,6 +8,7 @@ would refuse such a request too, but only once it reached the head of the queue.
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
 
 from alisa.config import AlisaConfig
@@ -17,10 +18,11 @@ from alisa.kv.cache import AlisaCache
 from alisa.model.adapter import model_shape
 from alisa.model.loading import context_length, prompt_length_error
 from alisa.planning.spec import model_spec
-from alisa.runtime.requests import RowShape, vocabulary_size
+from alisa.runtime.requests import TOKENIZER_HINT, RowShape, past_vocabulary, vocabulary_size
 from alisa.serve.errors import APIError, bad_request
 from alisa.serve.protocol import GenerationRequest
 from alisa.serve.settings import ServeSettings
+from alisa.settings import IgnoredSettingWarning, ignored_settings
 from alisa.sizes import format_bytes
 
 CHECKED_CONFIGS = 256  # distinct per-request cache settings remembered as valid for the model
@@ -89,12 +91,20 @@ class Preparer:
 
     def config(self, request: GenerationRequest) -> AlisaConfig:
         """The server's cache settings with the request's ``"alisa"`` ones on top, checked
-        against the model (a layer count it lacks, a policy its attention cannot run)."""
+        against the model (a layer count it lacks, a policy its attention cannot run); a
+        setting the request gives that would change nothing is refused too (the CLI warns, but
+        a client is never shown a warning)."""
         if not request.cache:
             return self.settings.config
         given = dict(request.cache)
         try:
-            config = self.settings.config.with_overrides(**given)
+            with warnings.catch_warnings():  # refused below, in the request's words
+                warnings.simplefilter("ignore", IgnoredSettingWarning)
+                config = self.settings.config.with_overrides(**given)
+            notes = ignored_settings(config, typed=given)
+            unread = [note for note in notes if note.split("=")[0] in given]
+            if unread:
+                raise ValueError(unread[0])
             if config not in self._valid:
                 # What the engine will build, built once here: its checks need the model. (Its
                 # attach() is a no-op: the engine thread attached the model before serving.)
@@ -109,13 +119,14 @@ class Preparer:
         """The prompt's tokens: given, tokenized, or the chat template's text tokenized (as
         ``alisa generate --chat`` does, so the same conversation gives the same tokens)."""
         if isinstance(request.prompt, tuple):
-            for index, token in enumerate(request.prompt):
-                if token >= self.vocab_size:
-                    raise bad_request(
-                        f"prompt[{index}]={token} is past the model's vocabulary of "
-                        f"{self.vocab_size} tokens",
-                        f"prompt[{index}]",
-                    )
+            found = past_vocabulary(request.prompt, self.vocab_size)
+            if found is not None:
+                index, token = found
+                raise bad_request(
+                    f"prompt[{index}]={token} is past the model's vocabulary of "
+                    f"{self.vocab_size} tokens",
+                    f"prompt[{index}]",
+                )
             return request.prompt
         text = self._chat_text(request) if request.chat else request.prompt
         if self.max_text_chars is not None and len(text) > self.max_text_chars:
@@ -129,6 +140,13 @@ class Preparer:
         ids = tuple(self.tokenizer(text)["input_ids"])
         if not ids:
             raise bad_request(f"{request.prompt_field} gives no tokens", request.prompt_field)
+        found = past_vocabulary(ids, self.vocab_size)
+        if found is not None:  # the server's tokenizer and model disagree: refused, not run
+            raise bad_request(
+                f"{request.prompt_field} tokenizes to id {found[1]}, past the model's vocabulary "
+                f"of {self.vocab_size} tokens (the server's tokenizer: {TOKENIZER_HINT})",
+                request.prompt_field,
+            )
         return ids
 
     def _chat_text(self, request: GenerationRequest) -> str:

@@ -7,6 +7,7 @@ returns (``alisa serve`` exits 0). A second signal stops at once.
 
 from __future__ import annotations
 
+import logging
 import signal
 import socket
 from types import FrameType
@@ -20,6 +21,7 @@ from alisa.serve.metrics import ServeMetrics
 from alisa.serve.prepare import Preparer
 from alisa.serve.settings import ServeSettings
 
+LOG = logging.getLogger("uvicorn.error")  # uvicorn's own lines: where a server's operator looks
 GRACEFUL_S = 30  # after the drain, seconds uvicorn waits for responses still being written
 
 
@@ -31,10 +33,21 @@ class _DrainingServer(uvicorn.Server):
         self.state = state
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        running = self.state.engine.open_requests
         if self.state.draining:  # a second signal: stop now, as uvicorn would
+            LOG.warning(
+                "a second signal: stopping now, %d request(s) still running dropped (their "
+                "clients get no answer); the process exits with the signal's status",
+                running,
+            )
             super().handle_exit(sig, frame)
             self.force_exit = True
             return
+        LOG.warning(
+            "draining: %d request(s) running finish, new ones get 503; a second signal stops "
+            "at once, dropping them",
+            running,
+        )
         # Not recorded as uvicorn's captured signal: it would raise it again once the server
         # has stopped, and the process would die of it instead of exiting 0 after the drain.
         self.state.draining = True
