@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -26,31 +25,6 @@ ROW_OPTIONS = {
 }
 OPTION_KEYS = ("chat", *ROW_OPTIONS)  # what a row may set besides its id and prompt
 ROW_KEYS = ("id", "prompt", *OPTION_KEYS)
-# What decides a row's tokens that is the row's own (its prompt, and what it may set itself, else
-# the job's): recorded per row.
-OWN_SETTINGS = ("prompt_sha256", "max_new_tokens", "chat", "sampling")
-
-
-def row_settings(request: Request, *, max_new_tokens: int, chat: bool) -> dict:
-    """The :data:`OWN_SETTINGS` a row was (or is to be) generated with, as a row reads back:
-    a digest of its prompt as the input gives it (an edited prompt is another row's work), its
-    length, chat and sampling.
-
-    ``request`` carries the job's sampling options where it sets none
-    (``BatchJob.row_defaults``); ``max_new_tokens`` and ``chat`` are the job's defaults.
-    """
-    options = request.options
-    sampling = {
-        key: options[key]
-        for key in ROW_OPTIONS
-        if key != "max_new_tokens" and options.get(key) not in (None, False)
-    }
-    return {
-        "prompt_sha256": hashlib.sha256(request.prompt.encode()).hexdigest(),
-        "max_new_tokens": options.get("max_new_tokens", max_new_tokens),
-        "chat": chat if request.chat is None else request.chat,
-        "sampling": sampling,
-    }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,7 +202,7 @@ class OutputLog:
         self.keys = keys
         self.done: set = set()
         # What decides the tokens of every row (``job_settings``), written into each row
-        # appended with the row's own (:func:`row_settings`), and the settings each done row
+        # appended with the row's own (``own_settings``), and the settings each done row
         # already there was made with, by id (older rows: none).
         self.settings = settings
         self.made: dict = {}
@@ -306,11 +280,11 @@ class OutputLog:
 
     def append(self, row: dict, own: dict | None = None) -> None:
         """Write one result row durably (``ValueError`` naming the path when it fails), with
-        the log's ``settings`` and the row's ``own`` (:func:`row_settings`) when the log has
-        settings and the row has none (a merged part's row keeps its own)."""
+        the log's ``settings`` and the row's ``own`` (``alisa.jobs.runner.own_settings``; both
+        plain JSON values) when the log has settings and the row has none (a merged part's row
+        keeps its own)."""
         if self.settings is not None and "settings" not in row:
-            settings = {**self.settings, **(own or {})}
-            row = {**row, "settings": json.loads(json.dumps(settings, default=str))}
+            row = {**row, "settings": {**self.settings, **(own or {})}}
         self._write(_line(row))
         self._add(row)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -15,13 +16,12 @@ from alisa.checks import check_field_types
 from alisa.config import AlisaConfig
 from alisa.jobs.continuous import continuous_results, recorded
 from alisa.jobs.io import (
-    OWN_SETTINGS,
+    ROW_OPTIONS,
     OutputLog,
     Request,
     check_failures_file,
     input_name,
     read_requests,
-    row_settings,
     same_file,
     warn_ignored_sampling,
 )
@@ -307,12 +307,27 @@ def job_settings(job: BatchJob) -> dict:
     return json.loads(json.dumps(settings, default=str))  # as a row reads back
 
 
+# What decides a row's tokens that is the row's own: :func:`own_settings`' keys.
+OWN_SETTINGS = ("prompt_sha256", "max_new_tokens", "chat", "sampling")
+
+
 def own_settings(job: BatchJob, request: Request) -> dict:
-    """What decides a row's tokens that the row may set itself (``max_new_tokens``, ``chat``,
-    sampling), the job's where it does not: recorded in the row (a row of
+    """What decides a row's tokens that is the row's own, as a row reads back: a digest of its
+    prompt as the input gives it (an edited prompt is another row's work), and what the row may
+    set itself (``max_new_tokens``, ``chat``, sampling), the job's where it does not (a row of
     ``examples/prompts.jsonl`` asking ``"chat": true, "max_new_tokens": 48`` records those)."""
-    with_job = _with_defaults(request, job.row_defaults())
-    own = row_settings(with_job, max_new_tokens=job.max_new_tokens, chat=job.chat)
+    options = {**job.row_defaults(), **request.options}
+    sampling = {
+        key: options[key]
+        for key in ROW_OPTIONS
+        if key != "max_new_tokens" and options.get(key) not in (None, False)
+    }
+    own = {
+        "prompt_sha256": hashlib.sha256(request.prompt.encode()).hexdigest(),
+        "max_new_tokens": options.get("max_new_tokens", job.max_new_tokens),
+        "chat": job.chat if request.chat is None else request.chat,
+        "sampling": sampling,
+    }
     return json.loads(json.dumps(own, default=str))
 
 
@@ -348,18 +363,7 @@ def _check_made_with(
         there = {key: made[key] for key in OWN_SETTINGS if key in made}
         now = {key: value for key, value in own_settings(job, request).items() if key in there}
         if there != now:
-            differences = "; ".join(
-                "prompt: edited since (its digest differs)"
-                if name == "prompt_sha256"
-                else f"{name}: {old} there, {new} now"
-                for name, (old, new) in _differences(there, now).items()
-            )
-            raise ValueError(
-                f"the output {str(log.path)!r} holds finished rows made with other settings "
-                f"(row id={request.id!r}: {differences}); resuming would mix them with this "
-                "run's rows: give the same settings to finish it, or another output (nothing "
-                "was changed)"
-            )
+            _refuse_resume(log, there, now, f"row id={request.id!r}: ")
     others = [
         made
         for made in log.made_with
@@ -374,12 +378,21 @@ def _check_made_with(
     there["cache"] = {**defaults, **(there.get("cache") or {})}
     now = {name: settings[name] for name in there}
     now["cache"] = {**defaults, **settings["cache"]}
+    _refuse_resume(log, there, now)
+
+
+def _refuse_resume(log: OutputLog, there: dict, now: dict, row: str = "") -> None:
+    """Refuse a resume whose finished rows were made with ``there`` settings, naming what
+    differs from ``now`` (a prompt by its digest: edited since)."""
     differences = "; ".join(
-        f"{name}: {old} there, {new} now" for name, (old, new) in _differences(there, now).items()
+        "prompt: edited since (its digest differs)"
+        if name == "prompt_sha256"
+        else f"{name}: {old} there, {new} now"
+        for name, (old, new) in _differences(there, now).items()
     )
     raise ValueError(
         f"the output {str(log.path)!r} holds finished rows made with other settings "
-        f"({differences}); resuming would mix them with this run's rows: give the same "
+        f"({row}{differences}); resuming would mix them with this run's rows: give the same "
         "settings to finish it, or another output (nothing was changed)"
     )
 
