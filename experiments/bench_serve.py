@@ -12,7 +12,8 @@ with two short requests, loaded, then stopped with SIGTERM (killed ``--stop-time
 No request starts after ``--duration-s``; those running then are cut off; each request gives up
 after ``--request-timeout-s``. ``--sigterm-after-s S`` stops the server S seconds into the load
 instead (a drain under load): the row's ``drain`` counts the requests completed, refused (503, or
-no connection once the server exited) and lost (accepted, then broken off), and the exit code.
+a connection refused or closed before any answer as the server exited) and lost (answered, then
+broken off, or no answer in time), and the exit code.
 
 Systems (``--systems``), all under the KV byte budget ``--kv-budget``:
     alisa-r0.2        ``alisa serve --policy swa --caching-ratio 0.2 --kv-memory B``
@@ -108,7 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=float,
         default=None,
         help="SIGTERM the server this long into the load (a drain under load): every request "
-        "must complete or be refused (503, or no connection once it exited), none lost",
+        "must complete or be refused (503, or closed unanswered as it exits), none lost",
     )
     return parser.parse_args(argv)
 
@@ -162,6 +163,17 @@ class Answer:
         self.error, self.detail = kind, " ".join(detail.split())[:300]
 
 
+# The error kind's prefix of a connection that failed before the server sent a status line.
+NO_ANSWER = "no answer"
+
+
+def refused_kind(kind: str) -> bool:
+    """Whether an error of ``kind`` means the server never took the request: a 503 (draining,
+    or its queue full), or a connection refused or closed before a status line (a server that
+    exits closes the connections it has not read a request from, and its listening socket)."""
+    return kind == "HTTP 503" or kind.startswith(f"{NO_ANSWER}: ")
+
+
 def stream_completion(port: int, body: dict, *, timeout_s: float, deadline_s: float) -> Answer:
     """Send one streamed completion and read its server-sent events to the end.
 
@@ -172,6 +184,7 @@ def stream_completion(port: int, body: dict, *, timeout_s: float, deadline_s: fl
     answer = Answer(sent_s=time.perf_counter())
     until = min(deadline_s, answer.sent_s + timeout_s)
     connection = http.client.HTTPConnection(HOST, port, timeout=max(until - answer.sent_s, 0.01))
+    response = None
     try:
         headers = {"Content-Type": "application/json"}
         connection.request("POST", "/v1/completions", json.dumps(body).encode(), headers)
@@ -191,7 +204,10 @@ def stream_completion(port: int, body: dict, *, timeout_s: float, deadline_s: fl
         else:
             answer.fail("timed out", f"no answer within --request-timeout-s {timeout_s:g}")
     except (OSError, http.client.HTTPException) as error:
-        answer.fail(f"connection: {type(error).__name__}", str(error))
+        # Before a status line the server never took the request (refused, or a connection it
+        # had not read yet closed as it exits); after one, a request it took was broken off.
+        where = "connection" if response is not None else NO_ANSWER
+        answer.fail(f"{where}: {type(error).__name__}", str(error))
     finally:
         connection.close()  # a request cut off is cancelled by the server when it sees this
         answer.end_s = time.perf_counter()
@@ -587,17 +603,13 @@ def measures(load: list[Answer | None], args: argparse.Namespace, watch) -> dict
     }
 
 
-# How a request that was never accepted fails: refused while draining, or no server any more.
-REFUSED = ("HTTP 503", "connection: ConnectionRefusedError")
-
-
 def drain_measures(load: list[Answer | None], after_s: float, signalled: float) -> dict:
     """A load SIGTERM cut into (``--sigterm-after-s``): requests that completed (those still
-    running at the signal among them), refused (:data:`REFUSED`) and lost (accepted, then
-    broken off: what a drain must never do)."""
+    running at the signal among them), refused (:func:`refused_kind`) and lost (taken, then
+    broken off or never answered: what a drain must never do)."""
     answers = [answer for answer in load if answer is not None]
     errors = Counter(answer.error for answer in answers if answer.error is not None)
-    refused = sum(errors[kind] for kind in REFUSED)
+    refused = sum(count for kind, count in errors.items() if refused_kind(kind))
     return {
         "sigterm_after_s": after_s,
         "completed": sum(answer.ok for answer in answers),

@@ -8,6 +8,7 @@ import http.server
 import json
 import os
 import re
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -20,13 +21,16 @@ from alisa.record import machine_record
 from experiments import bench_serve
 from experiments.bench_continuous import block_bytes
 from experiments.bench_serve import (
+    Answer,
     ServerError,
+    drain_measures,
     measures,
     parse_args,
     poisson_arrivals,
     run_load,
     server_env,
     serving,
+    stream_completion,
 )
 from experiments.timeline import PauseWatch
 
@@ -107,7 +111,7 @@ def test_alisa_and_transformers_serve_the_same_workload(tmp_path, capsys):
 
 def test_a_sigterm_under_load_drains_and_loses_nothing(tmp_path, capsys):
     """``--sigterm-after-s``: the real server is told to stop while requests arrive; every
-    request completes or is refused (503 while draining, no connection once it exited), none
+    request completes or is refused (503 while draining, closed unanswered as it exits), none
     is broken off, and the server exits 0."""
     folder, data = model_dir(tmp_path), xsum_fixture(tmp_path)
     argv = ["--model", str(folder), "--data-dir", str(data), "--prompts", "8", "--clients"]
@@ -117,7 +121,8 @@ def test_a_sigterm_under_load_drains_and_loses_nothing(tmp_path, capsys):
     out = capsys.readouterr().out
     (row,) = json_line(out)["systems"]
     drain = row["drain"]
-    assert drain["lost"] == 0 and row["server_exit"] == "0", row
+    seen = (drain, row["server_exit"], row["error_kinds"], row["error_examples"])
+    assert drain["lost"] == 0 and row["server_exit"] == "0", seen
     assert drain["completed"] + drain["refused"] == row["sent"] == 8
     assert drain["completed"] >= 1 and drain["refused"] >= 1  # the signal fell mid-load
     assert "SIGTERM at 0.5 s" in table_row(out, "alisa-r0.2")[-1]
@@ -130,7 +135,8 @@ class FakeOpenAI(http.server.BaseHTTPRequestHandler):
     """Streams an answer whose behaviour the prompt names: ``ok`` (3 tokens, ``[DONE]``),
     ``short`` (2 tokens, EOS), ``refuse`` (400, OpenAI's error body), ``detail`` (422,
     FastAPI's), ``event`` (an error event mid-stream), ``break`` (closes without a finish
-    reason), ``slow`` (a token every 50 ms until the client leaves)."""
+    reason), ``hangup`` (closes without a status line), ``slow`` (a token every 50 ms until the
+    client leaves)."""
 
     def log_message(self, *args) -> None:  # quiet
         pass
@@ -138,6 +144,9 @@ class FakeOpenAI(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         prompt = body["prompt"]
+        if prompt == "hangup":  # as a server that exits closes a connection it has not answered
+            self.close_connection = True
+            return
         if prompt in ("refuse", "detail"):
             error = (
                 {"error": {"message": "the prompt is too long", "code": "exceeds_budget"}}
@@ -203,21 +212,46 @@ def load(port: int, prompts: list[str], *flags: str):
 
 
 def test_errors_are_counted_by_kind_and_short_answers_apart(fake_port):
-    prompts = ["ok", "refuse", "ok", "event", "break", "short", "detail"]
+    prompts = ["ok", "refuse", "ok", "event", "break", "short", "detail", "hangup"]
     row, answers = load(fake_port, prompts, "--clients", "3")
-    assert (row["sent"], row["completed"], row["errors"], row["short"]) == (7, 3, 4, 1)
+    assert (row["sent"], row["completed"], row["errors"], row["short"]) == (8, 3, 5, 1)
     assert row["error_kinds"] == {
         "HTTP 400": 1,
         "error event": 1,
         "stream ended early": 1,
         "HTTP 422": 1,
+        "no answer: RemoteDisconnected": 1,
     }
     assert row["error_examples"]["HTTP 400"] == "[exceeds_budget] the prompt is too long"
     assert row["error_examples"]["HTTP 422"].startswith("Unexpected fields")
     assert row["error_examples"]["error event"] == "[internal_error] the engine failed"
     assert row["output_tokens"] == 3 + 3 + 2  # the usage's counts, of the answers completed
-    assert [answer.ok for answer in answers] == [True, False, True, False, False, True, False]
+    assert [answer.ok for answer in answers] == [
+        True,
+        False,
+        True,
+        False,
+        False,
+        True,
+        False,
+        False,
+    ]
     assert row["cut_off"] == row["not_sent"] == 0
+
+
+def test_a_drain_counts_what_the_server_never_took_as_refused(fake_port):
+    """A 503 and a connection closed or refused before a status line were never taken; a
+    stream broken off after its 200 was: lost."""
+    row, answers = load(fake_port, ["ok", "refuse", "hangup", "break"], "--clients", "1")
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, not listening: the connection is refused
+    nobody = stream_completion(closed.getsockname()[1], {}, timeout_s=5, deadline_s=1e12)
+    closed.close()
+    assert nobody.error == "no answer: ConnectionRefusedError"
+    busy = Answer(sent_s=0.0, error="HTTP 503")
+    drain = drain_measures([*answers, nobody, busy, None], after_s=0.5, signalled=-1.0)
+    assert (drain["completed"], drain["refused"], drain["lost"]) == (1, 3, 2)
+    assert drain["completed_after_signal"] == 1
 
 
 def test_a_request_past_its_timeout_is_an_error(fake_port):
