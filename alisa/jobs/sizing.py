@@ -38,10 +38,11 @@ class BatchMemory:
 def kept_tokens(
     config: AlisaConfig | None,
     num_layers: int,
-    tokens: int,
+    tokens: int | Sequence[int],
     windows: Sequence[int | None] = (),
 ) -> np.ndarray:
-    """(num_layers,) tokens a sequence keeps in each layer after ``tokens`` seen.
+    """(num_layers, *shape of tokens) tokens a sequence keeps in each layer after ``tokens``
+    seen (one count, or one per sequence).
 
     The cache's own budget rule (:meth:`AlisaConfig.keep_rules`): ratio or token budget, sinks,
     pyramid scales and dense layers; ``config=None`` (HF's cache) keeps every token. Either way a
@@ -49,7 +50,7 @@ def kept_tokens(
     most its window.
     """
     rules = (config or AlisaConfig()).keep_rules(num_layers, windows)
-    return layers_kept(rules, np.int64(tokens))
+    return layers_kept(rules, np.asarray(tokens, dtype=np.int64))
 
 
 def batch_memory(
@@ -105,21 +106,24 @@ def largest_batch(
     return low
 
 
-def row_slots(spec: ModelSpec, config: AlisaConfig, prompt_len: int, new_tokens: int) -> np.ndarray:
-    """(num_layers,) slots one row of a running batch may occupy in each layer, at any time.
+def row_slots(spec: ModelSpec, config: AlisaConfig, rows: Sequence[tuple[int, int]]) -> np.ndarray:
+    """(num_layers, len(rows)) slots each row of a running batch, a (prompt tokens, new tokens
+    at most) pair, may occupy in each layer, at any time.
 
-    A row keeps at most ``kept(prompt_len + new_tokens)`` tokens (budgets only grow with the
+    A row keeps at most ``kept(prompt + new tokens)`` tokens (budgets only grow with the
     tokens seen; a joining row's cache is compacted to its kept prompt before it joins), plus
     the step's new token before eviction or selection: new tokens refill freed slots first, in
     drop and host retention alike, so a row never spans more.
     """
-    return kept_tokens(config, spec.num_layers, prompt_len + new_tokens, spec.windows) + 1
+    # One call for every row: the layers' rules are built once (admission asks each step).
+    totals = [prompt + new for prompt, new in rows]
+    return kept_tokens(config, spec.num_layers, totals, spec.windows) + 1
 
 
 def _capacity(spec: ModelSpec, config: AlisaConfig, rows: Sequence[tuple[int, int]]) -> list[int]:
     """Per layer, the slots every row of a batch of ``rows`` has: the widest row's
     :func:`row_slots` plus the growth headroom (slots are rectangular)."""
-    widest = np.max([row_slots(spec, config, p, n) for p, n in rows], axis=0)
+    widest = row_slots(spec, config, rows).max(axis=1)
     return [int(slots) + headroom(int(slots)) for slots in widest]
 
 
