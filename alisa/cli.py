@@ -11,21 +11,58 @@ import argparse
 import re
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from alisa.commands import COMMANDS
 from alisa.commands.options import EXIT_ERROR, EXIT_INTERRUPTED, SIZE_FLAGS, CommandError
 from alisa.logs import log_to_stderr
 
 
-def build_parser() -> argparse.ArgumentParser:
+class CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser (``alisa generate``): its usage errors say how to pass a prompt
+    argparse misread, a word of several unquoted or one starting with ``-``."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(message + prompt_hint(self.prog, message))
+
+
+def prompt_hint(prog: str, message: str) -> str:
+    """What to do where a usage error of ``prog`` is likely a prompt argparse misread ("" if
+    none): ``-hi`` reads as ``-h`` given ``i``, ``hi there`` unquoted as two arguments."""
+    if prog != "alisa generate":
+        return ""
+    unknown = message.removeprefix("unrecognized arguments: ").split()
+    if "ignored explicit argument" in message or (
+        message.startswith("unrecognized") and any(re.match(r"-[^-]", word) for word in unknown)
+    ):
+        return (
+            "; a prompt that starts with '-' goes after '--' (alisa generate -- '-hi'), in "
+            "--prompt-file or on stdin"
+        )
+    if message.startswith("unrecognized") and not unknown[0].startswith("-"):
+        return '; a prompt of several words goes in quotes (alisa generate "hi there")'
+    return ""
+
+
+def build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The ``alisa`` parser and each subcommand's, by name."""
     parser = argparse.ArgumentParser(
         prog="alisa", description="LLM inference when KV-cache memory is the wall (ALISA runtime)"
     )
     parser.add_argument("--version", action="version", version=f"alisa {_version()}")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    subparsers = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=CommandParser
+    )
+    commands = {}
     for name, (help_text, configure, _) in COMMANDS.items():
-        configure(subparsers.add_parser(name, help=help_text, description=help_text))
-    return parser
+        commands[name] = subparsers.add_parser(name, help=help_text, description=help_text)
+        configure(commands[name])
+    return parser, commands
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``alisa`` parser."""
+    return build_parsers()[0]
 
 
 def _version() -> str:
@@ -62,7 +99,11 @@ def join_negative_sizes(argv: Sequence[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``alisa`` console script; returns the exit code."""
-    args = build_parser().parse_args(join_negative_sizes(sys.argv[1:] if argv is None else argv))
+    parser, commands = build_parsers()
+    words = join_negative_sizes(sys.argv[1:] if argv is None else argv)
+    args, unknown = parser.parse_known_args(words)
+    if unknown:  # said by the subcommand's parser: its usage, not the top-level one
+        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     log_to_stderr()
     run: Callable[[argparse.Namespace], int] = COMMANDS[args.command][2]
     try:

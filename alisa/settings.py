@@ -70,6 +70,7 @@ class ConfigFields(Protocol):
     layer_schedule: str
     per_head: bool | None
     kv_bits: int
+    residual_tokens: int
     gpu_memory: int | str | None
     host_memory: int | str | None
     recompute: str
@@ -357,6 +358,24 @@ def evicts_nothing_note(config: ConfigFields, num_layers: int, tokens: int) -> s
         f"{setting} keeps all {tokens} tokens of each sequence, so policy "
         f"{config.policy!r} at r={config.caching_ratio:g} evicts nothing and runs as dense; "
         f"{lower} or give more tokens to measure it"
+    )
+
+
+def full_precision_note(config: ConfigFields, tokens: int, *, context: bool = False) -> str | None:
+    """Why ``kv_bits`` codes nothing: ``residual_tokens`` keeps every one of ``tokens`` tokens in
+    its full-precision ring (those of each sequence of a run, or with ``context`` the model's
+    whole context, which no run outgrows), or None."""
+    if config.kv_bits == 16 or config.residual_tokens < tokens:
+        return None
+    held = (
+        f"every token of the model's {tokens}-token context"
+        if context
+        else f"all {tokens} tokens of each sequence"
+    )
+    return (
+        f"residual_tokens={config.residual_tokens} keeps {held} in full precision, so "
+        f"kv_bits={config.kv_bits} codes nothing; lower it (default 64) for the coded KV to "
+        "save memory"
     )
 
 

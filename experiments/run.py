@@ -50,9 +50,11 @@ from experiments.runconfig import (
     point_key,
 )
 
+PROG = "experiments.run"  # how its messages start when run as a module
+
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="experiments.run", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     add_run_options(parser)
     return parser.parse_args(argv)
 
@@ -119,28 +121,29 @@ def _busy(folder: Path) -> str:
 RESULT_KEYS = ("id", "point")  # what every row of results.jsonl has
 
 
-def run(config: RunConfig, progress: bool = True) -> Path:
-    """Run every pending point of ``config``; returns the run directory.
+def run(config: RunConfig, progress: bool = True, *, prog: str = PROG) -> Path:
+    """Run every pending point of ``config``; returns the run directory. Its warnings start
+    with ``prog`` (the command the user typed).
 
     Under torchrun every rank runs the points it owns (a stable hash of the point's key) into
     ``results.jsonl.parts/rank-K.jsonl``; rank 0 merges them into ``results.jsonl`` at the end.
     """
     for task in sorted(set(config.options) - set(config.sweep["task"])):
         print(
-            f"experiments.run: warning: options.{task} has no effect: task {task!r} is not in "
+            f"{prog}: warning: options.{task} has no effect: task {task!r} is not in "
             f"sweep.task ({', '.join(config.sweep['task'])})",
             file=sys.stderr,
         )
     for name, values in config.collapsed_budgets().items():
         print(
-            f"experiments.run: note: sweep.{name} {values} applies to the evicting policies; "
+            f"{prog}: note: sweep.{name} {values} applies to the evicting policies; "
             "a policy that keeps every token (dense) runs once, recorded at caching_ratio=1.0",
             file=sys.stderr,
         )
     root = _data_root(config)  # before any directory is made
     warning = use_threads(config.runtime["threads"]).warning()
     if warning is not None:
-        print(f"experiments.run: {warning}", file=sys.stderr)
+        print(f"{prog}: {warning}", file=sys.stderr)
     if launched():
         with process_group() as ranks:
             return _run_ranks(config, progress, root, ranks)
@@ -304,16 +307,17 @@ def main(argv=None) -> int:
     return run_from_args(parse_args(argv))
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    """Run the sweep the flags of :func:`add_run_options` describe; the exit code."""
+def run_from_args(args: argparse.Namespace, *, prog: str = PROG) -> int:
+    """Run the sweep the flags of :func:`add_run_options` describe; the exit code. Messages
+    start with ``prog``: ``alisa experiment`` runs it too."""
     overrides = list(args.set)
     if args.data_dir is not None:
         overrides.append(f"runtime.data_dir={json.dumps(args.data_dir)}")
     try:
         config = load_config(args.config, overrides)
-        folder = run(config, progress=not args.no_progress)
+        folder = run(config, progress=not args.no_progress, prog=prog)
     except (ValueError, RankError) as error:
-        print(f"experiments.run: error: {' '.join(str(error).split())}", file=sys.stderr)
+        print(f"{prog}: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 1
     if not launched() or os.environ["RANK"] == "0":
         print(f"results in {folder}")

@@ -128,7 +128,8 @@ def test_stream_generate_refuses_an_id_past_the_vocabulary_naming_it(tokenizer):
 def test_the_last_id_of_the_vocabulary_is_a_token(tokenizer):
     request = StreamRequest(prompt_ids=[VOCAB - 1], max_new_tokens=1)
     request.check_vocabulary(VOCAB)
-    with pytest.raises(ValueError, match=r"prompt_ids\[0\]=511 of request None is past"):
+    unnamed = r"the request with no id whose prompt_ids are \[511\]"
+    with pytest.raises(ValueError, match=rf"prompt_ids\[0\]=511 of {unnamed} is past"):
         request.check_vocabulary(VOCAB - 1)
 
 

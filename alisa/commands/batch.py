@@ -10,6 +10,7 @@ from contextlib import ExitStack
 from alisa.commands.options import (
     EXIT_ROWS_FAILED,
     CommandError,
+    Typed,
     add_cache_options,
     add_model_options,
     add_sampling_options,
@@ -20,6 +21,7 @@ from alisa.commands.options import (
     cache_config_from_args,
     check_minimum,
     load_for_cli,
+    model_notes_said,
     sampling_from_args,
 )
 
@@ -45,7 +47,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_model_options(parser)
     add_threads_option(parser)
     parser.add_argument(
-        "--max-new-tokens", type=int, default=64, help="tokens per prompt unless a row says"
+        "--max-new-tokens",
+        action=Typed,  # typed, a flag every row overrides is warned
+        type=int,
+        default=64,
+        help="tokens per prompt unless a row says",
     )
     parser.add_argument(
         "--chat",
@@ -148,6 +154,12 @@ def run(args: argparse.Namespace) -> int:
             f"alisa batch: warning: {input_name(job.input)} holds no rows: nothing to run",
             file=sys.stderr,
         )
+    elif "max_new_tokens" in args.typed_fields and not defaulted(requests):
+        print(
+            f"alisa batch: warning: --max-new-tokens {args.max_new_tokens} has no effect: every "
+            f"row of {input_name(job.input)} sets its own max_new_tokens",
+            file=sys.stderr,
+        )
     # One writer per output: held from the file checks to the failures file.
     with output_lock(job.output) as held:
         log = open_output(job, requests)  # every file check before loading the model
@@ -155,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
             model, tokenizer = load_for_cli(args.model, args.dtype)
             pending = [r for r in requests if r.id not in log.done]
             _check_new_tokens(args.max_new_tokens, model, tokenizer, defaulted(pending))
-            summary = run_opened_job(model, tokenizer, job, requests, log)
+            with model_notes_said("batch", model, job.config):
+                summary = run_opened_job(model, tokenizer, job, requests, log)
         finally:
             log.close()
         held.keep()  # the run finished: its output stays, even with no row in it

@@ -16,4 +16,4 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from experiments.run import run_from_args
 
-    return run_from_args(args)
+    return run_from_args(args, prog="alisa experiment")

@@ -29,6 +29,7 @@ from alisa.settings import (
     describe_settings,
     effective_values,
     evicts_nothing_note,
+    full_precision_note,
     no_evicting_layer_note,
 )
 
@@ -43,7 +44,9 @@ PARALLEL_FLAGS = {
 }
 
 # The settings an evicts-nothing warning may name, as flags.
-FLOOR_FLAGS = dict.fromkeys(("min_budget_tokens", "sink_tokens", "budget_tokens"))
+FLOOR_FLAGS = dict.fromkeys(
+    ("min_budget_tokens", "sink_tokens", "budget_tokens", "residual_tokens")
+)
 
 # The flags of the parallel group other than --parallel, with their defaults.
 PARALLEL_DEFAULTS = {
@@ -270,11 +273,10 @@ def run(args: argparse.Namespace) -> int:
                 compile=args.compile,
             )
     print(result.texts[0])
-    floor = evicts_nothing_note(
-        config, num_layers, result.prompt_tokens[0] + len(result.token_ids[0])
-    )
-    if floor is not None:
-        print(f"alisa generate: warning: {with_flag(floor, FLOOR_FLAGS)}", file=sys.stderr)
+    held = result.prompt_tokens[0] + len(result.token_ids[0])
+    for note in (evicts_nothing_note(config, num_layers, held), full_precision_note(config, held)):
+        if note is not None:
+            print(f"alisa generate: warning: {with_flag(note, FLOOR_FLAGS)}", file=sys.stderr)
     unevicted = no_evicting_layer_note(config, shape.windows)
     if unevicted is not None:
         print(f"alisa generate: warning: {unevicted}", file=sys.stderr)
@@ -315,15 +317,14 @@ def spare_note(result, model, config: AlisaConfig) -> str:
     from alisa.sizes import format_bytes
 
     tokens = sum(result.prompt_tokens) + result.generated_tokens
-    dense = model_spec(model, model_shape(model)).kv_bytes_per_token() * tokens
+    spec = model_spec(model, model_shape(model))
+    dense = spec.kv_bytes_per_token() * tokens
     if result.kv_bytes <= dense:
         return ""
     reasons = ["slots are allocated up front for the prompt and --max-new-tokens"]
     if config.kv_bits < 16:
-        reasons.append(
-            f"INT{config.kv_bits} also keeps the last {config.residual_tokens} tokens in full "
-            "precision"
-        )
+        ring = min(config.residual_tokens, spec.context_tokens or config.residual_tokens)
+        reasons.append(f"INT{config.kv_bits} also keeps the last {ring} tokens in full precision")
     saves = not config.keeps_everything or config.kv_bits < 16
     return (
         f"kv held exceeds a dense cache of these {tokens} tokens ({format_bytes(dense)}): "

@@ -14,14 +14,20 @@ import tempfile
 import types
 import typing
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import Field, fields
 from pathlib import Path
 
 from alisa.config import AlisaConfig
 from alisa.model.builtin import BUILTIN_MODELS, DEFAULT_MODEL
 from alisa.model.dtypes import DTYPES
-from alisa.settings import IgnoredSettingWarning, field_default, ignored_settings
+from alisa.settings import (
+    IgnoredSettingWarning,
+    field_default,
+    full_precision_note,
+    ignored_settings,
+)
 
 if typing.TYPE_CHECKING:
     from alisa.runtime.sampling import SamplingOptions
@@ -153,11 +159,11 @@ def _add_field_flag(group, item: Field, doc: str | None, annotation) -> None:
         help_text += f" (default: {default})"
     kind, metavar = _flag_type(annotation)
     if kind is bool:
-        group.add_argument(flag_name(item.name), action=_TypedBool, default=default, help=help_text)
+        group.add_argument(flag_name(item.name), action=TypedBool, default=default, help=help_text)
     else:
         group.add_argument(
             flag_name(item.name),
-            action=_Typed,
+            action=Typed,
             type=kind,
             default=default,
             metavar=metavar,
@@ -171,7 +177,7 @@ def _note_typed(namespace: argparse.Namespace, name: str) -> None:
     namespace.typed_fields = namespace.typed_fields | {name}
 
 
-class _Typed(argparse.Action):
+class Typed(argparse.Action):
     """Store a field flag's value and note that the user typed the flag."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
@@ -179,7 +185,7 @@ class _Typed(argparse.Action):
         _note_typed(namespace, self.dest)
 
 
-class _TypedBool(argparse.BooleanOptionalAction):
+class TypedBool(argparse.BooleanOptionalAction):
     """``--x`` / ``--no-x``, noting that the user typed the flag."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
@@ -231,6 +237,23 @@ def build_from_flags(factory: Callable[..., T], flags: dict[str, str | None], **
         return factory(**values)
     except ValueError as error:
         raise CommandError(with_flag(str(error), flags)) from None
+
+
+@contextmanager
+def model_notes_said(command: str, model, config: AlisaConfig) -> Iterator[None]:
+    """Say once, in the command's words, what a cache of ``config`` would warn of on ``model``
+    when built (``residual_tokens`` past its context: ``kv_bits`` codes nothing); the caches a
+    run builds inside the block then say nothing of it (a batch or a server builds many)."""
+    from alisa.model.loading import context_length
+
+    known = context_length(model)
+    note = None if known is None else full_precision_note(config, known[0], context=True)
+    if note is not None:
+        text = with_flag(note, {"residual_tokens": None})
+        print(f"alisa {command}: warning: {text}", file=sys.stderr)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "residual_tokens=", IgnoredSettingWarning)
+        yield
 
 
 def with_flag(message: str, flags: dict[str, str | None]) -> str:

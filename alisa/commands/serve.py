@@ -16,6 +16,7 @@ from alisa.commands.options import (
     cache_config_from_args,
     check_minimum,
     load_for_cli,
+    model_notes_said,
 )
 
 HELP = "serve a model over HTTP with the OpenAI API (completions, chat, streaming, metrics)"
@@ -121,16 +122,17 @@ def run(args: argparse.Namespace) -> int:
         ) from None
     with sock:
         model, tokenizer = load_for_cli(args.model, args.dtype)
-        _check_fits(model, tokenizer, settings)
-        server = AlisaServer(model, tokenizer, settings, log_level=args.log_level)
-        host, port = sock.getsockname()[:2]
-        print(
-            f"alisa serve: {settings.model_name} on {base_url(host, port)} "
-            f"(policy {settings.config.policy} r={settings.config.caching_ratio:g}); "
-            "SIGTERM or Ctrl-C drains and stops",
-            file=sys.stderr,
-        )
-        server.run(sock)
+        with model_notes_said("serve", model, settings.config):
+            _check_fits(model, tokenizer, settings)
+            server = AlisaServer(model, tokenizer, settings, log_level=args.log_level)
+            host, port = sock.getsockname()[:2]
+            print(
+                f"alisa serve: {settings.model_name} on {base_url(host, port)} "
+                f"(policy {settings.config.policy} r={settings.config.caching_ratio:g}); "
+                "SIGTERM or Ctrl-C drains and stops",
+                file=sys.stderr,
+            )
+            server.run(sock)
     print("alisa serve: drained, stopped", file=sys.stderr)
     return 0
 

@@ -17,6 +17,7 @@ from alisa.config import AlisaConfig
 from alisa.jobs.continuous import continuous_results, recorded
 from alisa.jobs.io import (
     ROW_OPTIONS,
+    STDIN,
     OutputLog,
     Request,
     check_failures_file,
@@ -114,6 +115,11 @@ class BatchJob:
             raise ValueError("input='' is empty; give a JSONL file path, or '-' for stdin")
         if self.output == "":
             raise ValueError("output='' is empty; give a file path, e.g. 'out.jsonl'")
+        if self.output == STDIN:  # "-" reads stdin; an output is a file a re-run resumes
+            raise ValueError(
+                f"output={STDIN!r} (-o {STDIN}): the output must be a file, which a re-run "
+                "resumes; stdout cannot be: give a file path, e.g. 'out.jsonl'"
+            )
         for name in ("gpu_memory", "kv_memory"):
             if getattr(self, name) is not None:
                 parse_budget(getattr(self, name), field=name)
@@ -502,9 +508,8 @@ def _budgets(model, job: BatchJob, spec, host_share: int) -> _Budgets:
     kv_budget = parse_bytes(job.kv_memory, field="kv_memory") if job.kv_memory is not None else None
     if budget is not None and budget <= spec.total_weight_bytes:
         raise ValueError(
-            f"the device budget --gpu-memory {job.gpu_memory} ({budget} bytes) is smaller than "
-            "the weights "
-            f"({spec.total_weight_bytes} bytes)"
+            f"gpu_memory={job.gpu_memory!r} (--gpu-memory, {budget} bytes), the device "
+            f"budget, is smaller than the weights ({spec.total_weight_bytes} bytes)"
         )
     name = f"--gpu-memory {job.gpu_memory}"
     if next(model.parameters()).device.type == "cpu":

@@ -146,8 +146,9 @@ def _rows_kv(
     layers, count = spec.num_layers, len(rows)
     slot_bytes = spec.kv_bytes_per_token(config.kv_bits) / layers
     kv = count * sum(capacity) * slot_bytes
-    if config.kv_bits < 16:  # the full-precision ring of the newest tokens
-        kv += count * layers * config.residual_tokens * spec.kv_bytes_per_token(16) / layers
+    if config.kv_bits < 16:  # the full-precision ring of the newest tokens, within the context
+        ring = min(config.residual_tokens, spec.context_tokens or config.residual_tokens)
+        kv += count * layers * ring * spec.kv_bytes_per_token(16) / layers
     if config.retention == "host":
         span = max(p + n for p, n in rows)
         kv += count * (span + 2 * headroom(span)) * spec.sketch_bytes_per_token()

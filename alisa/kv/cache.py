@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from functools import partial
@@ -25,10 +26,12 @@ from alisa.kv.static import StepPack
 from alisa.kv.swap import copy_replacing
 from alisa.kv.window import WindowKeeper
 from alisa.model.adapter import ModelAdapter, ModelShape
+from alisa.model.loading import context_length
 from alisa.ops.backends import Ops, model_ops
 from alisa.ops.transfer import upload
 from alisa.planning.tiers import TierPlanner
 from alisa.policies import DensePolicy, KVPolicy
+from alisa.settings import IgnoredSettingWarning, full_precision_note
 from alisa.sizes import parse_bytes
 from alisa.storage.quantized import QuantizedStore
 from alisa.storage.recompute import KVRecomputer
@@ -96,9 +99,15 @@ class AlisaCache(Cache):
         _check_host_memory_applies(self.config)
         check_int("max_new_tokens", max_new_tokens, minimum=0)
         self.max_new_tokens = int(max_new_tokens)
-        self.max_cache_len = _check_static(self.config, max_cache_len)
         adapter = ModelAdapter.of(model)
         self.shape: ModelShape = adapter.shape
+        known = context_length(model)
+        context = known[0] if known is not None else None
+        self.max_cache_len = _check_static(self.config, max_cache_len, known)
+        if context is not None and (
+            note := full_precision_note(self.config, context, context=True)
+        ):
+            warnings.warn(note, IgnoredSettingWarning, stacklevel=2)
         # The kernels the cache runs, chosen once for every layer (and refused here when this
         # machine cannot run the ones asked for): named by GenerationOutput.kernels.
         traced = max_cache_len is not None
@@ -107,7 +116,9 @@ class AlisaCache(Cache):
         # whether a step was planned whose token is not stored yet.
         self._pack: StepPack | None = None
         self._planned = False
-        factory = store_factory(self.config, self.shape, compiled=self.ops.compiled)
+        factory = store_factory(
+            self.config, self.shape, compiled=self.ops.compiled, context=context
+        )
         self.planner = None
         if self.config.gpu_memory is not None and self.shape.hybrid:
             raise ValueError(
@@ -629,7 +640,9 @@ def _model_name(model: nn.Module | None) -> str:
     return f"{type(model).__name__}{origin} at {id(model):#x}"
 
 
-def _check_static(config: AlisaConfig, max_cache_len: int | None) -> int | None:
+def _check_static(
+    config: AlisaConfig, max_cache_len: int | None, context: tuple[int, str] | None
+) -> int | None:
     """``max_cache_len`` as an int, refused (naming the setting) where the mode has no static
     step yet: KV coded to fewer bits (a region of codes and full-precision recent tokens),
     device/host/recompute tiers (their regions move per step) and host retention (its
@@ -638,6 +651,12 @@ def _check_static(config: AlisaConfig, max_cache_len: int | None) -> int | None:
     if max_cache_len is None:
         return None
     check_int("max_cache_len", max_cache_len, minimum=1)
+    if context is not None and max_cache_len > context[0]:
+        # Slots are allocated for it: past the context they hold nothing a model could read.
+        raise ValueError(
+            f"max_cache_len={max_cache_len} is longer than the model's context of {context[0]} "
+            f"tokens ({context[1]}); at most {context[0]}"
+        )
     reasons = {
         "kv_bits": config.kv_bits != 16,
         "gpu_memory": config.gpu_memory is not None,
@@ -690,9 +709,13 @@ def default_keeper(config: AlisaConfig, policy: KVPolicy, *, ops: Ops | None = N
     return DropKeeper(policy, per_head=config.selects_per_head)
 
 
-def store_factory(config: AlisaConfig, shape: ModelShape, *, compiled: bool) -> StoreFactory:
+def store_factory(
+    config: AlisaConfig, shape: ModelShape, *, compiled: bool, context: int | None = None
+) -> StoreFactory:
     """Dense storage for ``kv_bits=16``, else INT8/INT4 storage checked against the head size;
-    ``compiled``: the stores run the compiled CPU kernels (:attr:`~alisa.ops.backends.Ops`)."""
+    ``compiled``: the stores run the compiled CPU kernels (:attr:`~alisa.ops.backends.Ops`).
+    The full-precision ring holds ``residual_tokens`` but never more than the model's
+    ``context`` (None: unknown): no sequence has more tokens to keep there."""
     if config.kv_bits == 16:
         return partial(DenseStore, compiled=compiled)
     group = config.quant_group_size or shape.head_dim
@@ -707,7 +730,7 @@ def store_factory(config: AlisaConfig, shape: ModelShape, *, compiled: bool) -> 
         QuantizedStore,
         bits=config.kv_bits,
         group_size=group,
-        residual_tokens=config.residual_tokens,
+        residual_tokens=min(config.residual_tokens, context or config.residual_tokens),
         compiled=compiled,
     )
 

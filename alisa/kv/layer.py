@@ -208,9 +208,11 @@ class AlisaLayer(CacheLayerMixin):
             self._compact(force=True)
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError(
-            "AlisaCache cannot be cropped (evicted tokens cannot be restored); assisted and "
-            "speculative decoding need a DynamicCache"
+        # A ValueError, as for any mode alisa refuses: HF calls it from assisted decoding.
+        raise ValueError(
+            "crop(): an AlisaCache cannot be cropped "
+            "(evicted tokens cannot be restored); assisted and speculative decoding "
+            "(prompt_lookup_num_tokens, assistant_model) need a DynamicCache"
         )
 
     # ---- what attention and callers use -------------------------------------------------

@@ -16,12 +16,17 @@ from alisa.kv.cache import AlisaCache
 from alisa.kv.hooks import attached
 from alisa.memory import PeakMemory
 from alisa.model.adapter import check_model
-from alisa.model.loading import chat_prompt, check_prompt_length
+from alisa.model.loading import chat_prompt, check_prompt_length, context_length
 from alisa.runtime.compiled import CompileChoice, choose_compile, settle_compile
 from alisa.runtime.engine import DecodeState, Engine, GenerationOutput, cache_kv_bytes
 from alisa.runtime.requests import TOKENIZER_HINT, past_vocabulary, vocabulary_size
 from alisa.runtime.sampling import SamplingOptions, sampling_or_default
-from alisa.settings import IgnoredSettingWarning, evicts_nothing_note, no_evicting_layer_note
+from alisa.settings import (
+    IgnoredSettingWarning,
+    evicts_nothing_note,
+    full_precision_note,
+    no_evicting_layer_note,
+)
 
 
 @torch.inference_mode()
@@ -128,6 +133,7 @@ def generate(
         notes = (
             no_evicting_layer_note(cache.config, cache.shape.windows),
             evicts_nothing_note(cache.config, cache.shape.num_layers, longest),
+            _full_precision(model, cache.config, longest),
         )
         for note in notes:
             if note is not None:
@@ -263,3 +269,12 @@ def check_prompt(prompt: object, index: int) -> None:
 
 
 __all__ = ["GenerationOutput", "SamplingOptions", "cache_kv_bytes", "generate"]
+
+
+def _full_precision(model, config: AlisaConfig, longest: int) -> str | None:
+    """:func:`~alisa.settings.full_precision_note` for a run of rows up to ``longest`` tokens,
+    unless the cache said it for the model's whole context when it was built."""
+    known = context_length(model)
+    if known is not None and config.residual_tokens >= known[0]:
+        return None
+    return full_precision_note(config, longest)

@@ -64,21 +64,20 @@ class StreamRequest:
             isinstance(ids, Sized) and isinstance(ids, Iterable)
         ):
             raise ValueError(
-                f"prompt_ids={ids!r} of request {self.id!r} must be a list of token ids "
-                "(integers >= 0)"
+                f"prompt_ids={ids!r} of {self._who()} must be a list of token ids (integers >= 0)"
             )
         kind = unordered(ids)
         if kind is not None:
             raise ValueError(
-                f"prompt_ids={ids!r} of request {self.id!r} must be a list of token ids "
+                f"prompt_ids={ids!r} of {self._who()} must be a list of token ids "
                 f"(integers >= 0) in prompt order, not {kind}"
             )
         if len(ids) == 0:
-            raise ValueError(f"prompt_ids of request {self.id!r} is empty")
+            raise ValueError(f"prompt_ids of {self._who()} is empty")
         for index, token in enumerate(ids):
             if isinstance(token, bool) or not isinstance(token, Integral) or token < 0:
                 raise ValueError(
-                    f"prompt_ids[{index}]={token!r} of request {self.id!r} must be a token id "
+                    f"prompt_ids[{index}]={token!r} of {self._who()} must be a token id "
                     "(an integer >= 0)"
                 )
         check_int("max_new_tokens", self.max_new_tokens, minimum=0)
@@ -90,9 +89,20 @@ class StreamRequest:
             now = time.perf_counter()
             if not 0 <= self.arrival_s <= now:
                 raise ValueError(
-                    f"arrival_s={self.arrival_s!r} of request {self.id!r} must be a "
+                    f"arrival_s={self.arrival_s!r} of {self._who()} must be a "
                     f"time.perf_counter() reading taken already (now {now:.3f}), or None"
                 )
+
+    def _who(self) -> str:
+        """This request, as its messages name it: by its id, else (one of many, before
+        :func:`~alisa.jobs.stream.stream_generate` numbers it) by its first prompt ids."""
+        if self.id is not None:
+            return f"request {self.id!r}"
+        ids = self.prompt_ids
+        if isinstance(ids, list | tuple) and ids:
+            head = ", ".join(map(repr, ids[:4])) + (", ..." if len(ids) > 4 else "")
+            return f"the request with no id whose prompt_ids are [{head}]"
+        return "a request with no id"
 
     def _plain_ids(self) -> object:
         """``prompt_ids``, a torch tensor (a tokenizer's ``return_tensors="pt"`` output, one
@@ -105,7 +115,7 @@ class StreamRequest:
             return ids
         if ids.dim() != 1:
             raise ValueError(
-                f"prompt_ids of request {self.id!r} is a tensor of shape {tuple(ids.shape)}; give "
+                f"prompt_ids of {self._who()} is a tensor of shape {tuple(ids.shape)}; give "
                 "one prompt's ids: a 1-D tensor or a list (e.g. input_ids[0])"
             )
         return ids.tolist()
@@ -125,7 +135,7 @@ class StreamRequest:
             return
         index, token = found
         raise ValueError(
-            f"prompt_ids[{index}]={token} of request {self.id!r} is past the model's "
+            f"prompt_ids[{index}]={token} of {self._who()} is past the model's "
             f"vocabulary of {size} tokens (ids 0..{size - 1})"
         )
 

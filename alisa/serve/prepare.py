@@ -102,15 +102,19 @@ class Preparer:
                 warnings.simplefilter("ignore", IgnoredSettingWarning)
                 config = self.settings.config.with_overrides(**given)
             notes = ignored_settings(config, typed=given)
-            unread = [note for note in notes if note.split("=")[0] in given]
-            if unread:
-                raise ValueError(unread[0])
             if config not in self._valid:
                 # What the engine will build, built once here: its checks need the model. (Its
                 # attach() is a no-op: the engine thread attached the model before serving.)
-                AlisaCache(self.model, config)
-                if len(self._valid) < CHECKED_CONFIGS:
-                    self._valid.add(config)
+                # What it says a setting changes nothing on this model counts too.
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always", IgnoredSettingWarning)
+                    AlisaCache(self.model, config)
+                notes += [str(w.message) for w in caught if w.category is IgnoredSettingWarning]
+            unread = [note for note in notes if note.split("=")[0] in given]
+            if unread:
+                raise ValueError(unread[0])
+            if config not in self._valid and len(self._valid) < CHECKED_CONFIGS:
+                self._valid.add(config)
         except ValueError as error:
             raise _config_error(str(error), given) from None
         return config
