@@ -141,13 +141,15 @@ def test_a_stream_request_takes_a_1d_tensor_of_ids_as_the_list_it_holds(tokenize
 
 def test_a_stream_request_refuses_a_tensor_of_several_prompts(tokenizer):
     ids = tokenizer("Hello", return_tensors="pt")["input_ids"]  # (1, n): a batch of one
-    match = rf"prompt_ids of request None is a tensor of shape \(1, {ids.shape[1]}\); give one"
+    shape = rf"is a tensor of shape \(1, {ids.shape[1]}\); give one"
+    match = rf"prompt_ids of a request with no id {shape}"
     with pytest.raises(ValueError, match=match):
         StreamRequest(prompt_ids=ids, max_new_tokens=2)
 
 
 def test_a_stream_request_refuses_a_tensor_of_floats_naming_the_id():
-    with pytest.raises(ValueError, match=r"prompt_ids\[0\]=5.0 of request None must be a token"):
+    unnamed = r"the request with no id whose prompt_ids are \[5.0, 6.0\]"
+    with pytest.raises(ValueError, match=rf"prompt_ids\[0\]=5.0 of {unnamed} must be a token"):
         StreamRequest(prompt_ids=torch.tensor([5.0, 6.0]), max_new_tokens=2)
 
 
