@@ -361,6 +361,12 @@ def evicts_nothing_note(config: ConfigFields, num_layers: int, tokens: int) -> s
     )
 
 
+def ring_tokens(config: ConfigFields, context: int | None) -> int:
+    """Tokens the full-precision ring of coded KV holds: ``residual_tokens``, but never more
+    than the model's ``context`` (None: unknown), which no sequence outgrows."""
+    return config.residual_tokens if context is None else min(config.residual_tokens, context)
+
+
 def full_precision_note(config: ConfigFields, tokens: int, *, context: bool = False) -> str | None:
     """Why ``kv_bits`` codes nothing: ``residual_tokens`` keeps every one of ``tokens`` tokens in
     its full-precision ring (those of each sequence of a run, or with ``context`` the model's

@@ -31,6 +31,7 @@ from alisa.settings import (
     evicts_nothing_note,
     full_precision_note,
     no_evicting_layer_note,
+    ring_tokens,
 )
 
 HELP = "generate a completion for one prompt"
@@ -323,7 +324,7 @@ def spare_note(result, model, config: AlisaConfig) -> str:
         return ""
     reasons = ["slots are allocated up front for the prompt and --max-new-tokens"]
     if config.kv_bits < 16:
-        ring = min(config.residual_tokens, spec.context_tokens or config.residual_tokens)
+        ring = ring_tokens(config, spec.context_tokens)
         reasons.append(f"INT{config.kv_bits} also keeps the last {ring} tokens in full precision")
     saves = not config.keeps_everything or config.kv_bits < 16
     return (

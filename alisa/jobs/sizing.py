@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from alisa.config import AlisaConfig
+from alisa.settings import ring_tokens
 from alisa.storage.pages import PAGE_TOKENS
 from alisa.storage.store import headroom
 from scheduler import ModelSpec, layers_kept
@@ -147,7 +148,7 @@ def _rows_kv(
     slot_bytes = spec.kv_bytes_per_token(config.kv_bits) / layers
     kv = count * sum(capacity) * slot_bytes
     if config.kv_bits < 16:  # the full-precision ring of the newest tokens, within the context
-        ring = min(config.residual_tokens, spec.context_tokens or config.residual_tokens)
+        ring = ring_tokens(config, spec.context_tokens)
         kv += count * layers * ring * spec.kv_bytes_per_token(16) / layers
     if config.retention == "host":
         span = max(p + n for p, n in rows)

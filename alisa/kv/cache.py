@@ -31,7 +31,7 @@ from alisa.ops.backends import Ops, model_ops
 from alisa.ops.transfer import upload
 from alisa.planning.tiers import TierPlanner
 from alisa.policies import DensePolicy, KVPolicy
-from alisa.settings import IgnoredSettingWarning, full_precision_note
+from alisa.settings import IgnoredSettingWarning, full_precision_note, ring_tokens
 from alisa.sizes import parse_bytes
 from alisa.storage.quantized import QuantizedStore
 from alisa.storage.recompute import KVRecomputer
@@ -730,7 +730,7 @@ def store_factory(
         QuantizedStore,
         bits=config.kv_bits,
         group_size=group,
-        residual_tokens=min(config.residual_tokens, context or config.residual_tokens),
+        residual_tokens=ring_tokens(config, context),
         compiled=compiled,
     )
 

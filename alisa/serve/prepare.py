@@ -109,7 +109,13 @@ class Preparer:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always", IgnoredSettingWarning)
                     AlisaCache(self.model, config)
-                notes += [str(w.message) for w in caught if w.category is IgnoredSettingWarning]
+                for seen in caught:  # others go on to the log, as they would have
+                    if seen.category is IgnoredSettingWarning:
+                        notes.append(str(seen.message))
+                    else:
+                        warnings.warn_explicit(
+                            seen.message, seen.category, seen.filename, seen.lineno
+                        )
             unread = [note for note in notes if note.split("=")[0] in given]
             if unread:
                 raise ValueError(unread[0])
