@@ -544,12 +544,23 @@ def server_facts(kind: str, server: Server, seen: list[float]) -> dict:
         switched = SWITCHED.search(server.log.read_text(errors="replace"))
         attention = switched.group(2) if switched else "sdpa"
         kernels = f"{attention} over a paged cache (transformers continuous batching)"
-        return {"peak_kv_bytes": None, "preemptions": None, "kernels": kernels}
+        return {
+            "peak_kv_bytes": None,
+            "preemptions": None,
+            "steps": None,
+            "step_mean_s": None,
+            "kernels": kernels,
+        }
     last = scrape(server.port)
     seen = [*seen, last[DEVICE_KV]] if DEVICE_KV in last else seen
     info = next((dict(labels) for name, labels in last if name == "alisa_cache_info"), {})
     preemptions = [value for (name, _), value in last.items() if name == "alisa_preemptions_total"]
+    steps = last.get(("alisa_scheduler_step_seconds_count", ()))
+    step_sum = last.get(("alisa_scheduler_step_seconds_sum", ()))
     return {
+        # the engine's own time a step, beside the clients' inter-token latency
+        "steps": None if steps is None else int(steps),
+        "step_mean_s": step_sum / steps if steps else None,
         "peak_kv_bytes": int(max(seen)) if seen else None,
         "kv_scrapes": len(seen),  # the peak is the largest of these samples
         "preemptions": sum(preemptions) if preemptions else None,
@@ -634,6 +645,8 @@ def note(row: dict) -> str:
         notes.append(f"errors: {kinds}")
     if row["cut_off"] or row["not_sent"]:
         notes.append(f"--duration-s ran out: {row['cut_off']} cut off, {row['not_sent']} not sent")
+    if row.get("step_mean_s") is not None:
+        notes.append(f"{row['steps']} engine steps, {row['step_mean_s'] * 1000:.0f} ms mean")
     if row["short"]:
         notes.append(f"{row['short']} answers short of --max-tokens")
     # alisa serve drains and exits 0; transformers serve (uvicorn) dies of the SIGTERM it caught.

@@ -96,6 +96,9 @@ def test_alisa_and_transformers_serve_the_same_workload(tmp_path, capsys):
     assert alisa["server_cache"]["caching_ratio"] == "0.2"
     assert alisa["server_exit"] == "0" and paged["server_exit"] in ("0", "SIGTERM")
     assert "--cb-num-blocks" in paged["command"] and paged["peak_kv_bytes"] is None
+    # the engine's own step time, from /metrics (transformers has none)
+    assert alisa["steps"] >= 16 and alisa["step_mean_s"] > 0 and paged["step_mean_s"] is None
+    assert "engine steps" in table_row(out, "alisa-r0.2")[-1]
     block = paged["kv_budget_bytes"] // paged["num_blocks"]
     model = tiny_llama()  # the model served, in float32
     assert block == block_bytes(model.config, model.dtype, page_size=16)

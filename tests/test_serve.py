@@ -301,7 +301,11 @@ def test_a_client_that_leaves_before_a_whole_answer_is_cancelled_too(served):
 
 
 def test_metrics_parse_and_hold_every_metric(served, client):
-    client.completions.create(model=NAME, prompt="count me", max_tokens=3, temperature=0)
+    # EOS ignored: all 4 tokens come, whatever ran before this test; the first step brings
+    # two (the prefill's and the decode step's), so 2 gaps are timed
+    client.completions.create(
+        model=NAME, prompt="count me", max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
     values = metric_values(served.port)
     names = {name for name, _ in values}
     for name in (
@@ -316,6 +320,7 @@ def test_metrics_parse_and_hold_every_metric(served, client):
         "alisa_time_to_first_token_seconds_count",
         "alisa_inter_token_latency_seconds_count",
         "alisa_request_latency_seconds_count",
+        "alisa_scheduler_step_seconds_count",
         "alisa_prompt_tokens_total",
         "alisa_generation_tokens_total",
         "alisa_cache_info",
@@ -325,6 +330,10 @@ def test_metrics_parse_and_hold_every_metric(served, client):
         assert ("alisa_requests_finished_total", (("reason", reason),)) in values
     assert values[("alisa_time_to_first_token_seconds_count", ())] >= 1
     assert values[("alisa_inter_token_latency_seconds_count", ())] >= 2
+    # every iteration timed: as many step times as steps, each a positive duration
+    steps = values[("alisa_scheduler_steps_total", ())]
+    assert values[("alisa_scheduler_step_seconds_count", ())] == steps >= 3  # 4 tokens
+    assert values[("alisa_scheduler_step_seconds_sum", ())] > 0
     assert values[("alisa_kv_budget_bytes", (("budget", "kv"),))] == float("inf")
     info = next(labels for name, labels in values if name == "alisa_cache_info")
     assert ("policy", "dense") in info and ("caching_ratio", "1.0") in info

@@ -322,6 +322,7 @@ class ServeEngine:
 
     def _step(self, group: _Group) -> None:
         """One scheduler step; hand out its tokens; end the rows that finished or stopped."""
+        started = time.perf_counter()
         try:
             results = group.scheduler.step()
         except Exception:  # noqa: BLE001 - one batch's failure must not stop the server
@@ -331,8 +332,9 @@ class ServeEngine:
             self._active = None
             self._note(None)
             return
-        self.metrics.steps.inc()
         now = time.perf_counter()
+        self.metrics.steps.inc()
+        self.metrics.step_seconds.observe(now - started)
         for request_id, tokens in group.scheduler.progress():
             job = group.jobs[request_id]
             if len(tokens) > job.received:

@@ -89,6 +89,14 @@ class ServeMetrics:
             registry=registry,
         )
         self.steps = Counter(f"{PREFIX}_scheduler_steps", "Scheduler iterations", registry=registry)
+        self.step_seconds = Histogram(
+            f"{PREFIX}_scheduler_step_seconds",
+            "Wall time of each scheduler iteration: one decode step of the running rows, with "
+            "the prefills it carries (against the inter-token latency: what the engine spent, "
+            "apart from what reached the clients)",
+            buckets=ITL_BUCKETS,
+            registry=registry,
+        )
         self.ttft = Histogram(
             f"{PREFIX}_time_to_first_token_seconds",
             "From a request's arrival to its first token",
