@@ -31,10 +31,18 @@ def check_number(name: str, value: object) -> None:
         raise ValueError(f"{name}={value!r} must be a finite number")
 
 
+# The largest count a setting may hold (4 Ei): past any context, batch or byte size, and far
+# enough below 2**63 that sums of such counts stay within the 64-bit integers numpy and torch
+# compute with (a larger one ended in numpy's OverflowError deep in a step).
+LARGEST_INT = 2**62
+
+
 def check_int(name: str, value: object, *, minimum: int) -> None:
-    """``value`` is an integer (not a bool) of at least ``minimum``."""
+    """``value`` is an integer (not a bool) from ``minimum`` to :data:`LARGEST_INT`."""
     if not _is_integral(value) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+    if value > LARGEST_INT:
+        raise ValueError(f"{name}={value!r} is too large: give at most 2**62 ({LARGEST_INT})")
 
 
 def check_share(name: str, value: object, *, zero: bool = False) -> None:

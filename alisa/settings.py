@@ -461,6 +461,14 @@ def ignored_settings(
     ]
 
 
+def untiered_notes(config: ConfigFields) -> list[str]:
+    """What ``config`` sets that only device/host tiers read (``recompute``, ``profile``) when
+    it has no ``gpu_memory``: a running cache never reads them (the planner, which budgets
+    the whole device, does), so building one says so."""
+    planned = set(ignored_settings(config, tiered=True))
+    return [note for note in ignored_settings(config) if note not in planned]
+
+
 def field_default(item: Field) -> object:
     """The default value of a dataclass field (its factory's product for a mutable one)."""
     return item.default_factory() if item.default is MISSING else item.default

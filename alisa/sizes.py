@@ -20,6 +20,12 @@ _UNITS = {
     "mib": 1024**2,
     "gib": 1024**3,
     "tib": 1024**4,
+    "p": 1000**5,
+    "pb": 1000**5,
+    "pib": 1024**5,
+    "e": 1000**6,
+    "eb": 1000**6,
+    "eib": 1024**6,
 }
 _SIZE = re.compile(r"^\s*(-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)\s*([a-zA-Z]*)\s*$")
 # More bytes than any machine holds (4 EiB): a typo (1e99), refused before any arithmetic
@@ -45,8 +51,9 @@ def parse_bytes(value: str | int | float, *, field: str = "size") -> int:
     match = _SIZE.match(str(value))
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(
-            f"{field}={value!r} is not a byte size; use a number with an optional unit "
-            "such as 512MB, 2GiB or 1.5G"
+            f"{field}={value!r} is not a byte size; use a number with an optional unit, "
+            "B, KB, MB, GB, TB, PB or EB (powers of 1000; one letter, such as 1.5G, too) or "
+            "KiB ... EiB (powers of 1024), any case: 512MB, 2GiB"
         )
     number = float(match.group(1))
     if number < 0:

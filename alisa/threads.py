@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,4 +189,12 @@ def use_threads(requested: int | None = None) -> ThreadChoice:
 
     choice = choose_threads(requested)
     torch.set_num_threads(choice.threads)
+    if choice.threads > choice.usable_cpus:  # asked for: the load's share is the caller's to say
+        warnings.warn(
+            f"use_threads({requested}): {choice.threads} threads on {choice.usable_cpus} usable "
+            f"CPU(s) oversubscribe the machine (threads wait on each other); ask for at most "
+            f"{choice.usable_cpus}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return choice

@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from datetime import datetime, timezone
@@ -141,7 +142,9 @@ def run(config: RunConfig, progress: bool = True, *, prog: str = PROG) -> Path:
             file=sys.stderr,
         )
     root = _data_root(config)  # before any directory is made
-    warning = use_threads(config.runtime["threads"]).warning()
+    with warnings.catch_warnings():  # said below, in the run's words
+        warnings.simplefilter("ignore", RuntimeWarning)
+        warning = use_threads(config.runtime["threads"]).warning()
     if warning is not None:
         print(f"{prog}: {warning}", file=sys.stderr)
     if launched():

@@ -1,6 +1,7 @@
 """Built-in models on fake packages: chunks assembled once, checked by SHA-256, never imported."""
 
 import hashlib
+import json
 
 import pytest
 
@@ -110,3 +111,23 @@ def test_gemma_entry_pins_every_package_it_needs():
         assert f"{package.replace('_', '-')}==1.0.0" in gemma.install
     assert "make gemma" in gemma.install
     assert builtin.package_dir("alisa_surely_not_installed") is None
+
+
+def test_copies_of_one_gguf_share_one_conversion_and_an_edit_does_not(tmp_path, monkeypatch):
+    """Each clone's or virtual environment's copy of a built-in GGUF was converted again (538 MB
+    each, keyed by its path and mtime): the conversion is named by the bytes, read once per
+    (path, size, mtime)."""
+    from alisa.model import loading
+
+    monkeypatch.setenv("ALISA_CACHE_DIR", str(tmp_path / "cache"))
+    first, second, edited = (tmp_path / name / "model.gguf" for name in ("a", "b", "c"))
+    for path, data in ((first, b"GGUF" * 1000), (second, b"GGUF" * 1000), (edited, b"GGUX" * 1000)):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    shared = loading.gguf_cache_dir(first)
+    assert loading.gguf_cache_dir(second) == shared and shared.parent == tmp_path / "cache/models"
+    assert loading.gguf_cache_dir(edited) != shared  # same size and name, other bytes
+    index = json.loads((tmp_path / "cache/models/digests.json").read_text())
+    assert len(index) == 3  # one digest per (path, size, mtime), kept for the next load
+    monkeypatch.setattr(loading.hashlib, "sha256", None)  # a known file is not read again
+    assert loading.gguf_cache_dir(first) == shared

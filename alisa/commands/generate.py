@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 from alisa.commands.options import (
+    FLOOR_FLAGS,
     CommandError,
     add_cache_options,
     add_model_options,
@@ -43,11 +44,6 @@ PARALLEL_FLAGS = {
     "table_path": "--partition-table",
     "table_key": "--partition-key",
 }
-
-# The settings an evicts-nothing warning may name, as flags.
-FLOOR_FLAGS = dict.fromkeys(
-    ("min_budget_tokens", "sink_tokens", "budget_tokens", "residual_tokens")
-)
 
 # The flags of the parallel group other than --parallel, with their defaults.
 PARALLEL_DEFAULTS = {

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import Field, fields
 from pathlib import Path
 
+from alisa.checks import LARGEST_INT
 from alisa.config import AlisaConfig
 from alisa.model.builtin import BUILTIN_MODELS, DEFAULT_MODEL
 from alisa.model.dtypes import DTYPES
@@ -251,8 +252,9 @@ def model_notes_said(command: str, model, config: AlisaConfig) -> Iterator[None]
     if note is not None:
         text = with_flag(note, {"residual_tokens": None})
         print(f"alisa {command}: warning: {text}", file=sys.stderr)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "residual_tokens=", IgnoredSettingWarning)
+    with warnings.catch_warnings():  # these, and --recompute/--profile: said with the flags
+        for field in ("residual_tokens", "recompute", "profile"):
+            warnings.filterwarnings("ignore", f"{field}=", IgnoredSettingWarning)
         yield
 
 
@@ -327,10 +329,21 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingOptions:
     return SamplingOptions()  # said once here, in flags: greedy, with nothing left to ignore
 
 
+# The settings an evicts-nothing warning may name, as flags.
+FLOOR_FLAGS = dict.fromkeys(
+    ("min_budget_tokens", "sink_tokens", "budget_tokens", "residual_tokens")
+)
+
+
 def check_minimum(flag: str, value: int | None, minimum: int) -> None:
-    """Refuse an integer flag below ``minimum`` (argparse only checks that it is an integer)."""
-    if value is not None and value < minimum:
+    """Refuse an integer flag below ``minimum``, or past :data:`~alisa.checks.LARGEST_INT`
+    (argparse only checks that it is an integer)."""
+    if value is None:
+        return
+    if value < minimum:
         raise CommandError(f"{flag}={value} must be >= {minimum}")
+    if value > LARGEST_INT:
+        raise CommandError(f"{flag}={value} is too large: give at most 2**62 ({LARGEST_INT})")
 
 
 def check_new_file(flag: str, path: str | Path, *, force: bool = False) -> None:
@@ -401,7 +414,9 @@ def apply_threads(command: str, threads: int | None) -> None:
 
     check_minimum("--threads", threads, 1)
     try:
-        choice = use_threads(threads)
+        with warnings.catch_warnings():  # said below, in the flag's words
+            warnings.simplefilter("ignore", RuntimeWarning)
+            choice = use_threads(threads)
     except ValueError as error:  # a bad OMP_NUM_THREADS, or more than the machine can start
         raise CommandError(with_flag(str(error), {"threads": "--threads"})) from None
     warning = choice.warning()

@@ -7,12 +7,14 @@ import json
 import sys
 
 from alisa.commands.options import (
+    FLOOR_FLAGS,
     CommandError,
     add_cache_options,
     cache_config_from_args,
     check_minimum,
     dtype_from_flag,
     flag_name,
+    with_flag,
 )
 from alisa.model.dtypes import DTYPES
 
@@ -62,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from alisa.planning.hardware import cpu_model
     from alisa.planning.spec import config_workload, empty_model_spec
     from alisa.planning.tiers import in_config_terms
+    from alisa.settings import evicts_nothing_note
     from scheduler import MODEL_PRESETS, Options, solve
     from scheduler.hardware import calibration_error, mismatches
 
@@ -89,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
     if args.model.lower() in MODEL_PRESETS:  # a preset's bytes follow --dtype too
         spec = replace(spec, bytes_per_element=torch_dtype.itemsize)
     _check_context(spec, args.prompt_len, args.gen_len)
+    # As generate says it: a floor past the run's tokens plans dense under the policy's name.
+    note = evicts_nothing_note(config, spec.num_layers, args.prompt_len + args.gen_len)
+    if note is not None:
+        print(f"alisa plan: warning: {with_flag(note, FLOOR_FLAGS)}", file=sys.stderr)
     workload = config_workload(
         config,
         spec.num_layers,

@@ -206,6 +206,7 @@ class OutputLog:
         # already there was made with, by id (older rows: none).
         self.settings = settings
         self.made: dict = {}
+        self.cut_bytes = 0  # of our torn last row, cut off on opening (said by the summary)
         check_output_file(self.path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -233,6 +234,7 @@ class OutputLog:
             # Our torn row (the rows before it are ours): drop it, it will be redone.
             with self.path.open("r+b") as handle:
                 handle.truncate(len(complete))
+            self.cut_bytes = len(tail)
         elif tail.startswith(ROW_START):
             # Nothing before it proves the file ours: a user's line may start like our rows.
             raise ValueError(

@@ -32,7 +32,7 @@ from alisa.jobs.sizing import BatchMemory, running_memory
 from alisa.jobs.static import planned_batches, run_static
 from alisa.jobs.stream import over_budget
 from alisa.memory import PeakMemory
-from alisa.model.adapter import model_shape
+from alisa.model.adapter import check_model_and_tokenizer, model_shape
 from alisa.model.loading import chat_prompt, context_length, prompt_length_error
 from alisa.planning.spec import model_spec
 from alisa.runtime.generate import SamplingOptions
@@ -191,6 +191,7 @@ class JobSummary:
     max_rows: int = 0  # continuous batching: the most rows that ran together
     preemptions: int = 0  # continuous batching: rows paused in host memory and resumed
     progress: dict = field(default_factory=dict)  # continuous batching: the progress bar's
+    torn_bytes: int = 0  # a torn last row an interrupted run left in the output, cut off
 
     @property
     def failed(self) -> list:
@@ -212,8 +213,14 @@ class JobSummary:
             batching = f"continuous batching, up to {self.max_rows} rows"
             if self.preemptions:
                 batching += f", {self.preemptions} pauses"
+        torn = ""
+        if self.torn_bytes:
+            torn = (
+                f"cut off the output's torn last line ({self.torn_bytes} bytes: a row an "
+                "interrupted run was writing, redone if still pending); "
+            )
         return (
-            f"{self.completed} prompts done ({self.already_done} already done before), "
+            f"{torn}{self.completed} prompts done ({self.already_done} already done before), "
             f"{len(self.did_not_fit)} did not fit, {len(self.too_long)} longer than the context, "
             f"{batching}; {self.generated_tokens} tokens in {self.seconds:.1f} s = "
             f"{self.tokens_per_s:.1f} tok/s; peak KV {format_bytes(self.peak_kv_bytes)}; "
@@ -441,6 +448,7 @@ def run_batch(
         another run writing the same output (see :func:`alisa.jobs.lock.output_lock`), or a
         budget below the weights.
     """
+    check_model_and_tokenizer(model, tokenizer)
     check_job(job)
     for name, value in (("cache_factory", cache_factory), ("on_step", on_step)):
         if value is not None and not callable(value):
@@ -479,6 +487,7 @@ def run_opened_job(
     bar = tqdm(total=len(pending), unit="prompt", disable=not job.progress, desc="alisa batch")
     summary = run_requests(model, tokenizer, job, pending, log, bar, cache_factory, on_step=on_step)
     summary.prompts, summary.already_done = len(requests), len(requests) - len(pending)
+    summary.torn_bytes = log.cut_bytes
     return summary
 
 

@@ -16,7 +16,7 @@ from alisa.runtime.continuous import ContinuousScheduler
 from alisa.runtime.engine import Engine
 from alisa.runtime.generate import check_prompt
 from alisa.runtime.requests import PREFILL_TOKENS, RowShape, StreamRequest, StreamResult
-from alisa.runtime.sampling import SamplingOptions, sampling_or_default
+from alisa.runtime.sampling import SamplingOptions, sampling_or_default, warn_same_seed
 from alisa.sizes import parse_budget
 from scheduler import ModelSpec
 
@@ -206,7 +206,8 @@ def stream_generate(
         reserve_tokens=reserve_tokens,
     )
     _check_weights_fit(admission, gpu_memory)
-    engine = Engine(model, tokenizer, sampling_or_default(sampling), stop_at_eos=stop_at_eos)
+    sampling = sampling_or_default(sampling)
+    engine = Engine(model, tokenizer, sampling, stop_at_eos=stop_at_eos)
     scheduler = ContinuousScheduler(
         engine,
         lambda: AlisaCache(model, config),
@@ -216,7 +217,8 @@ def stream_generate(
     )
     # The scheduler checks each request's ids against the vocabulary as it queues it.
     pending: dict[object, StreamRequest] = {}  # by id, until its result comes
-    requests = _requests(tokenizer, prompts, max_new_tokens, pending)
+    seed = sampling.seed if sampling.do_sample else None  # None: no repeat to warn of
+    requests = _requests(tokenizer, prompts, max_new_tokens, pending, seed)
     with attached(model):  # the model's attention is restored when the stream ends
         for result in scheduler.run(requests, lookahead=max_rows):
             request = pending.pop(result.id)
@@ -279,8 +281,10 @@ def _requests(
     prompts: Iterable[str | StreamRequest],
     max_new_tokens: int,
     pending: dict[object, StreamRequest],
+    seed: int | None = None,
 ) -> Iterator[StreamRequest]:
-    """The request of each prompt, lazily, each put in ``pending`` by its id.
+    """The request of each prompt, lazily, each put in ``pending`` by its id; with the
+    ``seed`` of sampled rows, the first prompt repeating an earlier one is warned of.
 
     Raises
     ------
@@ -289,8 +293,12 @@ def _requests(
         :class:`~alisa.runtime.requests.StreamRequest` itself).
     """
     seen: set[object] = set()  # every id so far: a finished request's too
+    first: dict[tuple[int, ...], int] | None = None if seed is None else {}
     for index, prompt in enumerate(prompts):
         request = _request(tokenizer, prompt, max_new_tokens, index)
+        if first is not None and first.setdefault(tuple(request.prompt_ids), index) != index:
+            warn_same_seed(seed, first[tuple(request.prompt_ids)], index)
+            first = None  # once
         if request.id in seen:  # hashable: StreamRequest refuses an id that is not
             raise ValueError(
                 f"prompts[{index}] has id={request.id!r}, as an earlier prompt does: results "

@@ -25,13 +25,13 @@ from alisa.kv.packed import PackedLayer, split_kv
 from alisa.kv.static import StepPack
 from alisa.kv.swap import copy_replacing
 from alisa.kv.window import WindowKeeper
-from alisa.model.adapter import ModelAdapter, ModelShape
+from alisa.model.adapter import ModelAdapter, ModelShape, check_loaded
 from alisa.model.loading import context_length
 from alisa.ops.backends import Ops, model_ops
 from alisa.ops.transfer import upload
 from alisa.planning.tiers import TierPlanner
 from alisa.policies import DensePolicy, KVPolicy
-from alisa.settings import IgnoredSettingWarning, full_precision_note, ring_tokens
+from alisa.settings import IgnoredSettingWarning, full_precision_note, ring_tokens, untiered_notes
 from alisa.sizes import parse_bytes
 from alisa.storage.quantized import QuantizedStore
 from alisa.storage.recompute import KVRecomputer
@@ -100,6 +100,7 @@ class AlisaCache(Cache):
         check_int("max_new_tokens", max_new_tokens, minimum=0)
         self.max_new_tokens = int(max_new_tokens)
         adapter = ModelAdapter.of(model)
+        check_loaded(model)
         self.shape: ModelShape = adapter.shape
         known = context_length(model)
         context = known[0] if known is not None else None
@@ -107,6 +108,8 @@ class AlisaCache(Cache):
         if context is not None and (
             note := full_precision_note(self.config, context, context=True)
         ):
+            warnings.warn(note, IgnoredSettingWarning, stacklevel=2)
+        for note in untiered_notes(self.config):  # AlisaConfig leaves these to its user
             warnings.warn(note, IgnoredSettingWarning, stacklevel=2)
         # The kernels the cache runs, chosen once for every layer (and refused here when this
         # machine cannot run the ones asked for): named by GenerationOutput.kernels.
@@ -267,14 +270,23 @@ class AlisaCache(Cache):
             ``max_cache_len``.
         """
         self.check_continuation(batch, tokens, attention_mask, model=model)
-        if self.max_cache_len is None or self.layers[0].store is None:
+        if self.max_cache_len is None:
             return
-        seen = self.get_seq_length()
+        prefill = self.layers[0].store is None
+        seen = 0 if prefill else self.get_seq_length()
         if seen + tokens > self.max_cache_len:
-            raise ValueError(
-                f"max_cache_len={self.max_cache_len}: this static cache holds {seen} tokens per "
-                f"sequence and cannot take {tokens} more; build it with a larger max_cache_len"
+            held = (
+                f"a prompt of {tokens} tokens per sequence (padding included) is longer than it"
+                if prefill
+                else f"this static cache holds {seen} tokens per sequence and cannot take "
+                f"{tokens} more"
             )
+            raise ValueError(
+                f"max_cache_len={self.max_cache_len}: {held}; build it with max_cache_len of at "
+                "least the prompt plus the new tokens"
+            )
+        if prefill:
+            return
         if not self._bound(batch):
             self._pack = StepPack(self.layers[0].device, batch, pinned=self.ops.pinned)
             for layer in self.layers:

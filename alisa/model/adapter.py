@@ -145,6 +145,40 @@ def check_model(model: object) -> None:
         raise ValueError(f"model of type {type(model).__name__} has no HF config")
 
 
+def check_loaded(model: nn.Module) -> None:
+    """Refuse a model whose weights are not loaded: parameters on the meta device (built under
+    ``torch.device("meta")``, or left on disk by a ``device_map``) cannot run. (A model's shape
+    alone, as ``alisa plan`` reads it, needs no weights: only what runs checks this.)
+
+    Raises
+    ------
+    ValueError
+        Naming the model's type and how many parameters have no data.
+    """
+    unloaded = sum(1 for parameter in model.parameters() if parameter.is_meta)
+    if unloaded:
+        raise ValueError(
+            f"model of type {type(model).__name__} has {unloaded} parameters on the meta device: "
+            "its weights are not loaded (built under torch.device('meta'), or offloaded to "
+            "disk by a device_map); load them first (alisa.load_model)"
+        )
+
+
+def check_model_and_tokenizer(model: object, tokenizer: object) -> None:
+    """:func:`check_model` and :func:`check_loaded`, and a callable tokenizer (the two
+    swapped are named as such).
+
+    Raises
+    ------
+    ValueError
+        Naming ``model`` or ``tokenizer``.
+    """
+    check_model(model)
+    check_loaded(model)
+    if not callable(tokenizer):
+        raise ValueError(f"tokenizer={tokenizer!r} must be an HF tokenizer (as load_model gives)")
+
+
 def layer_types(model: nn.Module) -> list[str]:
     """Each layer's attention kind as transformers' own ``DynamicCache`` sees it
     (``full_attention``, ``sliding_attention``, ``linear_attention``, ...)."""

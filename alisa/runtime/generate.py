@@ -15,12 +15,12 @@ from alisa.config import AlisaConfig, config_or_default
 from alisa.kv.cache import AlisaCache
 from alisa.kv.hooks import attached
 from alisa.memory import PeakMemory
-from alisa.model.adapter import check_model
+from alisa.model.adapter import check_model_and_tokenizer
 from alisa.model.loading import chat_prompt, check_prompt_length, context_length
 from alisa.runtime.compiled import CompileChoice, choose_compile, settle_compile
 from alisa.runtime.engine import DecodeState, Engine, GenerationOutput, cache_kv_bytes
 from alisa.runtime.requests import TOKENIZER_HINT, past_vocabulary, vocabulary_size
-from alisa.runtime.sampling import SamplingOptions, sampling_or_default
+from alisa.runtime.sampling import SamplingOptions, sampling_or_default, warn_same_seed
 from alisa.settings import (
     IgnoredSettingWarning,
     evicts_nothing_note,
@@ -96,7 +96,7 @@ def generate(
         (both numbers named), a ``past_key_values`` that is not an empty cache, a ``config`` it
         would ignore, or ``compile="on"`` with a cache that cannot be compiled.
     """
-    _check_model(model, tokenizer)
+    check_model_and_tokenizer(model, tokenizer)
     prompt_list = _check_prompts(prompts)
     for name, flag in (
         ("chat", chat),
@@ -109,9 +109,16 @@ def generate(
     check_int("max_new_tokens", max_new_tokens, minimum=0)
     max_new_tokens = int(max_new_tokens)  # numpy's int64(2) too: range() and torch take ints
     sampling = sampling_or_default(sampling)
+    if sampling.do_sample and sampling.seed is not None:
+        first: dict[str, int] = {}
+        again = next((i for i, p in enumerate(prompt_list) if first.setdefault(p, i) != i), None)
+        if again is not None:
+            warn_same_seed(sampling.seed, first[prompt_list[again]], again)
     device = next(model.parameters()).device
     choice = choose_compile(compile, device)
-    batch = tokenizer(prompt_list, return_tensors="pt", padding=True)
+    # Left-padded whatever the tokenizer's own padding_side (AutoTokenizer's is often right):
+    # a batch decodes each row from its last prompt token.
+    batch = tokenizer(prompt_list, return_tensors="pt", padding=True, padding_side="left")
     _check_vocabulary(model, batch["input_ids"])  # on the host: before it reaches the model
     batch = batch.to(device)
     check_prompt_length(model, tokenizer, batch["input_ids"].shape[-1], new_tokens=max_new_tokens)
@@ -128,6 +135,14 @@ def generate(
         cache, choice = new_cache(model, config, max_new_tokens, longest, choice)
     else:
         _check_cache(cache, config)
+        room = cache.max_cache_len if isinstance(cache, AlisaCache) else None
+        if room is not None and longest > room:  # refused before the prefill, not mid-run
+            raise ValueError(
+                f"past_key_values has max_cache_len={room}: the longest prompt "
+                f"({longest - max_new_tokens} tokens, padding included) plus "
+                f"max_new_tokens={max_new_tokens} needs {longest}; build the cache with "
+                f"max_cache_len={longest} or more"
+            )
     choice = settle_compile(choice, cache)
     if isinstance(cache, AlisaCache):  # as the CLI warns: an evicting policy that keeps all
         notes = (
@@ -185,12 +200,6 @@ def _check_vocabulary(model, input_ids: torch.Tensor) -> None:
                 f"prompts[{row}] tokenizes to id {found[1]}, past the model's vocabulary of "
                 f"{size} tokens (ids 0..{size - 1}): {TOKENIZER_HINT}"
             )
-
-
-def _check_model(model, tokenizer) -> None:
-    check_model(model)
-    if not callable(tokenizer):
-        raise ValueError(f"tokenizer={tokenizer!r} must be an HF tokenizer (as load_model gives)")
 
 
 def _check_cache(cache, config: AlisaConfig | None) -> None:

@@ -86,6 +86,19 @@ def sampling_or_default(sampling: SamplingOptions | None) -> SamplingOptions:
     return sampling
 
 
+def warn_same_seed(seed: int, first: int, again: int) -> None:
+    """Say that ``prompts[again]`` repeats ``prompts[first]`` under one ``seed``: each row
+    draws from a generator of its own seeded with it, so their samples are identical."""
+    warnings.warn(
+        f"prompts[{again}] repeats prompts[{first}], sampled with seed={seed}: every row draws "
+        "from its own generator seeded with it (so a row's tokens do not depend on its batch), "
+        "so their samples are identical; for several samples of one prompt, give each run its "
+        "own seed, or seed=None",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 class TokenPicker:
     """Picks one token per row from last-position logits, as HF ``generate`` would.
 

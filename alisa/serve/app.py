@@ -211,18 +211,26 @@ def _not_served(name: str, served: str, param: str | None = "model") -> APIError
 
 
 async def _body(request: Request) -> bytes:
-    """The request body, refused past :data:`MAX_BODY_BYTES` before it is all read."""
+    """The request body, refused past :data:`MAX_BODY_BYTES` before it is all read (at once
+    when its ``Content-Length`` says so: the client may be waiting to send it)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise _too_large()
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > MAX_BODY_BYTES:
-            raise APIError(
-                status=413,
-                message=f"the request body is larger than {MAX_BODY_BYTES} bytes",
-                code="body_too_large",
-            )
+            raise _too_large()
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _too_large() -> APIError:
+    return APIError(
+        status=413,
+        message=f"the request body is larger than {MAX_BODY_BYTES} bytes",
+        code="body_too_large",
+    )
 
 
 def _deliverer(loop: asyncio.AbstractEventLoop, events: asyncio.Queue) -> Callable[[Event], None]:
