@@ -380,4 +380,6 @@ def _rate(amount: float, seconds: float, ceiling: float) -> float:
 def _source(estimates: list[float], ceiling: float) -> str:
     if statistics.median(estimates) < ceiling:
         return TIERED
-    return "micro-benchmark (fallback: the tiered step was not measurably slower)"
+    # The real steps' rate is at or above the micro-benchmark's (which caps it): no slower
+    # than the micro-benchmark predicts, or not measurably slower than the resident step.
+    return "micro-benchmark (fallback: the real tiered steps ran no slower than it predicts)"
