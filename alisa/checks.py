@@ -41,8 +41,15 @@ def check_int(name: str, value: object, *, minimum: int) -> None:
     """``value`` is an integer (not a bool) from ``minimum`` to :data:`LARGEST_INT`."""
     if not _is_integral(value) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
-    if value > LARGEST_INT:
-        raise ValueError(f"{name}={value!r} is too large: give at most 2**62 ({LARGEST_INT})")
+    if (error := too_large(name, value)) is not None:
+        raise ValueError(error)
+
+
+def too_large(name: str, value: int) -> str | None:
+    """Why integer ``value`` is refused as past :data:`LARGEST_INT`, or None."""
+    if value <= LARGEST_INT:
+        return None
+    return f"{name}={value!r} is too large: give at most 2**62 ({LARGEST_INT})"
 
 
 def check_share(name: str, value: object, *, zero: bool = False) -> None:

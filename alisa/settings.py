@@ -392,6 +392,11 @@ class IgnoredSettingWarning(UserWarning):
 
 
 # Settings of how a policy evicts: a policy that keeps every token reads none of them.
+# Settings only device/host tiers read: without gpu_memory a running cache ignores them (the
+# planner, budgeting the whole device, reads them).
+TIER_FIELDS = ("recompute", "profile")
+TIER_PREFIXES = tuple(f"{name}=" for name in TIER_FIELDS)  # how their notes begin
+
 EVICTION_FIELDS = (
     "recent_fraction",
     "sink_tokens",
@@ -453,7 +458,8 @@ def ignored_settings(
     if config.retention != "host":
         why["host_bits"] = f"with retention={config.retention!r} (no host region)"
     if config.gpu_memory is None and not tiered:
-        why["recompute"] = why["profile"] = "without gpu_memory (no device/host tiers)"
+        for name in TIER_FIELDS:
+            why[name] = "without gpu_memory (no device/host tiers)"
     return [
         f"{name}={getattr(config, name)!r} has no effect {reason}"
         for name, reason in why.items()
@@ -462,11 +468,12 @@ def ignored_settings(
 
 
 def untiered_notes(config: ConfigFields) -> list[str]:
-    """What ``config`` sets that only device/host tiers read (``recompute``, ``profile``) when
-    it has no ``gpu_memory``: a running cache never reads them (the planner, which budgets
-    the whole device, does), so building one says so."""
-    planned = set(ignored_settings(config, tiered=True))
-    return [note for note in ignored_settings(config) if note not in planned]
+    """What ``config`` sets that only device/host tiers read (:data:`TIER_FIELDS`) when it has
+    no ``gpu_memory``: a running cache never reads them (the planner, which budgets the whole
+    device, does), so building one says so."""
+    if config.gpu_memory is not None:  # tiered: read
+        return []
+    return [note for note in ignored_settings(config) if note.startswith(TIER_PREFIXES)]
 
 
 def field_default(item: Field) -> object:

@@ -19,11 +19,12 @@ from contextlib import contextmanager
 from dataclasses import Field, fields
 from pathlib import Path
 
-from alisa.checks import LARGEST_INT
+from alisa.checks import too_large
 from alisa.config import AlisaConfig
 from alisa.model.builtin import BUILTIN_MODELS, DEFAULT_MODEL
 from alisa.model.dtypes import DTYPES
 from alisa.settings import (
+    TIER_FIELDS,
     IgnoredSettingWarning,
     field_default,
     full_precision_note,
@@ -253,7 +254,7 @@ def model_notes_said(command: str, model, config: AlisaConfig) -> Iterator[None]
         text = with_flag(note, {"residual_tokens": None})
         print(f"alisa {command}: warning: {text}", file=sys.stderr)
     with warnings.catch_warnings():  # these, and --recompute/--profile: said with the flags
-        for field in ("residual_tokens", "recompute", "profile"):
+        for field in ("residual_tokens", *TIER_FIELDS):
             warnings.filterwarnings("ignore", f"{field}=", IgnoredSettingWarning)
         yield
 
@@ -342,8 +343,8 @@ def check_minimum(flag: str, value: int | None, minimum: int) -> None:
         return
     if value < minimum:
         raise CommandError(f"{flag}={value} must be >= {minimum}")
-    if value > LARGEST_INT:
-        raise CommandError(f"{flag}={value} is too large: give at most 2**62 ({LARGEST_INT})")
+    if (error := too_large(flag, value)) is not None:
+        raise CommandError(error)
 
 
 def check_new_file(flag: str, path: str | Path, *, force: bool = False) -> None:
