@@ -2,19 +2,27 @@
 
 Exit codes: 0 done; 1 an error (bad input, config or file; nothing written is lost); 2 a usage
 error (unknown flag, a value of the wrong type); 3 ``alisa batch`` finished but some rows failed
-(a re-run retries them); 130 interrupted.
+(a re-run retries them); 130 interrupted (Ctrl-C); 143 stopped by SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from alisa.commands import COMMANDS
-from alisa.commands.options import EXIT_ERROR, EXIT_INTERRUPTED, SIZE_FLAGS, CommandError
+from alisa.commands.options import (
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    SIZE_FLAGS,
+    CommandError,
+)
 from alisa.logs import log_to_stderr
 
 
@@ -106,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     log_to_stderr()
     run: Callable[[argparse.Namespace], int] = COMMANDS[args.command][2]
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         return run(args)
     except (CommandError, ValueError, OSError) as error:
@@ -115,6 +125,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"alisa {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Terminated:
+        print(f"alisa {args.command}: stopped by SIGTERM", file=sys.stderr)
+        return EXIT_TERMINATED
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the command runs (as Ctrl-C raises ``KeyboardInterrupt``): its
+    ``finally`` blocks close the output and release its lock, and the command says why it
+    stopped instead of vanishing. ``alisa serve`` drains on SIGTERM (its own handler)."""
+
+
+def _terminate(signum: int, frame) -> NoReturn:
+    raise Terminated
 
 
 if __name__ == "__main__":

@@ -83,6 +83,9 @@ class ConfigFields(Protocol):
     observation_window: int | None
     preset: str
 
+    @property
+    def keeps_everything(self) -> bool: ...
+
 
 @dataclass(frozen=True, kw_only=True)
 class LayerSettings:
@@ -440,8 +443,16 @@ def ignored_settings(
     why: dict[str, str] = {}
     policy = f"policy={config.policy!r}"
     if not cls.evicts:
-        for name in (*EVICTION_FIELDS, "dense_layers", "layer_schedule"):
+        for name in (*EVICTION_FIELDS, "dense_layers", "layer_schedule", "preset"):
             why[name] = f"with {policy}, which keeps every token"
+    elif config.keeps_everything:  # an evicting policy given nothing to evict: dense
+        unbounded = "at caching_ratio=1 with no budget_tokens"
+        why["policy"] = (
+            f"{unbounded}: every token is kept (dense attention); set caching_ratio below 1 "
+            "or budget_tokens for it to evict"
+        )
+        for name in (*EVICTION_FIELDS, "dense_layers", "preset", "retention"):
+            why[name] = f"with {policy} {unbounded}, which keeps every token"
     else:
         for name in ("score_window", "stride"):
             if name not in cls.config_fields:

@@ -176,3 +176,14 @@ def forced_ops(device="cpu", kernels="reference", **changes):
     from alisa.ops.backends import choose_ops
 
     return replace(choose_ops(device, torch.float32, kernels), **changes)
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str]:
+    """``alisa ARGV`` in this process: (exit code, stderr), a usage error's exit included."""
+    from alisa.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    return code, capsys.readouterr().err

@@ -7,12 +7,11 @@ import warnings
 
 import pytest
 import torch
-from conftest import byte_tokenizer, tiny_llama
+from conftest import byte_tokenizer, run_main, tiny_llama
 from serve_support import HOST, request, running_server
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from alisa import AlisaCache, AlisaConfig, generate, load_model
-from alisa.cli import main
 from alisa.jobs.runner import BatchJob, run_batch
 from alisa.jobs.stream import stream_generate
 from alisa.runtime.sampling import SamplingOptions
@@ -33,14 +32,6 @@ def saved_llama(tmp_path):
     return model_dir
 
 
-def _cli(argv: list[str], capsys) -> tuple[int, str]:
-    try:
-        code = main(argv)
-    except SystemExit as exit_:
-        code = exit_.code
-    return code, capsys.readouterr().err
-
-
 @pytest.mark.parametrize("field", ["sink_tokens", "score_window", "min_budget_tokens"])
 def test_integers_past_int64_are_refused_naming_the_field(field):
     """T1: counts of 2**63 or more passed the lower-bound check and ended in numpy's
@@ -56,10 +47,10 @@ def test_huge_integers_from_the_cli_and_a_request_are_refused(tmp_path, capsys):
     """T1 (CLI, plan, HTTP): one line naming the flag, exit 1, no traceback; a 400."""
     model_dir = saved_llama(tmp_path)
     base = ["--model", str(model_dir), "--policy", "swa", "--caching-ratio", "0.5"]
-    code, err = _cli(["generate", "hi", *base, "--sink-tokens", str(HUGE)], capsys)
+    code, err = run_main(["generate", "hi", *base, "--sink-tokens", str(HUGE)], capsys)
     assert code == 1 and "Traceback" not in err
     assert f"--sink-tokens: sink_tokens={HUGE} is too large" in err
-    code, err = _cli(["plan", "--model", str(model_dir), "--batch", str(HUGE)], capsys)
+    code, err = run_main(["plan", "--model", str(model_dir), "--batch", str(HUGE)], capsys)
     assert code == 1 and f"--batch={HUGE} is too large" in err and "Traceback" not in err
     model, tokenizer = tiny_llama(), byte_tokenizer()
     with running_server(model, tokenizer, ServeSettings(model_name="m")) as served:
@@ -188,7 +179,7 @@ def test_plan_warns_of_a_floor_that_keeps_every_token(tmp_path, capsys):
     model_dir = saved_llama(tmp_path)
     argv = ["plan", "--model", str(model_dir), "--policy", "swa", "--caching-ratio", "0.1"]
     argv += ["--min-budget-tokens", "100000", "--gpu-memory", "1GiB", "--prompt-len", "64"]
-    code, err = _cli(argv, capsys)
+    code, err = run_main(argv, capsys)
     assert code == 0, err
     assert "alisa plan: warning: --min-budget-tokens: min_budget_tokens=100000" in err
 
@@ -199,10 +190,10 @@ def test_a_torn_last_output_line_cut_off_is_said(tmp_path, capsys):
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("".join(f'{{"id": {i}, "prompt": "p {i}"}}\n' for i in range(2)))
     argv = ["batch", str(source), "-o", str(out), "--model", str(model_dir), "--no-progress"]
-    assert _cli([*argv, "--max-new-tokens", "2"], capsys)[0] == 0
+    assert run_main([*argv, "--max-new-tokens", "2"], capsys)[0] == 0
     with out.open("ab") as handle:
         handle.write(b'{"id": 9, "text": "par')
-    code, err = _cli([*argv, "--max-new-tokens", "2"], capsys)
+    code, err = run_main([*argv, "--max-new-tokens", "2"], capsys)
     assert code == 0, err
     assert "cut off the output's torn last line (22 bytes" in err
     assert out.read_bytes().endswith(b"}\n") and out.read_text().count("\n") == 2

@@ -36,6 +36,7 @@ if typing.TYPE_CHECKING:
 
 T = typing.TypeVar("T")
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_ROWS_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process SIGTERM ended
 
 
 class CommandError(Exception):

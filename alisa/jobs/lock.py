@@ -29,12 +29,20 @@ class OutputLock:
         The output, as it was named.
     created
         Whether this lock created the (empty) output file.
+    folders
+        The folders it created for the output (outermost first): a run says them, since a
+        typo in the output's folder would otherwise make a new tree without a word.
     """
 
-    def __init__(self, output: Path, created: bool) -> None:
+    def __init__(self, output: Path, created: bool, folders: tuple[Path, ...] = ()) -> None:
         self.output = output
         self.created = created
+        self.folders = folders
         self.kept = False
+
+    def made_folder(self) -> str:
+        """The outermost folder made for the output, or "" when none was."""
+        return str(self.folders[0]) if self.folders else ""
 
     def keep(self) -> None:
         """The run finished: its output stays on release, even if no row was written."""
@@ -62,7 +70,7 @@ def output_lock(output: str | Path) -> Iterator[OutputLock]:
     held, descriptor = None, None
     try:
         descriptor, created = _lock_output(path, output)
-        held = OutputLock(Path(output), created)
+        held = OutputLock(Path(output), created, tuple(made))
         yield held
     finally:
         kept = held is not None and held.kept

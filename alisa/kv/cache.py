@@ -147,7 +147,8 @@ class AlisaCache(Cache):
         # The model whose geometry, kernels and hooks this cache holds. A weak reference: the
         # cache does not keep the model alive, and its deep copies (take_rows) share it.
         self._built_for = weakref.ref(model)
-        # Set by claim() when that model's forward announces a prefill; the prefill takes it.
+        # Set by claim() when that model's forward announces itself; the forward's first
+        # stored layer takes it (a forward of another model, unhooked, finds none).
         self._claimed = False
 
     def _layer(
@@ -187,6 +188,8 @@ class AlisaCache(Cache):
             self._take_claim()
             self._check_host_budget(key_states)
         elif layer_idx == 0:  # before any layer stores them (the model's hook checked more)
+            if not torch.compiler.is_compiling():  # a traced step's claim is its caller's
+                self._take_claim()  # another model of the same shapes would read these keys
             self._check_rows(key_states.shape[0], key_states.shape[2])
             self._planned = False  # a static step's token is being stored: counted from now
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -227,8 +230,7 @@ class AlisaCache(Cache):
             The forward's (B, seen + tokens) padding mask, or None (every token attended). Read
             only when more than one token is added (one host read; a decode step reads nothing).
         model
-            The model running the forward: an empty cache's prefill is claimed for it
-            (:meth:`claim`).
+            The model running the forward: the forward is claimed for it (:meth:`claim`).
 
         Raises
         ------
@@ -237,9 +239,9 @@ class AlisaCache(Cache):
             multi-token continuation refused by its mode or its padding mask, or another model
             than the one the cache was built for.
         """
-        if self.layers[0].store is None:  # not filled yet: any prompt, of its own model
-            if model is not None:
-                self.claim(model)
+        if model is not None:  # its own model's forward, filled or not
+            self.claim(model)
+        if self.layers[0].store is None:  # not filled yet: any prompt
             return
         self._check_rows(batch, tokens)
         if tokens > 1:
@@ -318,13 +320,15 @@ class AlisaCache(Cache):
         return super().get_query_offset(layer_idx)
 
     def claim(self, model: nn.Module | None) -> None:
-        """Announce that ``model``'s forward prefills this empty cache next (the model's forward
-        hook calls this, and a mixed forward for its newcomer), refusing any model but the one
-        the cache was built for: its geometry, kernels and attention routing are that model's.
+        """Announce that ``model``'s forward stores into this cache next (the model's forward
+        hook calls this, and a mixed forward for both its caches), refusing any model but the
+        one the cache was built for: its geometry, kernels, attention routing and keys are that
+        model's.
 
-        Checked once per prefill, never at a decode step. The prefill (:meth:`update`) takes the
-        claim, and refuses to start without one: a model that was never attached runs its own
-        attention, which would read the cache without its mask.
+        The forward's first layer (:meth:`update`) takes the claim, and refuses to store without
+        one: a model that was never attached runs its own attention, which would read the cache
+        without its mask, and another model of the same shapes would run on this one's keys and
+        values. (A traced step, whose caller claimed it, is not checked.)
 
         Raises
         ------
@@ -336,13 +340,14 @@ class AlisaCache(Cache):
             raise ValueError(
                 f"past_key_values (an AlisaCache) was built for {_model_name(built_for)} and is "
                 f"given to another model, {_model_name(model)}: a cache holds its own model's "
-                "geometry, kernels and attention routing; build AlisaCache(model, config) for "
-                "this one"
+                "geometry, kernels, attention routing and keys; build AlisaCache(model, config) "
+                "for this one"
             )
         self._claimed = True
 
     def _take_claim(self) -> None:
-        """Start a prefill only when the cache's own model announced it (:meth:`claim`)."""
+        """Store a forward's tokens only when the cache's own model announced it
+        (:meth:`claim`)."""
         if not self._claimed:
             raise ValueError(
                 f"past_key_values (an AlisaCache) was built for {_model_name(self._built_for())}"
@@ -350,7 +355,7 @@ class AlisaCache(Cache):
                 "model's own attention would read the cache without its mask; build "
                 "AlisaCache(model, config) for the model you run"
             )
-        self._claimed = False  # a later prefill (after a reset) is announced again
+        self._claimed = False  # the next forward is announced again
 
     def _check_rows(self, batch: int, tokens: int) -> None:
         """A filled cache takes its own batch size, at least one new token, and several only
@@ -628,9 +633,10 @@ class PackedCache(Cache):
             raise ValueError(
                 "a mixed forward decodes a prefilled cache's rows and prefills an empty cache"
             )
-        # The forward's hook sees this packed cache, not the newcomer: its prefill is claimed
-        # here, for the running rows' model.
+        # The forward's hook sees this packed cache, not its two: each is claimed here, for
+        # the running rows' model.
         newcomer.claim(running._built_for())
+        running.claim(running._built_for())
         self.running, self.newcomer, self.rows = running, newcomer, rows
         pairs = zip(running.layers, newcomer.layers, strict=True)
         super().__init__(layers=[PackedLayer(mine, theirs, rows) for mine, theirs in pairs])

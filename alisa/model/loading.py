@@ -275,7 +275,7 @@ def load_model(
     *,
     dtype: str | torch.dtype | None = "auto",
     device: str | torch.device | None = None,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
     max_memory: dict | None = None,
 ):
     """Load a causal LM and its tokenizer from a built-in name, directory, GGUF file or hub id.
@@ -293,7 +293,8 @@ def load_model(
     device
         Where to put the weights; default CUDA when available, else CPU.
     attn_implementation
-        Attention used outside the ALISA cache; ``"sdpa"`` by default.
+        Attention used outside the ALISA cache; None: ``"sdpa"`` where transformers has it for
+        the architecture, else ``"eager"`` (Gemma 2).
     max_memory
         Per-device byte budgets, e.g. ``{0: "6GiB", "cpu": "30GiB"}``: weights that do not fit
         the GPU are placed by accelerate (``device_map="auto"``) and streamed from the host, as
@@ -312,7 +313,8 @@ def load_model(
     budgets = device_budgets(max_memory)
     path = resolve_model_path(spec)
     try:
-        _refuse_inline_attention(spec, path)  # before its tokenizer, weights or attention fail
+        # Before its tokenizer, weights or attention fail.
+        attention = _attention(spec, path, attn_implementation)
         tokenizer = _load_tokenizer(spec, path)
         placement = {"device_map": "auto", "max_memory": budgets} if budgets else {}
         try:
@@ -320,17 +322,16 @@ def load_model(
             model, loading = AutoModelForCausalLM.from_pretrained(
                 path,
                 dtype=torch_dtype or "auto",
-                attn_implementation=attn_implementation,
+                attn_implementation=attention,
                 output_loading_info=True,
                 ignore_mismatched_sizes=True,
                 **placement,
             )
         except ValueError as error:  # transformers' reason (an SDPA it lacks), where alisa has one
-            refused = _unsupported_without_weights(path)
+            refused = _unsupported_without_weights(spec, path)
             if refused is None:
                 raise
-            name, reason = refused
-            raise ValueError(f"model={spec!r} ({name}) is not supported: {reason}") from error
+            raise ValueError(refused) from error
     except SafetensorError as error:
         raise ValueError(_unreadable_weights(spec, path, error)) from error
     except OSError as error:
@@ -491,10 +492,14 @@ def _weights(kind: str, names, after: str = "", shown: int = 3) -> str:
     return f"{len(ordered)} {kind}weight{plural}{after} ({listed}{more})"
 
 
-def _refuse_inline_attention(spec: str, path: str) -> None:
-    """Refuse, from its config alone, an architecture whose attention alisa cannot reach
-    (Falcon, Bloom, MPT, GPT-J, ...): loading it would fail later, or on SDPA, for another
-    reason than the true one."""
+def _attention(spec: str, path: str, given: str | None) -> str | None:
+    """The attention implementation to load the checkpoint at ``path`` with: ``given``, or
+    SDPA where transformers has it for the architecture, else eager (Gemma 2 has none).
+
+    Refuses, from the config alone, an architecture whose attention alisa cannot reach (Falcon,
+    Bloom, MPT, GPT-J, ...) and SDPA asked of one without it: loading would fail later, or in
+    transformers' words, for another reason than the true one.
+    """
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -504,9 +509,20 @@ def _refuse_inline_attention(spec: str, path: str) -> None:
     try:
         cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except KeyError:  # not a causal LM transformers knows: from_pretrained says so
-        return
+        return given
     if not cls._can_set_attn_implementation():
         raise ValueError(f"model={spec!r} ({cls.__name__}) is not supported: {INLINE_ATTENTION}")
+    if cls._supports_sdpa or given not in (None, "sdpa"):
+        return given or "sdpa"
+    refused = _unsupported_without_weights(spec, path)  # a state-space model has no SDPA either
+    if refused is not None:
+        raise ValueError(refused)
+    if given == "sdpa":
+        raise ValueError(
+            f"attn_implementation='sdpa': {cls.__name__} has no SDPA attention in transformers; "
+            "leave attn_implementation unset (eager for it) or give 'eager'"
+        )
+    return "eager"
 
 
 def empty_model(path: str, dtype: torch.dtype | None = None) -> torch.nn.Module:
@@ -521,8 +537,8 @@ def empty_model(path: str, dtype: torch.dtype | None = None) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(config, **({"dtype": dtype} if dtype else {}))
 
 
-def _unsupported_without_weights(path: str) -> tuple[str, str] | None:
-    """(class name, why) the model at ``path`` cannot run with the ALISA cache
+def _unsupported_without_weights(spec: str, path: str) -> str | None:
+    """Why the model ``spec`` at ``path`` cannot run with the ALISA cache, naming its class
     (:func:`unsupported_reason` of its :func:`empty_model`), or None (also when it cannot be
     built so)."""
     from alisa.model.adapter import unsupported_reason
@@ -532,7 +548,9 @@ def _unsupported_without_weights(path: str) -> tuple[str, str] | None:
     except (ValueError, OSError, KeyError, TypeError):
         return None
     reason = unsupported_reason(model)
-    return None if reason is None else (type(model).__name__, reason)
+    if reason is None:
+        return None
+    return f"model={spec!r} ({type(model).__name__}) is not supported: {reason}"
 
 
 def prepare_tokenizer(tokenizer) -> None:
