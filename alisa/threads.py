@@ -178,18 +178,20 @@ def choose_threads(requested: int | None, *, environ: dict[str, str] | None = No
     return ThreadChoice(threads=max(1, min(cpus, idle)), usable_cpus=cpus, load=load)
 
 
-def use_threads(requested: int | None = None) -> ThreadChoice:
+def use_threads(requested: int | None = None, *, warn: bool = True) -> ThreadChoice:
     """Set torch's intra-op threads by :func:`choose_threads` and return the choice.
 
     What the CLI's commands do before computing; a Python program calls it once (torch's own
     default, a thread per core, is slow on a machine other work keeps busy). ``ThreadChoice``'s
-    ``warning()`` says when the machine is oversubscribed even so.
+    ``warning()`` says when the machine is oversubscribed even so; ``warn``: a
+    ``RuntimeWarning`` when more threads were asked for than there are usable CPUs (False: the
+    caller says ``warning()`` in its own words, as the CLI does).
     """
     import torch
 
     choice = choose_threads(requested)
     torch.set_num_threads(choice.threads)
-    if choice.threads > choice.usable_cpus:  # asked for: the load's share is the caller's to say
+    if warn and choice.threads > choice.usable_cpus:  # the load's share is the caller's to say
         warnings.warn(
             f"use_threads({requested}): {choice.threads} threads on {choice.usable_cpus} usable "
             f"CPU(s) oversubscribe the machine (threads wait on each other); ask for at most "

@@ -15,7 +15,6 @@ import json
 import os
 import sys
 import time
-import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from datetime import datetime, timezone
@@ -142,9 +141,7 @@ def run(config: RunConfig, progress: bool = True, *, prog: str = PROG) -> Path:
             file=sys.stderr,
         )
     root = _data_root(config)  # before any directory is made
-    with warnings.catch_warnings():  # said below, in the run's words
-        warnings.simplefilter("ignore", RuntimeWarning)
-        warning = use_threads(config.runtime["threads"]).warning()
+    warning = use_threads(config.runtime["threads"], warn=False).warning()  # said in its words
     if warning is not None:
         print(f"{prog}: {warning}", file=sys.stderr)
     if launched():

@@ -416,9 +416,7 @@ def apply_threads(command: str, threads: int | None) -> None:
 
     check_minimum("--threads", threads, 1)
     try:
-        with warnings.catch_warnings():  # said below, in the flag's words
-            warnings.simplefilter("ignore", RuntimeWarning)
-            choice = use_threads(threads)
+        choice = use_threads(threads, warn=False)  # said below, in the flag's words
     except ValueError as error:  # a bad OMP_NUM_THREADS, or more than the machine can start
         raise CommandError(with_flag(str(error), {"threads": "--threads"})) from None
     warning = choice.warning()

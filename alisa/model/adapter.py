@@ -145,6 +145,11 @@ def check_model(model: object) -> None:
         raise ValueError(f"model of type {type(model).__name__} has no HF config")
 
 
+def meta_parameters(model: nn.Module) -> int:
+    """How many of ``model``'s parameters have no data (accelerate's meta placeholders)."""
+    return sum(1 for parameter in model.parameters() if parameter.is_meta)
+
+
 def check_loaded(model: nn.Module) -> None:
     """Refuse a model whose weights are not loaded: parameters on the meta device (built under
     ``torch.device("meta")``, or left on disk by a ``device_map``) cannot run. (A model's shape
@@ -155,7 +160,7 @@ def check_loaded(model: nn.Module) -> None:
     ValueError
         Naming the model's type and how many parameters have no data.
     """
-    unloaded = sum(1 for parameter in model.parameters() if parameter.is_meta)
+    unloaded = meta_parameters(model)
     if unloaded:
         raise ValueError(
             f"model of type {type(model).__name__} has {unloaded} parameters on the meta device: "

@@ -377,10 +377,13 @@ def device_budgets(max_memory: object) -> dict[int | str, int] | None:
 
 def _refuse_offloaded(model, max_memory: dict | None) -> None:
     """Refuse a placement that left weights on the disk (accelerate's meta placeholders):
-    alisa runs weights from a device or the host, never from disk."""
+    alisa runs weights from a device or the host, never from disk. (``check_loaded`` refuses
+    such a model too, where it runs; this names the ``max_memory`` that left them there.)"""
+    from alisa.model.adapter import meta_parameters
+
     placed = getattr(model, "hf_device_map", None) or {}
     on_disk = [name or "(the whole model)" for name, where in placed.items() if where == "disk"]
-    if on_disk or any(parameter.is_meta for parameter in model.parameters()):
+    if on_disk or meta_parameters(model):
         shown = ", ".join(on_disk[:3]) + (" ..." if len(on_disk) > 3 else "")
         raise ValueError(
             f"max_memory={max_memory!r} does not hold the model's weights: "
