@@ -138,6 +138,21 @@ def test_sigterm_drains_running_requests_refuses_new_ones_and_exits_0(tmp_path):
     assert "Traceback" not in err and "drained, stopped" in err
 
 
+def test_sigterm_as_soon_as_the_address_is_printed_drains_too(tmp_path):
+    """A SIGTERM sent the moment the address line appears (before uvicorn took the signal
+    over) stopped the process as a plain SIGTERM would, instead of draining: exit 0 now."""
+    process, _, lines = _serve(model_dir(tmp_path))
+    try:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(WAIT_S) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(WAIT_S)
+    err = "".join(iter_lines(lines))
+    assert "drained, stopped" in err and "SIGTERM" not in err.split("drains and stops")[-1]
+
+
 def iter_lines(lines: queue.Queue):
     """What is left in ``lines`` (the process has exited)."""
     while True:

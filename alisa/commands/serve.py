@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 
 from alisa.commands.options import (
     CommandError,
@@ -125,6 +127,10 @@ def run(args: argparse.Namespace) -> int:
         with model_notes_said("serve", model, settings.config):
             _check_fits(model, tokenizer, settings)
             server = AlisaServer(model, tokenizer, settings, log_level=args.log_level)
+            # From the line below on, SIGTERM drains (uvicorn takes the signal over once it
+            # serves): one sent as soon as the address is printed does not kill the server.
+            if threading.current_thread() is threading.main_thread():  # where signals land
+                signal.signal(signal.SIGTERM, lambda signum, frame: server.drain())
             host, port = sock.getsockname()[:2]
             print(
                 f"alisa serve: {settings.model_name} on {base_url(host, port)} "
