@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import queue
@@ -15,7 +16,16 @@ import threading
 from pathlib import Path
 
 import pytest
-from serve_support import HOST, WAIT_S, model_dir, next_event, open_stream, request, wait_for
+from serve_support import (
+    HOST,
+    WAIT_S,
+    metric_values,
+    model_dir,
+    next_event,
+    open_stream,
+    request,
+    wait_for,
+)
 from test_bad_input import (  # noqa: F401 - models is a fixture
     ERR,
     USAGE,
@@ -136,6 +146,44 @@ def test_sigterm_drains_running_requests_refuses_new_ones_and_exits_0(tmp_path):
             process.wait(WAIT_S)
     err = "".join(iter_lines(lines))
     assert "Traceback" not in err and "drained, stopped" in err
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_second_sigterm_stops_at_once_without_a_traceback_or_a_500(tmp_path, stream):
+    """The tenth tour's T1: a second SIGTERM while draining re-raised the signal inside a
+    request being cancelled: an ASGI traceback in the log and a 500 to its client (a cut
+    stream). Now the server stops at once, its client gets no answer (no status, no final
+    event), and the exit status is the signal's."""
+    process, port, lines = _serve(model_dir(tmp_path))
+    answers: queue.Queue = queue.Queue()
+    body = {"prompt": "stop", "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
+
+    def ask() -> None:
+        try:
+            if not stream:
+                answers.put(request(port, "POST", "/v1/completions", body))
+                return
+            _, response = open_stream(port, body)
+            answers.put(("events", [next_event(response) for _ in range(10**6)]))
+        except (OSError, http.client.HTTPException, AssertionError) as error:  # no answer
+            answers.put(error)
+
+    try:
+        threading.Thread(target=ask, daemon=True).start()
+        wait_for(lambda: metric_values(port)[("alisa_requests_running", ())] == 1, "a request")
+        process.send_signal(signal.SIGTERM)
+        wait_for(lambda: request(port, "GET", "/health")[0] == 503, "the drain to start")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(WAIT_S) == 128 + signal.SIGTERM
+        answer = answers.get(timeout=WAIT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(WAIT_S)
+    err = "".join(iter_lines(lines))
+    assert not isinstance(answer, tuple), answer  # no status at all, not a 500
+    assert "Traceback" not in err and "Exception in ASGI" not in err, err
+    assert "stopped at once by a second SIGTERM" in err and "drained, stopped" not in err
 
 
 def test_sigterm_as_soon_as_the_address_is_printed_drains_too(tmp_path):

@@ -56,7 +56,10 @@ def run(args: argparse.Namespace) -> int:
     if args.output is not None:
         check_new_file("--output", args.output, force=args.force)  # before measuring, not after
     apply_threads("profile", args.threads)
-    sizes = (args.batch or PLAN_SIZES[0], args.context or PLAN_SIZES[1])
+    sizes = (
+        PLAN_SIZES[0] if args.batch is None else args.batch,
+        PLAN_SIZES[1] if args.context is None else args.context,
+    )
     model = None
     if calibrated:
         model, _ = load_for_cli(args.model, args.dtype)

@@ -139,6 +139,10 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             server.run(sock)
+    if server.stopped_by is not None:  # its requests were dropped: not a clean stop
+        name = signal.Signals(server.stopped_by).name
+        print(f"alisa serve: stopped at once by a second {name}", file=sys.stderr)
+        return 128 + server.stopped_by  # as a shell reports a process the signal ended
     print("alisa serve: drained, stopped", file=sys.stderr)
     return 0
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Mapping
 
+from transformers import Cache
+
 from alisa.jobs.io import OutputLog, Request
 from alisa.jobs.sizing import BatchMemory, batch_memory, largest_batch
 from alisa.runtime.generate import SamplingOptions, generate
@@ -74,7 +76,7 @@ def run_static(
             None if factory else job.config,  # a factory's cache keeps KV by its own rules
             max_new_tokens=new_tokens,
             sampling=sampling(batch[0].options),
-            past_key_values=factory() if factory else None,
+            past_key_values=_made_cache(factory) if factory else None,
             prune_finished=True,
             stop_at_eos=job.stop_at_eos,
             compile="off",  # rows leave the batch (prune), and every batch has its own shape
@@ -83,6 +85,18 @@ def run_static(
         for record in batch_steps(result, start) if on_step else ():
             on_step(record)
         yield batch
+
+
+def _made_cache(factory: Callable) -> Cache:
+    """``factory()``, refused unless it is a transformers ``Cache``: ``generate`` takes None for
+    "build the job's own cache", so a factory that forgot its ``return`` would run unnoticed."""
+    cache = factory()
+    if not isinstance(cache, Cache):
+        raise ValueError(
+            f"cache_factory returned {cache!r}, not a transformers Cache (a missing return?): "
+            "it must build a new empty cache for each batch, e.g. lambda: DynamicCache()"
+        )
+    return cache
 
 
 def batch_steps(result, started_s: float) -> list[StepRecord]:

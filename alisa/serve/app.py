@@ -212,7 +212,10 @@ def _not_served(name: str, served: str, param: str | None = "model") -> APIError
 
 async def _body(request: Request) -> bytes:
     """The request body, refused past :data:`MAX_BODY_BYTES` before it is all read (at once
-    when its ``Content-Length`` says so: the client may be waiting to send it)."""
+    when its ``Content-Length`` says so: the client may be waiting to send it), and refused
+    when its ``Content-Type`` says it is not JSON (as FastAPI-based servers refuse it: a
+    client's wrong header would otherwise go unnoticed); a body without one is read as JSON."""
+    _check_json_type(request.headers.get("content-type"))
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise _too_large()
@@ -223,6 +226,22 @@ async def _body(request: Request) -> bytes:
             raise _too_large()
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _check_json_type(declared: str | None) -> None:
+    """Refuse a ``Content-Type`` other than ``application/json`` (or a ``+json`` type) with a
+    415 naming it; None (no header) passes."""
+    if declared is None:
+        return
+    kind, _, subtype = declared.split(";")[0].strip().lower().partition("/")
+    if kind == "application" and (subtype == "json" or subtype.endswith("+json")):
+        return
+    raise APIError(
+        status=415,
+        message=f"Content-Type {declared!r} is not JSON: send the body as application/json "
+        "(curl: -H 'Content-Type: application/json')",
+        code="unsupported_media_type",
+    )
 
 
 def _too_large() -> APIError:

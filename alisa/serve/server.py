@@ -31,17 +31,23 @@ class _DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServeState) -> None:
         super().__init__(config)
         self.state = state
+        self.stopped_by: int | None = None  # the second signal, which stopped it at once
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         running = self.state.engine.open_requests
-        if self.state.draining:  # a second signal: stop now, as uvicorn would
+        if self.state.draining:  # a second signal: stop now
+            if self.stopped_by is not None:
+                return  # already stopping
             LOG.warning(
                 "a second signal: stopping now, %d request(s) still running dropped (their "
                 "clients get no answer); the process exits with the signal's status",
                 running,
             )
-            super().handle_exit(sig, frame)
-            self.force_exit = True
+            # Not uvicorn's own handle_exit: its forced exit cancels the running requests'
+            # tasks (a traceback in the log and a 500 to each client) and raises the signal
+            # again once the loop has stopped. The next tick hangs up on the clients instead:
+            # each request sees its client gone and is cancelled, as any disconnect is.
+            self.stopped_by = sig
             return
         LOG.warning(
             "draining: %d request(s) running finish, new ones get 503; a second signal stops "
@@ -53,6 +59,10 @@ class _DrainingServer(uvicorn.Server):
         self.state.draining = True
 
     async def on_tick(self, counter: int) -> bool:
+        if self.stopped_by is not None and not self.should_exit:
+            for connection in list(self.server_state.connections):
+                connection.transport.close()  # its client gets no answer
+            self.should_exit = True
         if self.state.draining and self.state.engine.open_requests == 0:
             self.should_exit = True
         return await super().on_tick(counter)
@@ -109,6 +119,12 @@ class AlisaServer:
     @property
     def started(self) -> bool:
         return self.server.started
+
+    @property
+    def stopped_by(self) -> int | None:
+        """The second signal that stopped serving at once, dropping what ran; None when it
+        drained (or was stopped by :meth:`stop`)."""
+        return self.server.stopped_by
 
 
 def bind(host: str, port: int) -> socket.socket:
