@@ -16,7 +16,7 @@ from alisa.runtime.continuous import ContinuousScheduler
 from alisa.runtime.engine import Engine
 from alisa.runtime.generate import check_prompt
 from alisa.runtime.requests import PREFILL_TOKENS, RowShape, StreamRequest, StreamResult
-from alisa.runtime.sampling import SamplingOptions, sampling_or_default, warn_same_seed
+from alisa.runtime.sampling import RepeatedPrompts, SamplingOptions, sampling_or_default
 from alisa.sizes import parse_budget
 from scheduler import ModelSpec
 
@@ -293,12 +293,10 @@ def _requests(
         :class:`~alisa.runtime.requests.StreamRequest` itself).
     """
     seen: set[object] = set()  # every id so far: a finished request's too
-    first: dict[tuple[int, ...], int] | None = None if seed is None else {}
+    repeats = RepeatedPrompts(seed)
     for index, prompt in enumerate(prompts):
         request = _request(tokenizer, prompt, max_new_tokens, index)
-        if first is not None and first.setdefault(tuple(request.prompt_ids), index) != index:
-            warn_same_seed(seed, first[tuple(request.prompt_ids)], index)
-            first = None  # once
+        repeats.see(tuple(request.prompt_ids), index)
         if request.id in seen:  # hashable: StreamRequest refuses an id that is not
             raise ValueError(
                 f"prompts[{index}] has id={request.id!r}, as an earlier prompt does: results "

@@ -20,7 +20,7 @@ from alisa.model.loading import chat_prompt, check_prompt_length, context_length
 from alisa.runtime.compiled import CompileChoice, choose_compile, settle_compile
 from alisa.runtime.engine import DecodeState, Engine, GenerationOutput, cache_kv_bytes
 from alisa.runtime.requests import TOKENIZER_HINT, past_vocabulary, vocabulary_size
-from alisa.runtime.sampling import SamplingOptions, sampling_or_default, warn_same_seed
+from alisa.runtime.sampling import RepeatedPrompts, SamplingOptions, sampling_or_default
 from alisa.settings import (
     IgnoredSettingWarning,
     evicts_nothing_note,
@@ -109,11 +109,9 @@ def generate(
     check_int("max_new_tokens", max_new_tokens, minimum=0)
     max_new_tokens = int(max_new_tokens)  # numpy's int64(2) too: range() and torch take ints
     sampling = sampling_or_default(sampling)
-    if sampling.do_sample and sampling.seed is not None:
-        first: dict[str, int] = {}
-        again = next((i for i, p in enumerate(prompt_list) if first.setdefault(p, i) != i), None)
-        if again is not None:
-            warn_same_seed(sampling.seed, first[prompt_list[again]], again)
+    repeats = RepeatedPrompts(sampling.seed if sampling.do_sample else None)
+    for index, prompt in enumerate(prompt_list):
+        repeats.see(prompt, index)
     device = next(model.parameters()).device
     choice = choose_compile(compile, device)
     # Left-padded whatever the tokenizer's own padding_side (AutoTokenizer's is often right):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -86,17 +87,33 @@ def sampling_or_default(sampling: SamplingOptions | None) -> SamplingOptions:
     return sampling
 
 
-def warn_same_seed(seed: int, first: int, again: int) -> None:
-    """Say that ``prompts[again]`` repeats ``prompts[first]`` under one ``seed``: each row
-    draws from a generator of its own seeded with it, so their samples are identical."""
-    warnings.warn(
-        f"prompts[{again}] repeats prompts[{first}], sampled with seed={seed}: every row draws "
-        "from its own generator seeded with it (so a row's tokens do not depend on its batch), "
-        "so their samples are identical; for several samples of one prompt, give each run its "
-        "own seed, or seed=None",
-        UserWarning,
-        stacklevel=3,
-    )
+class RepeatedPrompts:
+    """Says, once, that a prompt repeats an earlier one under one ``seed``: each row draws
+    from a generator of its own seeded with it (so a row's tokens do not depend on its batch),
+    so their samples are identical. ``generate`` shows it every prompt at once, a stream each
+    as it comes; None (greedy, or sampling without a seed): nothing to say."""
+
+    def __init__(self, seed: int | None) -> None:
+        self.seed = seed
+        self._first: dict[Hashable, int] | None = None if seed is None else {}
+
+    def see(self, prompt: Hashable, index: int) -> None:
+        """Note ``prompt`` (text or token ids) at ``index``; warn if it repeats an earlier one
+        and nothing was said yet."""
+        if self._first is None:
+            return
+        first = self._first.setdefault(prompt, index)
+        if first == index:
+            return
+        self._first = None  # once
+        warnings.warn(
+            f"prompts[{index}] repeats prompts[{first}], sampled with seed={self.seed}: every "
+            "row draws from its own generator seeded with it (so a row's tokens do not depend "
+            "on its batch), so their samples are identical; for several samples of one prompt, "
+            "give each run its own seed, or seed=None",
+            UserWarning,
+            stacklevel=4,  # past this method and its caller: the user's call
+        )
 
 
 class TokenPicker:
