@@ -2,12 +2,14 @@
 
 Exit codes: 0 done; 1 an error (bad input, config or file; nothing written is lost); 2 a usage
 error (unknown flag, a value of the wrong type); 3 ``alisa batch`` finished but some rows failed
-(a re-run retries them); 130 interrupted (Ctrl-C); 143 stopped by SIGTERM.
+(a re-run retries them); 130 interrupted (Ctrl-C); 141 the output's reader stopped early (`| head`,
+quietly, as a tool SIGPIPE ends); 143 stopped by SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import signal
 import sys
@@ -17,6 +19,7 @@ from typing import NoReturn
 
 from alisa.commands import COMMANDS
 from alisa.commands.options import (
+    EXIT_BROKEN_PIPE,
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     EXIT_TERMINATED,
@@ -118,6 +121,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         return run(args)
+    except BrokenPipeError:  # stdout's reader stopped early (`| head`): not an error of ours
+        _detach_stdout()
+        return EXIT_BROKEN_PIPE
     except (CommandError, ValueError, OSError) as error:
         message = " ".join(str(error).split())  # one line, whatever the library wrote
         print(f"alisa {args.command}: error: {message}", file=sys.stderr)
@@ -141,6 +147,18 @@ class Terminated(BaseException):
 
 def _terminate(signum: int, frame) -> NoReturn:
     raise Terminated
+
+
+def _detach_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush at exit does not fail
+    on the closed pipe again (Python's own advice for SIGPIPE)."""
+    try:
+        descriptor = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (captured): nothing to flush
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, descriptor)
+    os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -460,6 +460,11 @@ def ignored_settings(
         if not cls.needs_attention:
             for name in ("head_max", "observation_window", "score_decay"):
                 why[name] = f"with {policy}, which does not score tokens by attention"
+        if cls.ranks_by_recency:  # its choice past the recent share is the next most recent
+            why["recent_fraction"] = f"with {policy}, which keeps the most recent tokens anyway"
+        below = _budget_below_least(config)
+        if below is not None:
+            why["budget_tokens"] = below
         elif not cls.windowed_scores:
             why["score_decay"] = (
                 f"with {policy}, which has no score window of several decode steps to fade"
@@ -476,6 +481,28 @@ def ignored_settings(
         for name, reason in why.items()
         if name in changed
     ]
+
+
+def _budget_below_least(config: ConfigFields) -> str | None:
+    """Why a ``budget_tokens`` under what every evicting layer keeps at least (its floor, or
+    its sinks plus the newest token: :class:`scheduler.budget.KeepRule`) changes nothing, or
+    None (no budget, a budget above both, or a schedule that scales it per layer)."""
+    if config.budget_tokens is None or config.layer_schedule != "uniform":
+        return None
+    sparse = resolve_settings(config, config.dense_layers + 1).layers[-1]
+    floor, sinks = sparse.min_budget_tokens, sparse.sink_tokens
+    if config.budget_tokens >= max(floor, sinks + 1):
+        return None
+    if floor >= sinks + 1:
+        own = "" if config.min_budget_tokens is not None else f" (the {config.preset} preset's)"
+        return (
+            f"below min_budget_tokens={floor}{own}, the floor every evicting layer keeps; lower "
+            "the floor (0: none) for the budget to act"
+        )
+    return (
+        f"below sink_tokens={sinks} plus the newest token, which every evicting layer keeps; "
+        "lower sink_tokens for the budget to act"
+    )
 
 
 def untiered_notes(config: ConfigFields) -> list[str]:

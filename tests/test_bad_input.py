@@ -603,9 +603,15 @@ CASES = {
         {"p.json": b"my profile"},
     ),
     "profile-output-unwritable": Case(
-        "profile --model none --output /proc/alisa-none/p.json",
+        "profile --model none --output /proc/alisa-p.json",
         ERR,
-        ("--output", "/proc/alisa-none/p.json", "cannot be written"),
+        ("--output", "/proc/alisa-p.json", "cannot be written"),
+    ),
+    "profile-output-folder-missing": Case(
+        "profile --model none --output {tmp}/typo/p.json",
+        ERR,
+        ("--output", "its folder", "typo", "does not exist"),
+        absent=("typo",),
     ),
     "profile-context-below-the-floor": Case(
         "profile --model {model} --context 16 --output {tmp}/p.json",

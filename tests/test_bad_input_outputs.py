@@ -73,13 +73,21 @@ CASES = {
         stdin=ONE + b"{oops\n",
         absent=("o.jsonl",),
     ),
-    # a run that fails before writing leaves no output behind (nor the folders it made)
+    # a run that fails before writing leaves no output behind
     "model-weights-truncated": Case(
-        "batch {tmp}/in.jsonl -o {tmp}/new/o.jsonl --model {truncated} --no-progress",
+        "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --model {truncated} --no-progress",
         ERR,
         ("model.safetensors",),
         {"in.jsonl": ONE},
-        absent=("new",),
+        absent=("o.jsonl",),
+    ),
+    # a folder that does not exist is not made: a typo would start a new tree
+    "output-folder-missing": Case(
+        "batch {tmp}/in.jsonl -o {tmp}/typo/o.jsonl --model {truncated} --no-progress",
+        ERR,
+        ("its folder", "typo", "does not exist"),
+        {"in.jsonl": ONE},
+        absent=("typo",),
     ),
     "model-fails-keeps-existing-empty-output": Case(
         "batch {tmp}/in.jsonl -o {tmp}/o.jsonl --model {tmp}/no-model --no-progress",
@@ -233,10 +241,10 @@ def test_a_killed_writer_leaves_no_stuck_lock(tmp_path, models, capsys, monkeypa
 
 
 def test_a_refused_or_failed_lock_holder_removes_only_the_empty_file_it_created(tmp_path):
-    target = tmp_path / "new" / "deeper" / "out.jsonl"
+    target = tmp_path / "out.jsonl"
     with output_lock(target) as held:
         assert held.created and target.exists()
-    assert not (tmp_path / "new").exists()  # created empty, not kept: gone with its folders
+    assert not target.exists()  # created empty, not kept: gone
     with output_lock(target) as held:
         held.keep()
     assert target.read_bytes() == b""  # a finished run's output stays, even empty

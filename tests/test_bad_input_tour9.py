@@ -53,23 +53,28 @@ def test_a_filled_cache_refuses_another_model_of_the_same_shapes():
     assert out.shape == (1, 7)
 
 
-def test_batch_says_the_output_folder_it_made(tmp_path, capsys):
-    """S2: ``-o`` into a folder that did not exist made it without a word (a typo in the
-    folder makes a new tree); the summary says it, from the CLI and from Python."""
+def test_an_output_in_a_missing_folder_is_refused(tmp_path, capsys):
+    """S2 (and the eleventh tour's S1): ``-o`` into a folder that did not exist made it
+    without a word (a typo in the folder starts a new tree, and a re-run under the right name
+    redoes every row). Now refused, from the CLI, from Python and for a profile, and nothing
+    is made."""
     model_dir = _saved(tmp_path, "llama")
     source = tmp_path / "in.jsonl"
     source.write_text(json.dumps({"id": "a", "prompt": "hello", "max_new_tokens": 2}) + "\n")
-    made = tmp_path / "typo"
-    argv = ["batch", str(source), "-o", str(made / "deeper" / "x.jsonl")]
-    code, err = run_main([*argv, "--model", str(model_dir), "--no-progress"], capsys)
-    assert code == 0 and f"made the output's folder {made};" in err
+    missing = tmp_path / "typo" / "deeper"
+    argv = ["batch", str(source), "-o", str(missing / "x.jsonl"), "--model", str(model_dir)]
+    code, err = run_main(argv, capsys)
+    assert code == 1 and f"its folder '{missing}' does not exist" in err
     model, tokenizer = load_model(str(model_dir))
-    job = BatchJob(input=str(source), output=str(tmp_path / "new" / "y.jsonl"), progress=False)
-    summary = run_batch(model, tokenizer, job)
-    assert summary.made_folder == str(tmp_path / "new")
-    assert f"made the output's folder {tmp_path / 'new'}" in summary.describe()
-    again = run_batch(model, tokenizer, job)  # the folder is there now: nothing to say
-    assert again.made_folder == "" and "made the output's folder" not in again.describe()
+    job = BatchJob(input=str(source), output=str(missing / "y.jsonl"), progress=False)
+    with pytest.raises(ValueError, match=r"its folder .* does not exist; make it first"):
+        run_batch(model, tokenizer, job)
+    argv = ["profile", "--model", "none", "--output", str(missing / "p.json")]
+    code, err = run_main(argv, capsys)
+    assert code == 1 and f"its folder '{missing}' does not exist" in err
+    assert not (tmp_path / "typo").exists()
+    missing.mkdir(parents=True)  # made by the user: taken
+    assert run_batch(model, tokenizer, job).completed == 1
 
 
 def test_a_preset_under_dense_is_said_to_do_nothing():
@@ -95,7 +100,7 @@ def test_an_evicting_policy_with_nothing_to_evict_is_said_to_run_dense():
     )
     for evicting in (
         dict(caching_ratio=0.5),
-        dict(budget_tokens=32),
+        dict(budget_tokens=128),  # above the floor
         dict(layer_schedule="pyramid"),  # r = 1 on average: some layers evict
     ):
         assert _notes(policy="swa", **evicting) == []

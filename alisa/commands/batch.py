@@ -172,7 +172,6 @@ def run(args: argparse.Namespace) -> int:
         finally:
             log.close()
         held.keep()  # the run finished: its output stays, even with no row in it
-        summary.made_folder = held.made_folder()
         return _report(summary, job)
 
 
@@ -213,7 +212,6 @@ def _run_ranks(args: argparse.Namespace, job) -> int:
             summary = run_ranked(model, tokenizer, job, plan, ranks)
             for lock in locks:
                 lock.keep()  # the run finished: its output stays, even with no row in it
-                summary.made_folder = lock.made_folder()
             if ranks.rank != 0:
                 return EXIT_ROWS_FAILED if summary.failed else 0
             return _report(summary, job)

@@ -37,6 +37,7 @@ if typing.TYPE_CHECKING:
 T = typing.TypeVar("T")
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_ROWS_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process SIGTERM ended
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what `cmd | head` reports of a tool the pipe ended
 
 
 class CommandError(Exception):
@@ -348,10 +349,13 @@ def check_minimum(flag: str, value: int | None, minimum: int) -> None:
         raise CommandError(error)
 
 
-def check_new_file(flag: str, path: str | Path, *, force: bool = False) -> None:
+def check_new_file(
+    flag: str, path: str | Path, *, force: bool = False, make_folder: bool = False
+) -> None:
     """Fail before slow work when ``path`` cannot be written (empty, a directory, a missing
-    parent, a read-only place) or exists and ``force`` is not given (an existing file is never
-    replaced without the user's say)."""
+    folder, a read-only place) or exists and ``force`` is not given (an existing file is never
+    replaced without the user's say). ``make_folder``: a missing folder will be made (alisa's
+    own default places), so only the nearest existing one must be writable."""
     if str(path) == "":  # as typed: Path("") would be ".", a directory
         raise CommandError(f"{flag} '' is empty; give a file path")
     path = Path(path)
@@ -360,6 +364,8 @@ def check_new_file(flag: str, path: str | Path, *, force: bool = False) -> None:
     if path.exists() and not force:
         raise CommandError(f"{flag} {str(path)!r} exists; pass --force to overwrite it")
     parent = path.parent
+    if not make_folder and not parent.exists():  # a mistyped folder is not made
+        raise CommandError(f"{flag} {str(path)!r}: its folder {str(parent)!r} does not exist")
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():

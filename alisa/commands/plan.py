@@ -114,6 +114,16 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(
             f"{in_config_terms(str(error), config)} (for the workload {workload_flags})"
         ) from None
+    if config.host_memory is not None and plan.peak_host_bytes == 0:
+        # The host budget bounds what the plan offloads; a plan that offloads nothing never
+        # reads it (the device holds everything), which a user giving it should hear.
+        hint = "" if config.gpu_memory is not None else "; give --gpu-memory for a smaller device"
+        print(
+            f"alisa plan: warning: --host-memory {config.host_memory} has no effect on this "
+            "plan: it places nothing on the host (the device holds the weights and every KV "
+            f"token){hint}",
+            file=sys.stderr,
+        )
     if args.json:
         print(json.dumps(plan.to_dict(), default=str))
     else:

@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     default = args.output is None
     path = default_profile_path(device or torch.device("cpu")) if default else Path(args.output)
     if default:  # the saved profile is replaced, but its place must be writable
-        check_new_file("the default --output", path, force=True)  # before measuring
+        check_new_file("the default --output", path, force=True, make_folder=True)
     report = measure_report(model, device, sizes=sizes, progress=True)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ import fcntl
 import os
 import stat
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 
 from alisa.jobs.io import check_output_file
@@ -29,20 +29,12 @@ class OutputLock:
         The output, as it was named.
     created
         Whether this lock created the (empty) output file.
-    folders
-        The folders it created for the output (outermost first): a run says them, since a
-        typo in the output's folder would otherwise make a new tree without a word.
     """
 
-    def __init__(self, output: Path, created: bool, folders: tuple[Path, ...] = ()) -> None:
+    def __init__(self, output: Path, created: bool) -> None:
         self.output = output
         self.created = created
-        self.folders = folders
         self.kept = False
-
-    def made_folder(self) -> str:
-        """The outermost folder made for the output, or "" when none was."""
-        return str(self.folders[0]) if self.folders else ""
 
     def keep(self) -> None:
         """The run finished: its output stays on release, even if no row was written."""
@@ -53,24 +45,29 @@ class OutputLock:
 def output_lock(output: str | Path) -> Iterator[OutputLock]:
     """Hold ``output``'s lock for the ``with`` block: one writer per output file at a time.
 
-    An exclusive ``flock`` on the output file itself (created empty if missing, with its
-    folders). On release, a file (and folders) this lock created that is still empty is
-    removed unless the holder called :meth:`OutputLock.keep`: a run that failed before
-    writing anything leaves nothing behind, and a file alisa did not create is never removed.
+    An exclusive ``flock`` on the output file itself (created empty if missing; its folder
+    must exist: a typo in it would otherwise start a new tree, and a re-run under the right
+    name redo every row). On release, a file this lock created that is still empty is removed
+    unless the holder called :meth:`OutputLock.keep`: a run that failed before writing
+    anything leaves nothing behind, and a file alisa did not create is never removed.
 
     Raises
     ------
     ValueError
         Another process holds the lock (the message names the output), the output is not a
-        regular file, or it cannot be created or opened.
+        regular file, its folder does not exist, or it cannot be created or opened.
     """
     check_output_file(output)
     path = Path(output).resolve()  # a symbolic link's target: the name a new file gets
-    made = _make_folders(path.parent, output)
+    if not path.parent.is_dir():
+        raise ValueError(
+            f"cannot write output {str(output)!r}: its folder {str(path.parent)!r} does not "
+            "exist; make it first (a mistyped folder is not made)"
+        )
     held, descriptor = None, None
     try:
         descriptor, created = _lock_output(path, output)
-        held = OutputLock(Path(output), created, tuple(made))
+        held = OutputLock(Path(output), created)
         yield held
     finally:
         kept = held is not None and held.kept
@@ -78,9 +75,6 @@ def output_lock(output: str | Path) -> Iterator[OutputLock]:
             if created and not kept:
                 _remove_if_unused(path, descriptor)
             os.close(descriptor)  # closing releases the lock
-        if not kept:
-            for folder in reversed(made):
-                _remove_empty_folder(folder)
 
 
 @contextmanager
@@ -177,26 +171,3 @@ def _remove_if_unused(path: Path, descriptor: int) -> None:
     nobody else wrote to it)."""
     if os.fstat(descriptor).st_size == 0 and _names(path, descriptor):
         path.unlink(missing_ok=True)
-
-
-def _make_folders(folder: Path, output: str | Path) -> list[Path]:
-    """Create ``folder`` and its missing parents; those created, outermost first."""
-    missing = reversed([p for p in (folder, *folder.parents) if not p.exists()])
-    made = []
-    try:
-        for item in missing:
-            try:
-                item.mkdir()
-            except FileExistsError:
-                continue  # made meanwhile by someone else: not ours to remove
-            made.append(item)
-    except OSError as error:
-        for item in reversed(made):
-            _remove_empty_folder(item)
-        raise ValueError(f"cannot write output {str(output)!r}: {error.strerror}") from None
-    return made
-
-
-def _remove_empty_folder(folder: Path) -> None:
-    with suppress(OSError):
-        folder.rmdir()  # only when empty: whatever else was put there stays

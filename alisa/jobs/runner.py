@@ -192,7 +192,6 @@ class JobSummary:
     preemptions: int = 0  # continuous batching: rows paused in host memory and resumed
     progress: dict = field(default_factory=dict)  # continuous batching: the progress bar's
     torn_bytes: int = 0  # a torn last row an interrupted run left in the output, cut off
-    made_folder: str = ""  # the outermost folder made for the output (a typo makes one too)
 
     @property
     def failed(self) -> list:
@@ -214,9 +213,9 @@ class JobSummary:
             batching = f"continuous batching, up to {self.max_rows} rows"
             if self.preemptions:
                 batching += f", {self.preemptions} pauses"
-        torn = f"made the output's folder {self.made_folder}; " if self.made_folder else ""
+        torn = ""
         if self.torn_bytes:
-            torn += (
+            torn = (
                 f"cut off the output's torn last line ({self.torn_bytes} bytes: a row an "
                 "interrupted run was writing, redone if still pending); "
             )
@@ -464,7 +463,6 @@ def run_batch(
         finally:
             log.close()
         held.keep()
-        summary.made_folder = held.made_folder()
         return summary
 
 

@@ -78,6 +78,9 @@ class KVPolicy:
     # step alone), a faded sum is the exact sum: the setting has no effect.
     windowed_scores: ClassVar[bool] = False
     evicts: ClassVar[bool] = True  # False: keeps every token whatever its budget options
+    # True: score() is recency alone, so the budget past the recent share goes to the next most
+    # recent tokens: recent_fraction changes nothing (StreamingLLM's and the local window's).
+    ranks_by_recency: ClassVar[bool] = False
     config_fields: ClassVar[Mapping[str, str]] = {}
 
     caching_ratio: float = 1.0

@@ -20,6 +20,7 @@ class LocalPolicy(KVPolicy):
     name = "local"
     default_recent_fraction = 1.0
     sinks_by_default = False  # with sinks it is StreamingLLM
+    ranks_by_recency = True
 
     def score(self, positions, attention, first) -> torch.Tensor:
         return recency(positions)

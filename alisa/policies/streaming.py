@@ -20,6 +20,7 @@ class StreamingPolicy(KVPolicy):
     name = "streaming"
     default_recent_fraction = 1.0
     default_sink_tokens = 4
+    ranks_by_recency = True
 
     def score(self, positions, attention, first) -> torch.Tensor:
         return recency(positions)
