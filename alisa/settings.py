@@ -460,15 +460,15 @@ def ignored_settings(
         if not cls.needs_attention:
             for name in ("head_max", "observation_window", "score_decay"):
                 why[name] = f"with {policy}, which does not score tokens by attention"
+        elif not cls.windowed_scores:
+            why["score_decay"] = (
+                f"with {policy}, which has no score window of several decode steps to fade"
+            )
         if cls.ranks_by_recency:  # its choice past the recent share is the next most recent
             why["recent_fraction"] = f"with {policy}, which keeps the most recent tokens anyway"
         below = _budget_below_least(config)
         if below is not None:
             why["budget_tokens"] = below
-        elif not cls.windowed_scores:
-            why["score_decay"] = (
-                f"with {policy}, which has no score window of several decode steps to fade"
-            )
     if config.kv_bits == 16:
         why["residual_tokens"] = why["quant_group_size"] = "with kv_bits=16 (nothing quantized)"
     if config.retention != "host":

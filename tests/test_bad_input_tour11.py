@@ -87,3 +87,18 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(capsys, monkeypatch)
         closed.close()
     assert code == 141
     assert "Broken pipe" not in capsys.readouterr().err
+
+
+def test_the_new_notes_leave_the_others_as_they_were():
+    """Each setting keeps its own reason beside the new ones (an ``elif`` once followed the
+    new budget note instead of the attention one, and changed two reasons)."""
+    assert _notes(policy="h2o", budget_tokens=8, score_decay=True) == [
+        "score_decay=True has no effect with policy='h2o', which has no score window of "
+        "several decode steps to fade",
+        "budget_tokens=8 has no effect below min_budget_tokens=64 (the default preset's), the "
+        "floor every evicting layer keeps; lower the floor (0: none) for the budget to act",
+    ]
+    assert _notes(policy="streaming", caching_ratio=0.5, score_decay=True) == [
+        "score_decay=True has no effect with policy='streaming', which does not score tokens "
+        "by attention"
+    ]
