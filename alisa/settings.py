@@ -489,9 +489,10 @@ def _budget_below_least(config: ConfigFields) -> str | None:
     None (no budget, a budget above both, or a schedule that scales it per layer)."""
     if config.budget_tokens is None or config.layer_schedule != "uniform":
         return None
-    sparse = resolve_settings(config, config.dense_layers + 1).layers[-1]
-    floor, sinks = sparse.min_budget_tokens, sparse.sink_tokens
-    if config.budget_tokens >= max(floor, sinks + 1):
+    # The budget rule of an evicting layer (the one past the dense ones): what it keeps at least.
+    rule = resolve_settings(config, config.dense_layers + 1).layers[-1].build().keep_rule
+    floor, sinks = rule.floor, rule.sink_tokens
+    if config.budget_tokens >= rule.least:
         return None
     if floor >= sinks + 1:
         own = "" if config.min_budget_tokens is not None else f" (the {config.preset} preset's)"

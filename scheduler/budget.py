@@ -44,6 +44,12 @@ class KeepRule:
         """True when the budget covers every token ever seen (r = 1, no count, no smaller scale)."""
         return self.budget_tokens is None and self.caching_ratio >= 1.0 and self.scale >= 1.0
 
+    @property
+    def least(self) -> int:
+        """Tokens kept at least, once that many were seen, whatever the budget: the sinks plus
+        the newest token, or the floor."""
+        return max(self.sink_tokens + 1, self.floor, 1)
+
     def kept(self, seen: np.ndarray) -> np.ndarray:
         """Tokens kept per sequence after ``seen`` real tokens (int64 array, any shape)."""
         seen = np.asarray(seen, dtype=np.int64)
@@ -54,7 +60,7 @@ class KeepRule:
         wanted = np.rint(wanted * self.scale).astype(np.int64)
         # Sinks are never evicted (once gone they cannot return): the budget always covers them
         # plus the newest token, even while a ratio budget is still smaller than that.
-        wanted = np.maximum(wanted, max(self.sink_tokens + 1, self.floor, 1))
+        wanted = np.maximum(wanted, self.least)
         # minimum/maximum, not clip: NumPy's clip costs several times as much on small arrays,
         # and this runs for every layer at every decode step.
         return np.minimum(wanted, np.maximum(seen, 1))
