@@ -187,3 +187,17 @@ def run_main(argv: list[str], capsys) -> tuple[int, str]:
     except SystemExit as exit_:
         code = exit_.code
     return code, capsys.readouterr().err
+
+
+def config_notes(**fields) -> list[str]:
+    """The :class:`~alisa.settings.IgnoredSettingWarning` texts ``AlisaConfig(**fields)``
+    warns, in order."""
+    import warnings
+
+    from alisa import AlisaConfig
+    from alisa.settings import IgnoredSettingWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        AlisaConfig(**fields)
+    return [str(w.message) for w in caught if issubclass(w.category, IgnoredSettingWarning)]

@@ -5,21 +5,11 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 
 import pytest
-from conftest import run_main
+from conftest import config_notes, run_main
 
-from alisa import AlisaConfig
 from alisa.cli import main
-from alisa.settings import IgnoredSettingWarning
-
-
-def _notes(**fields) -> list[str]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        AlisaConfig(**fields)
-    return [str(w.message) for w in caught if issubclass(w.category, IgnoredSettingWarning)]
 
 
 @pytest.mark.parametrize(
@@ -36,7 +26,7 @@ def _notes(**fields) -> list[str]:
 def test_a_budget_under_the_floor_or_the_sinks_is_said_to_do_nothing(fields, said):
     """S2: an explicit ``budget_tokens`` under the floor (the preset's or one given) or the
     sinks kept the floor or the sinks, without a word."""
-    notes = _notes(policy="swa", **fields)
+    notes = config_notes(policy="swa", **fields)
     assert len(notes) == 1 and notes[0].startswith(f"budget_tokens={fields['budget_tokens']}")
     assert said in notes[0]
 
@@ -48,18 +38,19 @@ def test_a_budget_above_the_floor_and_the_sinks_is_taken_silently():
         dict(budget_tokens=8, preset="paper"),  # no floor, the policy's own sinks
         dict(budget_tokens=8, min_budget_tokens=0, layer_schedule="pyramid"),
     ):
-        assert _notes(policy="swa", **fields) == [], fields
+        assert config_notes(policy="swa", **fields) == [], fields
 
 
 @pytest.mark.parametrize("policy", ["streaming", "local"])
 def test_recent_fraction_of_a_policy_that_keeps_the_most_recent_anyway_is_warned(policy):
     """S3: ``recent_fraction`` under ``streaming`` and ``local`` (whose score is recency, so
     the rest of the budget goes to the next most recent tokens) changed nothing, unwarned."""
-    assert _notes(policy=policy, caching_ratio=0.2, recent_fraction=0.1) == [
+    assert config_notes(policy=policy, caching_ratio=0.2, recent_fraction=0.1) == [
         f"recent_fraction=0.1 has no effect with policy='{policy}', which keeps the most "
         "recent tokens anyway"
     ]
-    assert _notes(policy="strided", caching_ratio=0.2, recent_fraction=0.1) == []  # it reads it
+    # strided reads it: its on-stride tokens outrank the recent ones
+    assert config_notes(policy="strided", caching_ratio=0.2, recent_fraction=0.1) == []
 
 
 def test_plan_says_a_host_budget_its_plan_never_reads(capsys):
@@ -92,13 +83,13 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(capsys, monkeypatch)
 def test_the_new_notes_leave_the_others_as_they_were():
     """Each setting keeps its own reason beside the new ones (an ``elif`` once followed the
     new budget note instead of the attention one, and changed two reasons)."""
-    assert _notes(policy="h2o", budget_tokens=8, score_decay=True) == [
+    assert config_notes(policy="h2o", budget_tokens=8, score_decay=True) == [
         "score_decay=True has no effect with policy='h2o', which has no score window of "
         "several decode steps to fade",
         "budget_tokens=8 has no effect below min_budget_tokens=64 (the default preset's), the "
         "floor every evicting layer keeps; lower the floor (0: none) for the budget to act",
     ]
-    assert _notes(policy="streaming", caching_ratio=0.5, score_decay=True) == [
+    assert config_notes(policy="streaming", caching_ratio=0.5, score_decay=True) == [
         "score_decay=True has no effect with policy='streaming', which does not score tokens "
         "by attention"
     ]

@@ -8,26 +8,17 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import byte_tokenizer, run_main, tiny_llama
+from conftest import byte_tokenizer, config_notes, run_main, tiny_llama
 
 from alisa import AlisaCache, AlisaConfig, load_model
 from alisa.jobs.runner import BatchJob, run_batch
-from alisa.settings import IgnoredSettingWarning
 from experiments.architectures import FAMILIES, build
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _notes(**fields) -> list[str]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        AlisaConfig(**fields)
-    return [str(w.message) for w in caught if issubclass(w.category, IgnoredSettingWarning)]
 
 
 def test_a_filled_cache_refuses_another_model_of_the_same_shapes():
@@ -80,16 +71,16 @@ def test_an_output_in_a_missing_folder_is_refused(tmp_path, capsys):
 def test_a_preset_under_dense_is_said_to_do_nothing():
     """S3: ``preset='paper'`` with ``policy='dense'`` was taken silently, while the other
     eviction settings under dense are warned."""
-    assert _notes(policy="dense", preset="paper") == [
+    assert config_notes(policy="dense", preset="paper") == [
         "preset='paper' has no effect with policy='dense', which keeps every token"
     ]
-    assert _notes(policy="dense") == []
+    assert config_notes(policy="dense") == []
 
 
 def test_an_evicting_policy_with_nothing_to_evict_is_said_to_run_dense():
     """S4: ``policy='swa'`` at the default ``caching_ratio=1`` and no ``budget_tokens`` ran
     as dense without a word, and so did its eviction settings (``recent_fraction``)."""
-    notes = _notes(policy="swa", recent_fraction=0.3)
+    notes = config_notes(policy="swa", recent_fraction=0.3)
     assert notes[0].startswith(
         "policy='swa' has no effect at caching_ratio=1 with no budget_tokens: every token is "
         "kept (dense attention); set caching_ratio below 1 or budget_tokens"
@@ -103,7 +94,7 @@ def test_an_evicting_policy_with_nothing_to_evict_is_said_to_run_dense():
         dict(budget_tokens=128),  # above the floor
         dict(layer_schedule="pyramid"),  # r = 1 on average: some layers evict
     ):
-        assert _notes(policy="swa", **evicting) == []
+        assert config_notes(policy="swa", **evicting) == []
 
 
 def test_the_cli_warns_an_evicting_policy_that_evicts_nothing(tmp_path, capsys):

@@ -13,6 +13,8 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -104,9 +106,10 @@ def test_a_port_in_use_is_refused_before_the_model_loads(models, capsys, monkeyp
     assert f"--port {port}: cannot listen there" in err and "no/such/model" not in err
 
 
-def _serve(folder: Path) -> tuple[subprocess.Popen, int, queue.Queue]:
+@contextmanager
+def _serve(folder: Path) -> Iterator[tuple[subprocess.Popen, int, queue.Queue]]:
     """``alisa serve`` in a process of its own on a free loopback port; its stderr lines go to
-    the queue returned."""
+    the queue given. Killed on leaving if it is still running (a failed test)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-m", "alisa", "serve", "--model", str(folder), "--port", "0"]
     command += ["--dtype", "float32", "--threads", "1", "--log-level", "warning"]
@@ -115,16 +118,18 @@ def _serve(folder: Path) -> tuple[subprocess.Popen, int, queue.Queue]:
     threading.Thread(
         target=lambda: [lines.put(line) for line in process.stderr], daemon=True
     ).start()
-    while True:
-        line = lines.get(timeout=WAIT_S)
-        found = re.search(rf"http://{HOST}:(\d+)/v1", line)
-        if found:
-            return process, int(found.group(1)), lines
+    try:
+        while not (found := re.search(rf"http://{HOST}:(\d+)/v1", lines.get(timeout=WAIT_S))):
+            pass
+        yield process, int(found.group(1)), lines
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(WAIT_S)
 
 
 def test_sigterm_drains_running_requests_refuses_new_ones_and_exits_0(tmp_path):
-    process, port, lines = _serve(model_dir(tmp_path))
-    try:
+    with _serve(model_dir(tmp_path)) as (process, port, lines):
         body = {"prompt": "drain", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
         options = {"stream_options": {"include_usage": True}}
         connection, response = open_stream(port, {**body, **options})
@@ -140,10 +145,6 @@ def test_sigterm_drains_running_requests_refuses_new_ones_and_exits_0(tmp_path):
         assert usage["completion_tokens"] == 300
         assert json.loads(events[-3])["choices"][0]["finish_reason"] == "length"
         assert process.wait(WAIT_S) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(WAIT_S)
     err = "".join(iter_lines(lines))
     assert "Traceback" not in err and "drained, stopped" in err
 
@@ -154,7 +155,6 @@ def test_a_second_sigterm_stops_at_once_without_a_traceback_or_a_500(tmp_path, s
     request being cancelled: an ASGI traceback in the log and a 500 to its client (a cut
     stream). Now the server stops at once, its client gets no answer (no status, no final
     event), and the exit status is the signal's."""
-    process, port, lines = _serve(model_dir(tmp_path))
     answers: queue.Queue = queue.Queue()
     body = {"prompt": "stop", "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
 
@@ -168,7 +168,7 @@ def test_a_second_sigterm_stops_at_once_without_a_traceback_or_a_500(tmp_path, s
         except (OSError, http.client.HTTPException, AssertionError) as error:  # no answer
             answers.put(error)
 
-    try:
+    with _serve(model_dir(tmp_path)) as (process, port, lines):
         threading.Thread(target=ask, daemon=True).start()
         wait_for(lambda: metric_values(port)[("alisa_requests_running", ())] == 1, "a request")
         process.send_signal(signal.SIGTERM)
@@ -176,10 +176,6 @@ def test_a_second_sigterm_stops_at_once_without_a_traceback_or_a_500(tmp_path, s
         process.send_signal(signal.SIGTERM)
         assert process.wait(WAIT_S) == 128 + signal.SIGTERM
         answer = answers.get(timeout=WAIT_S)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(WAIT_S)
     err = "".join(iter_lines(lines))
     assert not isinstance(answer, tuple), answer  # no status at all, not a 500
     assert "Traceback" not in err and "Exception in ASGI" not in err, err
@@ -189,14 +185,9 @@ def test_a_second_sigterm_stops_at_once_without_a_traceback_or_a_500(tmp_path, s
 def test_sigterm_as_soon_as_the_address_is_printed_drains_too(tmp_path):
     """A SIGTERM sent the moment the address line appears (before uvicorn took the signal
     over) stopped the process as a plain SIGTERM would, instead of draining: exit 0 now."""
-    process, _, lines = _serve(model_dir(tmp_path))
-    try:
+    with _serve(model_dir(tmp_path)) as (process, _, lines):
         process.send_signal(signal.SIGTERM)
         assert process.wait(WAIT_S) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(WAIT_S)
     err = "".join(iter_lines(lines))
     assert "drained, stopped" in err and "SIGTERM" not in err.split("drains and stops")[-1]
 
