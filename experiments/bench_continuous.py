@@ -51,6 +51,7 @@ from alisa.model.loading import chat_prompt, resolve_dtype
 from alisa.runtime.requests import PREFILL_TOKENS
 from alisa.sizes import format_bytes, parse_budget
 from experiments.data import data_dir, data_file, read_jsonl
+from experiments.flags import positive_ints
 from experiments.timeline import PauseWatch, Timeline, plot_timelines
 
 SPARSE = {"policy": "swa", "caching_ratio": 0.2}
@@ -467,18 +468,11 @@ def print_table(rows: list[dict], args) -> None:
         )
 
 
-def token_counts(text: str) -> list[int]:
-    """``"16,32"`` -> [16, 32] (an argparse type): token counts >= 1."""
-    if not all(part.isdigit() and int(part) > 0 for part in text.split(",")):
-        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated token counts >= 1")
-    return [int(part) for part in text.split(",")]
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parents = [workload_parser(prompts=128, systems="all")]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], parents=parents)
     add = parser.add_argument
-    add("--new-tokens", type=token_counts, default="16,32,64,128,256", help="drawn max_new_tokens")
+    add("--new-tokens", type=positive_ints, default="16,32,64,128,256", help="drawn max_new_tokens")
     add("--reserve-tokens", type=int, default=32)
     add(
         "--prefill-tokens",

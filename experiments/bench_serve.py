@@ -64,6 +64,7 @@ from experiments.bench_continuous import (
     workload_parser,
 )
 from experiments.data import data_dir
+from experiments.flags import figure
 from experiments.timeline import PauseWatch
 
 HOST = "127.0.0.1"
@@ -655,10 +656,6 @@ def note(row: dict) -> str:
     return "; ".join(notes)
 
 
-def number(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     paused = sum(row.get("paused_s", 0.0) for row in rows)
     rate = "all at once" if math.isinf(args.rate) else f"Poisson {args.rate:g}/s"
@@ -682,9 +679,9 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
         itl = [None if v is None else v * 1000 for v in (row["itl_p50_s"], row["itl_p99_s"])]
         print(
             f"| {row['system']} | {row['completed']} / {row['sent']} | "
-            f"{number(row['requests_per_s'], 2)} | {number(row['output_tokens_per_s'])} | "
-            f"{number(row['ttft_p50_s'], 2)} / {number(row['ttft_p99_s'], 2)} | "
-            f"{number(itl[0])} / {number(itl[1])} | {row['errors']} | {kv} | {note(row)} |"
+            f"{figure(row['requests_per_s'], 2)} | {figure(row['output_tokens_per_s'])} | "
+            f"{figure(row['ttft_p50_s'], 2)} / {figure(row['ttft_p99_s'], 2)} | "
+            f"{figure(itl[0])} / {figure(itl[1])} | {row['errors']} | {kv} | {note(row)} |"
         )
     print(
         'peak KV: the most alisa_kv_bytes{tier="device"} scraped from /metrics; in brackets: '
@@ -725,7 +722,7 @@ def main(argv=None) -> int:
         folder.mkdir(parents=True, exist_ok=True)
         for name in chosen:
             rows.append(run_system(name, texts, args, folder, watch, machine))
-            rate = number(rows[-1].get("output_tokens_per_s"))
+            rate = figure(rows[-1].get("output_tokens_per_s"))
             print(f"{name}: {rows[-1].get('error') or f'{rate} output tok/s'}", file=sys.stderr)
     print_table(rows, args)
     keys = ("prompts", "max_prompt_tokens", "max_tokens", "clients", "seed", "max_rows")

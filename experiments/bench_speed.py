@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from alisa.sizes import format_bytes, parse_bytes
+from experiments.flags import figure, positive_int, positive_ints
 from experiments.systems import HostPair, host_pairs
 from experiments.worker import add_prompts_argument, run_in_subprocess
 
@@ -101,26 +102,6 @@ TIMING_VARIABLES = (
     "MALLOC_TRIM_THRESHOLD_",
     "MALLOC_ARENA_MAX",
 )
-
-
-def positive_int(text: str) -> int:
-    """``"3"`` -> 3; anything else is an argparse error naming the value."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
-
-
-def positive_ints(text: str) -> list[int]:
-    """``"2048,4096"`` -> [2048, 4096]; anything else is an argparse error naming the value."""
-    try:
-        return [positive_int(item) for item in text.split(",")]
-    except argparse.ArgumentTypeError:
-        message = f"{text!r} is not a comma list of positive integers"
-        raise argparse.ArgumentTypeError(message) from None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -631,15 +612,9 @@ def marginal_lines(entries: list[dict]) -> list[str]:
     return lines
 
 
-def _figure(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def _columns(figures: dict[str, float | None]) -> list[str]:
     """A host system's overhead figures as table cells, in their order; ratios to 2 digits."""
-    return [
-        _figure(value, 2 if key == "overhead_vs_dense" else 1) for key, value in figures.items()
-    ]
+    return [figure(value, 2 if key == "overhead_vs_dense" else 1) for key, value in figures.items()]
 
 
 def table_lines(rows: list[dict], systems: list[str]) -> list[str]:
@@ -655,7 +630,7 @@ def table_lines(rows: list[dict], systems: list[str]) -> list[str]:
     for cell in summary(rows, systems):
         batch, context = cell["batch"], cell["context"]
         values = [str(batch), str(context)]
-        values += [_figure(steps[batch, context].get(system), 0) for system in systems]
+        values += [figure(steps[batch, context].get(system), 0) for system in systems]
         for pair in pairs:
             values += _columns(cell["hosts"][pair.host])
         lines.append("| " + " | ".join(values) + " |")

@@ -49,6 +49,7 @@ from alisa.storage.pages import gathered
 from alisa.storage.quantized import QuantizedStore
 from alisa.storage.sketch import KeySketch
 from alisa.storage.store import DenseStore
+from experiments.flags import markdown_table, positive_ints
 from experiments.timing import median_seconds
 
 ATTEND_WAYS = ("float32_torch", "float32_kernels", "int8_torch", "int8_kernels")
@@ -63,17 +64,6 @@ class Report(NamedTuple):
     columns: list[tuple[str, Callable[[dict], str]]]
     fields: dict
     rows: list[dict]
-
-
-def counts(text: str) -> list[int]:
-    """A comma-separated list of positive integers (an argparse type)."""
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated integers") from None
-    if min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: every value must be at least 1")
-    return values
 
 
 def device_name(text: str) -> torch.device:
@@ -243,14 +233,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         subs[name].add_argument("--threads", type=int, default=2)
     for name in ("sketch", "attend"):
         subs[name].add_argument("--groups", type=int, default=3, help="query heads per KV head")
-        subs[name].add_argument("--batches", type=counts, default=[1, 4, 16], help="a,b,...")
-    subs["sketch"].add_argument("--positions", type=counts, default=[2080], help="tokens, a,...")
-    subs["attend"].add_argument("--slots", type=counts, default=[420, 1700], help="held, a,...")
+        subs[name].add_argument("--batches", type=positive_ints, default=[1, 4, 16], help="a,b,...")
+    subs["sketch"].add_argument(
+        "--positions", type=positive_ints, default=[2080], help="tokens, a,..."
+    )
+    subs["attend"].add_argument(
+        "--slots", type=positive_ints, default=[420, 1700], help="held, a,..."
+    )
     subs["attend"].add_argument("--ring", type=int, default=64, help="INT8 region's fp ring")
     fetch_ = subs["fetch"]
     fetch_.add_argument("--batch", type=int, default=16)
     fetch_.add_argument("--positions", type=int, default=8192, help="tokens in the host region")
-    fetch_.add_argument("--fetched", type=counts, default=[32, 128, 512], help="rows per head")
+    fetch_.add_argument(
+        "--fetched", type=positive_ints, default=[32, 128, 512], help="rows per head"
+    )
     default = "cuda" if torch.cuda.is_available() else "cpu"
     fetch_.add_argument("--device", type=device_name, default=torch.device(default))
     args = parser.parse_args(argv)
@@ -270,10 +266,8 @@ def print_report(report: Report, threads: int, machine: dict, backend: str) -> N
     """The table, then the JSON line; every row records the machine and the backend."""
     for line in report.preamble:
         print(line)
-    print("| " + " | ".join(header for header, _ in report.columns) + " |")
-    print("|" + "---|" * len(report.columns))
-    for row in report.rows:
-        print("| " + " | ".join(show(row) for _, show in report.columns) + " |")
+    cells = [[show(row) for _, show in report.columns] for row in report.rows]
+    print("\n".join(markdown_table([header for header, _ in report.columns], cells)))
     rows = [{**row, "machine": machine, "backend": backend} for row in report.rows]
     fields = {"threads": threads, "torch": torch.__version__, **report.fields}
     print(json.dumps({"benchmark": report.benchmark, **fields, "rows": rows}))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from experiments.data import REPO_ROOT, read_jsonl
 from experiments.extras import pyplot
+from experiments.flags import markdown_table
 from experiments.tasks.ruler.pool import pool_runs, seed_of
 
 MAIN_METRIC = {
@@ -64,17 +65,12 @@ def metric_table(task: str, rows: list[dict]) -> str:
     metrics = sorted(
         {k for r in rows for k, v in r["metrics"].items() if isinstance(v, int | float)}
     )
-    lines = [
-        f"### {task}",
-        "",
-        "| " + " | ".join(varying + metrics) + " |",
-        "|" + "---|" * (len(varying) + len(metrics)),
+    cells = [
+        [str(row["point"].get(k, "")) for k in varying]
+        + [_fmt(row["metrics"].get(m)) for m in metrics]
+        for row in sorted(rows, key=lambda r: [json.dumps(r["point"].get(k)) for k in varying])
     ]
-    for row in sorted(rows, key=lambda r: [json.dumps(r["point"].get(k)) for k in varying]):
-        cells = [str(row["point"].get(k, "")) for k in varying]
-        cells += [_fmt(row["metrics"].get(m)) for m in metrics]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join([f"### {task}", "", *markdown_table(varying + metrics, cells)])
 
 
 def _fmt(value) -> str:

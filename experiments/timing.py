@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from alisa.runtime.engine import device_clock
+from alisa.calibration.steps import timings
 
 
 def median_seconds(
@@ -47,12 +47,4 @@ def median_seconds(
         raise ValueError(f"repeats={repeats} must be at least 1")
     if warm_up < 0:
         raise ValueError(f"warm_up={warm_up} must be at least 0")
-    device = torch.device(device)
-    for _ in range(warm_up):
-        run()
-    seconds = []
-    for _ in range(repeats):
-        start = device_clock(device)
-        run()
-        seconds.append(device_clock(device) - start)
-    return statistics.median(seconds)
+    return statistics.median(timings(run, torch.device(device), repeats, warm_up=warm_up))

@@ -32,7 +32,7 @@ from functools import partial
 
 import torch
 
-from experiments.kernels import counts
+from experiments.flags import positive_ints
 from experiments.timing import median_seconds
 
 
@@ -42,8 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--model", default="smollm2-135m", help="alisa.load_model spec or shape:NAME"
     )
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--prompt-tokens", type=counts, default=[256, 512])
-    parser.add_argument("--rows", type=counts, default=[16, 32])
+    parser.add_argument("--prompt-tokens", type=positive_ints, default=[256, 512])
+    parser.add_argument("--rows", type=positive_ints, default=[16, 32])
     parser.add_argument("--context", type=int, default=600, help="cached tokens per decode row")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from experiments.kernels import counts
+from experiments.flags import positive_ints
 
 SYSTEM = "alisa:policy=swa,caching_ratio={ratio},retention=host,reselect_every={interval}"
 
@@ -45,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--ratio", type=float, default=0.2)
-    parser.add_argument("--intervals", type=counts, default=[1, 2, 4, 8])
+    parser.add_argument("--intervals", type=positive_ints, default=[1, 2, 4, 8])
     parser.add_argument(
         "--history-share",
         type=float,

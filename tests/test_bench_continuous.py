@@ -115,7 +115,7 @@ def test_bad_token_counts_are_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exited:
         bench_continuous.main(["--new-tokens", "16,0"])
     assert exited.value.code == 2
-    assert "'16,0' is not comma-separated token counts >= 1" in capsys.readouterr().err
+    assert "'16,0' is not a comma list of positive integers" in capsys.readouterr().err
 
 
 def test_pause_watch_leaves_out_the_seconds_a_process_was_stopped():

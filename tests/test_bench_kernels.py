@@ -74,15 +74,15 @@ def test_a_run_leaves_torch_threads_as_they_were(capsys):
     [
         ([], "the following arguments are required"),
         (["nope"], "invalid choice: 'nope'"),
-        (["sketch", "--batches", "1,x"], "'1,x': comma-separated integers"),
-        (["sketch", "--positions", "0"], "'0': every value must be at least 1"),
+        (["sketch", "--batches", "1,x"], "'1,x' is not a comma list of positive integers"),
+        (["sketch", "--positions", "0"], "'0' is not a comma list of positive integers"),
         (["sketch", "--calls", "0"], "--calls=0 must be at least 1"),
         (["sketch", "--head-dim", "1"], "--head-dim=1 must be at least 2"),
-        (["attend", "--slots", "0"], "'0': every value must be at least 1"),
+        (["attend", "--slots", "0"], "'0' is not a comma list of positive integers"),
         (["attend", "--ring", "-1"], "--ring=-1 must be at least 0"),
         (["attend", "--groups", "0"], "--groups=0 must be at least 1"),
-        (["fetch", "--fetched", "1,x"], "'1,x': comma-separated integers"),
-        (["fetch", "--fetched", "0"], "'0': every value must be at least 1"),
+        (["fetch", "--fetched", "1,x"], "'1,x' is not a comma list of positive integers"),
+        (["fetch", "--fetched", "0"], "'0' is not a comma list of positive integers"),
         (["fetch", "--positions", "8", "--fetched", "9"], "--fetched=[9]: each at most"),
         (["fetch", "--head-dim", "0"], "--head-dim=0 must be at least 1"),
         (["fetch", "--threads", "0"], "--threads=0 must be at least 1"),
@@ -97,20 +97,20 @@ def test_bad_arguments_are_named(argv, message, capsys):
 
 
 def test_median_seconds_warms_up_then_takes_the_median_of_the_repeats(monkeypatch):
-    import experiments.timing
+    import alisa.calibration.steps
 
     ticks = iter([0.0, 1.0, 1.0, 4.0, 4.0, 6.0])  # three timed calls: 1, 3 and 2 seconds
-    monkeypatch.setattr(experiments.timing, "device_clock", lambda device: next(ticks))
+    monkeypatch.setattr(alisa.calibration.steps, "device_clock", lambda device: next(ticks))
     calls = []
     assert median_seconds(lambda: calls.append(1), repeats=3, warm_up=2) == 2.0
     assert len(calls) == 5  # two warm-up calls, untimed, then the three
 
 
 def test_median_seconds_reads_the_clock_of_the_device_it_is_given(monkeypatch):
-    import experiments.timing
+    import alisa.calibration.steps
 
     seen = []
-    monkeypatch.setattr(experiments.timing, "device_clock", lambda d: seen.append(d) or 0.0)
+    monkeypatch.setattr(alisa.calibration.steps, "device_clock", lambda d: seen.append(d) or 0.0)
     median_seconds(lambda: None, repeats=2, warm_up=0, device="cpu")
     assert seen == [torch.device("cpu")] * 4  # drained before and after each timed call
 

@@ -45,9 +45,13 @@ SELECTION_CONFIG = AlisaConfig(policy="swa", caching_ratio=0.2, retention="host"
 SELECTION_CONTEXTS = 3
 
 
-def timings(work: Callable[[], object], device: torch.device, repeats: int = 5) -> list[float]:
-    """Seconds of each of ``repeats`` runs of ``work``, after one warm-up run."""
-    work()  # warm-up: allocation, kernels, caches
+def timings(
+    work: Callable[[], object], device: torch.device, repeats: int = 5, *, warm_up: int = 1
+) -> list[float]:
+    """Seconds of each of ``repeats`` runs of ``work``, after ``warm_up`` untimed runs (the first
+    runs pay for allocation, compiling and caches); on CUDA each is read once the device drained."""
+    for _ in range(warm_up):
+        work()
     times = []
     for _ in range(repeats):
         start = device_clock(device)

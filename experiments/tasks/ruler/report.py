@@ -17,6 +17,7 @@ from pathlib import Path
 from alisa import AlisaConfig
 from alisa.sizes import format_bytes
 from experiments.extras import bench_module, pyplot
+from experiments.flags import markdown_table
 from experiments.systems import changed_settings, parse_alisa
 
 DENSE = "hf-dynamic"
@@ -168,12 +169,6 @@ def _systems(table: dict) -> list[str]:
     return sorted(seen, key=_system_key)
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(cells) + " |" for cells in (header, *rows)]
-    lines.insert(1, "|" + "---|" * len(header))
-    return "\n".join(lines)
-
-
 def markdown_scores(rows: list[dict]) -> str:
     """Score per family x length (rows) and system (columns), share of dense in parentheses;
     model and batch columns only when they vary."""
@@ -193,7 +188,7 @@ def markdown_scores(rows: list[dict]) -> str:
             else:
                 cells.append(f"{scores[system]['score']:.2f} ({ratio:.2f})")
         lines.append(cells)
-    return _table(names + [System.of(system).label for system in systems], lines)
+    return "\n".join(markdown_table(names + [System.of(system).label for system in systems], lines))
 
 
 def cost_rows(rows: list[dict]) -> dict:
@@ -248,7 +243,7 @@ def markdown_cost(rows: list[dict]) -> str:
         )
     header = "model | batch | length | system | device KV | host KV | device KV / dense | "
     header += "peak RSS alone | decode tok/s alone | decode step, RULER run | command (alone)"
-    return _table(header.split(" | "), lines)
+    return "\n".join(markdown_table(header.split(" | "), lines))
 
 
 def _mean(values: list[float]) -> float | None:
@@ -266,7 +261,7 @@ def markdown_targets(result: dict) -> str:
             met = "not judged: pooled runs"
         details = {k: v for k, v in outcome.items() if k != "met"}
         lines.append([name, str(details), met])
-    return _table(["target", "measured", "met"], lines)
+    return "\n".join(markdown_table(["target", "measured", "met"], lines))
 
 
 def plot_grid(rows: list[dict], folder: Path) -> Path | None:
