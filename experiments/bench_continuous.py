@@ -23,7 +23,7 @@ Systems (``--systems``):
                                         behind ``generate_batch``), sdpa, paged KV
 
 Prints a table (generated tokens/s, TTFT p50/p95 from the start, rows in flight, KV, ROUGE-L of
-the summaries), then one JSON line with :func:`alisa.record.machine_record`; ``--plot PATH``
+the summaries), then one JSON line with :func:`experiments.timing.environment`; ``--plot PATH``
 draws rows in flight and tokens/s over time (``--plot-systems`` picks the lines). Seconds in
 which the process was stopped from outside are left out of every time
 (:class:`experiments.timeline.PauseWatch`); the table says how many.
@@ -53,6 +53,7 @@ from alisa.sizes import format_bytes, parse_budget
 from experiments.data import data_dir, data_file, read_jsonl
 from experiments.flags import positive_ints
 from experiments.timeline import PauseWatch, Timeline, plot_timelines
+from experiments.timing import environment
 
 SPARSE = {"policy": "swa", "caching_ratio": 0.2}
 CACHES = {"drop": SPARSE, "host": {**SPARSE, "retention": "host"}, "dense": {}}
@@ -503,7 +504,6 @@ def main(argv=None) -> int:
     except ValueError as error:
         print(f"bench_continuous: error: {error}", file=sys.stderr)
         return 1
-    from alisa.record import machine_record
 
     paged_model = None
     if any(system.config is None for system in chosen):
@@ -536,7 +536,7 @@ def main(argv=None) -> int:
         "prompt_tokens": [len(ids) for ids in workload.prompt_ids],
         "new_tokens_choices": args.new_tokens,
         **{key: getattr(args, key) for key in (*keys, "max_rows", "repeats", "threads")},
-        "machine": machine_record(),
+        "machine": environment(args.threads),
         "systems": rows,
         "ratios": ratios(rows, RATIOS),
     }

@@ -33,9 +33,10 @@ from alisa import AlisaConfig
 from alisa.calibration.steps import SELECTION_CONFIG, half_offload_budget
 from alisa.model.adapter import model_shape
 from alisa.planning.spec import config_workload, model_spec
-from experiments.bench_speed import environment, worker_options
+from experiments.bench_speed import worker_options
 from experiments.shapes import load_benchmark_model
 from experiments.systems import system_name
+from experiments.timing import environment
 from experiments.worker import PROFILE, add_prompts_argument, run_in_subprocess
 from scheduler import HardwareProfile, Options, Workload, evaluate, solve
 from scheduler.hardware import calibration_error

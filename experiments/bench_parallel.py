@@ -17,7 +17,7 @@ articles (``--data-dir``) cut to lengths spread over [--min-tokens, --max-tokens
 second divide the rows by the job's generation time from its summary line (the slowest rank's;
 model loading left out); the command's wall time is reported too. Target: ratio >= 1.8.
 
-Each prints a table, then one JSON line with :func:`alisa.record.machine_record`.
+Each prints a table, then one JSON line with :func:`experiments.timing.environment`.
 """
 
 from __future__ import annotations
@@ -266,14 +266,16 @@ def run_batch(args: argparse.Namespace) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from alisa.record import machine_record
 
     try:
         report = (run_prefill if args.mode == "prefill" else run_batch)(args)
     except ValueError as error:  # missing data: one clear line
         print(f"bench_parallel {args.mode}: error: {error}", file=sys.stderr)
         return 1
-    print(json.dumps({**report, "dtype": args.dtype, "machine": machine_record()}))
+    from experiments.timing import environment
+
+    machine = environment(None)  # each row says its processes and threads
+    print(json.dumps({**report, "dtype": args.dtype, "machine": machine}))
     return 0
 
 

@@ -27,7 +27,7 @@ second, TTFT and inter-token latency (gaps between chunks with text, as ``vllm b
 p50 and p99, errors by kind and answers short of ``--max-tokens``; peak KV is the largest
 ``alisa_kv_bytes{tier="device"}`` scraped from ``/metrics`` (transformers has none: its paged
 cache is allocated whole). Prints a table and one JSON line; every row carries
-:func:`alisa.record.machine_record` and the kernels the server runs. Seconds in which this
+:func:`experiments.timing.environment` and the kernels the server runs. Seconds in which this
 process was stopped from outside are left out (:class:`experiments.timeline.PauseWatch`).
 """
 
@@ -66,6 +66,7 @@ from experiments.bench_continuous import (
 from experiments.data import data_dir
 from experiments.flags import figure
 from experiments.timeline import PauseWatch
+from experiments.timing import environment
 
 HOST = "127.0.0.1"
 REPO = Path(__file__).resolve().parents[1]
@@ -714,9 +715,8 @@ def main(argv=None) -> int:
     except ValueError as error:
         print(f"bench_serve: error: {error}", file=sys.stderr)
         return 1
-    from alisa.record import machine_record
 
-    machine, rows = machine_record(), []
+    machine, rows = environment(args.threads), []
     with tempfile.TemporaryDirectory(prefix="alisa-bench-serve-") as scratch, PauseWatch() as watch:
         folder = Path(args.logs or scratch)
         folder.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -48,6 +47,7 @@ import numpy as np
 from alisa.sizes import format_bytes, parse_bytes
 from experiments.flags import figure, positive_int, positive_ints
 from experiments.systems import HostPair, host_pairs
+from experiments.timing import environment
 from experiments.worker import add_prompts_argument, run_in_subprocess
 
 BASELINE = "hf-dynamic"
@@ -95,13 +95,6 @@ ONLY = {
     **dict.fromkeys(("requests", "kv_budget", "agreement_prompts", "agreement_tokens",
                      "agreement_dtype"), ("batch",)),
 }  # fmt: skip
-TIMING_VARIABLES = (
-    "OMP_NUM_THREADS",
-    "OMP_WAIT_POLICY",
-    "MALLOC_MMAP_THRESHOLD_",
-    "MALLOC_TRIM_THRESHOLD_",
-    "MALLOC_ARENA_MAX",
-)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -204,30 +197,6 @@ def worker_options(args: argparse.Namespace) -> dict:
     """The worker flags shared by every system of one run (one batch and prompt length)."""
     keys = ("model", "dtype", "batch", "prompt_tokens", "new_tokens", "threads", "data_dir")
     return {key: getattr(args, key) for key in (*keys, "prompts", "text")}
-
-
-def environment(threads: int) -> dict:
-    """What a reader needs to reproduce a figure, beside every benchmark's JSON line and every
-    experiment run (``env.json``): the machine, its kernels and the versions
-    (:func:`alisa.record.machine_record`), the threads, and the variables that change timings
-    without changing results (threads waiting, the allocator)."""
-    import platform
-    from datetime import datetime, timezone
-
-    import torch
-
-    from alisa.record import machine_record
-
-    record = machine_record()
-    return {
-        **record,
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "cuda": torch.version.cuda if record["gpu"] else None,
-        "threads": threads,
-        "variables": {name: os.environ[name] for name in TIMING_VARIABLES if name in os.environ},
-        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
 
 
 def run_systems(systems: list[str], options: dict, label: str = "") -> list[dict]:

@@ -27,7 +27,7 @@ tensor, written straight into page-locked memory on CUDA), each through the copy
 
 Random tensors (the time depends on shapes, not values); each cell is the median of ``--calls``
 calls after warm-up (:func:`experiments.timing.median_seconds`). Prints a table, then one JSON
-line whose every row carries the machine (:func:`alisa.record.machine_record`) and the backend
+line whose every row carries the machine (:func:`experiments.timing.environment`) and the backend
 (:meth:`~alisa.ops.backends.Ops.describe` of the CPU kernels timed against PyTorch's ops).
 """
 
@@ -44,13 +44,12 @@ import torch
 from alisa.kv.attention import _visible, grouped_attention_parts
 from alisa.ops.backends import PRODUCTS, Ops, choose_ops
 from alisa.ops.cpu import kernel_parts
-from alisa.record import machine_record
 from alisa.storage.pages import gathered
 from alisa.storage.quantized import QuantizedStore
 from alisa.storage.sketch import KeySketch
 from alisa.storage.store import DenseStore
 from experiments.flags import markdown_table, positive_ints
-from experiments.timing import median_seconds
+from experiments.timing import environment, median_seconds
 
 ATTEND_WAYS = ("float32_torch", "float32_kernels", "int8_torch", "int8_kernels")
 
@@ -281,7 +280,7 @@ def main(argv=None) -> int:
         # Every kernel timed here is the CPU backend's (numba), against PyTorch's ops.
         ops = choose_ops("cpu", torch.float32, "cpu")
         report = KERNELS[args.kernel](args, ops)
-        print_report(report, args.threads, machine_record(), ops.describe())
+        print_report(report, args.threads, environment(args.threads), ops.describe())
     finally:
         torch.set_num_threads(threads)
     return 0

@@ -38,7 +38,6 @@ from alisa.jobs.lock import locked
 from alisa.jobs.parts import merge_parts, part_path, parts_dir, share
 from alisa.logs import log_to_stderr
 from alisa.threads import use_threads
-from experiments.bench_speed import environment
 from experiments.data import data_dir
 from experiments.runconfig import (
     CONFIG_FIELDS,
@@ -49,6 +48,7 @@ from experiments.runconfig import (
     point_config,
     point_key,
 )
+from experiments.timing import environment
 
 PROG = "experiments.run"  # how its messages start when run as a module
 

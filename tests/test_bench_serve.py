@@ -17,7 +17,6 @@ import pytest
 from conftest import tiny_llama
 from serve_support import model_dir
 
-from alisa.record import machine_record
 from experiments import bench_serve
 from experiments.bench_continuous import block_bytes
 from experiments.bench_serve import (
@@ -33,6 +32,7 @@ from experiments.bench_serve import (
     stream_completion,
 )
 from experiments.timeline import PauseWatch
+from experiments.timing import environment
 
 PROSE = Path(__file__).parent / "fixtures" / "prose.txt"
 
@@ -86,7 +86,7 @@ def test_alisa_and_transformers_serve_the_same_workload(tmp_path, capsys):
         assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"]
         assert 0 < row["itl_p50_s"] <= row["itl_p99_s"]
         assert row["requests_per_s"] > 0 and row["output_tokens_per_s"] > 0
-        assert row["machine"].keys() == machine_record().keys()
+        assert row["machine"].keys() == environment(1).keys()
         assert table_row(out, row["system"])[1] == "6 / 6"
     assert alisa["prompt_tokens"] == paged["prompt_tokens"] > 0
     # Scraped while rows ran (a gauge sampled every 10 ms, rows running 16 steps).
@@ -356,7 +356,7 @@ def test_a_system_that_cannot_start_is_an_error_row(tmp_path, capsys, monkeypatc
     out = capsys.readouterr().out
     (row,) = json_line(out)["systems"]
     why = "the server exited with code 1 before listening: no serving here"
-    assert row["error"] == why and row["machine"].keys() == machine_record().keys()
+    assert row["error"] == why and row["machine"].keys() == environment(1).keys()
     assert table_row(out, "transformers")[-1] == f"error: {why}"
 
 
