@@ -47,7 +47,6 @@ import numpy as np
 from alisa.sizes import format_bytes, parse_bytes
 from experiments.flags import figure, positive_int, positive_ints
 from experiments.systems import HostPair, host_pairs
-from experiments.timing import environment
 from experiments.worker import add_prompts_argument, run_in_subprocess
 
 BASELINE = "hf-dynamic"
@@ -741,6 +740,8 @@ def main(argv=None) -> int:
     settings = {k: v for k, v in vars(args).items() if args.mode in ONLY.get(k, (args.mode,))}
     if args.plot is not None:
         settings["plot"] = str(args.plot)
+    from experiments.timing import environment  # torch: loaded only once the workers ran
+
     benchmark = {"benchmark": BENCHMARK[args.mode], **settings, **environment(args.threads)}
     print(json.dumps({**benchmark, **report}))
     return 0
