@@ -137,9 +137,12 @@ def run(config: RunConfig, progress: bool = True, *, prog: str = PROG) -> Path:
     for name, values in config.collapsed_budgets().items():
         print(
             f"{prog}: note: sweep.{name} {values} applies to the evicting policies; "
-            "a policy that keeps every token (dense) runs once, recorded at caching_ratio=1.0",
+            "a policy that keeps every token (dense) runs once, recorded at caching_ratio=1.0 "
+            "and retention='drop'",
             file=sys.stderr,
         )
+    for line in config.unread_keys():
+        print(f"{prog}: warning: {line}", file=sys.stderr)
     root = _data_root(config)  # before any directory is made
     warning = use_threads(config.runtime["threads"], warn=False).warning()  # said in its words
     if warning is not None:
@@ -232,6 +235,8 @@ def _run_points(
     Points of a task in :data:`~experiments.tasks.SHARED_PREFILL` that differ only in their
     ``system`` run as one group (one prefill serves every system); each still gets its own row.
     """
+    from transformers.utils import logging as hf_logging
+
     from alisa import load_model
     from experiments.tasks import SHARED_PREFILL, TASKS, Context
 
@@ -241,6 +246,8 @@ def _run_points(
         spec = first.get("model", "smollm2-135m")
         if spec not in models:
             models.clear()  # one model in memory at a time
+            if not progress:  # --no-progress: transformers' loading bars too, as alisa batch
+                hf_logging.disable_progress_bar()
             models[spec] = load_model(spec, dtype=config.runtime["dtype"])
         model, tokenizer = models[spec]
         started = time.perf_counter()
@@ -311,9 +318,15 @@ def run_from_args(args: argparse.Namespace, *, prog: str = PROG) -> int:
     """Run the sweep the flags of :func:`add_run_options` describe; the exit code. Messages
     start with ``prog``: ``alisa experiment`` runs it too."""
     overrides = list(args.set)
-    if args.data_dir is not None:
-        overrides.append(f"runtime.data_dir={json.dumps(args.data_dir)}")
     try:
+        if args.data_dir is not None:
+            given = load_config(args.config, overrides).runtime["data_dir"]
+            if given is not None and Path(given) != Path(args.data_dir):
+                raise ValueError(
+                    f"--data-dir {args.data_dir!r} and runtime.data_dir {given!r} name two "
+                    "places for the data; give one"
+                )
+            overrides.append(f"runtime.data_dir={json.dumps(args.data_dir)}")
         config = load_config(args.config, overrides)
         folder = run(config, progress=not args.no_progress, prog=prog)
     except (ValueError, RankError) as error:

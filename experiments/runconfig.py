@@ -29,16 +29,18 @@ TOP_KEYS = ("name", "sweep", "options", "runtime")
 # threads None: alisa.threads picks (the CPUs this process may use, less the busy ones).
 RUNTIME_DEFAULTS = {"dtype": "float32", "threads": None, "data_dir": None, "results_dir": "results"}
 POINT_KEYS = ("task", "model", "batch", "system", "protocol", "family", "length")
-# Sweep keys only some tasks read: the others drop them, so they run once, not once per value.
+# Tasks whose cache is ``sweep.system``'s, with the point's AlisaConfig fields applied over it
+# (``alisa:policy=swa,retention=host`` with ``caching_ratio = [0.2, 0.1]`` is two systems).
+SYSTEM_TASKS = ("ruler", "ruler_cost")
+# Sweep keys only some tasks read: the others drop them, so they run once, not once per value
+# (and a key no task of the sweep reads is refused).
 TASK_KEYS = {
     "protocol": ("perplexity",),
     "family": ("ruler",),
     "length": ("ruler", "ruler_cost"),
+    "system": (*SYSTEM_TASKS, "throughput"),  # throughput: the cache its batch job runs
 }
 REQUIRED_KEYS = {"ruler": ("family", "length"), "ruler_cost": ("length",)}
-# Tasks whose cache is ``sweep.system``'s, with the point's AlisaConfig fields applied over it
-# (``alisa:policy=swa,retention=host`` with ``caching_ratio = [0.2, 0.1]`` is two systems).
-SYSTEM_TASKS = ("ruler", "ruler_cost")
 CONFIG_FIELDS = tuple(f.name for f in fields(AlisaConfig))
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
@@ -100,8 +102,29 @@ class RunConfig:
         dropped = {
             "caching_ratio": [v for v in self.sweep.get("caching_ratio", []) if v != 1.0],
             "budget_tokens": [v for v in self.sweep.get("budget_tokens", []) if v is not None],
+            "retention": [v for v in self.sweep.get("retention", []) if v == "host"],
         }
         return {name: values for name, values in dropped.items() if values}
+
+    def unread_keys(self) -> list[str]:
+        """The sweep's keys that change no point, one line each: a task key no task of the sweep
+        reads (``family`` on a perplexity run), an ``AlisaConfig`` field no point's policy or
+        retention reads (``host_bits`` where every point drops; the first point's reason).
+        Warned, not refused: ``--set`` can change a config's tasks but cannot remove a key."""
+        tasks = self.sweep["task"]
+        notes = {
+            key: f"sweep.{key} has no effect: only {', '.join(readers)} read it, and "
+            f"sweep.task is {tasks}"
+            for key, readers in TASK_KEYS.items()
+            if key in self.sweep and not set(readers) & set(tasks)
+        }
+        runs = [p for p in self.points() if p["task"] not in SYSTEM_TASKS]
+        for name in (k for k in self.sweep if k in CONFIG_FIELDS):
+            said = [_notes(point) for point in runs if name in point]
+            ours = [next((n for n in each if n.startswith(f"{name}=")), None) for each in said]
+            if ours and all(ours):
+                notes[name] = f"sweep.{name} has no effect in any point: {ours[0]}"
+        return list(notes.values())
 
     def command(self, point: dict) -> str:
         """The command that runs ``point`` alone (its config, the run's overrides, then every
@@ -137,12 +160,24 @@ def point_config(point: dict) -> AlisaConfig | None:
     ValueError
         A configuration or system the point could not run, named.
     """
+    if point["task"] == "throughput":
+        from experiments.tasks.perplexity import check_throughput_system
+
+        check_throughput_system(point.get("system", "alisa"))
     if point["task"] not in SYSTEM_TASKS:
         return alisa_config(point)
     from experiments.tasks.ruler.shared import check_system
 
     check_system(point.get("system", "alisa"), point_overrides(point))
     return None
+
+
+def _notes(point: dict) -> list[str]:
+    """What ``AlisaConfig`` says of the point's fields that change nothing."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", IgnoredSettingWarning)
+        AlisaConfig(**{k: v for k, v in point.items() if k in CONFIG_FIELDS})
+    return [str(w.message) for w in caught if issubclass(w.category, IgnoredSettingWarning)]
 
 
 def alisa_config(point: dict) -> AlisaConfig:
@@ -257,6 +292,11 @@ def _validate(raw: dict, file: Path) -> RunConfig:
             raise ValueError(f"config {file}: unknown task {task!r}; valid: {', '.join(TASKS)}")
     _check_sweep_values(sweep, file)
     options = raw.get("options") or {}
+    if "protocol" in sweep and "protocol" in (options.get("perplexity") or {}):
+        raise ValueError(
+            f"config {file}: sweep.protocol {sweep['protocol']} and options.perplexity.protocol "
+            f"{options['perplexity']['protocol']!r} both set the protocol; give one"
+        )
     for task in options:
         if task not in TASKS:
             raise ValueError(f"config {file}: options for unknown task {task!r}")

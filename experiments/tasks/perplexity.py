@@ -30,6 +30,15 @@ from experiments import data
 from experiments.extras import bench_module
 
 PROTOCOLS = ("streaming", "prefill")
+# The caches the throughput task can run its batch job with (sweep.system).
+THROUGHPUT_SYSTEMS = ("alisa", "hf-dynamic", "hf-quantized")
+
+
+def check_throughput_system(system: str) -> None:
+    """Refuse a ``sweep.system`` the throughput task cannot run (a ValueError naming it)."""
+    if system not in THROUGHPUT_SYSTEMS:
+        valid = ", ".join(THROUGHPUT_SYSTEMS)
+        raise ValueError(f"system={system!r} is unknown to throughput; valid: {valid}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,15 +128,33 @@ def decode_perplexity(
     return PerplexityResult(nll=float(total) / count, tokens=count)
 
 
-def _segments(context, options: dict, rows: int) -> torch.Tensor:
+def _segments(context, options: dict, rows: int, task: str) -> torch.Tensor:
+    """(rows, segment_tokens) WikiText-2 windows; the errors name the task's options."""
+    length = options.get("segment_tokens", 512)
+    _check_context(context, length, f"options.{task}.segment_tokens={length}")
     text = data.load_wikitext2(context.data_root)
-    return text_segments(context.tokenizer, text, options.get("segment_tokens", 512), rows)
+    try:
+        return text_segments(context.tokenizer, text, length, rows)
+    except ValueError as error:
+        rows_from = "sweep.batch" if task == "perplexity" else "one segment"
+        raise ValueError(
+            f"{error} (options.{task}.segment_tokens={length}, rows from {rows_from}): lower "
+            "them or give a longer wikitext2 test file"
+        ) from None
+
+
+def _check_context(context, tokens: int, what: str) -> None:
+    """Refuse ``tokens`` past the model's context (positions past it are garbage), naming the
+    option that asked for them."""
+    from alisa.model.loading import check_prompt_length
+
+    check_prompt_length(context.model, context.tokenizer, tokens, f" ({what})")
 
 
 def perplexity(context, point: dict, options: dict) -> dict:
     """The ``perplexity`` task: under the point's ``protocol`` (a sweep key; else the option,
     else ``streaming``), named in the row with the tokens it prefilled."""
-    segments = _segments(context, options, point.get("batch", 2))
+    segments = _segments(context, options, point.get("batch", 2), "perplexity")
     protocol = point.get("protocol", options.get("protocol", "streaming"))
     prefill = protocol_prefill(protocol, segments.shape[1], options.get("prefill_share", 0.5))
     result = decode_perplexity(
@@ -158,8 +185,8 @@ def attention_sparsity(context, point: dict, options: dict) -> dict:
     """Per layer and on average: the share of causal attention weights below ``threshold`` x
     their row's maximum."""
     threshold = options.get("threshold", 0.01)
-    per_layer = []
-    for attention in attention_maps(context.model, _segments(context, options, 1)):
+    per_layer, segment = [], _segments(context, options, 1, "attention_sparsity")
+    for attention in attention_maps(context.model, segment):
         length = attention.shape[-1]
         causal = torch.ones(length, length, dtype=torch.bool).tril()
         row_max = attention.amax(dim=-1, keepdim=True)
@@ -178,7 +205,7 @@ def spearman(context, point: dict, options: dict) -> dict:
     ratio, rows = options.get("ratio", 0.2), options.get("rows", 32)
     stride = max(1, round(2 / ratio - 1))
     scores = {"local": [], "strided": [], "swa": []}
-    for attention in attention_maps(context.model, _segments(context, options, 1)):
+    for attention in attention_maps(context.model, _segments(context, options, 1, "spearman")):
         summed = attention.sum(dim=0).numpy()  # (L, L)
         length = summed.shape[0]
         for n in range(length - rows, length):
@@ -204,15 +231,21 @@ def throughput(context, point: dict, options: dict) -> dict:
     from alisa.sizes import parse_bytes
     from experiments.worker import prompts_of_length
 
-    batch = point.get("batch", 8)
-    prompts = prompts_of_length(
-        context.tokenizer,
-        data.load_wikitext2(context.data_root),
-        options.get("prompt_tokens", 128),
-        batch * options.get("waves", 2),
-    )
+    batch, tokens = point.get("batch", 8), options.get("prompt_tokens", 128)
+    new_tokens = options.get("new_tokens", 64)
+    what = f"options.throughput.prompt_tokens={tokens} and new_tokens={new_tokens}"
+    _check_context(context, tokens + new_tokens, what)
+    count = batch * options.get("waves", 2)
+    text = data.load_wikitext2(context.data_root)
+    if (available := len(context.tokenizer(text)["input_ids"]) - tokens + 1) < count:
+        raise ValueError(
+            f"sweep.batch={batch} x options.throughput.waves={options.get('waves', 2)} needs "
+            f"{count} different prompts of {tokens} tokens; the wikitext2 text gives {available}"
+        )
+    prompts = prompts_of_length(context.tokenizer, text, tokens, count)
     kv_budget = parse_bytes(options.get("kv_budget", "128MiB"))
     system = point.get("system", "alisa")
+    check_throughput_system(system)  # as the config was checked: before any work
     factories = {
         "alisa": None,
         "hf-dynamic": DynamicCache,
@@ -220,8 +253,6 @@ def throughput(context, point: dict, options: dict) -> dict:
             backend="quanto", config=context.model.config, nbits=4
         ),
     }
-    if system not in factories:
-        raise ValueError(f"system={system!r} is unknown; valid: {', '.join(factories)}")
     with tempfile.TemporaryDirectory() as folder:
         source = Path(folder) / "in.jsonl"
         source.write_text(
@@ -232,12 +263,19 @@ def throughput(context, point: dict, options: dict) -> dict:
             output=str(Path(folder) / "out.jsonl"),
             config=context.config,
             kv_memory=kv_budget,
-            max_new_tokens=options.get("new_tokens", 64),
+            max_new_tokens=new_tokens,
             max_batch=batch,
             stop_at_eos=False,
             progress=False,
         )
         summary = run_batch(context.model, context.tokenizer, job, cache_factory=factories[system])
+    if summary.did_not_fit:  # a rate of the prompts that did fit would be no figure of the budget
+        raise ValueError(
+            f"{len(summary.did_not_fit)} of {count} prompts do not fit options.throughput."
+            f"kv_budget={options.get('kv_budget', '128MiB')} even alone "
+            f"({summary.errors[summary.did_not_fit[0]]['error']}); raise it or lower "
+            "options.throughput.prompt_tokens"
+        )
     return {
         "tokens_per_s": summary.tokens_per_s,
         "largest_batch": max(summary.batches, default=0),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -25,7 +26,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from alisa import AlisaCache
+from alisa import AlisaCache, AlisaConfig
 from alisa.kv.attention import LogitOptions, alisa_attention, prefill_layer
 from alisa.kv.hooks import attached
 from alisa.memory import PeakMemory
@@ -36,6 +37,7 @@ from alisa.runtime.engine import (
     cache_kv_bytes,
     device_clock,
 )
+from alisa.settings import IgnoredSettingWarning
 from experiments.data import load_text
 from experiments.systems import HF_QUANTIZED, make_cache, parse_alisa, point_overrides, system_name
 from experiments.tasks.ruler.families import (
@@ -94,11 +96,20 @@ def _is_alisa(system: str) -> bool:
     return system == "alisa" or system.startswith("alisa:")
 
 
+def _overridden(config: AlisaConfig, overrides: dict | None) -> AlisaConfig:
+    """``config`` with the sweep's fields: quietly, as the runner builds its points' configs (a
+    sweep crosses every system with every value by design; the base config's floor given to the
+    dense system is not a mistake)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", IgnoredSettingWarning)
+        return config.with_overrides(**(overrides or {}))
+
+
 def check_system(system: str, overrides: dict | None = None) -> None:
     """Refuse (a ValueError naming it), before any work, a system :func:`system_cache` would
     refuse: an unknown one, AlisaConfig ``overrides`` for an HF cache, or device/host tiers."""
     if _is_alisa(system):
-        config = parse_alisa(system).with_overrides(**(overrides or {}))
+        config = _overridden(parse_alisa(system), overrides)
         if config.gpu_memory is not None or config.host_memory is not None:
             raise ValueError(
                 f"system {system_name(config)!r}: gpu_memory/host_memory tiers are not measured "
@@ -123,7 +134,7 @@ def system_cache(system: str, model, *, max_new_tokens: int, overrides: dict | N
     cache, config = make_cache(system, model)
     if config is None:
         return cache
-    config = config.with_overrides(**(overrides or {}))
+    config = _overridden(config, overrides)
     return AlisaCache(model, config, max_new_tokens=max_new_tokens)
 
 
