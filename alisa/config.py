@@ -145,7 +145,8 @@ class AlisaConfig:
         floor, the policy's own sinks, one index set per layer, scores seeded by the policy's
         own rows, SWA's exact sum over the last k steps).
     kernels
-        Which kernels run host retention's step: ``auto`` (the device's: ``cuda``, Triton's,
+        Which kernels run host retention's step and, on a CPU, every mode's KV writes,
+        attention over the kept slots and slot map: ``auto`` (the device's: ``cuda``, Triton's,
         on a CUDA device with Triton; ``cpu``, numba's compiled kernels, on a CPU; else
         ``reference``), ``reference`` (PyTorch operators, the definition the others are
         tested against), ``cpu`` or ``cuda``. Chosen once per cache, and named by

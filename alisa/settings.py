@@ -71,6 +71,7 @@ class ConfigFields(Protocol):
     per_head: bool | None
     kv_bits: int
     residual_tokens: int
+    kernels: str
     gpu_memory: int | str | None
     host_memory: int | str | None
     recompute: str
@@ -385,6 +386,46 @@ def full_precision_note(config: ConfigFields, tokens: int, *, context: bool = Fa
         f"residual_tokens={config.residual_tokens} keeps {held} in full precision, so "
         f"kv_bits={config.kv_bits} codes nothing; lower it (default 64) for the coded KV to "
         "save memory"
+    )
+
+
+def unread_kernels_note(config: ConfigFields, device_type: str) -> str | None:
+    """Why ``kernels``, set to a backend, changes nothing for a model on ``device_type``, or
+    None.
+
+    The backend is read in two places (:func:`alisa.ops.backends.choose_ops`): host retention's
+    step (the choice, the slot placement, the host fetch: ``retention="host"`` with a policy
+    that leaves tokens out), and, on a CPU only, the device store's writes and attention and the
+    slot map of every mode (numba's compiled kernels for ``cpu``, PyTorch's operators for
+    ``reference``). So on a CPU it is always read; on another device (CUDA) only host retention
+    reads it, and ``reference`` and ``cuda`` run the same operators otherwise. Not in
+    :func:`ignored_settings`, which does not know the device.
+
+    Parameters
+    ----------
+    config
+        The run's config.
+    device_type
+        The model's device type (``"cpu"``, ``"cuda"``).
+
+    Returns
+    -------
+    str | None
+        ``"kernels='reference' has no effect with retention='drop' on a cuda model: ..."``, or
+        None (``kernels="auto"``, a CPU, or a host-retention step that runs them).
+    """
+    if config.kernels == "auto" or device_type == "cpu":
+        return None
+    if config.retention == "host" and not config.keeps_everything:
+        return None  # host retention's step runs them (a policy that never evicts is refused)
+    why = (
+        f"with retention={config.retention!r}"
+        if config.retention != "host"
+        else f"with policy={config.policy!r} keeping every token (no host-retention step)"
+    )
+    return (
+        f"kernels={config.kernels!r} has no effect {why} on a {device_type} model: there only "
+        "host retention's step (retention='host') reads it; leave it at 'auto'"
     )
 
 

@@ -318,15 +318,9 @@ def run_from_args(args: argparse.Namespace, *, prog: str = PROG) -> int:
     """Run the sweep the flags of :func:`add_run_options` describe; the exit code. Messages
     start with ``prog``: ``alisa experiment`` runs it too."""
     overrides = list(args.set)
+    if args.data_dir is not None:
+        overrides.append(f"runtime.data_dir={json.dumps(args.data_dir)}")
     try:
-        if args.data_dir is not None:
-            given = load_config(args.config, overrides).runtime["data_dir"]
-            if given is not None and Path(given) != Path(args.data_dir):
-                raise ValueError(
-                    f"--data-dir {args.data_dir!r} and runtime.data_dir {given!r} name two "
-                    "places for the data; give one"
-                )
-            overrides.append(f"runtime.data_dir={json.dumps(args.data_dir)}")
         config = load_config(args.config, overrides)
         folder = run(config, progress=not args.no_progress, prog=prog)
     except (ValueError, RankError) as error:

@@ -396,5 +396,7 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override, e.g. sweep.policy=swa,h2o or runtime.threads=1",
     )
-    parser.add_argument("--data-dir", help="evaluation data (same as --set runtime.data_dir=PATH)")
+    parser.add_argument(
+        "--data-dir", help="evaluation data (overrides runtime.data_dir, as --set does)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

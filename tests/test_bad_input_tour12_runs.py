@@ -102,18 +102,13 @@ def test_a_throughput_system_is_checked_with_the_config(workspace, capsys):
     assert not (workspace[0] / "results" / "ts").exists()
 
 
-def test_two_places_for_one_setting_are_refused(workspace, capsys):
-    """S2: ``sweep.protocol`` against ``options.perplexity.protocol`` (the sweep won), and
-    ``--data-dir`` against ``runtime.data_dir`` (the flag won), without a word."""
+def test_two_places_for_the_protocol_are_refused(workspace, capsys):
+    """S2: ``sweep.protocol`` against ``options.perplexity.protocol`` (the sweep won) without
+    a word."""
     path = config(*workspace, 'task = ["perplexity"]\nprotocol = ["prefill"]', name="p")
     code, err = run(["--config", path, "--set", "options.perplexity.protocol=streaming"], capsys)
     assert code == 1
     assert "sweep.protocol ['prefill'] and options.perplexity.protocol 'streaming'" in err
-    path = config(*workspace, 'task = ["perplexity"]', name="d")
-    code, err = run(["--config", path, "--data-dir", "/elsewhere"], capsys)
-    assert code == 1 and "--data-dir '/elsewhere' and runtime.data_dir" in err
-    root = str(workspace[0] / "data")
-    assert run(["--config", path, "--data-dir", root], capsys)[0] == 0  # the same place
 
 
 @pytest.mark.parametrize(

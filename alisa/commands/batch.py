@@ -22,6 +22,7 @@ from alisa.commands.options import (
     check_minimum,
     load_for_cli,
     model_notes_said,
+    run_notes_said,
     sampling_from_args,
 )
 
@@ -160,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
             f"row of {input_name(job.input)} sets its own max_new_tokens",
             file=sys.stderr,
         )
+    if requests and args.reserve_tokens is not None:
+        _check_reserve(args.reserve_tokens, args.max_new_tokens, requests, job.input)
     # One writer per output: held from the file checks to the failures file.
     with output_lock(job.output) as held:
         log = open_output(job, requests)  # every file check before loading the model
@@ -167,12 +170,29 @@ def run(args: argparse.Namespace) -> int:
             model, tokenizer = load_for_cli(args.model, args.dtype)
             pending = [r for r in requests if r.id not in log.done]
             _check_new_tokens(args.max_new_tokens, model, tokenizer, defaulted(pending))
-            with model_notes_said("batch", model, job.config):
+            with model_notes_said("batch", model, job.config), run_notes_said("batch"):
                 summary = run_opened_job(model, tokenizer, job, requests, log)
         finally:
             log.close()
         held.keep()  # the run finished: its output stays, even with no row in it
         return _report(summary, job)
+
+
+def _check_reserve(reserve: int, new_tokens: int, requests: list, source: str) -> None:
+    """Warn of a ``--reserve-tokens`` that changes nothing: at or above every row's
+    ``max_new_tokens`` (its own, else ``new_tokens``), each row is admitted with room for its
+    whole answer, as without the flag, and never paused."""
+    from alisa.jobs.io import input_name
+
+    most = max(request.options.get("max_new_tokens", new_tokens) for request in requests)
+    if reserve >= most:
+        print(
+            f"alisa batch: warning: --reserve-tokens {reserve} has no effect: no row of "
+            f"{input_name(source)} generates more than {most} tokens (max_new_tokens), so "
+            "every row is admitted with room for its whole answer anyway; give fewer for rows "
+            "to start sooner and pause when they outgrow it",
+            file=sys.stderr,
+        )
 
 
 def _check_new_tokens(new_tokens: int, model, tokenizer, using: list) -> None:
@@ -209,7 +229,8 @@ def _run_ranks(args: argparse.Namespace, job) -> int:
             plan = plan_ranks(job, ranks)
             model, tokenizer = load_for_cli(args.model, args.dtype)
             _check_new_tokens(args.max_new_tokens, model, tokenizer, plan.defaulted)
-            summary = run_ranked(model, tokenizer, job, plan, ranks)
+            with run_notes_said("batch"):  # every rank says what holds for its own rows
+                summary = run_ranked(model, tokenizer, job, plan, ranks)
             for lock in locks:
                 lock.keep()  # the run finished: its output stays, even with no row in it
             if ranks.rank != 0:

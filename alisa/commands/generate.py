@@ -33,6 +33,7 @@ from alisa.settings import (
     full_precision_note,
     no_evicting_layer_note,
     ring_tokens,
+    unread_kernels_note,
 )
 
 HELP = "generate a completion for one prompt"
@@ -242,6 +243,9 @@ def run(args: argparse.Namespace) -> int:
     num_layers = shape.num_layers
     # Refused here, before the prefill, when this machine cannot run the kernels asked for.
     ops = model_ops(model, config.kernels)
+    unread = unread_kernels_note(config, ops.device)  # the device decides: said with the flag
+    if unread is not None:
+        print(f"alisa generate: warning: --kernels: {unread}", file=sys.stderr)
     if parallel is not None and args.compile == "on":
         raise CommandError(
             "--compile=on: the multi-process modes (--parallel) run their decode steps eager"

@@ -29,6 +29,7 @@ from alisa.settings import (
     field_default,
     full_precision_note,
     ignored_settings,
+    unread_kernels_note,
 )
 
 if typing.TYPE_CHECKING:
@@ -246,18 +247,48 @@ def build_from_flags(factory: Callable[..., T], flags: dict[str, str | None], **
 @contextmanager
 def model_notes_said(command: str, model, config: AlisaConfig) -> Iterator[None]:
     """Say once, in the command's words, what a cache of ``config`` would warn of on ``model``
-    when built (``residual_tokens`` past its context: ``kv_bits`` codes nothing); the caches a
-    run builds inside the block then say nothing of it (a batch or a server builds many)."""
+    when built (``residual_tokens`` past its context: ``kv_bits`` codes nothing; ``kernels``
+    that no step on the model's device reads); the caches a run builds inside the block then
+    say nothing of it (a batch or a server builds many)."""
     from alisa.model.loading import context_length
 
     known = context_length(model)
     note = None if known is None else full_precision_note(config, known[0], context=True)
-    if note is not None:
-        text = with_flag(note, {"residual_tokens": None})
-        print(f"alisa {command}: warning: {text}", file=sys.stderr)
+    unread = unread_kernels_note(config, next(model.parameters()).device.type)
+    for said in (note, unread):
+        if said is not None:
+            text = with_flag(said, {"residual_tokens": None, "kernels": None})
+            print(f"alisa {command}: warning: {text}", file=sys.stderr)
     with warnings.catch_warnings():  # these, and --recompute/--profile: said with the flags
-        for field in ("residual_tokens", *TIER_FIELDS):
+        # The ring past the context (any request's ring, for a server): a run's ring covering
+        # its rows ("keeps all N tokens of each sequence") is the run's to say.
+        warnings.filterwarnings("ignore", CONTEXT_RING, IgnoredSettingWarning)
+        for field in ("kernels", *TIER_FIELDS):
             warnings.filterwarnings("ignore", f"{field}=", IgnoredSettingWarning)
+        yield
+
+
+# How full_precision_note(..., context=True) begins: the note model_notes_said says once.
+CONTEXT_RING = r"residual_tokens=\d+ keeps every token of the model's"
+
+
+@contextmanager
+def run_notes_said(command: str) -> Iterator[None]:
+    """Inside the block, an :class:`~alisa.settings.IgnoredSettingWarning` a run gives (a
+    batch's, once its rows' lengths are known: :func:`alisa.runtime.generate.run_notes`) is
+    one ``alisa <command>: warning: ...`` line naming the flag, as the notes said before the
+    run, instead of Python's warning with a source line; other warnings show as before."""
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+
+        def said(message, category, filename, lineno, file=None, line=None) -> None:
+            if not issubclass(category, IgnoredSettingWarning):
+                shown(message, category, filename, lineno, file, line)
+                return
+            text = with_flag(str(message), FLOOR_FLAGS)
+            print(f"alisa {command}: warning: {text}", file=sys.stderr)
+
+        warnings.showwarning = said  # restored by catch_warnings on the way out
         yield
 
 

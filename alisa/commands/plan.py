@@ -215,11 +215,25 @@ def _hardware(args: argparse.Namespace, config):
 
 def weight_placement(spec, host_fraction: float, device_bytes: int | None = None) -> str:
     """Which decoder layers' weights sit on the host (streamed each step), and why when the
-    weights alone would fit the ``device_bytes`` budget."""
+    weights alone would fit the ``device_bytes`` budget.
+
+    The plan's share is continuous (the LP's ``w``); a loader places whole layers. The line
+    names whole layers nearest the share but never contradicts the plan's own line above it
+    (``weights: 93 % on device, 7 % on host``): a share shown as more than 0 % puts at least
+    one layer on the host, and one shown as less than 100 % keeps at least one on the device.
+    """
     layers = spec.num_layers
-    on_host = round(host_fraction * layers)
-    if on_host == 0:
+    percent = round(100 * host_fraction)  # as Plan.describe shows it
+    if percent == 0:
         return "  weights: every layer resident on the device"
+    on_host = min(max(round(host_fraction * layers), 1), layers)
+    if percent < 100 and layers > 1:
+        on_host = min(on_host, layers - 1)
+    share = ""
+    if on_host != host_fraction * layers:  # whole layers: say which share they stand for
+        share = (
+            f"the plan's {percent} % of the weights as whole layers: {100 * on_host / layers:.0f} %"
+        )
     why = ""
     if device_bytes is not None and spec.total_weight_bytes < device_bytes:
         # The LP's choice, not a mistake: streaming a layer's weights moves fewer bytes per
@@ -230,10 +244,20 @@ def weight_placement(spec, host_fraction: float, device_bytes: int | None = None
             "weights moves fewer bytes per step than moving that KV)"
         )
     if on_host == layers:
-        return "  weights: all layers on the host, streamed to the device layer by layer" + why
+        return (
+            "  weights: all layers on the host, streamed to the device layer by layer"
+            + (f" ({share})" if share else "")
+            + why
+        )
     first_host = layers - on_host
     return (
-        f"  weights: layers 0-{first_host - 1} on the device, {first_host}-{layers - 1} on the "
-        "host (load with accelerate: device_map='auto', max_memory={0: <gpu-memory>, "
-        "'cpu': <host-memory>})" + why
+        f"  weights: {_span(0, first_host - 1)} on the device, "
+        f"{_span(first_host, layers - 1)} on the host ({share + '; ' if share else ''}load "
+        "with accelerate: device_map='auto', max_memory={0: <gpu-memory>, 'cpu': "
+        "<host-memory>})" + why
     )
+
+
+def _span(first: int, last: int) -> str:
+    """``layer 3`` for one layer, ``layers 0-2`` for several."""
+    return f"layer {first}" if first == last else f"layers {first}-{last}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -28,14 +29,14 @@ from alisa.jobs.io import (
 )
 from alisa.jobs.lock import output_lock
 from alisa.jobs.parts import merge_parts
-from alisa.jobs.sizing import BatchMemory, running_memory
+from alisa.jobs.sizing import BatchMemory, ring_refusal_note, running_memory
 from alisa.jobs.static import planned_batches, run_static
 from alisa.jobs.stream import over_budget
 from alisa.memory import PeakMemory
 from alisa.model.adapter import check_model_and_tokenizer, model_shape
 from alisa.model.loading import chat_prompt, context_length, prompt_length_error
 from alisa.planning.spec import model_spec
-from alisa.runtime.generate import SamplingOptions
+from alisa.runtime.generate import SamplingOptions, run_notes
 from alisa.runtime.requests import (
     PREFILL_TOKENS,
     TOKENIZER_HINT,
@@ -43,6 +44,7 @@ from alisa.runtime.requests import (
     past_vocabulary,
     vocabulary_size,
 )
+from alisa.settings import IgnoredSettingWarning
 from alisa.sizes import format_bytes, parse_budget, parse_bytes
 
 
@@ -571,12 +573,24 @@ def run_requests(
     context = context_length(model, tokenizer)
     pending = _drop_too_long(pending, lengths, context, summary, job.max_new_tokens)
     bar.update(len(summary.too_long))
+    if sizing is not None and pending:  # a cache_factory's caches do not read the config
+        # As generate warns (a floor or ring covering every token, a model of sliding layers
+        # only): said once for the longest row, for which it holds only if it holds for all.
+        longest = max(lengths[r.id] + _new_tokens(r, job) for r in pending)
+        for note in run_notes(model, sizing, model_shape(model), longest):
+            warnings.warn(note, IgnoredSettingWarning, stacklevel=2)
     started = time.perf_counter()
     with PeakMemory(device) as memory:
         limits = (budgets.device, budgets.kv)
         if job.static or cache_factory is not None:
             plan = planned_batches(
-                pending, lengths, job, spec, sizing, limits, lambda r, m: _too_large(r, m, budgets)
+                pending,
+                lengths,
+                job,
+                spec,
+                sizing,
+                limits,
+                lambda r, m: _too_large(r, m, budgets, _ring_hint(spec, sizing, r, lengths, job)),
             )
             batches = run_static(
                 model,
@@ -659,14 +673,30 @@ def _failed_row(request: Request, reason: str, error: str) -> dict:
     return {**row, "line": request.line}  # where the row is in the input file
 
 
+def _new_tokens(request: Request, job: BatchJob) -> int:
+    """The tokens ``request`` is to generate: its own ``max_new_tokens``, else the job's."""
+    return request.options.get("max_new_tokens", job.max_new_tokens)
+
+
 def _refused(request: Request, length: int, spec, job: BatchJob, budgets: _Budgets) -> dict:
     """The error row of a request (``length`` prompt tokens) that continuous batching could not
     admit even alone."""
-    shape = (length, request.options.get("max_new_tokens", job.max_new_tokens))
-    return _too_large(request, running_memory(spec, job.config, [shape]), budgets)
+    shape = (length, _new_tokens(request, job))
+    hint = ring_refusal_note(spec, job.config, *shape)
+    return _too_large(request, running_memory(spec, job.config, [shape]), budgets, hint)
 
 
-def _too_large(request: Request, need: BatchMemory, budgets: _Budgets) -> dict:
-    """The error row of a prompt that fits no budget alone, quoting the budget it exceeds."""
+def _ring_hint(spec, config: AlisaConfig | None, request: Request, lengths: dict, job) -> str:
+    """:func:`~alisa.jobs.sizing.ring_refusal_note` of a static batch's row (none for a
+    ``cache_factory``'s caches, ``config`` None, which do not code KV)."""
+    if config is None:
+        return ""
+    return ring_refusal_note(spec, config, lengths[request.id], _new_tokens(request, job))
+
+
+def _too_large(request: Request, need: BatchMemory, budgets: _Budgets, hint: str = "") -> dict:
+    """The error row of a prompt that fits no budget alone, quoting the budget it exceeds and
+    ``hint`` (why the config made it need more: :func:`~alisa.jobs.sizing.ring_refusal_note`)."""
     over = over_budget(need, budgets.device, budgets.device_name, budgets.kv, budgets.kv_name)
-    return _failed_row(request, "did_not_fit", f"needs about {over} even alone")
+    error = f"needs about {over} even alone"
+    return _failed_row(request, "did_not_fit", f"{error}: {hint}" if hint else error)

@@ -9,13 +9,15 @@ holds one layer twice).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from alisa.config import AlisaConfig
-from alisa.settings import ring_tokens
+from alisa.settings import IgnoredSettingWarning, full_precision_note, ring_tokens
+from alisa.sizes import format_bytes
 from alisa.storage.pages import PAGE_TOKENS
 from alisa.storage.store import headroom
 from scheduler import ModelSpec, layers_kept
@@ -190,3 +192,45 @@ def running_memory(
     step = count * ((4 * spec.hidden_size + 2 * spec.intermediate_size) * element)
     transient += int(SAFETY * (step + count * spec.vocab_size * 4))
     return BatchMemory(weights=spec.total_weight_bytes, kv=int(kv), transient=int(transient))
+
+
+def ring_refusal_note(
+    spec: ModelSpec, config: AlisaConfig, prompt_tokens: int, new_tokens: int
+) -> str:
+    """Why a row that fits no budget alone needs more KV than it would with another
+    ``residual_tokens``, for the refusal's message, or ``""``.
+
+    With ``kv_bits < 16`` and a full-precision ring (``residual_tokens``) as long as the row,
+    every token stays in full precision and the coded store's scales and slots come on top: the
+    row needs more KV than 16-bit KV would, and the fix is the ring, not a shorter row
+    (:func:`~alisa.settings.full_precision_note`, the warning a run gives).
+
+    Parameters
+    ----------
+    spec
+        The model's :class:`~scheduler.ModelSpec`.
+    config
+        The config the row was refused under.
+    prompt_tokens, new_tokens
+        The row: its prompt's tokens and the most it generates.
+
+    Returns
+    -------
+    str
+        ``"residual_tokens=64 keeps all 25 tokens of this row in full precision, so kv_bits=8
+        codes nothing: residual_tokens=0 would need 9.0 KiB of KV, kv_bits=16 20.0 KiB"``;
+        ``""`` when the ring does not cover the row.
+    """
+    tokens = prompt_tokens + new_tokens
+    if full_precision_note(config, tokens) is None:
+        return ""
+    rows = [(prompt_tokens, new_tokens)]
+    with warnings.catch_warnings():  # what-ifs, not the user's settings: nothing to warn
+        warnings.simplefilter("ignore", IgnoredSettingWarning)
+        coded = running_memory(spec, replace(config, residual_tokens=0), rows).kv
+        plain = running_memory(spec, replace(config, kv_bits=16), rows).kv
+    return (
+        f"residual_tokens={config.residual_tokens} keeps all {tokens} tokens of this row in "
+        f"full precision, so kv_bits={config.kv_bits} codes nothing: residual_tokens=0 would "
+        f"need {format_bytes(coded)} of KV, kv_bits=16 {format_bytes(plain)}"
+    )

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 from alisa.checks import check_bool, unordered
 from alisa.config import AlisaConfig, config_or_default
-from alisa.jobs.sizing import BatchMemory, fits, running_memory
+from alisa.jobs.sizing import BatchMemory, fits, ring_refusal_note, running_memory
 from alisa.kv.cache import AlisaCache
 from alisa.kv.hooks import attached
 from alisa.model.adapter import model_shape
@@ -255,7 +255,9 @@ def _refusal(
         admission.kv_bytes,
         f"kv_memory={kv_memory!r}",
     )
-    return f"a prompt of {tokens} tokens with max_new_tokens={new} needs about {over} even alone"
+    error = f"a prompt of {tokens} tokens with max_new_tokens={new} needs about {over} even alone"
+    hint = ring_refusal_note(admission.spec, admission.config, tokens, new)
+    return f"{error}: {hint}" if hint else error
 
 
 def _prompt_stream(prompts) -> Iterable[str | StreamRequest]:

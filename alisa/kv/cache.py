@@ -31,7 +31,13 @@ from alisa.ops.backends import Ops, model_ops
 from alisa.ops.transfer import upload
 from alisa.planning.tiers import TierPlanner
 from alisa.policies import DensePolicy, KVPolicy
-from alisa.settings import IgnoredSettingWarning, full_precision_note, ring_tokens, untiered_notes
+from alisa.settings import (
+    IgnoredSettingWarning,
+    full_precision_note,
+    ring_tokens,
+    unread_kernels_note,
+    untiered_notes,
+)
 from alisa.sizes import parse_bytes
 from alisa.storage.quantized import QuantizedStore
 from alisa.storage.recompute import KVRecomputer
@@ -83,7 +89,8 @@ class AlisaCache(Cache):
         the kernels of ``config.kernels``, chosen once: :attr:`ops`).
         Sliding-window layers (Gemma 2/3, Mistral with a window, ...) always keep exactly the
         model's window (:class:`~alisa.kv.window.WindowKeeper`): the caching ratio applies to
-        the full-attention layers only.
+        the full-attention layers only. Anything else but None or a callable is a
+        ``TypeError`` naming ``keeper``.
     """
 
     def __init__(
@@ -95,6 +102,11 @@ class AlisaCache(Cache):
         max_cache_len: int | None = None,
         keeper: KeeperFactory | None = None,
     ) -> None:
+        if keeper is not None and not callable(keeper):  # refused here, not at the first layer
+            raise TypeError(
+                f"keeper={keeper!r} must be a callable (config, policy) -> Keeper, as "
+                "alisa.kv.cache.default_keeper, or None (the default keeper)"
+            )
         self.config = config_or_default(config)
         _check_host_memory_applies(self.config)
         check_int("max_new_tokens", max_new_tokens, minimum=0)
@@ -115,6 +127,8 @@ class AlisaCache(Cache):
         # machine cannot run the ones asked for): named by GenerationOutput.kernels.
         traced = max_cache_len is not None
         self.ops: Ops = model_ops(model, self.config.kernels, traced=traced)
+        if note := unread_kernels_note(self.config, self.ops.device):  # a CUDA step without one
+            warnings.warn(note, IgnoredSettingWarning, stacklevel=2)
         # A static cache's step numbers, bound at its first decode step (alisa.kv.static), and
         # whether a step was planned whose token is not stored yet.
         self._pack: StepPack | None = None

@@ -15,7 +15,7 @@ from alisa.config import AlisaConfig, config_or_default
 from alisa.kv.cache import AlisaCache
 from alisa.kv.hooks import attached
 from alisa.memory import PeakMemory
-from alisa.model.adapter import check_model_and_tokenizer
+from alisa.model.adapter import ModelShape, check_model_and_tokenizer
 from alisa.model.loading import chat_prompt, check_prompt_length, context_length
 from alisa.runtime.compiled import CompileChoice, choose_compile, settle_compile
 from alisa.runtime.engine import DecodeState, Engine, GenerationOutput, cache_kv_bytes
@@ -143,14 +143,8 @@ def generate(
             )
     choice = settle_compile(choice, cache)
     if isinstance(cache, AlisaCache):  # as the CLI warns: an evicting policy that keeps all
-        notes = (
-            no_evicting_layer_note(cache.config, cache.shape.windows),
-            evicts_nothing_note(cache.config, cache.shape.num_layers, longest),
-            _full_precision(model, cache.config, longest),
-        )
-        for note in notes:
-            if note is not None:
-                warnings.warn(note, IgnoredSettingWarning, stacklevel=3)  # past inference_mode
+        for note in run_notes(model, cache.config, cache.shape, longest):
+            warnings.warn(note, IgnoredSettingWarning, stacklevel=3)  # past inference_mode
     engine = Engine(model, tokenizer, sampling, stop_at_eos=stop_at_eos, compile=choice.compiled)
     state = DecodeState.start(batch["input_ids"], batch["attention_mask"])
     with attached(model), PeakMemory(device) as memory:  # the model's attention is restored
@@ -275,13 +269,42 @@ def check_prompt(prompt: object, index: int) -> None:
     check_text(prompt, f"prompts[{index}]")
 
 
-__all__ = ["GenerationOutput", "SamplingOptions", "cache_kv_bytes", "generate"]
+__all__ = ["GenerationOutput", "SamplingOptions", "cache_kv_bytes", "generate", "run_notes"]
 
 
-def _full_precision(model, config: AlisaConfig, longest: int) -> str | None:
-    """:func:`~alisa.settings.full_precision_note` for a run of rows up to ``longest`` tokens,
-    unless the cache said it for the model's whole context when it was built."""
+def run_notes(model: nn.Module, config: AlisaConfig, shape: ModelShape, longest: int) -> list[str]:
+    """What a run of ``config`` on ``model`` changes nothing by, when its rows hold at most
+    ``longest`` tokens each (prompt, padding included, and new tokens): the one rule behind
+    ``generate``'s and ``run_batch``'s :class:`~alisa.settings.IgnoredSettingWarning`.
+
+    A note that holds for the longest row holds for every shorter one (a floor, sinks or a ring
+    that cover ``longest`` tokens cover fewer), so a job of rows of many lengths is told once.
+
+    Parameters
+    ----------
+    model
+        The model the run's caches are built for (its context bounds the ring).
+    config
+        The run's cache config.
+    shape
+        The model's shape (:func:`alisa.model.adapter.model_shape`): its layers' windows.
+    longest
+        The most tokens one row of the run holds.
+
+    Returns
+    -------
+    list[str]
+        :func:`~alisa.settings.no_evicting_layer_note` (a model of sliding layers only),
+        :func:`~alisa.settings.evicts_nothing_note` and
+        :func:`~alisa.settings.full_precision_note`, those that hold, in that order. The last
+        is left out when ``residual_tokens`` covers the model's whole context: the cache says
+        that itself when it is built.
+    """
+    notes = [
+        no_evicting_layer_note(config, shape.windows),
+        evicts_nothing_note(config, shape.num_layers, longest),
+    ]
     known = context_length(model)
-    if known is not None and config.residual_tokens >= known[0]:
-        return None
-    return full_precision_note(config, longest)
+    if known is None or config.residual_tokens < known[0]:
+        notes.append(full_precision_note(config, longest))
+    return [note for note in notes if note is not None]

@@ -12,7 +12,7 @@ import warnings
 from dataclasses import dataclass
 
 from alisa.config import AlisaConfig
-from alisa.jobs.sizing import running_memory
+from alisa.jobs.sizing import ring_refusal_note, running_memory
 from alisa.jobs.stream import ByteBudget
 from alisa.kv.cache import AlisaCache
 from alisa.model.adapter import model_shape
@@ -232,13 +232,18 @@ class Preparer:
             if value is not None
         ]
         param = "max_tokens" if budget.admits([], [RowShape(prompt_tokens, 1)]) else field
+        fix = f"lower max_tokens or shorten the {field}"
+        # A ring covering the whole request makes coded KV the larger: say the setting first.
+        hint = ring_refusal_note(self.spec, config, prompt_tokens, max_tokens)
+        if hint:
+            fix = f"{hint}; or {fix}"
         raise APIError(
             status=400,
             message=(
                 f"a prompt of {prompt_tokens} tokens with max_tokens={max_tokens} needs "
                 f"{format_bytes(memory.kv)} of KV ({format_bytes(memory.total)} with the "
                 f"weights and activations), more than the server's budget of "
-                f"{' and '.join(limits)} even alone; lower max_tokens or shorten the {field}"
+                f"{' and '.join(limits)} even alone; {fix}"
             ),
             param=param,
             code="exceeds_budget",
