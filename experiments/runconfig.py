@@ -119,9 +119,13 @@ class RunConfig:
             if key in self.sweep and not set(readers) & set(tasks)
         }
         runs = [p for p in self.points() if p["task"] not in SYSTEM_TASKS]
+        said = [(point, _notes(point)) for point in runs]  # each point's config built once
         for name in (k for k in self.sweep if k in CONFIG_FIELDS):
-            said = [_notes(point) for point in runs if name in point]
-            ours = [next((n for n in each if n.startswith(f"{name}=")), None) for each in said]
+            ours = [
+                next((n for n in each if n.startswith(f"{name}=")), None)
+                for point, each in said
+                if name in point
+            ]
             if ours and all(ours):
                 notes[name] = f"sweep.{name} has no effect in any point: {ours[0]}"
         return list(notes.values())

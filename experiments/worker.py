@@ -35,7 +35,11 @@ def add_prompts_argument(parser: argparse.ArgumentParser) -> None:
 
 def prompts_of_length(tokenizer, text: str, tokens: int, count: int) -> list[str]:
     """``count`` different windows of a text, each exactly ``tokens`` tokens long."""
-    ids = tokenizer(text)["input_ids"]
+    return windows_of_length(tokenizer, tokenizer(text)["input_ids"], tokens, count)
+
+
+def windows_of_length(tokenizer, ids: list[int], tokens: int, count: int) -> list[str]:
+    """:func:`prompts_of_length` of a text already tokenized (``ids``)."""
     stride = max(1, (len(ids) - tokens) // count)
     windows = [ids[i * stride : i * stride + tokens] for i in range(count)]
     # Decoding and re-encoding can merge a few tokens; trim again to the exact length.

@@ -553,7 +553,8 @@ def run_requests(
     progress bar updated per batch; ``host_share`` is how many processes share this host's free
     memory (CPU budgets only); ``on_step`` as in :func:`run_batch`.
     """
-    spec = model_spec(model, model_shape(model))
+    shape = model_shape(model)
+    spec = model_spec(model, shape)
     sizing = None if cache_factory is not None else job.config
     budgets = _budgets(model, job, spec, host_share)
     device = next(model.parameters()).device
@@ -577,7 +578,7 @@ def run_requests(
         # As generate warns (a floor or ring covering every token, a model of sliding layers
         # only): said once for the longest row, for which it holds only if it holds for all.
         longest = max(lengths[r.id] + _new_tokens(r, job) for r in pending)
-        for note in run_notes(model, sizing, model_shape(model), longest):
+        for note in run_notes(model, sizing, shape, longest):
             warnings.warn(note, IgnoredSettingWarning, stacklevel=2)
     started = time.perf_counter()
     with PeakMemory(device) as memory:

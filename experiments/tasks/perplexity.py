@@ -229,20 +229,20 @@ def throughput(context, point: dict, options: dict) -> dict:
 
     from alisa import BatchJob, run_batch
     from alisa.sizes import parse_bytes
-    from experiments.worker import prompts_of_length
+    from experiments.worker import windows_of_length
 
     batch, tokens = point.get("batch", 8), options.get("prompt_tokens", 128)
     new_tokens = options.get("new_tokens", 64)
     what = f"options.throughput.prompt_tokens={tokens} and new_tokens={new_tokens}"
     _check_context(context, tokens + new_tokens, what)
     count = batch * options.get("waves", 2)
-    text = data.load_wikitext2(context.data_root)
-    if (available := len(context.tokenizer(text)["input_ids"]) - tokens + 1) < count:
+    ids = context.tokenizer(data.load_wikitext2(context.data_root))["input_ids"]
+    if (available := len(ids) - tokens + 1) < count:
         raise ValueError(
             f"sweep.batch={batch} x options.throughput.waves={options.get('waves', 2)} needs "
             f"{count} different prompts of {tokens} tokens; the wikitext2 text gives {available}"
         )
-    prompts = prompts_of_length(context.tokenizer, text, tokens, count)
+    prompts = windows_of_length(context.tokenizer, ids, tokens, count)
     kv_budget = parse_bytes(options.get("kv_budget", "128MiB"))
     system = point.get("system", "alisa")
     check_throughput_system(system)  # as the config was checked: before any work
