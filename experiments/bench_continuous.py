@@ -14,6 +14,12 @@ after a short warm-up; ``--repeats`` runs them all again, interleaved, and repor
 Systems (``--systems``):
     static-drop, continuous-drop        ``alisa batch --static`` vs ``alisa batch``, SWA r=0.2
     static-host, continuous-host        the same with retention="host"
+Named only (not in ``all``):
+    static-dense                        ``alisa batch --static`` at r = 1
+    static-drop-compiled,               ``--static --compile on``: decode steps compiled, each
+    static-dense-compiled               batch's cache sized to a capacity bucket, finished
+                                        rows kept in their batch (one graph per batch size
+                                        and bucket; ``--new-tokens 64`` keeps one group)
     continuous-drop-separate,           continuous, each newcomer prefilled in a forward of its
     continuous-host-separate            own (``--separate-prefills``), not in the decode step
     continuous-dense                    ``alisa batch`` at r = 1 (every token kept)
@@ -62,6 +68,9 @@ SYSTEMS = (
     *("continuous-drop-separate", "continuous-host-separate", "continuous-dense"),
     *("continuous-drop-reserve", "continuous-host-reserve", "continuous-dense-reserve", "hf"),
 )
+# Named only, not in "all": compiling takes minutes on a CPU, and the default workload's drawn
+# answer lengths split static batches into many shapes.
+NAMED_ONLY = ("static-dense", "static-drop-compiled", "static-dense-compiled")
 
 
 def workload_parser(*, prompts: int, systems: str) -> argparse.ArgumentParser:
@@ -97,12 +106,15 @@ def check_workload(args: argparse.Namespace, *counts: str) -> None:
     parse_budget(args.kv_budget, field="--kv-budget")
 
 
-def choose(names: str, valid: tuple[str, ...], flag: str = "--systems") -> list[str]:
-    """The systems ``flag`` names (comma-separated, or ``all``), or a ``ValueError`` listing the
-    valid names."""
+def choose(
+    names: str, valid: tuple[str, ...], flag: str = "--systems", named_only: tuple[str, ...] = ()
+) -> list[str]:
+    """The systems ``flag`` names (comma-separated, or ``all``: every one of ``valid``; those of
+    ``named_only`` only by name), or a ``ValueError`` listing the valid names."""
     chosen = list(valid) if names == "all" else names.split(",")
-    if unknown := [name for name in chosen if name not in valid]:
-        raise ValueError(f"{flag} {','.join(unknown)} unknown; valid: {', '.join(valid)}")
+    if unknown := [name for name in chosen if name not in (*valid, *named_only)]:
+        listed = ", ".join((*valid, *named_only))
+        raise ValueError(f"{flag} {','.join(unknown)} unknown; valid: {listed}")
     return chosen
 
 
@@ -289,12 +301,13 @@ class System:
     static: bool = False
     reserve: bool = False  # admit rows with room for --reserve-tokens only
     mixed: bool = True  # newcomers prefilled inside the running rows' decode step
+    compiled: bool = False  # static batches' decode steps through torch.compile
 
 
 def systems(names: str) -> list[System]:
     """The systems named (see the module docstring), or a ``ValueError`` listing them."""
     chosen = []
-    for name in choose(names, SYSTEMS):
+    for name in choose(names, SYSTEMS, named_only=NAMED_ONLY):
         if name == "hf":
             chosen.append(System(name=name, config=None))
             continue
@@ -302,7 +315,14 @@ def systems(names: str) -> list[System]:
         config = AlisaConfig(**CACHES[cache])
         mixed, reserve = "separate" not in rest, "reserve" in rest
         chosen.append(
-            System(name=name, config=config, static=kind == "static", reserve=reserve, mixed=mixed)
+            System(
+                name=name,
+                config=config,
+                static=kind == "static",
+                reserve=reserve,
+                mixed=mixed,
+                compiled="compiled" in rest,
+            )
         )
     return chosen
 
@@ -320,6 +340,7 @@ class Run:
     preemptions: int = 0
     errors: int = 0
     paused_s: float = 0.0  # seconds this process was stopped from outside, left out above
+    compile_s: float = 0.0  # seconds of the first compiled steps (included in seconds)
 
 
 def run_alisa(model, tokenizer, system: System, workload: Workload, args, folder, watch) -> Run:
@@ -342,6 +363,7 @@ def run_alisa(model, tokenizer, system: System, workload: Workload, args, folder
         reserve_tokens=args.reserve_tokens if system.reserve else None,
         prefill_tokens=args.prefill_tokens or None,
         mixed_forwards=system.mixed,
+        compile="on" if system.compiled else "off",
     )
     timeline = Timeline(time.perf_counter())
     summary = run_batch(model, tokenizer, job, on_step=timeline.add)
@@ -358,6 +380,7 @@ def run_alisa(model, tokenizer, system: System, workload: Workload, args, folder
         preemptions=summary.preemptions,
         errors=len(summary.failed),
         paused_s=watch.paused(start, end),
+        compile_s=summary.compile_s,
     )
 
 
@@ -429,6 +452,7 @@ def metrics(name: str, runs: list[Run], workload: Workload) -> dict:
         "preemptions": first.preemptions,
         "errors": first.errors,
         "paused_s": sum(run.paused_s for run in runs),
+        "compile_s": first.compile_s,
         "rouge_l": rouge_l(first.texts, workload.references),
     }
 
@@ -447,6 +471,8 @@ RATIOS = {
     "rows_r0.2_vs_dense": ("max_rows", "continuous-drop", "continuous-dense"),
     "ttft_p95_continuous_vs_static_drop": ("ttft_p95_s", "continuous-drop", "static-drop"),
     "ttft_p95_continuous_vs_static_host": ("ttft_p95_s", "continuous-host", "static-host"),
+    "compiled_vs_eager_static_drop": ("tokens_per_s", "static-drop-compiled", "static-drop"),
+    "compiled_vs_eager_static_dense": ("tokens_per_s", "static-dense-compiled", "static-dense"),
 }
 
 
@@ -458,14 +484,16 @@ def print_table(rows: list[dict], args) -> None:
     )
     print(
         "| system | tokens/s | TTFT p50 / p95 (s) | rows in flight max / mean | peak KV | "
-        "pauses | ROUGE-L |"
+        "pauses | compile s | ROUGE-L |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
+        compiled = f"{row['compile_s']:.1f}" if row["compile_s"] else "–"
         print(
             f"| {row['system']} | {row['tokens_per_s']:.1f} | {row['ttft_p50_s']:.1f} / "
             f"{row['ttft_p95_s']:.1f} | {row['max_rows']} / {row['mean_rows']:.1f} | "
-            f"{format_bytes(row['peak_kv_bytes'])} | {row['preemptions']} | {row['rouge_l']:.3f} |"
+            f"{format_bytes(row['peak_kv_bytes'])} | {row['preemptions']} | {compiled} | "
+            f"{row['rouge_l']:.3f} |"
         )
 
 
@@ -494,7 +522,9 @@ def main(argv=None) -> int:
         chosen = systems(args.systems)
         plotted = [system.name for system in chosen]
         if args.plot_systems:
-            plotted = choose(args.plot_systems, SYSTEMS, flag="--plot-systems")
+            plotted = choose(
+                args.plot_systems, SYSTEMS, flag="--plot-systems", named_only=NAMED_ONLY
+            )
         if missing := [name for name in plotted if name not in {s.name for s in chosen}]:
             raise ValueError(f"--plot-systems {','.join(missing)}: not among --systems")
         root = data_dir(args.data_dir)

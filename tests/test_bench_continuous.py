@@ -80,6 +80,10 @@ def test_systems_are_named_or_refused():
     assert reserve.reserve and reserve.mixed and reserve.config.retention == "host"
     dense = systems("continuous-dense")[0]
     assert dense.config == AlisaConfig() and not (dense.reserve or dense.static)
+    compiled, eager = systems("static-drop-compiled,static-drop")
+    assert compiled.static and compiled.compiled and not eager.compiled
+    assert compiled.config == eager.config
+    assert "static-drop-compiled" not in {s.name for s in systems("all")}  # named only
     with pytest.raises(ValueError, match="--systems nope unknown; valid: static-drop"):
         systems("nope")
 

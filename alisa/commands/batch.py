@@ -12,6 +12,7 @@ from alisa.commands.options import (
     CommandError,
     Typed,
     add_cache_options,
+    add_compile_option,
     add_model_options,
     add_sampling_options,
     add_scheduler_options,
@@ -78,6 +79,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="continuous batching: prefill each newcomer in a forward of its own instead of "
         "inside the running rows' next decode step (for comparison; the tokens are the same)",
     )
+    add_compile_option(
+        parser,
+        "static batches' decode steps",
+        " (with --static: continuous batching runs eager, its rows join and leave a running "
+        "batch; each batch's cache is sized to a length bucket, so nearby lengths share one "
+        "compiled step)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--rank-timeout",
@@ -111,6 +119,12 @@ def run(args: argparse.Namespace) -> int:
             "--separate-prefills applies to continuous batching; --static batches prefill "
             "every batch apart"
         )
+    if args.compile == "on" and not args.static:
+        raise CommandError(
+            "--compile on runs --static batches' decode steps compiled; continuous batching "
+            "runs them eager, since its rows join and leave a running batch and a compiled step "
+            "keeps one: add --static, or --compile auto"
+        )
     if args.rank_timeout is not None and not 0 < args.rank_timeout < math.inf:
         raise CommandError(f"--rank-timeout={args.rank_timeout} must be a finite number > 0")
     if args.kv_memory is not None:
@@ -141,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_tokens=args.prefill_tokens,
         mixed_forwards=not args.separate_prefills,
         sampling=sampling_from_args(args),
+        compile=args.compile,
     )
     apply_threads("batch", args.threads)
     if launched():

@@ -11,6 +11,7 @@ from alisa.commands.options import (
     FLOOR_FLAGS,
     CommandError,
     add_cache_options,
+    add_compile_option,
     add_model_options,
     add_sampling_options,
     add_threads_option,
@@ -23,7 +24,6 @@ from alisa.commands.options import (
     with_flag,
 )
 from alisa.config import AlisaConfig
-from alisa.ops import COMPILE
 from alisa.parallel.config import DECODES, MODES, PARTITIONS
 from alisa.settings import (
     IgnoredSettingWarning,
@@ -81,14 +81,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="print every effective cache setting (what unset fields became, per layer) to "
         "stderr before generating",
     )
-    parser.add_argument(
-        "--compile",
-        choices=COMPILE,
-        default="auto",
-        help="run the decode steps through torch.compile: auto (default) compiles where that "
-        "pays on the model's device (CUDA) and the cache has a static step, and runs eager on "
-        "a CPU, where the first step takes 16-150 s to compile; on / off force it",
-    )
+    add_compile_option(parser, "the decode steps")
     add_cache_options(parser)
     parallel = parser.add_argument_group("multi-process (launch with torchrun --nproc-per-node N)")
     parallel.add_argument(

@@ -23,6 +23,7 @@ from alisa.checks import too_large
 from alisa.config import AlisaConfig
 from alisa.model.builtin import BUILTIN_MODELS, DEFAULT_MODEL
 from alisa.model.dtypes import DTYPES
+from alisa.ops import COMPILE
 from alisa.settings import (
     TIER_FIELDS,
     IgnoredSettingWarning,
@@ -434,6 +435,19 @@ def load_for_cli(spec: str, dtype: str):
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     return load_model(path, dtype=dtype)
+
+
+def add_compile_option(parser: argparse.ArgumentParser, what: str, on: str = "") -> None:
+    """``--compile auto|on|off`` for the commands whose ``what`` (their decode steps) may run
+    through ``torch.compile``; ``on`` adds what forcing it needs."""
+    parser.add_argument(
+        "--compile",
+        choices=COMPILE,
+        default="auto",
+        help=f"run {what} through torch.compile: auto (default) compiles where that pays on "
+        "the model's device (CUDA) and the cache has a static step, and runs eager on a CPU, "
+        f"where the first step takes 16-150 s to compile; on{on} / off force it",
+    )
 
 
 def add_threads_option(parser: argparse.ArgumentParser) -> None:

@@ -32,10 +32,18 @@ from alisa.jobs.parts import merge_parts
 from alisa.jobs.sizing import BatchMemory, ring_refusal_note, running_memory
 from alisa.jobs.static import planned_batches, run_static
 from alisa.jobs.stream import over_budget
+from alisa.kv.cache import AlisaCache
 from alisa.memory import PeakMemory
 from alisa.model.adapter import check_model_and_tokenizer, model_shape
 from alisa.model.loading import chat_prompt, context_length, prompt_length_error
+from alisa.ops import COMPILE
 from alisa.planning.spec import model_spec
+from alisa.runtime.compiled import (
+    CompileChoice,
+    check_compileable,
+    choose_compile,
+    compiled_capacity,
+)
 from alisa.runtime.generate import SamplingOptions, run_notes
 from alisa.runtime.requests import (
     PREFILL_TOKENS,
@@ -92,6 +100,12 @@ class BatchJob:
         ``temperature``, ``top_k``, ``top_p`` and ``seed`` overrides the one here. With a
         seed every row draws from its own generator, so its tokens do not depend on what
         shares its batch.
+    compile
+        Static batches' decode steps through ``torch.compile`` (:mod:`alisa.jobs.static`):
+        ``"auto"`` compiles where that pays on the model's device (CUDA) and the mode has a
+        static step, ``"on"`` forces it (refused for a mode without one, and for continuous
+        batching, whose rows join and leave a running batch), ``"off"`` never. The tokens are
+        the same either way; ``JobSummary.compile`` says what ran and why.
     """
 
     input: str | Path
@@ -109,9 +123,20 @@ class BatchJob:
     prefill_tokens: int | None = PREFILL_TOKENS
     mixed_forwards: bool = True
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
         check_field_types(self)  # None or a wrong type fails here, naming the field
+        if self.compile not in COMPILE:
+            raise ValueError(
+                f"compile={self.compile!r} must be one of {', '.join(map(repr, COMPILE))}"
+            )
+        if self.compile == "on" and not self.static:
+            raise ValueError(
+                "compile='on' runs static batches' decode steps compiled; continuous batching "
+                "(static=False) runs them eager, since its rows join and leave a running batch "
+                "and a compiled step keeps one: add static=True (--static), or compile='auto'"
+            )
         # Path("") is ".": the messages of an empty name would speak of a directory.
         if self.input == "":
             raise ValueError("input='' is empty; give a JSONL file path, or '-' for stdin")
@@ -194,6 +219,8 @@ class JobSummary:
     preemptions: int = 0  # continuous batching: rows paused in host memory and resumed
     progress: dict = field(default_factory=dict)  # continuous batching: the progress bar's
     torn_bytes: int = 0  # a torn last row an interrupted run left in the output, cut off
+    compile: CompileChoice | None = None  # whether the decode steps ran compiled, and why
+    compile_s: float = 0.0  # seconds of every batch's first compiled step (compiling included)
 
     @property
     def failed(self) -> list:
@@ -221,6 +248,10 @@ class JobSummary:
                 f"cut off the output's torn last line ({self.torn_bytes} bytes: a row an "
                 "interrupted run was writing, redone if still pending); "
             )
+        if self.compile is not None and (self.compile.compiled or self.compile.asked == "on"):
+            batching += f", decode steps compiled (first steps {self.compile_s:.1f} s)"
+        elif self.compile is not None and self.compile.settled:
+            batching += f", decode steps eager ({self.compile.reason})"
         return (
             f"{torn}{self.completed} prompts done ({self.already_done} already done before), "
             f"{len(self.did_not_fit)} did not fit, {len(self.too_long)} longer than the context, "
@@ -580,6 +611,15 @@ def run_requests(
         longest = max(lengths[r.id] + _new_tokens(r, job) for r in pending)
         for note in run_notes(model, sizing, shape, longest):
             warnings.warn(note, IgnoredSettingWarning, stacklevel=2)
+    # Settled before any row runs: a refusal of compile='on' loses nothing.
+    asked = choose_compile(job.compile, device)
+    compiled = summary.compile = job_compile(asked, model, job, cache_factory, context)
+    capacity = context[0] if context is not None else None
+
+    def held(tokens: int) -> int:
+        """Tokens per row the cache of a batch whose longest row needs ``tokens`` holds."""
+        return compiled_capacity(tokens, capacity) if compiled.compiled else tokens
+
     started = time.perf_counter()
     with PeakMemory(device) as memory:
         limits = (budgets.device, budgets.kv)
@@ -592,6 +632,7 @@ def run_requests(
                 sizing,
                 limits,
                 lambda r, m: _too_large(r, m, budgets, _ring_hint(spec, sizing, r, lengths, job)),
+                held,
             )
             batches = run_static(
                 model,
@@ -605,6 +646,8 @@ def run_requests(
                 started_s=started,
                 own=own,
                 on_step=on_step,
+                compiled=compiled,
+                held=lambda batch, new: held(max(lengths[r.id] for r in batch) + new),
             )
         else:
             rows = continuous_results(
@@ -633,6 +676,42 @@ def run_requests(
     summary.seconds = time.perf_counter() - started
     summary.peak_memory_bytes = memory.peak_bytes
     return summary
+
+
+def job_compile(
+    choice: CompileChoice,
+    model,
+    job: BatchJob,
+    cache_factory: Callable | None,
+    context: tuple[int, str] | None,
+) -> CompileChoice:
+    """``choice`` (:attr:`BatchJob.compile` for the model's device) settled for ``job``'s
+    batching and mode, before any row runs: ``"auto"`` runs continuous batching, a mode
+    without a static step and a factory's caches that cannot compile eager, saying why.
+
+    Raises
+    ------
+    ValueError
+        ``compile="on"`` for a mode without a static step, or a ``cache_factory`` whose caches
+        cannot be compiled (the cache's message).
+    """
+    if not choice.compiled:
+        return choice
+    if not job.static and cache_factory is None:  # compile="on" is refused by BatchJob
+        return choice.eager("continuous batching, whose rows join and leave a running batch")
+    try:
+        if cache_factory is not None:
+            check_compileable(cache_factory())
+        else:  # as each batch's cache will be built, at the smallest capacity
+            smallest = compiled_capacity(1, None if context is None else context[0])
+            with warnings.catch_warnings():  # said by the job's run notes and each batch
+                warnings.simplefilter("ignore")
+                AlisaCache(model, job.config, max_cache_len=smallest)
+    except ValueError as refusal:
+        if choice.asked != "auto":
+            raise
+        return choice.eager(str(refusal).split(": ")[0])
+    return choice
 
 
 def _drop_too_long(pending, lengths, context, summary: JobSummary, new_tokens: int) -> list:

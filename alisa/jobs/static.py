@@ -1,7 +1,12 @@
 """Static batches (``alisa batch --static``, and foreign caches such as ``DynamicCache``):
 prompts sorted by length, each batch as large as the budget allows for its longest prompt and
 its whole ``max_new_tokens``, run until its last row finishes (finished rows are pruned, none
-join). Kept for comparison with continuous batching (:mod:`alisa.jobs.continuous`)."""
+join). Kept for comparison with continuous batching (:mod:`alisa.jobs.continuous`), and the
+batching whose decode steps can run compiled (``--compile``): a batch keeps its rows, and its
+cache is static, sized to a capacity bucket
+(:func:`~alisa.runtime.compiled.compiled_capacity`) so that batches of nearby lengths replay
+one compiled graph (:mod:`alisa.runtime.compiled`, issue 65).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ from transformers import Cache
 
 from alisa.jobs.io import OutputLog, Request
 from alisa.jobs.sizing import BatchMemory, batch_memory, largest_batch
+from alisa.kv.cache import AlisaCache
+from alisa.runtime.compiled import CompileChoice
 from alisa.runtime.generate import SamplingOptions, generate
 from alisa.runtime.requests import StepRecord
 from scheduler import ModelSpec
@@ -25,19 +32,22 @@ def planned_batches(
     sizing,
     limits: tuple[int | None, int | None],
     refused: Callable[[Request, BatchMemory], dict],
+    held: Callable[[int], int] = lambda tokens: tokens,
 ) -> Iterator[tuple[list, int]]:
     """(batch, new_tokens) in run order: longest prompts first within each option group.
 
     ``sizing`` is the cache's config (None: HF's dense cache), ``limits`` the (device, KV)
     byte budgets. A prompt that cannot fit even alone comes out as a one-element batch holding
-    its error row, from ``refused(request, its predicted memory)``.
+    its error row, from ``refused(request, its predicted memory)``. ``held`` maps the tokens
+    a batch's longest row needs to the tokens its cache holds per row (a compiled batch's
+    :func:`~alisa.runtime.compiled.compiled_capacity`), which the batch is sized for.
     """
     device, kv = limits
     for group in _groups(requests, job):
         new_tokens = group[0].options.get("max_new_tokens", job.max_new_tokens)
         queue = sorted(group, key=lambda r: lengths[r.id], reverse=True)
         while queue:
-            longest = lengths[queue[0].id]
+            longest = held(lengths[queue[0].id] + new_tokens) - new_tokens
             size = largest_batch(spec, sizing, device, longest, new_tokens, job.max_batch, kv)
             if size == 0:
                 need = batch_memory(spec, sizing, 1, longest, new_tokens)
@@ -60,27 +70,47 @@ def run_static(
     started_s: float,
     own: Mapping,
     on_step: Callable[[StepRecord], None] | None = None,
+    compiled: CompileChoice,
+    held: Callable[[list[Request], int], int],
 ) -> Iterator[list]:
     """Run each of ``batches`` through :func:`~alisa.runtime.generate.generate` (a fresh cache
     from ``factory``, else the job's), append its rows to ``log``, count them in ``summary`` (a
-    :class:`~alisa.jobs.runner.JobSummary`); yield each batch (error rows pass through)."""
+    :class:`~alisa.jobs.runner.JobSummary`); yield each batch (error rows pass through).
+
+    ``compiled``: the job's decode steps, compiled or eager (settled for its mode). Compiled,
+    a batch keeps its finished rows (a compiled step keeps its batch) and the job's own cache
+    is static, ``held(batch, new_tokens)`` tokens per row
+    (:func:`~alisa.runtime.compiled.compiled_capacity`); eager, finished rows are pruned and
+    the cache grows.
+    """
     for batch, new_tokens in batches:
         if not new_tokens or (len(batch) == 1 and isinstance(batch[0], dict)):
             yield batch
             continue
         start = time.perf_counter()
+        config, cache = job.config, None
+        if factory is not None:  # a factory's cache keeps KV by its own rules
+            config, cache = None, _made_cache(factory)
+        elif compiled.compiled:
+            capacity = held(batch, new_tokens)
+            config, cache = (
+                None,
+                AlisaCache(model, job.config, max_new_tokens=new_tokens, max_cache_len=capacity),
+            )
         result = generate(
             model,
             tokenizer,
             [r.prompt for r in batch],
-            None if factory else job.config,  # a factory's cache keeps KV by its own rules
+            config,
             max_new_tokens=new_tokens,
             sampling=sampling(batch[0].options),
-            past_key_values=_made_cache(factory) if factory else None,
-            prune_finished=True,
+            past_key_values=cache,
+            prune_finished=not compiled.compiled,
             stop_at_eos=job.stop_at_eos,
-            compile="off",  # rows leave the batch (prune), and every batch has its own shape
+            compile="on" if compiled.compiled else "off",
         )
+        if result.compile_s is not None:
+            summary.compile_s += result.compile_s
         _record(log, summary, batch, result, waited_s=start - started_s, own=own)
         for record in batch_steps(result, start) if on_step else ():
             on_step(record)

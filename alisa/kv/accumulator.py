@@ -58,6 +58,10 @@ class AttentionAccumulator:
             raise ValueError("an accumulator is windowed or decayed, not both")
         self.blocks = blocks
         self.decayed = decayed
+        # A plain attribute, not the ring's length read off the tensor: a compiled step then
+        # never touches an empty ring, whose strides (left by the slot space it was cut from)
+        # would be guarded and recompile a step of the same shapes.
+        self.windowed = windowed
         self.total = torch.zeros(batch, groups, capacity, dtype=torch.float32, device=device)
         ring = blocks + 2 if windowed else 0
         self.snapshots = torch.zeros(
@@ -70,17 +74,13 @@ class AttentionAccumulator:
         self.last_snapshot = 0
         self.next_slot = 0
 
-    @property
-    def windowed(self) -> bool:
-        return self.snapshots.shape[0] > 0
-
     def nbytes(self) -> int:
         """Bytes held by the running totals and snapshots."""
         return self.total.nbytes + self.snapshots.nbytes
 
     def static_buffers(self) -> tuple[torch.Tensor, ...]:
         """The totals and snapshots, which a static step adds to and clears in place."""
-        return self.total, self.snapshots
+        return (self.total, self.snapshots) if self.windowed else (self.total,)
 
     def add(self, row: torch.Tensor, window: np.ndarray | None) -> None:
         """Add one step's attention row (B, Hs, S') over the first S' slots."""

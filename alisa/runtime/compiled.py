@@ -14,6 +14,7 @@ https://pytorch.org/docs/stable/torch.compiler.html.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -37,11 +38,15 @@ class CompileChoice:
         Whether the steps run through :class:`CompiledDecode`.
     reason
         Why (``"asked"``, or what ``"auto"`` read: the device, a mode without a static step).
+    settled
+        ``"auto"`` would have compiled on this device, and the cache or the batching made it
+        eager (:meth:`eager`): worth saying where the device's default goes unsaid.
     """
 
     asked: str
     compiled: bool
     reason: str
+    settled: bool = False
 
     def describe(self) -> str:
         """``on (asked)``, ``off (auto: a CPU, ...)``: for ``--show-config`` and the results."""
@@ -49,7 +54,30 @@ class CompileChoice:
 
     def eager(self, why: str) -> CompileChoice:
         """``"auto"`` settled eager because of ``why`` (a cache without a static step)."""
-        return replace(self, compiled=False, reason=f"auto: {why}")
+        return replace(self, compiled=False, reason=f"auto: {why}", settled=True)
+
+
+# The smallest capacity of a compiled step's static cache, in tokens per row.
+SMALLEST_CAPACITY = 128
+
+
+def compiled_capacity(tokens: int, context: int | None) -> int:
+    """Tokens per row the static cache of a compiled run holds when its longest row needs
+    ``tokens`` (prompt, padding and new tokens): the next of 2^k and 3 * 2^(k-1) at or above
+    it, at least :data:`SMALLEST_CAPACITY`, at most ``context`` (the model's, None: unknown)
+    unless ``tokens`` is more.
+
+    A compiled step has one graph per batch size and capacity; rounding up by at most half
+    lets calls and batches of nearby lengths replay one graph instead of compiling their own
+    (16-150 s each on a CPU, about a minute on an H200: docs/compile.md, docs/gpu.md; and
+    torch.compile stops compiling a function after 8 shapes), for at most half again the
+    slots of the exact size.
+    """
+    capacity = SMALLEST_CAPACITY
+    while capacity < tokens:
+        half_step = capacity * 3 // 2 if capacity & (capacity - 1) == 0 else capacity * 4 // 3
+        capacity = half_step
+    return capacity if context is None else max(min(capacity, context), tokens)
 
 
 def choose_compile(compile: str, device: torch.device | str) -> CompileChoice:
@@ -142,6 +170,8 @@ class CompiledDecode:
             model.forward, fullgraph=True, dynamic=False, mode=mode
         )
         self.compile_s: float | None = None
+        # Whether torch.compile's recompile limit was reached (said once; see __call__).
+        self.limited = False
 
     def __call__(
         self,
@@ -180,6 +210,21 @@ class CompiledDecode:
         start = clock() if self.compile_s is None else None
         try:
             logits = last_logits(self.forward, feed, positions, mask, cache, **options)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            # A new shape past torch.compile's limit of graphs per function (8 by default;
+            # fullgraph=True makes it an error): this step runs the same forward eager (the
+            # host's half is done, no hook runs), with the same tokens, and the run goes on.
+            if not self.limited:
+                self.limited = True
+                warnings.warn(
+                    "compile: torch.compile's recompile limit "
+                    f"({torch._dynamo.config.recompile_limit} shapes of the decode step) is "
+                    "reached: steps of new batch sizes and capacities run eager from here (the "
+                    "same tokens); raise torch._dynamo.config.recompile_limit to compile more",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            logits = last_logits(self.model.forward, feed, positions, mask, cache, **options)
         except torch._dynamo.exc.Unsupported as error:
             name = type(self.model).__name__
             first = str(error).splitlines()[0]

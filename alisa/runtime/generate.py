@@ -17,7 +17,12 @@ from alisa.kv.hooks import attached
 from alisa.memory import PeakMemory
 from alisa.model.adapter import ModelShape, check_model_and_tokenizer
 from alisa.model.loading import chat_prompt, check_prompt_length, context_length
-from alisa.runtime.compiled import CompileChoice, choose_compile, settle_compile
+from alisa.runtime.compiled import (
+    CompileChoice,
+    choose_compile,
+    compiled_capacity,
+    settle_compile,
+)
 from alisa.runtime.engine import DecodeState, Engine, GenerationOutput, cache_kv_bytes
 from alisa.runtime.requests import TOKENIZER_HINT, past_vocabulary, vocabulary_size
 from alisa.runtime.sampling import RepeatedPrompts, SamplingOptions, sampling_or_default
@@ -161,8 +166,10 @@ def new_cache(
     longest: int,
     choice: CompileChoice,
 ) -> tuple[AlisaCache, CompileChoice]:
-    """The ``AlisaCache`` a ``generate`` call builds: static (``max_cache_len=longest``, the
-    longest prompt plus every new token) when its steps run compiled, else growing.
+    """The ``AlisaCache`` a ``generate`` call builds: static when its steps run compiled,
+    ``max_cache_len`` the ``longest`` row (prompt, padding and every new token) rounded up to
+    a capacity bucket (:func:`~alisa.runtime.compiled.compiled_capacity`: calls of nearby
+    lengths replay one compiled step), else growing.
 
     ``compile="on"`` with a mode that has no static step is refused (the cache's message);
     ``"auto"`` then settles eager, naming the mode's reason, since the user asked for no
@@ -171,7 +178,9 @@ def new_cache(
     """
     if choice.compiled:
         try:
-            cache = AlisaCache(model, config, max_new_tokens=max_new_tokens, max_cache_len=longest)
+            known = context_length(model)
+            capacity = compiled_capacity(longest, None if known is None else known[0])
+            cache = AlisaCache(model, config, max_new_tokens=max_new_tokens, max_cache_len=capacity)
         except ValueError as refusal:
             if choice.asked != "auto":
                 raise  # the cache names the setting without a static step
