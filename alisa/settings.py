@@ -454,8 +454,15 @@ EVICTION_FIELDS = (
 )
 
 
+UNTIERED = "without gpu_memory (no device/host tiers)"  # why tier fields go unread
+
+
 def ignored_settings(
-    config: ConfigFields, *, tiered: bool = False, typed: Collection[str] = ()
+    config: ConfigFields,
+    *,
+    tiered: bool = False,
+    typed: Collection[str] = (),
+    untiered: str = UNTIERED,
 ) -> list[str]:
     """What ``config`` sets (other than its default) that no part of a run reads, one
     ``field=value has no effect ...`` each: the one rule behind ``AlisaConfig``'s
@@ -471,6 +478,9 @@ def ignored_settings(
         are read.
     typed
         Fields the user named (a CLI flag typed), noted even at their default value.
+    untiered
+        Why the tier fields go unread without ``gpu_memory`` (a command whose ``--gpu-memory``
+        sizes batches, not tiers, says so).
 
     Returns
     -------
@@ -516,7 +526,7 @@ def ignored_settings(
         why["host_bits"] = f"with retention={config.retention!r} (no host region)"
     if config.gpu_memory is None and not tiered:
         for name in TIER_FIELDS:
-            why[name] = "without gpu_memory (no device/host tiers)"
+            why[name] = untiered
     return [
         f"{name}={getattr(config, name)!r} has no effect {reason}"
         for name, reason in why.items()
@@ -554,6 +564,24 @@ def untiered_notes(config: ConfigFields) -> list[str]:
     if config.gpu_memory is not None:  # tiered: read
         return []
     return [note for note in ignored_settings(config) if note.startswith(TIER_PREFIXES)]
+
+
+def check_untiered(config: ConfigFields, runner: str, budget: str) -> None:
+    """Refuse a ``gpu_memory`` in ``config`` where ``runner`` (a batch job, a stream, a server)
+    sizes whole batches to a budget of its own, ``budget``, and never splits a cache into
+    device/host tiers: accepted, it would go unread beside that budget.
+
+    Raises
+    ------
+    ValueError
+        Naming the value, the budget to give instead and why.
+    """
+    if config.gpu_memory is not None:
+        raise ValueError(
+            f"config.gpu_memory={config.gpu_memory!r}: {runner} sizes its batches to {budget} "
+            f"and never splits a cache into device/host tiers; give the budget as {budget} "
+            "and leave the config's gpu_memory unset"
+        )
 
 
 def field_default(item: Field) -> object:

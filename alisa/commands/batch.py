@@ -33,7 +33,9 @@ HELP = "generate for every prompt of a JSONL file under a memory budget (resumab
 JOB_FLAGS = {
     "input": "INPUT",
     "output": "-o/--output",
-    **dict.fromkeys(("max_new_tokens", "max_batch", "reserve_tokens", "prefill_tokens")),
+    **dict.fromkeys(
+        ("max_new_tokens", "max_batch", "reserve_tokens", "prefill_tokens", "gpu_memory")
+    ),
 }
 
 
@@ -129,22 +131,21 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"--rank-timeout={args.rank_timeout} must be a finite number > 0")
     if args.kv_memory is not None:
         parse_budget(args.kv_memory, field="--kv-memory")
-    config = cache_config_from_args(args)
+    # The job's budget sizes whole batches; the cache itself is not tiered per batch.
+    config = cache_config_from_args(args, sizes_batches=True)
     if config.host_memory is not None and config.retention != "host":
         # Batches are sized to fit the device; their caches are never tiered to the host.
         raise CommandError(
             f"--host-memory {config.host_memory} has no effect in alisa batch without "
             "--retention host (batches are sized to --gpu-memory and --kv-memory)"
         )
-    # The job's budget sizes whole batches; the cache itself is not tiered per batch.
-    budget, config = config.gpu_memory, config.with_overrides(gpu_memory=None)
     job = build_from_flags(
         BatchJob,
         JOB_FLAGS,
         input=args.input,
         output=args.output,
         config=config,
-        gpu_memory=budget,
+        gpu_memory=args.gpu_memory,
         kv_memory=args.kv_memory,
         max_new_tokens=args.max_new_tokens,
         max_batch=args.max_batch,

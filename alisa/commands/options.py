@@ -26,6 +26,7 @@ from alisa.model.dtypes import DTYPES
 from alisa.ops import COMPILE
 from alisa.settings import (
     TIER_FIELDS,
+    UNTIERED,
     IgnoredSettingWarning,
     field_default,
     full_precision_note,
@@ -200,10 +201,15 @@ class TypedBool(argparse.BooleanOptionalAction):
 
 
 def cache_config_from_args(
-    args: argparse.Namespace, only: tuple[str, ...] | None = None
+    args: argparse.Namespace, only: tuple[str, ...] | None = None, *, sizes_batches: bool = False
 ) -> AlisaConfig:
     """The validated ``AlisaConfig`` the generated flags describe; errors name the flag, and a
     flag that would change nothing is one warning line on stderr (:func:`ignored_settings`).
+
+    ``sizes_batches``: the command (``alisa batch``, ``alisa serve``) reads ``--gpu-memory`` as
+    the budget its batches are sized to, never as a cache's device tier: the config leaves it
+    out (so no tier rule of the config refuses it: host retention and per-head selection run
+    under it), and the tier fields are said to have no effect there.
 
     Raises
     ------
@@ -212,14 +218,22 @@ def cache_config_from_args(
         file that cannot be read.
     """
     names = [item.name for item in _settable_fields(only)]
+    built = [name for name in names if not (sizes_batches and name == "gpu_memory")]
     with warnings.catch_warnings():  # said below, naming the flags, in the command's words
         warnings.simplefilter("ignore", IgnoredSettingWarning)
         config = build_from_flags(
-            AlisaConfig, dict.fromkeys(names), **{name: getattr(args, name) for name in names}
+            AlisaConfig, dict.fromkeys(names), **{name: getattr(args, name) for name in built}
         )
     tiered = args.command == "plan"  # the plan places KV on the whole device by default
     typed = args.typed_fields
-    for note in ignored_settings(config, tiered=tiered, typed=typed):  # said, not refused
+    untiered = UNTIERED
+    if sizes_batches:
+        untiered = (
+            f"in alisa {args.command}, which sizes its batches to --gpu-memory and never splits "
+            "a cache into device/host tiers"
+        )
+    notes = ignored_settings(config, tiered=tiered, typed=typed, untiered=untiered)
+    for note in notes:  # said, not refused
         print(
             f"alisa {args.command}: warning: {with_flag(note, dict.fromkeys(names))}",
             file=sys.stderr,

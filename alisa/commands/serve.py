@@ -92,21 +92,20 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise CommandError(f"--port={args.port} must be in 0..65535")
     kv_bytes = None if args.kv_memory is None else parse_budget(args.kv_memory, field="--kv-memory")
-    config = cache_config_from_args(args)
+    config = cache_config_from_args(args, sizes_batches=True)  # --gpu-memory sizes the batch
     if config.host_memory is not None and config.retention != "host":
         raise CommandError(
             f"--host-memory {config.host_memory} has no effect in alisa serve without "
             "--retention host (batches are sized to --gpu-memory and --kv-memory)"
         )
-    # The budget sizes the running batch; the cache itself is not tiered.
-    device = config.gpu_memory
+    device = args.gpu_memory
     device_bytes = None if device is None else parse_budget(device, field="--gpu-memory")
     settings = build_from_flags(
         ServeSettings,
         SETTINGS_FLAGS,
         # Only a flag left out falls back: an empty name is refused, not silently replaced.
         model_name=args.model if args.served_model_name is None else args.served_model_name,
-        config=config.with_overrides(gpu_memory=None),
+        config=config,
         kv_bytes=kv_bytes,
         device_bytes=device_bytes,
         max_rows=args.max_batch,

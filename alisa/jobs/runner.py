@@ -52,7 +52,7 @@ from alisa.runtime.requests import (
     past_vocabulary,
     vocabulary_size,
 )
-from alisa.settings import IgnoredSettingWarning
+from alisa.settings import IgnoredSettingWarning, check_untiered
 from alisa.sizes import format_bytes, parse_budget, parse_bytes
 
 
@@ -131,6 +131,7 @@ class BatchJob:
             raise ValueError(
                 f"compile={self.compile!r} must be one of {', '.join(map(repr, COMPILE))}"
             )
+        check_untiered(self.config, "a batch job", "BatchJob(gpu_memory=...)")
         if self.compile == "on" and not self.static:
             raise ValueError(
                 "compile='on' runs static batches' decode steps compiled; continuous batching "

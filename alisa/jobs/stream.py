@@ -17,6 +17,7 @@ from alisa.runtime.engine import Engine
 from alisa.runtime.generate import check_prompt
 from alisa.runtime.requests import PREFILL_TOKENS, RowShape, StreamRequest, StreamResult
 from alisa.runtime.sampling import RepeatedPrompts, SamplingOptions, sampling_or_default
+from alisa.settings import check_untiered
 from alisa.sizes import parse_budget
 from scheduler import ModelSpec
 
@@ -191,11 +192,7 @@ def stream_generate(
     prompts = _prompt_stream(prompts)
     check_bool("stop_at_eos", stop_at_eos)
     config = config_or_default(config)
-    if config.gpu_memory is not None:
-        raise ValueError(
-            f"gpu_memory={config.gpu_memory!r} in the config plans device tiers per batch; "
-            "continuous batching takes the budget as stream_generate(gpu_memory=...) instead"
-        )
+    check_untiered(config, "stream_generate", "stream_generate(gpu_memory=...)")
     spec = model_spec(model, model_shape(model))
     admission = ByteBudget(
         spec=spec,

@@ -334,6 +334,15 @@ def load_model(
             raise ValueError(refused) from error
     except SafetensorError as error:
         raise ValueError(_unreadable_weights(spec, path, error)) from error
+    except ImportError as error:  # a package the load needs is not installed here
+        first = str(error).splitlines()[0]
+        if attn_implementation not in (None, "sdpa", "eager"):  # flash_attention_2 and the like
+            raise ValueError(
+                f"attn_implementation={attn_implementation!r} cannot be used here ({first}); "
+                "leave attn_implementation unset (SDPA, or eager where the architecture has "
+                "none) or give 'sdpa' or 'eager'"
+            ) from error
+        raise ValueError(f"model={spec!r} could not be loaded from {path!r}: {first}") from error
     except OSError as error:
         raise ValueError(f"model={spec!r} could not be loaded from {path!r}: {error}") from error
     _refuse_partial_weights(spec, path, type(model).__name__, loading)

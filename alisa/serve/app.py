@@ -30,7 +30,13 @@ from alisa.serve.engine import Delta, Event, Failed, Finished, Job, ServeEngine
 from alisa.serve.errors import APIError, bad_request, internal_error
 from alisa.serve.metrics import ServeMetrics
 from alisa.serve.prepare import Prepared, Preparer
-from alisa.serve.protocol import GenerationRequest, parse_chat, parse_completion, read_json
+from alisa.serve.protocol import (
+    IGNORED_HEADER,
+    GenerationRequest,
+    parse_chat,
+    parse_completion,
+    read_json,
+)
 
 logger = logging.getLogger("alisa.serve")
 MAX_BODY_BYTES = 32 * 1024 * 1024  # far above any context's worth of text or token ids
@@ -45,6 +51,7 @@ class ServeState:
         self.settings = engine.settings
         self.draining = False
         self.created = int(time.time())
+        self.said: set[str] = set()  # request fields whose having no effect was logged
 
 
 def create_app(state: ServeState) -> Starlette:
@@ -145,18 +152,36 @@ async def _generate(
     )
     state.engine.submit(job)
     reply = _Reply(parsed, state.settings.model_name, len(prepared.prompt_ids))
+    said = _ignored(parsed, state)
     if parsed.stream:
         return StreamingResponse(
             _stream(state.engine, job, events, reply),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
+            headers={"Cache-Control": "no-cache", **said},
         )
     event = await _final_event(request, state.engine, job, events)
     if event is None:  # the client left; nobody reads this
         return Response(status_code=499)
     if isinstance(event, Failed):
         return JSONResponse(event.error.body(), status_code=event.error.status)
-    return JSONResponse(reply.whole(event, prepared.prompt_ids))
+    return JSONResponse(reply.whole(event, prepared.prompt_ids), headers=said)
+
+
+def _ignored(parsed: GenerationRequest, state: ServeState) -> dict[str, str]:
+    """The response header naming the request's fields that change nothing (a client is
+    never shown a warning, and refusing fields OpenAI's API accepts would break clients), and
+    one log line per field for the server's operator, the first time a request sets it."""
+    if not parsed.ignored:
+        return {}
+    text = f"{', '.join(parsed.ignored)}: no effect at temperature=0 (greedy decoding)"
+    if new := [name for name in parsed.ignored if name not in state.said]:
+        state.said.update(new)
+        logger.warning(
+            "a request set %s; said once per field here, and in every response's %s header",
+            text,
+            IGNORED_HEADER,
+        )
+    return {IGNORED_HEADER: text}
 
 
 async def _read(

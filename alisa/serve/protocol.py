@@ -121,6 +121,11 @@ CHAT_FIELDS = (
 )
 
 
+# The response header that names the request's fields that changed nothing
+# (GenerationRequest.ignored).
+IGNORED_HEADER = "X-Alisa-Ignored"
+
+
 @dataclass(frozen=True, kw_only=True)
 class GenerationRequest:
     """One parsed request body, before its prompt is tokenized.
@@ -151,6 +156,11 @@ class GenerationRequest:
     ignore_eos
         Generate ``max_tokens`` whatever the model says (vLLM's extension, for benchmarks of
         equal work): EOS does not end the answer.
+    ignored
+        Sampling fields the body sets that change nothing (``top_p``, ``top_k``, ``seed`` at
+        ``temperature`` 0, which is greedy decoding). Accepted, as OpenAI's API and vLLM do
+        (clients such as lm-evaluation-harness send a seed with temperature 0), and said: the
+        response's :data:`IGNORED_HEADER` names them, and the server logs each field once.
     """
 
     chat: bool
@@ -165,6 +175,7 @@ class GenerationRequest:
     cache: tuple[tuple[str, object], ...] = ()
     return_token_ids: bool = False
     ignore_eos: bool = False
+    ignored: tuple[str, ...] = ()
 
     @property
     def prompt_field(self) -> str:
@@ -358,10 +369,12 @@ def _common(body: dict, max_tokens: int | None) -> dict:
     if user is not None and not isinstance(user, str):
         raise bad_request(f"user={_show(user)} must be a string", "user")
     stream = _optional_bool(body, "stream") or False
+    sampling, ignored = _sampling(body)
     return {
         "model": model,
         "max_tokens": max_tokens,
-        "sampling": _sampling(body),
+        "sampling": sampling,
+        "ignored": ignored,
         "stop": _stop(body.get("stop")),
         "stream": stream,
         "include_usage": _stream_options(body.get("stream_options"), stream),
@@ -470,7 +483,10 @@ def _content(value, field: str) -> str:
     return "\n".join(texts)
 
 
-def _sampling(body: dict) -> SamplingOptions:
+def _sampling(body: dict) -> tuple[SamplingOptions, tuple[str, ...]]:
+    """The request's sampling, and the fields it sets that change nothing (greedy decoding at
+    ``temperature`` 0 reads no ``top_p``, ``top_k`` or ``seed``; a ``top_p`` of 1 and a
+    ``top_k`` of -1 or 0, no limit, change nothing anyway and are not named)."""
     temperature = _optional_number(body, "temperature")
     if temperature is not None and temperature < 0:
         raise bad_request(f"temperature={temperature} must be >= 0", "temperature")
@@ -482,14 +498,17 @@ def _sampling(body: dict) -> SamplingOptions:
     if seed is not None and seed >= 2**64:
         raise bad_request(f"seed={seed} must be below 2**64", "seed")
     if temperature == 0:  # greedy: the other options have no effect
-        return SamplingOptions()
-    return SamplingOptions(
+        given = {"top_p": top_p not in (None, 1), "top_k": top_k not in (None, -1, 0)}
+        given["seed"] = seed is not None
+        return SamplingOptions(), tuple(name for name, set_ in given.items() if set_)
+    sampling = SamplingOptions(
         do_sample=True,
         temperature=None if temperature is None else float(temperature),
         top_k=None if top_k is None else max(top_k, 0),  # -1 (vLLM) and 0 both mean no limit
         top_p=None if top_p is None else float(top_p),
         seed=seed,
     )
+    return sampling, ()
 
 
 def _stop(value) -> tuple[str, ...]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from alisa.checks import check_text
 from alisa.config import AlisaConfig
 from alisa.runtime.requests import PREFILL_TOKENS
+from alisa.settings import check_untiered
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,11 +57,7 @@ class ServeSettings:
         check_text(self.model_name, f"model_name={self.model_name!r}")
         if not isinstance(self.config, AlisaConfig):
             raise ValueError(f"config={self.config!r} must be an AlisaConfig")
-        if self.config.gpu_memory is not None:
-            raise ValueError(
-                f"config.gpu_memory={self.config.gpu_memory!r}: a server sizes its batch to "
-                "device_bytes; its caches are not tiered"
-            )
+        check_untiered(self.config, "a server", "device_bytes (--gpu-memory)")
         for name in ("max_rows", "max_queue", "max_tokens"):
             _check_int(name, getattr(self, name), 1)
         for name, minimum in (
