@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from alisa import AlisaCache
 from alisa.kv.hooks import attached
+from alisa.runtime.compiled import ASKED_ON
 from alisa.runtime.engine import DecodeState, Engine, cache_kv_bytes, cache_tier_bytes
 
 
@@ -78,7 +79,12 @@ def interleaved_rows(
     if new_tokens < 2:
         raise ValueError(f"new_tokens={new_tokens!r} must be at least 2 to time decode steps")
     engines = {
-        system: Engine(model, tokenizer, stop_at_eos=False, compile=compile_setting(system) == "on")
+        system: Engine(
+            model,
+            tokenizer,
+            stop_at_eos=False,
+            compile=ASKED_ON if compile_setting(system) == "on" else None,
+        )
         for system in systems
     }
     # A StaticCache of the timed run's capacity in the warm-up too: a compiled system compiles

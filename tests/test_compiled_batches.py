@@ -9,11 +9,15 @@ import pytest
 import torch
 from conftest import byte_tokenizer, run_main, tiny_llama
 from torch._dynamo.utils import counters
+from transformers import LlamaForCausalLM
 
 from alisa import AlisaConfig, generate
 from alisa.jobs import BatchJob
 from alisa.jobs.runner import job_compile, run_batch
+from alisa.kv.hooks import attached
 from alisa.runtime.compiled import CompileChoice, compiled_capacity
+from alisa.runtime.engine import DecodeState, Engine
+from alisa.runtime.generate import new_cache
 
 SWA = AlisaConfig(policy="swa", caching_ratio=0.5, min_budget_tokens=0)  # decayed sums: no ring
 HOST = AlisaConfig(policy="swa", caching_ratio=0.5, retention="host")
@@ -176,3 +180,33 @@ def test_steps_past_the_recompile_limit_run_eager_with_one_warning():
         with pytest.warns(RuntimeWarning, match="recompile limit .1 shapes of the decode step"):
             second = generate(model, tokenizer, shapes[1], SWA, compile="on", **run)
     assert [first.token_ids, second.token_ids] == [r.token_ids for r in eager]
+
+
+class _Untraceable(LlamaForCausalLM):
+    """A Llama whose forward breaks the graph, as a model the compiler cannot trace whole."""
+
+    def forward(self, *args, **kwargs):
+        torch._dynamo.graph_break()
+        return super().forward(*args, **kwargs)
+
+
+def test_a_model_the_compiler_cannot_trace_runs_eager_under_auto_and_is_refused_under_on():
+    """``"auto"`` asked for speed, not for compiling: an untraceable step runs eager with one
+    RuntimeWarning and the result says why; ``"on"`` is refused naming the model."""
+    model, tokenizer = _Untraceable(tiny_llama().config).eval(), byte_tokenizer()
+    model.load_state_dict(tiny_llama().state_dict())
+    run = dict(max_new_tokens=4, stop_at_eos=False)
+    eager = generate(model, tokenizer, ["hello"], SWA, **run)
+    with pytest.warns(RuntimeWarning, match="compile='auto': torch.compile cannot trace _Untr"):
+        settled = new_cache(model, SWA, 4, 10, CUDA_AUTO)[0]
+        auto = Engine(model, tokenizer, compile=CUDA_AUTO, stop_at_eos=False)
+        batch = tokenizer(["hello"], return_tensors="pt")
+        state = DecodeState.start(batch["input_ids"], batch["attention_mask"])
+        with attached(model):
+            result = auto.run(state, settled, 4)
+    assert result.token_ids == eager.token_ids
+    assert auto.compiled.choice.describe() == (
+        "off (auto: torch.compile cannot trace _Untraceable's decode step in one graph)"
+    )
+    with pytest.raises(ValueError, match="compile='on': torch.compile cannot trace _Untraceable"):
+        generate(model, tokenizer, ["hello"], SWA, compile="on", **run)

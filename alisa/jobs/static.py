@@ -77,7 +77,8 @@ def run_static(
     from ``factory``, else the job's), append its rows to ``log``, count them in ``summary`` (a
     :class:`~alisa.jobs.runner.JobSummary`); yield each batch (error rows pass through).
 
-    ``compiled``: the job's decode steps, compiled or eager (settled for its mode). Compiled,
+    ``compiled``: the job's decode steps, compiled or eager (settled for its mode; under
+    ``"auto"`` a model the compiler cannot trace settles eager at the first batch). Compiled,
     a batch keeps its finished rows (a compiled step keeps its batch) and the job's own cache
     is static, ``held(batch, new_tokens)`` tokens per row
     (:func:`~alisa.runtime.compiled.compiled_capacity`); eager, finished rows are pruned and
@@ -107,10 +108,12 @@ def run_static(
             past_key_values=cache,
             prune_finished=not compiled.compiled,
             stop_at_eos=job.stop_at_eos,
-            compile="on" if compiled.compiled else "off",
+            compile=compiled.asked if compiled.compiled else "off",
         )
         if result.compile_s is not None:
             summary.compile_s += result.compile_s
+        if compiled.compiled and not result.compile.compiled:  # "auto": the step not traced
+            compiled = summary.compile = result.compile  # the next batches run eager at once
         _record(log, summary, batch, result, waited_s=start - started_s, own=own)
         for record in batch_steps(result, start) if on_step else ():
             on_step(record)

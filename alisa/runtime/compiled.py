@@ -80,6 +80,10 @@ def compiled_capacity(tokens: int, context: int | None) -> int:
     return capacity if context is None else max(min(capacity, context), tokens)
 
 
+# compile="on", as asked: what a caller that compiles regardless of the device passes.
+ASKED_ON = CompileChoice(asked="on", compiled=True, reason="asked")
+
+
 def choose_compile(compile: str, device: torch.device | str) -> CompileChoice:
     """``compile`` resolved for ``device``: ``"on"`` and ``"off"`` as asked, ``"auto"`` by
     :func:`alisa.ops.backends.compiles_by_default`.
@@ -156,19 +160,26 @@ class CompiledDecode:
     mode
         ``torch.compile``'s mode (:func:`alisa.ops.backends.compile_mode` of the model's
         device).
+    choice
+        What was asked (:func:`choose_compile`): under ``"auto"`` a model whose step the
+        compiler cannot trace runs eager with one warning; under ``"on"`` it is refused.
 
     Attributes
     ----------
     compile_s
         Seconds of the first compiled step (tracing and code generation included); None
         before it.
+    choice
+        As given, or settled eager (``choice.compiled`` False, the reason said) once the
+        compiler could not trace the step under ``"auto"``.
     """
 
-    def __init__(self, model: nn.Module, mode: str) -> None:
+    def __init__(self, model: nn.Module, mode: str, choice: CompileChoice | None = None) -> None:
         self.model = model
         self.forward: Callable = torch.compile(
             model.forward, fullgraph=True, dynamic=False, mode=mode
         )
+        self.choice = choice or ASKED_ON
         self.compile_s: float | None = None
         # Whether torch.compile's recompile limit was reached (said once; see __call__).
         self.limited = False
@@ -200,13 +211,16 @@ class CompiledDecode:
         Raises
         ------
         ValueError
-            The cache is not compileable, or the compiler cannot trace the model in one graph.
+            The cache is not compileable, or the compiler cannot trace the model in one graph
+            and ``compile="on"`` was asked.
         """
         check_compileable(cache)
         if isinstance(cache, AlisaCache):  # the host's half of its step (no hook runs here)
             cache.begin_forward(feed.shape[0], feed.shape[1], mask, model=self.model)
         if mask is not None:
             mask = nn.functional.pad(mask, (0, cache.get_max_length() - mask.shape[1]))
+        if not self.choice.compiled:  # "auto" found the step untraceable: eager from then on
+            return last_logits(self.model.forward, feed, positions, mask, cache, **options)
         start = clock() if self.compile_s is None else None
         try:
             logits = last_logits(self.forward, feed, positions, mask, cache, **options)
@@ -227,11 +241,21 @@ class CompiledDecode:
             logits = last_logits(self.model.forward, feed, positions, mask, cache, **options)
         except torch._dynamo.exc.Unsupported as error:
             name = type(self.model).__name__
+            why = f"torch.compile cannot trace {name}'s decode step in one graph"
             first = str(error).splitlines()[0]
-            raise ValueError(
-                f"compile='on': torch.compile cannot trace {name}'s decode step in one graph "
-                f"({first}); use compile='off'"
-            ) from error
+            if self.choice.asked != "auto":
+                raise ValueError(
+                    f"compile={self.choice.asked!r}: {why} ({first}); use compile='off'"
+                ) from error
+            # "auto" asked for speed, not for compiling: the same forward, eager (the host's
+            # half is done, no hook runs), now and for the rest of the run, said once.
+            warnings.warn(
+                f"compile='auto': {why} ({first}); its decode steps run eager",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self.choice = self.choice.eager(why)
+            return last_logits(self.model.forward, feed, positions, mask, cache, **options)
         if start is not None:
             self.compile_s = clock() - start
         return logits

@@ -281,8 +281,9 @@ class Engine:
     stop_at_eos
         False never stops a row early (benchmarks of equal work).
     compile
-        Run decode steps compiled (:class:`~alisa.runtime.compiled.CompiledDecode`; the cache
-        must be compileable); prefill stays eager.
+        Run decode steps compiled where it says so (:class:`~alisa.runtime.compiled.
+        CompiledDecode`, which may settle ``"auto"`` eager for a model it cannot trace; the
+        cache must be compileable); prefill stays eager. None: eager.
     """
 
     def __init__(
@@ -292,11 +293,13 @@ class Engine:
         sampling: SamplingOptions | None = None,
         *,
         stop_at_eos: bool = True,
-        compile: bool = False,
+        compile: CompileChoice | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
-        self.compiled = CompiledDecode(model, compile_mode(self.device)) if compile else None
+        self.compiled = None
+        if compile is not None and compile.compiled:
+            self.compiled = CompiledDecode(model, compile_mode(self.device), compile)
         self.pick = TokenPicker(model, sampling or SamplingOptions())
         eos = model.generation_config.eos_token_id
         if eos is None and tokenizer is not None:

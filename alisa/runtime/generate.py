@@ -150,12 +150,13 @@ def generate(
     if isinstance(cache, AlisaCache):  # as the CLI warns: an evicting policy that keeps all
         for note in run_notes(model, cache.config, cache.shape, longest):
             warnings.warn(note, IgnoredSettingWarning, stacklevel=3)  # past inference_mode
-    engine = Engine(model, tokenizer, sampling, stop_at_eos=stop_at_eos, compile=choice.compiled)
+    engine = Engine(model, tokenizer, sampling, stop_at_eos=stop_at_eos, compile=choice)
     state = DecodeState.start(batch["input_ids"], batch["attention_mask"])
     with attached(model), PeakMemory(device) as memory:  # the model's attention is restored
         result = engine.run(state, cache, max_new_tokens, prune=prune_finished)
     result.peak_memory_bytes = memory.peak_bytes
-    result.compile = choice
+    # As it ran: "auto" settles eager for a model the compiler cannot trace.
+    result.compile = engine.compiled.choice if engine.compiled is not None else choice
     return result
 
 
