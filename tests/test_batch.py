@@ -246,6 +246,9 @@ def test_a_torn_last_line_is_repaired_and_redone(tmp_path):
         ('{"id": 1, "prompt": "a"}\n{not json}\n', "in.jsonl:2: malformed JSON"),
         ('{"id": 1, "prompt": "a"}\n{"id": 1, "prompt": "b"}\n', "in.jsonl:2: duplicate id 1"),
         ('{"id": 1}\n', "in.jsonl:1: missing or empty 'prompt'"),
+        # The fourteenth bad-input tour's S1: an empty id ran and was written back unsaid.
+        ('{"id": "", "prompt": "a"}\n', "in.jsonl:1: 'id' is empty"),
+        ('{"id": " ", "prompt": "a"}\n', "in.jsonl:1: 'id' is blank"),
         ('{"id": 1, "prompt": "a", "temprature": 1}\n', "unknown option 'temprature'"),
         ('{"id": 1, "prompt": "a", "max_new_tokens": "many"}\n', "max_new_tokens='many'"),
         ("[1, 2]\n", "expected a JSON object"),

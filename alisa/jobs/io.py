@@ -57,9 +57,9 @@ def read_requests(path: str | Path) -> list[Request]:
     ValueError
         Malformed JSON, a row that is not an object or gives a key twice, a ``prompt`` that is
         not a non-empty string, a ``chat`` that is not a boolean, a missing ``id`` or one that
-        is not a string or integer, a duplicate ``id``, an ``id`` or ``prompt`` holding a lone
-        surrogate (a ``\\ud800`` escape without its pair), an unknown, mistyped or out-of-range
-        option (same rules as the matching flag).
+        is not a string or integer (or an empty or blank string), a duplicate ``id``, an
+        ``id`` or ``prompt`` holding a lone surrogate (a ``\\ud800`` escape without its pair),
+        an unknown, mistyped or out-of-range option (same rules as the matching flag).
     """
     name = input_name(path)
     rows = parse_jsonl(sys.stdin.buffer, name) if str(path) == STDIN else iter_jsonl(path)
@@ -72,6 +72,11 @@ def read_requests(path: str | Path) -> list[Request]:
         if isinstance(identifier, bool) or not isinstance(identifier, str | int):
             raise ValueError(f"{where}: 'id' must be a string or an integer, got {identifier!r}")
         if isinstance(identifier, str):  # written back to the UTF-8 output: must be valid text
+            if not identifier.strip():  # a row no one could find in the output, or resume
+                raise ValueError(
+                    f"{where}: 'id' is {'empty' if not identifier else 'blank'} "
+                    f"({identifier!r}); give every row a non-empty id (a string or an integer)"
+                )
             _check_row_text(identifier, "'id'", where, "")
         if identifier in seen:
             raise ValueError(
