@@ -57,8 +57,12 @@ def prompt_hint(prog: str, message: str) -> str:
 
 def build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The ``alisa`` parser and each subcommand's, by name."""
+    # No abbreviated flags: `--prompt hello` was taken as `--prompt-file hello`, a file the
+    # user never named (the prompt is the positional argument).
     parser = argparse.ArgumentParser(
-        prog="alisa", description="LLM inference when KV-cache memory is the wall (ALISA runtime)"
+        prog="alisa",
+        description="LLM inference when KV-cache memory is the wall (ALISA runtime)",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"alisa {_version()}")
     subparsers = parser.add_subparsers(
@@ -66,7 +70,9 @@ def build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     )
     commands = {}
     for name, (help_text, configure, _) in COMMANDS.items():
-        commands[name] = subparsers.add_parser(name, help=help_text, description=help_text)
+        commands[name] = subparsers.add_parser(
+            name, help=help_text, description=help_text, allow_abbrev=False
+        )
         configure(commands[name])
     return parser, commands
 

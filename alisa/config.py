@@ -96,7 +96,9 @@ class AlisaConfig:
         Byte budget of the host memory KV may take: the host tier of ``gpu_memory``, or the host
         region of ``retention="host"``, which the prompt and ``max_new_tokens`` must fit (else a
         ``ValueError`` before the prefill; never exceeded silently); ``None``: what psutil
-        reports available. Set without either, it would limit nothing: an error.
+        reports available. Set without either, it would limit nothing: an error (``alisa
+        plan``, which places KV on the whole device by default, reads it, and warns when its
+        plan puts nothing on the host).
     recompute
         ``auto`` (the plan decides), ``never`` (offload only) or ``always`` (no host KV tier).
     profile

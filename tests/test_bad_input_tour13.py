@@ -10,7 +10,7 @@ import logging
 import socket
 
 import pytest
-from conftest import byte_tokenizer, run_main, tiny_llama
+from conftest import byte_tokenizer, run_main, saved_tiny_llama, tiny_llama
 from serve_support import HOST, WAIT_S, running_server
 
 from alisa import AlisaConfig, load_model
@@ -25,10 +25,7 @@ HOST_SWA = ["--policy", "swa", "--caching-ratio", "0.5"]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tour13")
-    tiny_llama().save_pretrained(folder)
-    byte_tokenizer().save_pretrained(folder)
-    return str(folder)
+    return str(saved_tiny_llama(tmp_path_factory.mktemp("tour13")))
 
 
 def _batch(tmp_path, model_dir, *flags):

@@ -77,6 +77,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from alisa.serve import AlisaServer, ServeSettings, bind
     from alisa.serve.server import base_url
+    from alisa.serve.settings import host_budget_error
     from alisa.sizes import parse_budget
 
     if not args.host.strip():  # an unset $HOST in a script: never "every interface" by accident
@@ -98,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
             f"--host-memory {config.host_memory} has no effect in alisa serve without "
             "--retention host (batches are sized to --gpu-memory and --kv-memory)"
         )
+    if (error := host_budget_error(config.host_memory)) is not None:
+        raise CommandError(f"--host-memory {config.host_memory}: {error}")
     device = args.gpu_memory
     device_bytes = None if device is None else parse_budget(device, field="--gpu-memory")
     settings = build_from_flags(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from alisa.checks import check_text
+from alisa.checks import check_int, check_text
 from alisa.config import AlisaConfig
 from alisa.runtime.requests import PREFILL_TOKENS
 from alisa.settings import check_untiered
@@ -58,16 +58,18 @@ class ServeSettings:
         if not isinstance(self.config, AlisaConfig):
             raise ValueError(f"config={self.config!r} must be an AlisaConfig")
         check_untiered(self.config, "a server", "device_bytes (--gpu-memory)")
+        if (error := host_budget_error(self.config.host_memory)) is not None:
+            raise ValueError(f"config.host_memory={self.config.host_memory!r}: {error}")
         for name in ("max_rows", "max_queue", "max_tokens"):
-            _check_int(name, getattr(self, name), 1)
+            check_int(name, getattr(self, name), minimum=1)
         for name, minimum in (
             ("kv_bytes", 1),
             ("device_bytes", 1),
             ("reserve_tokens", 0),
             ("prefill_tokens", 1),
         ):
-            if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), minimum)
+            if getattr(self, name) is not None:  # past 2**62: refused, as the CLI's flags
+                check_int(name, getattr(self, name), minimum=minimum)
         if not isinstance(self.packing, bool):
             raise ValueError(f"packing={self.packing!r} must be True or False")
 
@@ -77,6 +79,15 @@ class ServeSettings:
         return {"kv": self.kv_bytes, "device": self.device_bytes}
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+def host_budget_error(host_memory: int | str | None) -> str | None:
+    """Why a server refuses a ``host_memory`` (the host region of ``retention="host"``), or
+    None: its admission counts device and KV bytes, not the host region, so a request could
+    outgrow that budget in the middle of a batch and fail there (an HTTP 500) instead of being
+    refused when it arrives."""
+    if host_memory is None:
+        return None
+    return (
+        "a server does not count the host region of retention='host' in its admission yet, so "
+        "a request could outgrow it mid-batch; leave it unset (the host region then grows with "
+        "the rows admitted under the KV and device budgets)"
+    )
