@@ -20,7 +20,8 @@ class ServeSettings:
         The name clients give as ``model`` (``/v1/models`` lists it).
     config
         The cache settings of requests that do not choose their own (its ``gpu_memory`` must be
-        None: the device budget is ``device_bytes``, which admission sizes rows against).
+        None: the device budget is ``device_bytes``, which admission sizes rows against; and its
+        ``host_memory`` None: admission does not count the host region, :func:`host_budget_error`).
     kv_bytes, device_bytes
         Admission budgets (:class:`~alisa.jobs.stream.ByteBudget`): the KV alone, and weights
         + KV + activations; None: no limit.
