@@ -14,12 +14,6 @@ after a short warm-up; ``--repeats`` runs them all again, interleaved, and repor
 Systems (``--systems``):
     static-drop, continuous-drop        ``alisa batch --static`` vs ``alisa batch``, SWA r=0.2
     static-host, continuous-host        the same with retention="host"
-Named only (not in ``all``):
-    static-dense                        ``alisa batch --static`` at r = 1
-    static-drop-compiled,               ``--static --compile on``: decode steps compiled, each
-    static-dense-compiled               batch's cache sized to a capacity bucket, finished
-                                        rows kept in their batch (one graph per batch size
-                                        and bucket; ``--new-tokens 64`` keeps one group)
     continuous-drop-separate,           continuous, each newcomer prefilled in a forward of its
     continuous-host-separate            own (``--separate-prefills``), not in the decode step
     continuous-dense                    ``alisa batch`` at r = 1 (every token kept)
@@ -27,6 +21,12 @@ Named only (not in ``all``):
     reserve, continuous-dense-reserve   tokens`` new tokens; rows that outgrow it are paused
     hf                                  transformers 5.23's continuous batching (the engine
                                         behind ``generate_batch``), sdpa, paged KV
+Named only (not in ``all``):
+    static-dense                        ``alisa batch --static`` at r = 1
+    static-drop-compiled,               ``--static --compile on``: decode steps compiled, each
+    static-dense-compiled               batch's cache sized to a capacity bucket, finished
+                                        rows kept in their batch (one graph per batch size
+                                        and bucket; ``--new-tokens 64`` keeps one group)
 
 Prints a table (generated tokens/s, TTFT p50/p95 from the start, rows in flight, KV, ROUGE-L of
 the summaries), then one JSON line with :func:`experiments.timing.environment`; ``--plot PATH``

@@ -117,19 +117,19 @@ def test_auto_runs_eager_on_a_cpu_and_settles_what_cannot_compile(tmp_path):
     assert summary.compile.describe().startswith("off (auto: a CPU")
     assert "decode steps" not in summary.describe()
     source, out = tmp_path / "in.jsonl", tmp_path / "x.jsonl"
-    continuous = job_compile(CUDA_AUTO, model, BatchJob(input=source, output=out), None, None)
+    continuous = job_compile(CUDA_AUTO, model, BatchJob(input=source, output=out), None)
     assert continuous.describe() == (
         "off (auto: continuous batching, whose rows join and leave a running batch)"
     )
     assert continuous.settled
     host = BatchJob(input=source, output=out, static=True, config=HOST)
-    settled = job_compile(CUDA_AUTO, model, host, None, None)
+    settled = job_compile(CUDA_AUTO, model, host, None)
     assert (
         settled.describe()
         == "off (auto: retention='host' has no static (compiled) decode step yet)"
     )
     static = BatchJob(input=source, output=out, static=True, config=SWA)
-    assert job_compile(CUDA_AUTO, model, static, None, None) == CUDA_AUTO
+    assert job_compile(CUDA_AUTO, model, static, None) == CUDA_AUTO
 
 
 def test_compile_on_is_refused_for_continuous_batching_and_modes_without_a_static_step(

@@ -32,19 +32,18 @@ from alisa.jobs.parts import merge_parts
 from alisa.jobs.sizing import BatchMemory, ring_refusal_note, running_memory
 from alisa.jobs.static import planned_batches, run_static
 from alisa.jobs.stream import over_budget
-from alisa.kv.cache import AlisaCache
 from alisa.memory import PeakMemory
 from alisa.model.adapter import check_model_and_tokenizer, model_shape
 from alisa.model.loading import chat_prompt, context_length, prompt_length_error
-from alisa.ops import COMPILE
 from alisa.planning.spec import model_spec
 from alisa.runtime.compiled import (
     CompileChoice,
+    check_compile,
     check_compileable,
     choose_compile,
     compiled_capacity,
 )
-from alisa.runtime.generate import SamplingOptions, run_notes
+from alisa.runtime.generate import SamplingOptions, new_cache, run_notes
 from alisa.runtime.requests import (
     PREFILL_TOKENS,
     TOKENIZER_HINT,
@@ -127,10 +126,7 @@ class BatchJob:
 
     def __post_init__(self) -> None:
         check_field_types(self)  # None or a wrong type fails here, naming the field
-        if self.compile not in COMPILE:
-            raise ValueError(
-                f"compile={self.compile!r} must be one of {', '.join(map(repr, COMPILE))}"
-            )
+        check_compile(self.compile)
         check_untiered(self.config, "a batch job", "BatchJob(gpu_memory=...)")
         if self.compile == "on" and not self.static:
             raise ValueError(
@@ -249,7 +245,7 @@ class JobSummary:
                 f"cut off the output's torn last line ({self.torn_bytes} bytes: a row an "
                 "interrupted run was writing, redone if still pending); "
             )
-        if self.compile is not None and (self.compile.compiled or self.compile.asked == "on"):
+        if self.compile is not None and self.compile.compiled:
             batching += f", decode steps compiled (first steps {self.compile_s:.1f} s)"
         elif self.compile is not None and self.compile.settled:
             batching += f", decode steps eager ({self.compile.reason})"
@@ -614,12 +610,14 @@ def run_requests(
             warnings.warn(note, IgnoredSettingWarning, stacklevel=2)
     # Settled before any row runs: a refusal of compile='on' loses nothing.
     asked = choose_compile(job.compile, device)
-    compiled = summary.compile = job_compile(asked, model, job, cache_factory, context)
-    capacity = context[0] if context is not None else None
+    compiled = summary.compile = job_compile(asked, model, job, cache_factory)
+    known = context_length(model)  # as generate caps a compiled batch's capacity bucket
 
     def held(tokens: int) -> int:
         """Tokens per row the cache of a batch whose longest row needs ``tokens`` holds."""
-        return compiled_capacity(tokens, capacity) if compiled.compiled else tokens
+        if not compiled.compiled:
+            return tokens
+        return compiled_capacity(tokens, None if known is None else known[0])
 
     started = time.perf_counter()
     with PeakMemory(device) as memory:
@@ -648,7 +646,6 @@ def run_requests(
                 own=own,
                 on_step=on_step,
                 compiled=compiled,
-                held=lambda batch, new: held(max(lengths[r.id] for r in batch) + new),
             )
         else:
             rows = continuous_results(
@@ -684,7 +681,6 @@ def job_compile(
     model,
     job: BatchJob,
     cache_factory: Callable | None,
-    context: tuple[int, str] | None,
 ) -> CompileChoice:
     """``choice`` (:attr:`BatchJob.compile` for the model's device) settled for ``job``'s
     batching and mode, before any row runs: ``"auto"`` runs continuous batching, a mode
@@ -700,14 +696,12 @@ def job_compile(
         return choice
     if not job.static and cache_factory is None:  # compile="on" is refused by BatchJob
         return choice.eager("continuous batching, whose rows join and leave a running batch")
+    if cache_factory is None:  # as generate builds each batch's cache (the smallest bucket)
+        with warnings.catch_warnings():  # said by the job's run notes and each batch
+            warnings.simplefilter("ignore")
+            return new_cache(model, job.config, job.max_new_tokens, 1, choice)[1]
     try:
-        if cache_factory is not None:
-            check_compileable(cache_factory())
-        else:  # as each batch's cache will be built, at the smallest capacity
-            smallest = compiled_capacity(1, None if context is None else context[0])
-            with warnings.catch_warnings():  # said by the job's run notes and each batch
-                warnings.simplefilter("ignore")
-                AlisaCache(model, job.config, max_cache_len=smallest)
+        check_compileable(cache_factory())
     except ValueError as refusal:
         if choice.asked != "auto":
             raise

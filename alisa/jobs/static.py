@@ -17,7 +17,6 @@ from transformers import Cache
 
 from alisa.jobs.io import OutputLog, Request
 from alisa.jobs.sizing import BatchMemory, batch_memory, largest_batch
-from alisa.kv.cache import AlisaCache
 from alisa.runtime.compiled import CompileChoice
 from alisa.runtime.generate import SamplingOptions, generate
 from alisa.runtime.requests import StepRecord
@@ -71,7 +70,6 @@ def run_static(
     own: Mapping,
     on_step: Callable[[StepRecord], None] | None = None,
     compiled: CompileChoice,
-    held: Callable[[list[Request], int], int],
 ) -> Iterator[list]:
     """Run each of ``batches`` through :func:`~alisa.runtime.generate.generate` (a fresh cache
     from ``factory``, else the job's), append its rows to ``log``, count them in ``summary`` (a
@@ -79,10 +77,9 @@ def run_static(
 
     ``compiled``: the job's decode steps, compiled or eager (settled for its mode; under
     ``"auto"`` a model the compiler cannot trace settles eager at the first batch). Compiled,
-    a batch keeps its finished rows (a compiled step keeps its batch) and the job's own cache
-    is static, ``held(batch, new_tokens)`` tokens per row
-    (:func:`~alisa.runtime.compiled.compiled_capacity`); eager, finished rows are pruned and
-    the cache grows.
+    a batch keeps its finished rows (a compiled step keeps its batch) and ``generate`` builds
+    the job's cache static, at its capacity bucket (:func:`~alisa.runtime.generate.new_cache`);
+    eager, finished rows are pruned and the cache grows.
     """
     for batch, new_tokens in batches:
         if not new_tokens or (len(batch) == 1 and isinstance(batch[0], dict)):
@@ -92,12 +89,6 @@ def run_static(
         config, cache = job.config, None
         if factory is not None:  # a factory's cache keeps KV by its own rules
             config, cache = None, _made_cache(factory)
-        elif compiled.compiled:
-            capacity = held(batch, new_tokens)
-            config, cache = (
-                None,
-                AlisaCache(model, job.config, max_new_tokens=new_tokens, max_cache_len=capacity),
-            )
         result = generate(
             model,
             tokenizer,

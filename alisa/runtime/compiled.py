@@ -74,14 +74,20 @@ def compiled_capacity(tokens: int, context: int | None) -> int:
     slots of the exact size.
     """
     capacity = SMALLEST_CAPACITY
-    while capacity < tokens:
-        half_step = capacity * 3 // 2 if capacity & (capacity - 1) == 0 else capacity * 4 // 3
-        capacity = half_step
+    while capacity < tokens:  # 2^k -> 3 * 2^(k-1) -> 2^(k+1)
+        capacity = capacity * 3 // 2 if capacity & (capacity - 1) == 0 else capacity * 4 // 3
     return capacity if context is None else max(min(capacity, context), tokens)
 
 
 # compile="on", as asked: what a caller that compiles regardless of the device passes.
 ASKED_ON = CompileChoice(asked="on", compiled=True, reason="asked")
+
+
+def check_compile(compile: object) -> None:
+    """Refuse a ``compile`` setting other than ``"auto"``, ``"on"``, ``"off"``, naming it
+    (``generate``'s argument, ``BatchJob.compile``)."""
+    if not isinstance(compile, str) or compile not in COMPILE:
+        raise ValueError(f"compile={compile!r} must be one of {', '.join(map(repr, COMPILE))}")
 
 
 def choose_compile(compile: str, device: torch.device | str) -> CompileChoice:
@@ -93,8 +99,7 @@ def choose_compile(compile: str, device: torch.device | str) -> CompileChoice:
     ValueError
         ``compile`` is not one of ``"auto"``, ``"on"``, ``"off"`` (naming it).
     """
-    if not isinstance(compile, str) or compile not in COMPILE:
-        raise ValueError(f"compile={compile!r} must be one of {', '.join(map(repr, COMPILE))}")
+    check_compile(compile)
     if compile != "auto":
         return CompileChoice(asked=compile, compiled=compile == "on", reason="asked")
     compiled, reason = compiles_by_default(device)
@@ -219,15 +224,20 @@ class CompiledDecode:
             cache.begin_forward(feed.shape[0], feed.shape[1], mask, model=self.model)
         if mask is not None:
             mask = nn.functional.pad(mask, (0, cache.get_max_length() - mask.shape[1]))
-        if not self.choice.compiled:  # "auto" found the step untraceable: eager from then on
+
+        def eager() -> torch.Tensor:
+            """The same forward, eager: the host's half is done, and no hook runs."""
             return last_logits(self.model.forward, feed, positions, mask, cache, **options)
+
+        if not self.choice.compiled:  # "auto" found the step untraceable: eager from then on
+            return eager()
         start = clock() if self.compile_s is None else None
         try:
             logits = last_logits(self.forward, feed, positions, mask, cache, **options)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             # A new shape past torch.compile's limit of graphs per function (8 by default;
-            # fullgraph=True makes it an error): this step runs the same forward eager (the
-            # host's half is done, no hook runs), with the same tokens, and the run goes on.
+            # fullgraph=True makes it an error): this step runs eager, with the same tokens,
+            # and the run goes on.
             if not self.limited:
                 self.limited = True
                 warnings.warn(
@@ -238,7 +248,7 @@ class CompiledDecode:
                     RuntimeWarning,
                     stacklevel=2,
                 )
-            logits = last_logits(self.model.forward, feed, positions, mask, cache, **options)
+            logits = eager()
         except torch._dynamo.exc.Unsupported as error:
             name = type(self.model).__name__
             why = f"torch.compile cannot trace {name}'s decode step in one graph"
@@ -247,15 +257,15 @@ class CompiledDecode:
                 raise ValueError(
                     f"compile={self.choice.asked!r}: {why} ({first}); use compile='off'"
                 ) from error
-            # "auto" asked for speed, not for compiling: the same forward, eager (the host's
-            # half is done, no hook runs), now and for the rest of the run, said once.
+            # "auto" asked for speed, not for compiling: eager, now and for the rest of the
+            # run, said once.
             warnings.warn(
                 f"compile='auto': {why} ({first}); its decode steps run eager",
                 RuntimeWarning,
                 stacklevel=2,
             )
             self.choice = self.choice.eager(why)
-            return last_logits(self.model.forward, feed, positions, mask, cache, **options)
+            return eager()
         if start is not None:
             self.compile_s = clock() - start
         return logits
