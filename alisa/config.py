@@ -95,8 +95,9 @@ class AlisaConfig:
     host_memory
         Byte budget of the host memory KV may take: the host tier of ``gpu_memory``, or the host
         region of ``retention="host"``, which the prompt and ``max_new_tokens`` must fit (else a
-        ``ValueError`` before the prefill; never exceeded silently); ``None``: what psutil
-        reports available. Set without either, it would limit nothing: an error (``alisa
+        ``ValueError`` before the prefill; never exceeded silently; batch jobs, streams and
+        servers admit rows while all their regions fit it); ``None``: what psutil reports
+        available. Set without either, it would limit nothing: an error (``alisa
         plan``, which places KV on the whole device by default, reads it, and warns when its
         plan puts nothing on the host).
     recompute

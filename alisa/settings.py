@@ -584,6 +584,24 @@ def check_untiered(config: ConfigFields, runner: str, budget: str) -> None:
         )
 
 
+def check_host_admission(config: ConfigFields, reserve_tokens: int | None) -> None:
+    """Refuse a ``host_memory`` beside ``reserve_tokens`` where batches are admitted by bytes
+    (a batch job, a stream, a server): rows that outgrow their reserve are paused in host
+    memory, beside the host regions that budget counts, and a paused row is counted nowhere.
+
+    Raises
+    ------
+    ValueError
+        Naming both values and the choice to make.
+    """
+    if config.host_memory is not None and reserve_tokens is not None:
+        raise ValueError(
+            f"reserve_tokens={reserve_tokens!r} (--reserve-tokens) pauses rows that outgrow it "
+            f"in host memory, which host_memory={config.host_memory!r} (--host-memory) does not "
+            "count: leave one of them unset"
+        )
+
+
 def field_default(item: Field) -> object:
     """The default value of a dataclass field (its factory's product for a mutable one)."""
     return item.default_factory() if item.default is MISSING else item.default

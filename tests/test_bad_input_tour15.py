@@ -1,4 +1,4 @@
-"""The fifteenth bad-input tour's findings (an independent tester's tour 86: S2, S3/T1/T2, U1,
+"""The fifteenth bad-input tour's findings (an independent tester's tour 86: S1, S2, S3/T1/T2, U1,
 U2), each a test."""
 
 from __future__ import annotations
@@ -17,18 +17,16 @@ def model_dir(tmp_path_factory):
     return str(saved_tiny_llama(tmp_path_factory.mktemp("tour15")))
 
 
-def test_serve_refuses_a_host_budget_its_admission_does_not_count(model_dir, capsys):
+def test_serve_refuses_a_host_budget_that_holds_no_request(model_dir, capsys):
     """S3, T1, T2: ``alisa serve --retention host --host-memory N`` started, and a request
-    outgrowing N (or one that fit, sized for 256 new tokens) failed mid-batch as an HTTP 500;
-    the server's admission does not count the host region, so the budget is refused at start,
-    before the model loads or the port is taken."""
+    outgrowing N (or one that fit, sized for 256 new tokens) failed mid-batch as an HTTP 500.
+    Admission counts the host regions now (tests/test_host_admission.py), and a budget that
+    holds not even a one-token request is refused at start, as ``--kv-memory`` is."""
     argv = ["serve", "--model", model_dir, "--policy", "swa", "--caching-ratio", "0.5"]
     code, err = run_main([*argv, "--retention", "host", "--host-memory", "1KB"], capsys)
     assert code == 1 and "Traceback" not in err
-    assert "--host-memory 1KB: a server does not count the host region of retention='host'" in err
-    with pytest.raises(ValueError, match="config.host_memory='60KB': a server does not count"):
-        ServeSettings(model_name="m", config=HOST)
-    ServeSettings(model_name="m", config=AlisaConfig(**{**vars(HOST), "host_memory": None}))
+    assert "--host-memory 1KB cannot hold even a one-token request: its host region" in err
+    ServeSettings(model_name="m", config=HOST)
 
 
 @pytest.mark.parametrize("name", ["kv_bytes", "device_bytes", "max_rows", "prefill_tokens"])
@@ -44,3 +42,35 @@ def test_an_abbreviated_flag_is_not_taken_for_another(model_dir, capsys):
     abbreviations), a file the user never named; flags are whole words now."""
     code, err = run_main(["generate", "--prompt", "hello", "--model", model_dir], capsys)
     assert code == 2 and "unrecognized arguments: --prompt" in err and "prompt-file" not in err
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("ttft_s", -1.0, r"ttft_s=-1.0 must be >= 0"),
+        ("texts", ["a", "b"], r"texts has 2 rows but token_ids has 1: one per prompt"),
+        ("finish_reasons", ["bogus"], r"finish_reasons\[0\]='bogus' must be one of"),
+        ("texts", "a", r"texts='a' must be a list"),
+        ("ttft_s", float("nan"), r"ttft_s=nan must be a finite number"),
+        ("kv_bytes", -5, r"kv_bytes=-5 must be >= 0"),
+        ("prompt_tokens", [-1], r"prompt_tokens\[0\]=-1 must be an integer >= 0"),
+        ("step_times_s", [-1.0], r"step_times_s\[0\]=-1.0 must be >= 0"),
+        ("compile", "on", r"compile='on' must be a CompileChoice or None"),
+        ("compile_s", -3.0, r"compile_s=-3.0 must be >= 0"),
+        ("ttft_s", "0.1", r"ttft_s='0.1' must be a finite number"),
+        ("kv_tier_bytes", {"gpu": 1}, r"kv_tier_bytes has tier 'gpu'; the tiers are"),
+        ("kv_tier_bytes", {"host": -1}, r"kv_tier_bytes\['host'\]=-1 must be >= 0"),
+        ("token_ids", [[1.5]], r"token_ids\[0\]\[0\]=1.5 must be an integer >= 0"),
+    ],
+)
+def test_a_generation_output_built_by_hand_is_checked(field, value, message):
+    """S1 (twelve inputs): ``GenerationOutput``, exported, took any value, and a string time
+    surfaced later as a TypeError in ``total_s``."""
+    from alisa import GenerationOutput
+
+    base = dict(
+        texts=["a"], token_ids=[[1]], prompt_tokens=[1], finish_reasons=["length"], ttft_s=0.1
+    )
+    assert GenerationOutput(**base).total_s == 0.1
+    with pytest.raises(ValueError, match=message):
+        GenerationOutput(**{**base, field: value})

@@ -77,7 +77,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from alisa.serve import AlisaServer, ServeSettings, bind
     from alisa.serve.server import base_url
-    from alisa.serve.settings import host_budget_error
     from alisa.sizes import parse_budget
 
     if not args.host.strip():  # an unset $HOST in a script: never "every interface" by accident
@@ -99,8 +98,6 @@ def run(args: argparse.Namespace) -> int:
             f"--host-memory {config.host_memory} has no effect in alisa serve without "
             "--retention host (batches are sized to --gpu-memory and --kv-memory)"
         )
-    if (error := host_budget_error(config.host_memory)) is not None:
-        raise CommandError(f"--host-memory {config.host_memory}: {error}")
     device = args.gpu_memory
     device_bytes = None if device is None else parse_budget(device, field="--gpu-memory")
     settings = build_from_flags(
@@ -171,7 +168,7 @@ def _check_budgets(model, settings) -> None:
     from alisa.jobs.sizing import running_memory
     from alisa.model.adapter import model_shape
     from alisa.planning.spec import model_spec
-    from alisa.sizes import format_bytes
+    from alisa.sizes import format_bytes, parse_bytes
 
     spec = model_spec(model, model_shape(model))
     memory = running_memory(spec, settings.config, [], [(1, 1)])  # as admission sizes a row
@@ -194,6 +191,13 @@ def _check_budgets(model, settings) -> None:
             f"--kv-memory {format_bytes(kv)} cannot hold even a one-token request: its KV "
             f"needs {format_bytes(memory.kv)}; raise --kv-memory (to at least "
             f"{format_bytes(memory.kv)} for that one token)"
+        )
+    host = settings.config.host_memory
+    if host is not None and memory.host > parse_bytes(host, field="--host-memory"):
+        problems.append(
+            f"--host-memory {host} cannot hold even a one-token request: its host region "
+            f"(retention='host') needs {format_bytes(memory.host)}; raise --host-memory (to at "
+            f"least {format_bytes(memory.host)} for that one token)"
         )
     if problems:
         raise CommandError("; ".join(problems))

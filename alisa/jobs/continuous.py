@@ -43,7 +43,8 @@ def continuous_results(
     prompt_ids
         Token ids of each request's prompt, by request id.
     budgets
-        (device bytes, KV bytes), either None for no limit.
+        (device bytes, KV bytes), either None for no limit (the host regions' budget is the
+        config's ``host_memory``, :class:`~alisa.jobs.stream.ByteBudget`).
     sampling
         A request's options -> its sampling (requests sharing one share a scheduler).
     started_s
@@ -66,12 +67,9 @@ def continuous_results(
     )
     for group in groups.values():
         engine = Engine(model, tokenizer, sampling(group[0].options), stop_at_eos=job.stop_at_eos)
-        # The most new tokens a row of the group may take: what a cache's host_memory check
-        # counts (not AlisaCache's default, which a refusal would quote to the user).
-        longest = max(r.options.get("max_new_tokens", job.max_new_tokens) for r in group)
         scheduler = ContinuousScheduler(
             engine,
-            partial(AlisaCache, model, job.config, max_new_tokens=longest),
+            partial(AlisaCache, model, admission.cache_config),
             admission,
             prefill_tokens=job.prefill_tokens,
             on_step=on_step,

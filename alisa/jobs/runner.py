@@ -51,7 +51,7 @@ from alisa.runtime.requests import (
     past_vocabulary,
     vocabulary_size,
 )
-from alisa.settings import IgnoredSettingWarning, check_untiered
+from alisa.settings import IgnoredSettingWarning, check_host_admission, check_untiered
 from alisa.sizes import format_bytes, parse_budget, parse_bytes
 
 
@@ -155,6 +155,7 @@ class BatchJob:
             raise ValueError(f"prefill_tokens={self.prefill_tokens!r} must be an integer >= 1")
         if self.reserve_tokens is not None and self.reserve_tokens < 0:
             raise ValueError(f"reserve_tokens={self.reserve_tokens!r} must be an integer >= 0")
+        check_host_admission(self.config, self.reserve_tokens)
         if self.reserve_tokens is not None and self.static:
             raise ValueError(
                 f"reserve_tokens={self.reserve_tokens!r} applies to continuous batching; static "
@@ -540,6 +541,8 @@ class _Budgets:
     device_name: str
     kv: int | None
     kv_name: str
+    host: int | None = None
+    host_name: str = ""
 
 
 def _budgets(model, job: BatchJob, spec, host_share: int) -> _Budgets:
@@ -557,8 +560,14 @@ def _budgets(model, job: BatchJob, spec, host_share: int) -> _Budgets:
         free = spec.total_weight_bytes + int(0.9 * psutil.virtual_memory().available) // host_share
         if budget is None or free < budget:
             budget, name = free, "free host memory"
+    host = job.config.host_memory  # the host regions of retention="host", batch by batch
     return _Budgets(
-        device=budget, device_name=name, kv=kv_budget, kv_name=f"--kv-memory {job.kv_memory}"
+        device=budget,
+        device_name=name,
+        kv=kv_budget,
+        kv_name=f"--kv-memory {job.kv_memory}",
+        host=None if host is None else parse_bytes(host, field="host_memory"),
+        host_name=f"--host-memory {host}",
     )
 
 
@@ -621,7 +630,7 @@ def run_requests(
 
     started = time.perf_counter()
     with PeakMemory(device) as memory:
-        limits = (budgets.device, budgets.kv)
+        limits = (budgets.device, budgets.kv, budgets.host)
         if job.static or cache_factory is not None:
             plan = planned_batches(
                 pending,
@@ -655,7 +664,7 @@ def run_requests(
                 pending,
                 prompt_ids,
                 spec,
-                limits,
+                limits[:2],  # the host regions' budget is the config's: ByteBudget reads it
                 _sampling,
                 started_s=started,
                 on_step=on_step,
@@ -772,6 +781,14 @@ def _ring_hint(spec, config: AlisaConfig | None, request: Request, lengths: dict
 def _too_large(request: Request, need: BatchMemory, budgets: _Budgets, hint: str = "") -> dict:
     """The error row of a prompt that fits no budget alone, quoting the budget it exceeds and
     ``hint`` (why the config made it need more: :func:`~alisa.jobs.sizing.ring_refusal_note`)."""
-    over = over_budget(need, budgets.device, budgets.device_name, budgets.kv, budgets.kv_name)
+    over = over_budget(
+        need,
+        budgets.device,
+        budgets.device_name,
+        budgets.kv,
+        budgets.kv_name,
+        budgets.host,
+        budgets.host_name,
+    )
     error = f"needs about {over} even alone"
     return _failed_row(request, "did_not_fit", f"{error}: {hint}" if hint else error)

@@ -18,7 +18,7 @@ import numpy as np
 from alisa.config import AlisaConfig
 from alisa.settings import IgnoredSettingWarning, full_precision_note, ring_tokens
 from alisa.sizes import format_bytes
-from alisa.storage.pages import PAGE_TOKENS
+from alisa.storage.pages import PAGE_TOKENS, host_region_bytes
 from alisa.storage.store import headroom
 from scheduler import ModelSpec, layers_kept
 
@@ -27,11 +27,13 @@ SAFETY = 1.10  # allocator slack on activations
 
 @dataclass(frozen=True, kw_only=True)
 class BatchMemory:
-    """Predicted bytes of one batch."""
+    """Predicted bytes of one batch: on the device (``total``: weights, KV, transient) and, with
+    ``retention="host"``, the host regions (``host``, in host memory, not in ``total``)."""
 
     weights: int
     kv: int
     transient: int
+    host: int = 0
 
     @property
     def total(self) -> int:
@@ -73,19 +75,25 @@ def batch_memory(
         kv = batch * held * layer_full + batch * total * layer_full  # cat holds a layer twice
     else:  # a static batch is so many equal rows: the continuous batch's arithmetic
         kv = rows_kv(spec, config, [(prompt_len, new_tokens)] * batch)
+    host = 0 if config is None else rows_host(spec, config, [(prompt_len, new_tokens)] * batch)
     element = spec.bytes_per_element
     activations = batch * prompt_len * (4 * spec.hidden_size + 2 * spec.intermediate_size) * element
     mask = batch * prompt_len * prompt_len  # boolean padding mask of the prefill
     prompt_layer = batch * prompt_len * layer_full  # the layer being prefilled, uncompressed
     logits = batch * spec.vocab_size * 4
     transient = int(SAFETY * (activations + mask + logits) + prompt_layer)
-    return BatchMemory(weights=spec.total_weight_bytes, kv=int(kv), transient=transient)
+    return BatchMemory(weights=spec.total_weight_bytes, kv=int(kv), transient=transient, host=host)
 
 
-def fits(memory: BatchMemory, budget: int | None, kv_budget: int | None) -> bool:
-    """Whether predicted memory stays within the total and the KV budgets (None: no limit)."""
-    return (budget is None or memory.total <= budget) and (
-        kv_budget is None or memory.kv <= kv_budget
+def fits(
+    memory: BatchMemory, budget: int | None, kv_budget: int | None, host_budget: int | None = None
+) -> bool:
+    """Whether predicted memory stays within the total, the KV and the host budgets (None: no
+    limit)."""
+    return (
+        (budget is None or memory.total <= budget)
+        and (kv_budget is None or memory.kv <= kv_budget)
+        and (host_budget is None or memory.host <= host_budget)
     )
 
 
@@ -97,12 +105,14 @@ def largest_batch(
     new_tokens: int,
     limit: int,
     kv_budget: int | None = None,
+    host_budget: int | None = None,
 ) -> int:
-    """The largest batch (<= limit) that :func:`fits` both budgets; 0 if none."""
+    """The largest batch (<= limit) that :func:`fits` the budgets; 0 if none."""
     low, high = 0, limit
     while low < high:
         middle = (low + high + 1) // 2
-        if fits(batch_memory(spec, config, middle, prompt_len, new_tokens), budget, kv_budget):
+        memory = batch_memory(spec, config, middle, prompt_len, new_tokens)
+        if fits(memory, budget, kv_budget, host_budget):
             low = middle
         else:
             high = middle - 1
@@ -159,6 +169,34 @@ def _rows_kv(
     return int(kv)
 
 
+def rows_host(spec: ModelSpec, config: AlisaConfig, rows: Sequence[tuple[int, int]]) -> int:
+    """Peak host-memory bytes of the host regions of a batch of ``rows`` (``retention="host"``;
+    0 otherwise), each a (prompt tokens, new tokens at most) pair.
+
+    Every layer that can leave tokens out (not a dense or sliding-window layer) keeps every
+    position of every row in host memory at ``host_bits``; rows are rectangular, so each spans
+    the longest row, with the region's growth room
+    (:func:`~alisa.storage.pages.host_region_bytes`, what the cache's own check counts).
+    """
+    if config.retention != "host" or not rows:
+        return 0
+    rules = config.keep_rules(spec.num_layers, spec.windows)
+    windows = spec.windows or (None,) * spec.num_layers
+    layers = sum(
+        window is None and not rule.keeps_everything
+        for rule, window in zip(rules, windows, strict=True)
+    )
+    span = max(prompt + new for prompt, new in rows)
+    return layers * host_region_bytes(
+        len(rows),
+        spec.num_kv_heads,
+        spec.head_dim,
+        span,
+        bits=config.host_bits,
+        element_bytes=spec.bytes_per_element,
+    )
+
+
 def running_memory(
     spec: ModelSpec,
     config: AlisaConfig,
@@ -178,6 +216,7 @@ def running_memory(
     rows = [*running, *joining]
     if not rows:
         return BatchMemory(weights=spec.total_weight_bytes, kv=0, transient=0)
+    host = rows_host(spec, config, rows)
     layers, count = spec.num_layers, len(rows)
     capacity = _capacity(spec, config, rows)
     slot_bytes = spec.kv_bytes_per_token(config.kv_bits) / layers
@@ -191,7 +230,9 @@ def running_memory(
     element = spec.bytes_per_element
     step = count * ((4 * spec.hidden_size + 2 * spec.intermediate_size) * element)
     transient += int(SAFETY * (step + count * spec.vocab_size * 4))
-    return BatchMemory(weights=spec.total_weight_bytes, kv=int(kv), transient=int(transient))
+    return BatchMemory(
+        weights=spec.total_weight_bytes, kv=int(kv), transient=int(transient), host=host
+    )
 
 
 def ring_refusal_note(

@@ -29,25 +29,26 @@ def planned_batches(
     job,
     spec: ModelSpec,
     sizing,
-    limits: tuple[int | None, int | None],
+    limits: tuple[int | None, int | None, int | None],
     refused: Callable[[Request, BatchMemory], dict],
     held: Callable[[int], int] = lambda tokens: tokens,
 ) -> Iterator[tuple[list, int]]:
     """(batch, new_tokens) in run order: longest prompts first within each option group.
 
-    ``sizing`` is the cache's config (None: HF's dense cache), ``limits`` the (device, KV)
-    byte budgets. A prompt that cannot fit even alone comes out as a one-element batch holding
-    its error row, from ``refused(request, its predicted memory)``. ``held`` maps the tokens
-    a batch's longest row needs to the tokens its cache holds per row (a compiled batch's
-    :func:`~alisa.runtime.compiled.compiled_capacity`), which the batch is sized for.
+    ``sizing`` is the cache's config (None: HF's dense cache), ``limits`` the (device, KV,
+    host region) byte budgets. A prompt that cannot fit even alone comes out as a one-element
+    batch holding its error row, from ``refused(request, its predicted memory)``. ``held``
+    maps the tokens a batch's longest row needs to the tokens its cache holds per row (a
+    compiled batch's :func:`~alisa.runtime.compiled.compiled_capacity`), which the batch is
+    sized for.
     """
-    device, kv = limits
+    device, kv, host = limits
     for group in _groups(requests, job):
         new_tokens = group[0].options.get("max_new_tokens", job.max_new_tokens)
         queue = sorted(group, key=lambda r: lengths[r.id], reverse=True)
         while queue:
             longest = held(lengths[queue[0].id] + new_tokens) - new_tokens
-            size = largest_batch(spec, sizing, device, longest, new_tokens, job.max_batch, kv)
+            size = largest_batch(spec, sizing, device, longest, new_tokens, job.max_batch, kv, host)
             if size == 0:
                 need = batch_memory(spec, sizing, 1, longest, new_tokens)
                 yield [refused(queue.pop(0), need)], new_tokens

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from alisa.checks import check_bool, unordered
 from alisa.config import AlisaConfig, config_or_default
@@ -17,8 +18,8 @@ from alisa.runtime.engine import Engine
 from alisa.runtime.generate import check_prompt
 from alisa.runtime.requests import PREFILL_TOKENS, RowShape, StreamRequest, StreamResult
 from alisa.runtime.sampling import RepeatedPrompts, SamplingOptions, sampling_or_default
-from alisa.settings import check_untiered
-from alisa.sizes import parse_budget
+from alisa.settings import check_host_admission, check_untiered
+from alisa.sizes import parse_budget, parse_bytes
 from scheduler import ModelSpec
 
 
@@ -26,12 +27,14 @@ from scheduler import ModelSpec
 class ByteBudget:
     """Admits rows while the batch's predicted peak fits the budgets
     (:func:`alisa.jobs.sizing.running_memory`: each row's device KV at its bounded size,
-    rectangular slots, the newcomers' prefill).
+    rectangular slots, the newcomers' prefill; with ``retention="host"`` the host regions).
 
     Parameters
     ----------
     spec, config
-        The model's sizes and the cache's config.
+        The model's sizes and the cache's config. Its ``host_memory`` is the budget of the host
+        regions of ``retention="host"``, counted over the whole batch here (the caches are
+        built with :attr:`cache_config`, which leaves it out: each would check only itself).
     device_bytes
         Budget for weights, KV and activations; None: no limit.
     kv_bytes
@@ -65,6 +68,22 @@ class ByteBudget:
             isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0
         ):
             raise ValueError(f"reserve_tokens={reserve!r} must be an integer >= 0 or None")
+        check_host_admission(self.config, reserve)
+
+    @cached_property
+    def host_bytes(self) -> int | None:
+        """The host regions' budget in bytes (``config.host_memory``; None: no limit)."""
+        host = self.config.host_memory
+        return None if host is None else parse_bytes(host, field="host_memory")
+
+    @cached_property
+    def cache_config(self) -> AlisaConfig:
+        """The config each row's cache is built with: :attr:`config` without ``host_memory``,
+        which admission counts over the batch (a cache's own check would count only its rows,
+        for the cache's ``max_new_tokens``, not theirs)."""
+        if self.config.host_memory is None:
+            return self.config
+        return self.config.with_overrides(host_memory=None)
 
     def admits(self, running: Sequence[RowShape], joining: Sequence[RowShape]) -> bool:
         if len(running) + len(joining) > self.max_rows:
@@ -96,7 +115,7 @@ class ByteBudget:
         return row.tokens, min(row.new_tokens, ahead)
 
     def _fit(self, memory) -> bool:
-        return fits(memory, self.device_bytes, self.kv_bytes)
+        return fits(memory, self.device_bytes, self.kv_bytes, self.host_bytes)
 
 
 def _full(row: RowShape) -> tuple[int, int]:
@@ -104,7 +123,13 @@ def _full(row: RowShape) -> tuple[int, int]:
 
 
 def over_budget(
-    need: BatchMemory, device: int | None, device_name: str, kv: int | None, kv_name: str
+    need: BatchMemory,
+    device: int | None,
+    device_name: str,
+    kv: int | None,
+    kv_name: str,
+    host: int | None = None,
+    host_name: str = "",
 ) -> str:
     """What a request that fits no budget alone needs, and the budget it exceeds, for its error
     (``alisa batch``'s rows and :func:`stream_generate`'s results say it alike).
@@ -113,18 +138,24 @@ def over_budget(
     ----------
     need
         The request's predicted memory alone (:func:`alisa.jobs.sizing.running_memory`).
-    device, device_name, kv, kv_name
-        The device and KV budgets in bytes (None: no limit) and how the message names them
-        (``"--kv-memory 1KB"``, ``"kv_memory='1KB'"``).
+    device, device_name, kv, kv_name, host, host_name
+        The device, KV and host-region budgets in bytes (None: no limit) and how the message
+        names them (``"--kv-memory 1KB"``, ``"kv_memory='1KB'"``).
 
     Returns
     -------
     str
         ``"18944 bytes of KV, over the KV budget --kv-memory 1KB (1000 bytes)"`` when the KV
-        budget is exceeded, else the whole (weights included) over the device budget.
+        budget is exceeded, the host regions over the host budget when that one is, else the
+        whole (weights included) over the device budget.
     """
     if kv is not None and need.kv > kv:
         return f"{need.kv} bytes of KV, over the KV budget {kv_name} ({kv} bytes)"
+    if host is not None and need.host > host:
+        return (
+            f"{need.host} bytes of host region (retention='host'), over the host budget "
+            f"{host_name} ({host} bytes)"
+        )
     return (
         f"{need.total} bytes ({need.kv} of KV), over the device budget {device_name} "
         f"({device} bytes)"
@@ -207,7 +238,7 @@ def stream_generate(
     engine = Engine(model, tokenizer, sampling, stop_at_eos=stop_at_eos)
     scheduler = ContinuousScheduler(
         engine,
-        lambda: AlisaCache(model, config),
+        lambda: AlisaCache(model, admission.cache_config),
         admission,
         prefill_rows=prefill_rows,
         prefill_tokens=prefill_tokens,
@@ -251,6 +282,8 @@ def _refusal(
         f"gpu_memory={gpu_memory!r}",
         admission.kv_bytes,
         f"kv_memory={kv_memory!r}",
+        admission.host_bytes,
+        f"config.host_memory={admission.config.host_memory!r}",
     )
     error = f"a prompt of {tokens} tokens with max_new_tokens={new} needs about {over} even alone"
     hint = ring_refusal_note(admission.spec, admission.config, tokens, new)

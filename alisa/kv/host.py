@@ -430,7 +430,7 @@ class HostKeeper(Keeper):
         """The host region's most bytes for ``tokens`` positions: every token is kept."""
         batch, heads, _, head_dim = keys.shape
         return host_region_bytes(
-            batch, heads, head_dim, tokens, bits=self.host_bits, dtype=keys.dtype
+            batch, heads, head_dim, tokens, bits=self.host_bits, element_bytes=keys.dtype.itemsize
         )
 
     def tier_bytes(self) -> dict[str, int]:

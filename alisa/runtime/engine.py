@@ -16,7 +16,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from alisa.kv.cache import AlisaCache
+from alisa.checks import check_int, check_number
+from alisa.kv.cache import TIERS, AlisaCache
 from alisa.memory import tensor_bytes
 from alisa.ops.backends import compile_mode
 from alisa.runtime.compiled import CompileChoice, CompiledDecode, last_logits
@@ -76,6 +77,34 @@ class GenerationOutput:
     compile_s: float | None = None
     compile: CompileChoice | None = None
 
+    def __post_init__(self) -> None:
+        # Built by hand too (it is exported; callers and tests assemble one): a bad value would
+        # surface later as an unrelated TypeError in ``total_s`` or a wrong count.
+        _check_list("token_ids", self.token_ids, list)
+        rows = len(self.token_ids)
+        for name, kind in (("texts", str), ("prompt_tokens", int), ("finish_reasons", str)):
+            _check_list(name, getattr(self, name), kind, rows=rows)
+        for i, ids in enumerate(self.token_ids):
+            _check_list(f"token_ids[{i}]", ids, int)
+        _check_list("step_times_s", self.step_times_s, float)
+        for i, reason in enumerate(self.finish_reasons):
+            if reason not in FINISH_REASONS:
+                raise ValueError(f"finish_reasons[{i}]={reason!r} must be one of {FINISH_REASONS}")
+        for name in ("ttft_s", "kv_bytes", "peak_kv_bytes", "peak_memory_bytes"):
+            _check_amount(name, getattr(self, name))
+        if self.compile_s is not None:
+            _check_amount("compile_s", self.compile_s)
+        if not isinstance(self.kv_tier_bytes, dict):
+            raise ValueError(f"kv_tier_bytes={self.kv_tier_bytes!r} must be a dict of bytes")
+        for tier, size in self.kv_tier_bytes.items():
+            if tier not in TIERS:
+                raise ValueError(f"kv_tier_bytes has tier {tier!r}; the tiers are {TIERS}")
+            _check_amount(f"kv_tier_bytes[{tier!r}]", size)
+        if not isinstance(self.kernels, str):
+            raise ValueError(f"kernels={self.kernels!r} must be a string")
+        if self.compile is not None and not isinstance(self.compile, CompileChoice):
+            raise ValueError(f"compile={self.compile!r} must be a CompileChoice or None")
+
     @property
     def generated_tokens(self) -> int:
         """Tokens generated over all prompts."""
@@ -92,6 +121,33 @@ class GenerationOutput:
     def total_s(self) -> float:
         """Prefill plus decode time."""
         return self.ttft_s + sum(self.step_times_s)
+
+
+FINISH_REASONS = ("stop", "length")  # what a row of GenerationOutput may end with
+
+
+def _check_list(name: str, value: object, kind: type, *, rows: int | None = None) -> None:
+    """``value`` is a list of ``kind`` (``rows`` long when given); numbers finite and >= 0."""
+    if not isinstance(value, list):
+        raise ValueError(f"{name}={value!r} must be a list")
+    if rows is not None and len(value) != rows:
+        raise ValueError(f"{name} has {len(value)} rows but token_ids has {rows}: one per prompt")
+    for i, item in enumerate(value):
+        if type(item) is kind and (item >= 0 if kind is int else kind is not float):
+            continue  # the common case, cheap: a long generation has many token ids
+        if kind is int:
+            check_int(f"{name}[{i}]", item, minimum=0)
+        elif kind is float:
+            _check_amount(f"{name}[{i}]", item)
+        elif not isinstance(item, kind):
+            raise ValueError(f"{name}[{i}]={item!r} must be a {kind.__name__}")
+
+
+def _check_amount(name: str, value: object) -> None:
+    """``value`` is a finite number >= 0 (a time, a byte count)."""
+    check_number(name, value)
+    if value < 0:
+        raise ValueError(f"{name}={value!r} must be >= 0")
 
 
 def cache_kv_bytes(cache) -> int:

@@ -297,7 +297,7 @@ class ServeEngine:
         )
         return ContinuousScheduler(
             Engine(self.model, self.tokenizer, sampling, stop_at_eos=not ignore_eos),
-            lambda: AlisaCache(self.model, config),
+            lambda: AlisaCache(self.model, admission.cache_config),
             admission,
             prefill_tokens=settings.prefill_tokens,
             packing=settings.packing,

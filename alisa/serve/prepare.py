@@ -211,7 +211,8 @@ class Preparer:
         """A request the budget cannot hold even alone would never start: a 400 with its size
         and the budget (the field blamed: ``max_tokens`` when fewer tokens would fit)."""
         settings = self.settings
-        if settings.kv_bytes is None and settings.device_bytes is None:
+        host = config.host_memory if config.retention == "host" else None
+        if settings.kv_bytes is None and settings.device_bytes is None and host is None:
             return
         budget = ByteBudget(
             spec=self.spec,
@@ -228,6 +229,7 @@ class Preparer:
             for flag, value in (
                 ("--kv-memory", settings.kv_bytes),
                 ("--gpu-memory", settings.device_bytes),
+                ("--host-memory", budget.host_bytes if memory.host else None),
             )
             if value is not None
         ]
@@ -237,12 +239,13 @@ class Preparer:
         hint = ring_refusal_note(self.spec, config, prompt_tokens, max_tokens)
         if hint:
             fix = f"{hint}; or {fix}"
+        host_note = f" and {format_bytes(memory.host)} of host region" if memory.host else ""
         raise APIError(
             status=400,
             message=(
                 f"a prompt of {prompt_tokens} tokens with max_tokens={max_tokens} needs "
                 f"{format_bytes(memory.kv)} of KV ({format_bytes(memory.total)} with the "
-                f"weights and activations), more than the server's budget of "
+                f"weights and activations){host_note}, more than the server's budget of "
                 f"{' and '.join(limits)} even alone; {fix}"
             ),
             param=param,

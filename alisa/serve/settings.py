@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from alisa.checks import check_int, check_text
 from alisa.config import AlisaConfig
 from alisa.runtime.requests import PREFILL_TOKENS
-from alisa.settings import check_untiered
+from alisa.settings import check_host_admission, check_untiered
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -20,8 +20,9 @@ class ServeSettings:
         The name clients give as ``model`` (``/v1/models`` lists it).
     config
         The cache settings of requests that do not choose their own (its ``gpu_memory`` must be
-        None: the device budget is ``device_bytes``, which admission sizes rows against; and its
-        ``host_memory`` None: admission does not count the host region, :func:`host_budget_error`).
+        None: the device budget is ``device_bytes``, which admission sizes rows against). Its
+        ``host_memory`` is the budget of the host regions of ``retention="host"``, which
+        admission counts over the running rows (:class:`~alisa.jobs.stream.ByteBudget`).
     kv_bytes, device_bytes
         Admission budgets (:class:`~alisa.jobs.stream.ByteBudget`): the KV alone, and weights
         + KV + activations; None: no limit.
@@ -59,8 +60,7 @@ class ServeSettings:
         if not isinstance(self.config, AlisaConfig):
             raise ValueError(f"config={self.config!r} must be an AlisaConfig")
         check_untiered(self.config, "a server", "device_bytes (--gpu-memory)")
-        if (error := host_budget_error(self.config.host_memory)) is not None:
-            raise ValueError(f"config.host_memory={self.config.host_memory!r}: {error}")
+        check_host_admission(self.config, self.reserve_tokens)
         for name in ("max_rows", "max_queue", "max_tokens"):
             check_int(name, getattr(self, name), minimum=1)
         for name, minimum in (
@@ -78,17 +78,3 @@ class ServeSettings:
     def budgets(self) -> dict[str, int | None]:
         """``{"kv": ..., "device": ...}`` bytes (None: no limit)."""
         return {"kv": self.kv_bytes, "device": self.device_bytes}
-
-
-def host_budget_error(host_memory: int | str | None) -> str | None:
-    """Why a server refuses a ``host_memory`` (the host region of ``retention="host"``), or
-    None: its admission counts device and KV bytes, not the host region, so a request could
-    outgrow that budget in the middle of a batch and fail there (an HTTP 500) instead of being
-    refused when it arrives."""
-    if host_memory is None:
-        return None
-    return (
-        "a server does not count the host region of retention='host' in its admission yet, so "
-        "a request could outgrow it mid-batch; leave it unset (the host region then grows with "
-        "the rows admitted under the KV and device budgets)"
-    )

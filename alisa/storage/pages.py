@@ -192,13 +192,14 @@ def grown_capacity(length: int) -> int:
 
 
 def host_region_bytes(
-    batch: int, heads: int, head_dim: int, tokens: int, *, bits: int, dtype: torch.dtype
+    batch: int, heads: int, head_dim: int, tokens: int, *, bits: int, element_bytes: int
 ) -> int:
     """The most bytes one layer's :class:`HostPages` holds for ``tokens`` positions of
-    ``batch`` sequences (spare room included): 16-bit values in ``dtype``, or ``bits``-bit codes
-    with a float16 scale and zero point per token and KV head."""
+    ``batch`` sequences (spare room included): 16-bit values in the model's dtype of
+    ``element_bytes`` bytes, or ``bits``-bit codes with a float16 scale and zero point per token
+    and KV head."""
     if bits >= 16:
-        per_slot = 2 * head_dim * dtype.itemsize
+        per_slot = 2 * head_dim * element_bytes
     else:
         per_slot = 2 * (head_dim * bits // 8 + 2 * SCALE_DTYPE.itemsize)
     return batch * heads * grown_capacity(tokens) * per_slot
@@ -418,14 +419,13 @@ class HostPages:
 
     def shift(self, delta: int) -> None:
         """Move every token ``delta`` positions (new positions on the left are empty; positions
-        moved below 0 are dropped)."""
+        moved below 0 are dropped). The copy is sized for the new length
+        (:func:`grown_capacity`), so a region never keeps the room of a row that left, and the
+        host bytes admission predicts for the rows it holds stay an upper bound."""
         self.settle()
-        if delta >= 0:
-            moved = tuple(torch.nn.functional.pad(t, (0, 0, delta, 0)) for t in self._tensors())
-        else:
-            moved = tuple(t[:, :, :, -delta:].contiguous() for t in self._tensors())
-        self._replace(moved)
         self.length = max(self.length + delta, 0)
+        capacity = grown_capacity(self.length)
+        self._replace(tuple(_moved3(t, delta, capacity) for t in self._tensors()))
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -471,6 +471,17 @@ class HostPages:
             return
         capacity = grown_capacity(length)
         self._replace(tuple(with_capacity(t, capacity) for t in self._tensors()))
+
+
+def _moved3(tensor: torch.Tensor, delta: int, capacity: int) -> torch.Tensor:
+    """A (2, B, H, ``capacity``, ·) copy of a (2, B, H, positions, ·) buffer with every position
+    moved ``delta`` later (zeros where nothing moved to; positions leaving either end cut)."""
+    out = tensor.new_zeros(*tensor.shape[:3], capacity, tensor.shape[4])
+    source, target = max(-delta, 0), max(delta, 0)
+    count = min(tensor.shape[3] - source, capacity - target)
+    if count > 0:
+        out[:, :, :, target : target + count] = tensor[:, :, :, source : source + count]
+    return out
 
 
 def with_capacity3(tensor: torch.Tensor, capacity: int) -> torch.Tensor:
