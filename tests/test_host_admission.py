@@ -136,6 +136,18 @@ def test_a_server_admits_under_host_memory_and_answers_400_past_it(tmp_path_fact
             {"prompt": "x" * 8, "max_tokens": 4, "temperature": 0},
         )
         assert status == 200 and answer["choices"][0]["finish_reason"] in ("stop", "length")
+        # A request keeping no host region is not held to the server's host budget.
+        body = {"prompt": "x" * 8, "max_tokens": 600, "alisa": {"retention": "drop"}}
+        status, answer = request(served.port, "POST", "/v1/completions", body)
+        assert status == 200, answer
+
+
+def test_a_host_budget_without_host_retention_is_still_refused_in_a_stream():
+    """The caches of a stream are built without ``host_memory`` only where admission counts it
+    (``retention="host"``); elsewhere the cache refuses it as having no effect, as before."""
+    config = AlisaConfig(policy="swa", caching_ratio=0.5, host_memory="1MB")
+    with pytest.raises(ValueError, match=r"host_memory='1MB' \(--host-memory\) has no effect"):
+        next(stream_generate(tiny_llama(), byte_tokenizer(), "hi", config, max_new_tokens=2))
 
 
 @pytest.mark.parametrize("static", [True, False])

@@ -78,10 +78,11 @@ class ByteBudget:
 
     @cached_property
     def cache_config(self) -> AlisaConfig:
-        """The config each row's cache is built with: :attr:`config` without ``host_memory``,
-        which admission counts over the batch (a cache's own check would count only its rows,
-        for the cache's ``max_new_tokens``, not theirs)."""
-        if self.config.host_memory is None:
+        """The config each row's cache is built with: :attr:`config` without ``host_memory``
+        under ``retention="host"``, where admission counts it over the batch (a cache's own
+        check would count only its rows, for the cache's ``max_new_tokens``, not theirs); kept
+        otherwise, for the cache to refuse as having no effect."""
+        if self.config.host_memory is None or self.config.retention != "host":
             return self.config
         return self.config.with_overrides(host_memory=None)
 

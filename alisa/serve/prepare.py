@@ -101,6 +101,9 @@ class Preparer:
             with warnings.catch_warnings():  # refused below, in the request's words
                 warnings.simplefilter("ignore", IgnoredSettingWarning)
                 config = self.settings.config.with_overrides(**given)
+                if config.retention != "host" and config.host_memory is not None:
+                    # The server's host budget bounds host regions; this request keeps none.
+                    config = config.with_overrides(host_memory=None)
             notes = ignored_settings(config, typed=given)
             if config not in self._valid:
                 # What the engine will build, built once here: its checks need the model. (Its
