@@ -330,14 +330,18 @@ def versus_fastest_hf(rows: list[dict]) -> None:
         return
     fastest = min(anchors, key=lambda row: row["median_step_ms"])
     for row in rows:
-        if "error" in row:
-            continue
-        row["fastest_hf"] = fastest["system"]
-        if "turn_step_ms" in row:
-            turns = zip(fastest["turn_step_ms"], row["turn_step_ms"], strict=True)
-            row["speedup_vs_fastest_hf"] = statistics.median(f / s for f, s in turns)
-        else:
-            row["speedup_vs_fastest_hf"] = fastest["median_step_ms"] / row["median_step_ms"]
+        if "error" not in row:
+            row["fastest_hf"] = fastest["system"]
+            row["speedup_vs_fastest_hf"] = step_ratio(fastest, row)
+
+
+def step_ratio(over: dict, row: dict) -> float:
+    """``over``'s step time over ``row``'s: the median of the turns' ratios where the systems
+    decoded in turns (``--interleave``), else the ratio of their median steps."""
+    if "turn_step_ms" in row:
+        turns = zip(over["turn_step_ms"], row["turn_step_ms"], strict=True)
+        return statistics.median(o / r for o, r in turns)
+    return over["median_step_ms"] / row["median_step_ms"]
 
 
 def _same_prefix(first: list[int], second: list[int]) -> int:
@@ -347,17 +351,9 @@ def _same_prefix(first: list[int], second: list[int]) -> int:
 
 def host_vs_drop(rows: list[dict]) -> dict[str, float]:
     """Each ``retention=host`` row's step over its drop partner's where both ran (issue 26's
-    target: at most 1.25), paired by turn as :func:`versus_fastest_hf`."""
+    target: at most 1.25), by :func:`step_ratio`."""
     ran = {row["system"]: row for row in rows if "error" not in row}
-    ratios = {}
-    for pair in host_pairs(list(ran)):
-        host, drop = ran[pair.host], ran[pair.drop]
-        if "turn_step_ms" in host:
-            turns = zip(host["turn_step_ms"], drop["turn_step_ms"], strict=True)
-            ratios[pair.host] = statistics.median(h / d for h, d in turns)
-        else:
-            ratios[pair.host] = host["median_step_ms"] / drop["median_step_ms"]
-    return ratios
+    return {pair.host: step_ratio(ran[pair.host], ran[pair.drop]) for pair in host_pairs(list(ran))}
 
 
 def print_table(rows: list[dict]) -> None:
