@@ -4,19 +4,12 @@
     python -m experiments.architectures --families llama,bloom
     python -m experiments.architectures --write docs/supported-models.md   # the doc, every row
 
-Each model type of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` is a row (:data:`FAMILIES`),
-unless :data:`NOT_RUN` says why it cannot be (an encoder-decoder model, a drafter that needs its
-target model, a wrapper whose tower needs a library alisa does not install or does not build
-small); :data:`VARIANTS` add configs that matter (sliding windows on and off). A row is built tiny
-from its config class with seeded random weights (:func:`tiny_config`: the class defaults, every
-size field shrunk by name, each layer kind of the default pattern kept once, then
-:data:`OVERRIDES` where the generic shrink does not build a model that shows the family's
-attention). It owes ``EXACT`` (token-identical to HF's greedy ``generate`` at r = 1 in drop, host
-and INT8 modes, a left-padded batch of 2, every cache layer having seen every token) unless
-:data:`REFUSED` lists it under the reason its refusal must name when the cache is built; a crash
-or a silent difference fails it (``tests/test_architectures.py``), and so does a model type a new
-transformers release adds until it is exact or listed with the reason alisa gives. The table
-groups the rows by outcome.
+Each model type of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` is a row (:data:`FAMILIES`)
+unless :data:`NOT_RUN` says why not; :data:`VARIANTS` add configs that matter (sliding windows on
+and off). A row is built tiny from its config class with seeded random weights
+(:func:`tiny_config`, then :data:`OVERRIDES`). It owes ``EXACT`` (see :data:`DOC_INTRO`) unless
+:data:`REFUSED` lists it under the reason its refusal must name when the cache is built; anything
+else fails ``tests/test_architectures.py``. The table groups the rows by outcome.
 """
 
 from __future__ import annotations

@@ -3,13 +3,11 @@
     python -m experiments.bench_continuous --plot docs/figures/continuous_batching.png
     python -m experiments.bench_continuous --prompts 16 --systems continuous-drop,hf   # quick
 
-One workload for every system (:func:`build_workload`): XSum articles (H2O's 0-shot prompts, from
-the data directory) asked for a one-sentence summary in the model's chat template, the first
-``--prompts`` of at most ``--max-prompt-tokens``, each answer stopping at EOS or at its own
-``max_new_tokens`` drawn (seeded) from ``--new-tokens``; greedy everywhere. The same KV byte
-budget for every system: alisa sizes its rows by it (``alisa batch --kv-memory``), transformers'
-paged cache gets ``num_blocks`` worth of it. One process runs the systems one after another, each
-after a short warm-up; ``--repeats`` runs them all again, interleaved, and reports medians.
+One workload for every system (:func:`build_workload`): XSum articles asked for a one-sentence
+summary in the model's chat template, each answer stopping at EOS or at its own ``max_new_tokens``
+drawn (seeded) from ``--new-tokens``; greedy. One KV byte budget for every system (``alisa batch
+--kv-memory``; transformers' paged ``num_blocks``). The systems run one after another in one
+process, each after a short warm-up; ``--repeats`` runs them all again and reports medians.
 
 Systems (``--systems``):
     static-drop, continuous-drop        ``alisa batch --static`` vs ``alisa batch``, SWA r=0.2
@@ -28,11 +26,9 @@ Named only (not in ``all``):
                                         rows kept in their batch (one graph per batch size
                                         and bucket; ``--new-tokens 64`` keeps one group)
 
-Prints a table (generated tokens/s, TTFT p50/p95 from the start, rows in flight, KV, ROUGE-L of
-the summaries), then one JSON line with :func:`experiments.timing.environment`; ``--plot PATH``
-draws rows in flight and tokens/s over time (``--plot-systems`` picks the lines). Seconds in
-which the process was stopped from outside are left out of every time
-(:class:`experiments.timeline.PauseWatch`); the table says how many.
+Prints a table, then one JSON line with :func:`experiments.timing.environment`; ``--plot PATH``
+draws rows in flight and tokens/s over time (``--plot-systems`` picks the lines). Seconds the
+process was stopped from outside are left out (:class:`experiments.timeline.PauseWatch`).
 """
 
 from __future__ import annotations

@@ -4,16 +4,12 @@
     python -m experiments.bench_serve --prompts 16 --clients 2 --max-tokens 32   # quick
 
 The workload of :func:`experiments.bench_continuous.build_workload`, sent as streamed greedy
-``/v1/completions`` requests of exactly ``--max-tokens`` tokens each (alisa reads ``ignore_eos``;
-transformers a generation config whose EOS is -1), arriving as a seeded Poisson process of
-``--rate`` a second (``inf``: all at once), ``--clients`` in flight at most. Each system is a
-server started on a free port (read from what it prints), waited for (``GET /health``), warmed up
-with two short requests, loaded, then stopped with SIGTERM (killed ``--stop-timeout-s`` later).
-No request starts after ``--duration-s``; those running then are cut off; each request gives up
-after ``--request-timeout-s``. ``--sigterm-after-s S`` stops the server S seconds into the load
-instead (a drain under load): the row's ``drain`` counts the requests completed, refused (503, or
-a connection refused or closed before any answer as the server exited) and lost (answered, then
-broken off, or no answer in time), and the exit code.
+``/v1/completions`` requests of exactly ``--max-tokens`` tokens each, arriving as a seeded Poisson
+process of ``--rate`` a second (``inf``: all at once), ``--clients`` in flight at most. Each system
+is a server started on a free port, waited for (``GET /health``), warmed up with two short
+requests, loaded, then stopped with SIGTERM. No request starts after ``--duration-s``.
+``--sigterm-after-s S`` stops the server S seconds into the load instead (a drain under load):
+the row's ``drain`` counts the requests completed, refused and lost, and the exit code.
 
 Systems (``--systems``), all under the KV byte budget ``--kv-budget``:
     alisa-r0.2        ``alisa serve --policy swa --caching-ratio 0.2 --kv-memory B``
@@ -23,12 +19,11 @@ Systems (``--systems``), all under the KV byte budget ``--kv-budget``:
                       ``--cb-num-blocks`` = the budget in blocks of ``--page-size`` tokens
 
 Measured at the client from the streamed chunks' arrival times: requests and output tokens a
-second, TTFT and inter-token latency (gaps between chunks with text, as ``vllm bench serve``) at
-p50 and p99, errors by kind and answers short of ``--max-tokens``; peak KV is the largest
-``alisa_kv_bytes{tier="device"}`` scraped from ``/metrics`` (transformers has none: its paged
-cache is allocated whole). Prints a table and one JSON line; every row carries
-:func:`experiments.timing.environment` and the kernels the server runs. Seconds in which this
-process was stopped from outside are left out (:class:`experiments.timeline.PauseWatch`).
+second, TTFT and inter-token latency (as ``vllm bench serve``) at p50 and p99, errors by kind;
+peak KV is the largest ``alisa_kv_bytes{tier="device"}`` scraped from ``/metrics``. Prints a table
+and one JSON line; every row carries :func:`experiments.timing.environment` and the server's
+kernels. Seconds this process was stopped from outside are left out
+(:class:`experiments.timeline.PauseWatch`).
 """
 
 from __future__ import annotations
@@ -130,8 +125,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def poisson_arrivals(count: int, rate: float, seed: int) -> list[float]:
-    """Seconds from the start at which each of ``count`` requests arrives: the first at once,
-    then exponential gaps of mean ``1 / rate`` (seeded); all at once for an infinite rate."""
+    """Arrival seconds of ``count`` requests: the first at once, then seeded exponential gaps of
+    mean ``1 / rate``; all at once for an infinite rate."""
     if math.isinf(rate):
         return [0.0] * count
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=count - 1)
@@ -170,9 +165,8 @@ NO_ANSWER = "no answer"
 
 
 def refused_kind(kind: str) -> bool:
-    """Whether an error of ``kind`` means the server never took the request: a 503 (draining,
-    or its queue full), or a connection refused or closed before a status line (a server that
-    exits closes the connections it has not read a request from, and its listening socket)."""
+    """Whether an error of ``kind`` means the server never took the request: a 503, or a
+    connection refused or closed before a status line (as a server that exits closes them)."""
     return kind == "HTTP 503" or kind.startswith(f"{NO_ANSWER}: ")
 
 
@@ -217,9 +211,8 @@ def stream_completion(port: int, body: dict, *, timeout_s: float, deadline_s: fl
 
 
 def read_event(line: bytes, answer: Answer) -> bool:
-    """Take one line of the stream: a ``data:`` event's text, finish reason and usage, or its
-    error; False at the stream's end (``[DONE]``, or the close: transformers sends no ``[DONE]``).
-    """
+    """Take one line of the stream (a ``data:`` event's text, finish reason, usage or error);
+    False at its end (``[DONE]``, or the close: transformers sends no ``[DONE]``)."""
     text = line.decode("utf-8", errors="replace").strip()
     payload = text.removeprefix("data:").strip() if text.startswith("data:") else None
     if not line or payload == "[DONE]":
@@ -264,9 +257,8 @@ def error_text(body: bytes | str) -> str:
 
 
 def run_load(port: int, bodies: list[dict], arrivals: list[float], args) -> list[Answer | None]:
-    """Send ``bodies`` at ``arrivals`` (seconds from now), ``--clients`` in flight at most (a
-    request arriving while every client waits starts when one is free); returns by
-    ``--duration-s``, where each request's reads time out. None: arrived after it, not sent."""
+    """Send ``bodies`` at ``arrivals`` (seconds from now), ``--clients`` in flight at most, until
+    ``--duration-s``; None for a request that arrived after it (not sent)."""
     started = time.perf_counter()
     deadline = started + args.duration_s
 
@@ -312,7 +304,7 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
 
 def watch_kv(port: int, interval_s: float, done: threading.Event) -> list[float]:
     """``alisa_kv_bytes{tier="device"}`` scraped every ``interval_s`` until ``done`` is set or
-    a scrape has no such gauge (transformers has no ``/metrics``)."""
+    a scrape has none (transformers has no ``/metrics``)."""
     seen: list[float] = []
     while (value := scrape(port).get(DEVICE_KV)) is not None:
         seen.append(value)
@@ -345,8 +337,7 @@ class Server:
 @contextmanager
 def serving(command: list[str], env: dict, log: Path, args) -> Iterator[Server]:
     """Start ``command`` (a server printing its address), wait until ``/health`` answers, and
-    always stop it on the way out: SIGTERM, then SIGKILL to its process group after
-    ``--stop-timeout-s``. ``Server.exit`` says how it ended."""
+    always stop it on the way out (:func:`stop`); ``Server.exit`` says how it ended."""
     with log.open("w") as sink:
         process = subprocess.Popen(
             command,
@@ -421,9 +412,8 @@ def server_env(args: argparse.Namespace) -> dict:
 
 
 def server_command(name: str, args) -> tuple[list[str], dict]:
-    """The command line of system ``name`` under the budget, on a free port, and what the row
-    records of it: ``alisa serve``, or ``transformers serve --continuous-batching`` of the
-    model's directory with the paged cache of ``--page-size`` token blocks the budget holds."""
+    """The command line of system ``name`` under the budget, on a free port (``alisa serve``, or
+    ``transformers serve`` with the paged blocks the budget holds), and what the row records."""
     budget = parse_budget(args.kv_budget, field="--kv-budget")
     if SYSTEMS[name] is not None:
         command = [sys.executable, "-m", "alisa", "serve", "--model", args.model]
@@ -459,9 +449,8 @@ def server_command(name: str, args) -> tuple[list[str], dict]:
 
 
 def served_model(args: argparse.Namespace):
-    """(directory, config, dtype) of the model both servers load: ``--model`` resolved as
-    ``alisa serve`` resolves it (a built-in GGUF converted once), ``--dtype`` (``auto``: the
-    checkpoint's)."""
+    """(directory, config, dtype) of the model both servers load, as ``alisa serve`` resolves
+    ``--model`` and ``--dtype``."""
     import torch
     from transformers import AutoConfig
 
@@ -474,9 +463,9 @@ def served_model(args: argparse.Namespace):
 
 
 def request_body(name: str, prompt: str, max_tokens: int) -> dict:
-    """A streamed greedy completion of exactly ``max_tokens`` tokens, as each server takes it:
-    alisa reads vLLM's ``ignore_eos``; transformers refuses unknown fields, so its EOS is -1
-    in the generation config it reads per request (its paged requests then never stop early)."""
+    """A streamed greedy completion of exactly ``max_tokens`` tokens: alisa reads vLLM's
+    ``ignore_eos``; transformers (which refuses unknown fields) gets a generation config whose
+    EOS is -1."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     if SYSTEMS[name] is not None:
         return {**body, "ignore_eos": True, "stream_options": {"include_usage": True}}
@@ -485,8 +474,7 @@ def request_body(name: str, prompt: str, max_tokens: int) -> dict:
 
 
 def run_system(name: str, texts: list[str], args, folder: Path, watch, machine: dict) -> dict:
-    """One system's row: its server started, warmed up, loaded and stopped; an error row
-    naming why where it could not run."""
+    """One system's row (server started, warmed up, loaded, stopped), or its error row."""
     server_kind = "transformers" if SYSTEMS[name] is None else "alisa"
     row: dict = {"system": name, "server": server_kind, "machine": machine}
     log = folder / f"{name}.log"
@@ -523,7 +511,7 @@ def run_system(name: str, texts: list[str], args, folder: Path, watch, machine: 
 
 def warm_up(server: Server, name: str, texts: list[str], args) -> None:
     """Two short requests, one after the other (transformers allocates its paged cache at the
-    first); a server that cannot answer them is an error row."""
+    first); a failure is a ``ServerError``."""
     for text in texts[:2]:
         deadline = time.perf_counter() + args.request_timeout_s
         body, timeout_s = request_body(name, text, 4), args.request_timeout_s
@@ -540,8 +528,8 @@ def tail(log: Path, lines: int = 5) -> str:
 
 
 def server_facts(kind: str, server: Server, seen: list[float]) -> dict:
-    """What the server says of itself: peak KV (the most of the ``seen`` samples and one more
-    scrape after the load), preemptions, cache settings and kernels."""
+    """What the server says of itself: peak KV (of the ``seen`` samples and one scrape after the
+    load), preemptions, cache settings and kernels."""
     if kind == "transformers":  # no /metrics; its paged cache is allocated whole
         switched = SWITCHED.search(server.log.read_text(errors="replace"))
         attention = switched.group(2) if switched else "sdpa"
@@ -617,9 +605,8 @@ def measures(load: list[Answer | None], args: argparse.Namespace, watch) -> dict
 
 
 def drain_measures(load: list[Answer | None], after_s: float, signalled: float) -> dict:
-    """A load SIGTERM cut into (``--sigterm-after-s``): requests that completed (those still
-    running at the signal among them), refused (:func:`refused_kind`) and lost (taken, then
-    broken off or never answered: what a drain must never do)."""
+    """A load SIGTERM cut into: requests completed, refused (:func:`refused_kind`) and lost
+    (taken, then broken off or never answered: what a drain must never do)."""
     answers = [answer for answer in load if answer is not None]
     errors = Counter(answer.error for answer in answers if answer.error is not None)
     refused = sum(count for kind, count in errors.items() if refused_kind(kind))
@@ -691,8 +678,7 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
 
 
 def workload_texts(args: argparse.Namespace) -> list[str]:
-    """The prompts of :func:`~experiments.bench_continuous.build_workload`, read with the served
-    model's tokenizer (no weights loaded)."""
+    """The prompts of :func:`~experiments.bench_continuous.build_workload` (no weights loaded)."""
     from transformers import AutoTokenizer
 
     from alisa.model.loading import resolve_model_path

@@ -7,31 +7,23 @@
     python -m experiments.bench_speed --mode batch --requests 40 --new-tokens 32
 
 - ``decode`` (targets: SWA r=0.2 >= 2x HF ``DynamicCache``; r=1 within +10 %): each system in its
-  own process after a warm-up; decode speed is batch / median step time. ``--rounds N`` runs the
-  systems N times in alternating order: on a small shared CPU one system's step moves by 20-50 %
-  between processes (docs/host-speed.md, stop 49), more than the differences a target asks
-  about; ``--interleave STEPS`` decodes them in turns in one process instead
-  (:mod:`experiments.interleave`), so a ratio between them is read within minutes.
-- ``context``: every ``--batch`` x ``--prompt-tokens`` cell (comma lists) timed as ``decode``,
-  then what host retention costs per context token (:func:`overheads`, :func:`marginal`);
-  ``--plot PATH`` draws the step time against the context.
+  own process after a warm-up; decode speed is batch / median step time. ``--rounds N`` alternates
+  the systems' order N times (one system's step moves by 20-50 % between processes on a small
+  shared CPU: docs/host-speed.md); ``--interleave STEPS`` decodes them in turns in one process
+  (:mod:`experiments.interleave`).
+- ``context``: every ``--batch`` x ``--prompt-tokens`` cell timed as ``decode``, then host
+  retention's cost per context token (:func:`overheads`, :func:`marginal`); ``--plot PATH``.
 - ``quant``: INT8/INT4 KV against HF's quantized caches at B = 1 and 2K tokens (HQQ and quanto need
-  ``pip install '.[peers]'``; a system that cannot run is a row with its error), after the KV bytes
-  per stored token at each precision. Their perplexity: ``experiments.run`` (docs/results.md).
+  the ``peers`` extra; a system that cannot run is a row with its error), after the KV bytes per
+  stored token at each precision. Their perplexity: ``experiments.run`` (docs/results.md).
 - ``batch``: each system runs ``alisa batch`` on ``--requests`` XSum prompts of lengths spread over
-  ``--prompt-tokens MIN,MAX``, in batches of at most ``--batch`` whose KV fits the same
-  ``--kv-budget``; then the share of identical outputs of dense ALISA and ``DynamicCache``.
+  ``--prompt-tokens MIN,MAX`` under one ``--kv-budget``; then the share of identical outputs of
+  dense ALISA and ``DynamicCache``.
 
-HF's three caches are the anchors of ``decode`` and ``context`` by default: ``hf-dynamic``,
-``hf-static`` and ``hf-static-compiled`` (``StaticCache``, its decode steps through
-``torch.compile``; the row's ``compile_s`` is its first compiled step). Every row reads its
-speed-up against the baseline (``DynamicCache``) and against the fastest of them
-(``speedup_vs_fastest_hf``), the fair one.
-
-``--model`` is an ``alisa.load_model`` spec or ``shape:NAME`` (``shape:llama-3.2-1b``, ...): a
-random-weight Llama of that model's dimensions (:mod:`experiments.shapes`), refused up front when
-its weights exceed the free memory. Every mode prints its tables, then one JSON line: the
-settings, :func:`environment` and every row.
+Every row reads its speed-up against ``DynamicCache`` and against the fastest of HF's three caches
+(``hf-dynamic``, ``hf-static``, ``hf-static-compiled``: ``speedup_vs_fastest_hf``, the fair one).
+``--model`` is an ``alisa.load_model`` spec or ``shape:NAME`` (:mod:`experiments.shapes`). Every
+mode prints its tables, then one JSON line: the settings, :func:`environment` and every row.
 """
 
 from __future__ import annotations
@@ -45,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from alisa.sizes import format_bytes, parse_bytes
-from experiments.flags import figure, positive_int, positive_ints
+from experiments.flags import figure, markdown_table, positive_int, positive_ints
 from experiments.systems import HostPair, host_pairs
 from experiments.worker import add_prompts_argument, run_in_subprocess
 
@@ -175,18 +167,11 @@ def usage_error(args: argparse.Namespace) -> str | None:
         )
     if args.interleave is not None and args.new_tokens < 2:
         return f"--new-tokens {args.new_tokens} times no decode step; --interleave needs at least 2"
-    return check_model(args.model, args.dtype)
-
-
-def check_model(spec: str, dtype: str) -> str | None:
-    """Why ``--model`` cannot run (a shape unknown or too large for memory), or None: said
-    before any worker starts."""
     from experiments.shapes import check_fits, is_shape
 
-    if not is_shape(spec):
-        return None
-    try:
-        check_fits(spec, dtype)
+    try:  # a shape unknown or too large for memory, before any worker starts
+        if is_shape(args.model):
+            check_fits(args.model, args.dtype)
     except ValueError as error:
         return str(error)
     return None
@@ -199,9 +184,8 @@ def worker_options(args: argparse.Namespace) -> dict:
 
 
 def run_systems(systems: list[str], options: dict, label: str = "") -> list[dict]:
-    """One worker row per system (each in its own process), a progress line per system on
-    stderr (``label`` first, e.g. the batch and prompt length of a sweep's cell). A system that
-    cannot run here (a peer package missing) is a row with its error."""
+    """One worker row per system, each in its own process (a progress line each on stderr,
+    ``label`` first); a system that cannot run here is a row with its error."""
     rows = []
     for system in systems:
         try:
@@ -215,9 +199,8 @@ def run_systems(systems: list[str], options: dict, label: str = "") -> list[dict
 
 
 def run_in_process(systems: list[str], workload: tuple, new_tokens: int) -> list[dict]:
-    """One row per system, all on one loaded ``workload`` (model, tokenizer, prompts); each
-    row's peak is its own (the device's peak statistics are reset, and freed blocks returned,
-    between systems)."""
+    """One row per system, all on one loaded ``workload`` (model, tokenizer, prompts); freed
+    blocks are returned between systems, so each row's peak is its own."""
     import gc
 
     import torch
@@ -244,11 +227,8 @@ def run_in_process(systems: list[str], workload: tuple, new_tokens: int) -> list
 
 
 def run_rounds(systems: list[str], args: argparse.Namespace, label: str = "") -> list[list[dict]]:
-    """``args.rounds`` lists of rows of one cell (``args.batch`` x ``args.prompt_tokens``), each
-    in the order of ``systems`` (odd rounds run in reverse), each row compared with the baseline
-    of its own round (:func:`compare`). In process, the model is loaded once for every round;
-    with ``--interleave`` one list, the systems' turns in one process
-    (:func:`experiments.interleave.interleaved_rows`)."""
+    """``args.rounds`` lists of rows of one cell in the order of ``systems`` (odd rounds run in
+    reverse), each compared with its own round's baseline; with ``--interleave`` one list."""
     from experiments.worker import load_workload
 
     if args.interleave is not None:
@@ -275,10 +255,8 @@ def run_rounds(systems: list[str], args: argparse.Namespace, label: str = "") ->
 
 
 def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
-    """One row per system from its rounds (lists of rows in the same order): the first round's
-    row with the median step time (and the decode speed it gives), the median time to first
-    token, the largest peak, the median of the rounds' speed-ups and each round's figures. A
-    system that failed in any round is that round's error row."""
+    """One row per system from its rounds: medians of the step, TTFT and speed-up, the largest
+    peak and each round's figures; a system that failed in any round is that error row."""
     merged = []
     for runs in zip(*rounds, strict=True):
         failed = next((row for row in runs if "error" in row), None)
@@ -308,9 +286,8 @@ def cells_of(args: argparse.Namespace) -> list[argparse.Namespace]:
 
 
 def measure(args: argparse.Namespace) -> list[dict]:
-    """Every system's row (:func:`merge_rounds`) in every cell (:func:`cells_of`), each with its
-    ``batch`` and ``context`` (prompt tokens) and, with ``--budget``, the batch that would fit
-    it."""
+    """Every system's row in every cell, with its ``batch``, ``context`` and, with ``--budget``,
+    the batch that would fit it."""
     grid = cells_of(args)
     rows = []
     for cell in grid:
@@ -325,17 +302,15 @@ def measure(args: argparse.Namespace) -> list[dict]:
 
 
 def fitting_batch(row: dict, budget: int) -> int:
-    """The largest batch whose peak fits ``budget`` bytes, were the run's peak above the
-    weights linear in the batch (KV and activations per row; an estimate from one measured
-    batch)."""
+    """The largest batch whose peak fits ``budget`` bytes, were the peak above the weights
+    linear in the batch (an estimate from one measured batch)."""
     per_row = (row["peak_rss_bytes"] - row["weight_bytes"]) / row["batch"]
     return max(0, int((budget - row["weight_bytes"]) // per_row)) if per_row > 0 else 0
 
 
 def compare(rows: list[dict], baseline: str) -> None:
-    """Add each row's speed relative to the baseline row (unless paired already, as
-    ``--interleave`` pairs it) and how many first greedy tokens of every sequence equal the
-    baseline's; drop the token ids."""
+    """Add each row's speed-up over the baseline (unless ``--interleave`` paired it) and how many
+    first greedy tokens of every sequence equal the baseline's; drop the token ids."""
     base = next((r for r in rows if r["system"] == baseline and "error" not in r), None)
     for row in rows:
         if base is not None and "error" not in row:
@@ -348,22 +323,25 @@ def compare(rows: list[dict], baseline: str) -> None:
 
 
 def versus_fastest_hf(rows: list[dict]) -> None:
-    """Each row's speed-up over the fastest HF cache of its cell (``fastest_hf``), the fair
-    anchor: ``DynamicCache`` is HF's slowest (it concatenates the whole cache every token).
-    Paired by turn where the systems decoded in turns, else by median step."""
+    """Each row's speed-up over the fastest HF cache of its cell (``DynamicCache`` is HF's
+    slowest), paired by turn where the systems decoded in turns, else by median step."""
     anchors = [row for row in rows if row["system"].startswith("hf-") and "error" not in row]
     if not anchors:
         return
     fastest = min(anchors, key=lambda row: row["median_step_ms"])
     for row in rows:
-        if "error" in row:
-            continue
-        row["fastest_hf"] = fastest["system"]
-        if "turn_step_ms" in row:
-            turns = zip(fastest["turn_step_ms"], row["turn_step_ms"], strict=True)
-            row["speedup_vs_fastest_hf"] = statistics.median(f / s for f, s in turns)
-        else:
-            row["speedup_vs_fastest_hf"] = fastest["median_step_ms"] / row["median_step_ms"]
+        if "error" not in row:
+            row["fastest_hf"] = fastest["system"]
+            row["speedup_vs_fastest_hf"] = step_ratio(fastest, row)
+
+
+def step_ratio(over: dict, row: dict) -> float:
+    """``over``'s step time over ``row``'s: the median of the turns' ratios where the systems
+    decoded in turns (``--interleave``), else the ratio of their median steps."""
+    if "turn_step_ms" in row:
+        turns = zip(over["turn_step_ms"], row["turn_step_ms"], strict=True)
+        return statistics.median(o / r for o, r in turns)
+    return over["median_step_ms"] / row["median_step_ms"]
 
 
 def _same_prefix(first: list[int], second: list[int]) -> int:
@@ -372,19 +350,10 @@ def _same_prefix(first: list[int], second: list[int]) -> int:
 
 
 def host_vs_drop(rows: list[dict]) -> dict[str, float]:
-    """Each ``retention=host`` row's step over its drop partner's (same configuration, dropping;
-    issue 26's target is at most 1.25), where both ran: with ``--interleave`` the median of the
-    turns' ratios, else the ratio of the medians."""
+    """Each ``retention=host`` row's step over its drop partner's where both ran (issue 26's
+    target: at most 1.25), by :func:`step_ratio`."""
     ran = {row["system"]: row for row in rows if "error" not in row}
-    ratios = {}
-    for pair in host_pairs(list(ran)):
-        host, drop = ran[pair.host], ran[pair.drop]
-        if "turn_step_ms" in host:
-            turns = zip(host["turn_step_ms"], drop["turn_step_ms"], strict=True)
-            ratios[pair.host] = statistics.median(h / d for h, d in turns)
-        else:
-            ratios[pair.host] = host["median_step_ms"] / drop["median_step_ms"]
-    return ratios
+    return {pair.host: step_ratio(ran[pair.host], ran[pair.drop]) for pair in host_pairs(list(ran))}
 
 
 def print_table(rows: list[dict]) -> None:
@@ -437,8 +406,8 @@ def decode(args: argparse.Namespace) -> dict:
 
 
 def kv_bytes_per_token(args: argparse.Namespace) -> dict[str, float]:
-    """Measured KV bytes per stored token (all layers) at 16/8/4 bits, and at 8/4 bits with 64
-    recent tokens in full precision (``8bit+r64``), after a 512-token prefill."""
+    """Measured KV bytes per stored token (all layers) after a 512-token prefill, at 16/8/4 bits
+    and at 8/4 bits with 64 recent tokens in full precision (``8bit+r64``)."""
     import torch
 
     from alisa import AlisaCache, AlisaConfig
@@ -458,19 +427,12 @@ def kv_bytes_per_token(args: argparse.Namespace) -> dict[str, float]:
     return result
 
 
-# --mode context. For each ``retention=host`` system H, its drop partner D (the same config with
-# ``retention=drop``) and the r = 1 drop system F, per cell of batch B and context T:
-# - host overhead: H - D ms per step, and per context token (H - D) / (B * T);
-# - dense attention per context token, estimated as (F - D) / (B * T * (1 - r)): F attends to
-#   every token and D to a share r of them, the rest of the step being the same, so their
-#   difference is the attention over (1 - r) of the context less D's selection work (a lower
-#   bound, negative where selecting costs more than the attention it saves);
-# - their ratio: how many dense-attention token reads one retained host token costs a step.
-# Dividing by the context makes a cost paid once a step read as a per-token cost that falls as
-# the context grows; the marginal table separates the two per batch size: a least-squares line
-# through H - D against B * T gives the fixed cost of a step (intercept, ms) and the cost of each
-# further context token (slope, ns), one through (F - D) / (1 - r) dense attention's cost of each
-# further token. Systems without their partners in --systems get no overhead columns.
+# --mode context. Per ``retention=host`` system H, its drop partner D and the r = 1 drop system F,
+# per cell of batch B and context T: host overhead H - D ms a step and (H - D) / (B * T) per
+# context token; dense attention per token (F - D) / (B * T * (1 - r)) (a lower bound: D's
+# selection work is in it); their ratio. The marginal table fits lines against B * T per batch
+# size: H - D gives a step's fixed cost (intercept) and each further token's (slope), (F - D) /
+# (1 - r) dense attention's. Systems without their partners in --systems get no overhead columns.
 
 
 def context(args: argparse.Namespace) -> dict:
@@ -485,8 +447,8 @@ def context(args: argparse.Namespace) -> dict:
 
 
 def overheads(steps_ms: dict[str, float], batch: int, context: int, pair: HostPair) -> dict:
-    """The host overhead and dense-attention estimate of one cell (above); None for a figure
-    whose systems did not run."""
+    """The host overhead and dense-attention estimate of one cell (above); None where a system
+    did not run."""
     host, drop = steps_ms.get(pair.host), steps_ms.get(pair.drop)
     full = steps_ms.get(pair.full) if pair.full else None
     tokens = batch * context
@@ -534,8 +496,7 @@ def _line(tokens: list[int], values: list[float]) -> tuple[float, float]:
 
 def marginal(rows: list[dict], systems: list[str]) -> list[dict]:
     """Per batch size with two or more contexts and per host system, the fixed and per-token
-    parts of its overhead and dense attention's cost per further token (above); None for a
-    figure whose systems did not all run in every context of the batch."""
+    parts of its overhead and dense attention's (above); None where a system did not run."""
     steps = cells(rows)
     out = []
     for batch in sorted({batch for batch, _ in steps}):
@@ -566,18 +527,14 @@ def marginal(rows: list[dict], systems: list[str]) -> list[dict]:
 
 
 def marginal_lines(entries: list[dict]) -> list[str]:
-    """The markdown table of :func:`marginal`'s ``entries``: one row per batch size and host
-    system."""
-    lines = [
-        "| B | contexts | system | fixed ms a step | ns per further token | dense ns per further"
-        " token | x dense |",
-        "|---|---|---|---|---|---|---|",
+    """The markdown table of :func:`marginal`'s ``entries``: a row per batch size and host."""
+    header = "B|contexts|system|fixed ms a step|ns per further token|dense ns per further token"
+    cells = [
+        [str(entry["batch"]), ",".join(map(str, entry["contexts"])), host, *_columns(figures)]
+        for entry in entries
+        for host, figures in entry["hosts"].items()
     ]
-    for entry in entries:
-        for host, figures in entry["hosts"].items():
-            values = [str(entry["batch"]), ",".join(map(str, entry["contexts"])), host]
-            lines.append("| " + " | ".join(values + _columns(figures)) + " |")
-    return lines
+    return markdown_table([*header.split("|"), "x dense"], cells)
 
 
 def _columns(figures: dict[str, float | None]) -> list[str]:
@@ -593,21 +550,20 @@ def table_lines(rows: list[dict], systems: list[str]) -> list[str]:
     for pair in pairs:
         r = f"r={pair.caching_ratio:g}"
         header += [f"host-drop {r} ms", f"ns/token {r}", f"dense ns/token {r}", f"x dense {r}"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    steps = cells(rows)
+    steps, lines = cells(rows), []
     for cell in summary(rows, systems):
         batch, context = cell["batch"], cell["context"]
         values = [str(batch), str(context)]
         values += [figure(steps[batch, context].get(system), 0) for system in systems]
         for pair in pairs:
             values += _columns(cell["hosts"][pair.host])
-        lines.append("| " + " | ".join(values) + " |")
-    return lines
+        lines.append(values)
+    return markdown_table(header, lines)
 
 
 def plot(rows: list[dict], systems: list[str], path: Path, title: str = "") -> None:
     """Median step time vs context, one panel per batch size, one line per system."""
-    from experiments.extras import pyplot
+    from experiments.extras import pyplot, save_figure
 
     plt = pyplot()
     steps = cells(rows)
@@ -626,16 +582,14 @@ def plot(rows: list[dict], systems: list[str], path: Path, title: str = "") -> N
         axis.set_title(f"batch {batch}" + (f", {title}" if title else ""), fontsize=10)
         axis.grid(True, alpha=0.3)
         axis.legend(fontsize=7)
-    figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path, dpi=120)
 
 
 def batch_jobs(args: argparse.Namespace) -> dict:
-    """``--mode batch``: every system's job under one KV budget, then the share of prompts with
-    identical outputs of dense ALISA and ``DynamicCache`` (r = 1: the same batches of 8, no
-    budget, so only the cache differs) in ``--dtype`` and ``--agreement-dtype``."""
+    """``--mode batch``: every system's job under one KV budget, then the share of identical
+    outputs of dense ALISA and ``DynamicCache`` (the same batches of 8, no budget) in ``--dtype``
+    and ``--agreement-dtype``."""
     import tempfile
 
     import torch

@@ -32,3 +32,11 @@ def pyplot() -> ModuleType:
     """matplotlib's pyplot, drawing to files (the Agg backend: no display needed)."""
     bench_module("matplotlib").use("Agg")
     return bench_module("matplotlib.pyplot")
+
+
+def save_figure(figure, path, dpi: int = 110):
+    """Lay ``figure`` out tight, write it to the PNG ``path`` and close it; returns ``path``."""
+    figure.tight_layout()
+    figure.savefig(path, dpi=dpi)
+    pyplot().close(figure)
+    return path

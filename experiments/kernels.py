@@ -7,28 +7,16 @@
     python -m experiments.kernels fetch    # the fetched rows' gather, Llama-3.1-8B, B = 16 x 8K
     python -m experiments.kernels fetch --batch 16 --heads 3 --head-dim 64 --positions 2080
 
-``sketch``: ``KeySketch.logits`` scores every stored token against a step's queries. It runs its
-product in bfloat16 where the CPU has a fast one, else by a compiled kernel reading the bfloat16
-sketch in place (:func:`alisa.ops.backends.choose_ops`); timed all three ways (PyTorch in
-bfloat16, PyTorch on the sketch widened to float32, the kernel), each forced, so the choice can
-be checked where it is made.
+``sketch``: ``KeySketch.logits``, each product forced (PyTorch in bfloat16, PyTorch on the sketch
+widened to float32, the compiled kernel), so :func:`alisa.ops.backends.choose_ops`'s choice can be
+checked. ``attend``: a float32 and an INT8 region's attention by the store's compiled kernel
+(:func:`alisa.ops.cpu.attend_slots`) against PyTorch's path, every slot held. ``fetch``: the rows
+a step fetches from the host region (INT8 codes, scale, zero point), ``index_select`` (then pinned
+on CUDA) against :func:`alisa.storage.pages.gathered`, each through the copy to ``--device``.
 
-``attend``: on a CPU a float32 decode step's attention is computed by the store itself
-(:func:`alisa.ops.cpu.attend_slots`), an INT8 region's codes dequantized in registers.
-PyTorch's path (the reference, and CUDA's) reads the region as float tensors, an INT8 region
-dequantized whole with its full-precision ring written over it. Timed both ways, for a float32
-and an INT8 region, every slot held.
-
-``fetch``: each decode step brings back, per layer, the rows its selection wants that the device
-does not hold, scattered through every (sequence, KV head)'s history, as INT8 codes with a scale
-and a zero point each. PyTorch's ``index_select`` of each tensor (then a second copy into
-page-locked memory on CUDA) against :func:`alisa.storage.pages.gathered` (one compiled pass per
-tensor, written straight into page-locked memory on CUDA), each through the copy to ``--device``.
-
-Random tensors (the time depends on shapes, not values); each cell is the median of ``--calls``
-calls after warm-up (:func:`experiments.timing.median_seconds`). Prints a table, then one JSON
-line whose every row carries the machine (:func:`experiments.timing.environment`) and the backend
-(:meth:`~alisa.ops.backends.Ops.describe` of the CPU kernels timed against PyTorch's ops).
+Random tensors (time depends on shapes, not values); each cell is the median of ``--calls`` calls
+after warm-up (:func:`experiments.timing.median_seconds`). Prints a table, then one JSON line
+whose every row carries the machine (:func:`experiments.timing.environment`) and the backend.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from experiments.data import REPO_ROOT, read_jsonl
-from experiments.extras import pyplot
+from experiments.extras import pyplot, save_figure
 from experiments.flags import markdown_table
 from experiments.tasks.ruler.pool import pool_runs, seed_of
 
@@ -135,7 +135,7 @@ def _plot(lines: dict, path: Path, *, labels: tuple, log=False, dense=None) -> P
     if log:
         axis.set_yscale("log")
     axis.legend(fontsize=7)
-    return _save(plt, figure, path)
+    return save_figure(figure, path)
 
 
 def plot_layer_sparsity(rows: list[dict], folder: Path) -> Path:
@@ -147,14 +147,7 @@ def plot_layer_sparsity(rows: list[dict], folder: Path) -> Path:
     axis.set_yticks(range(len(values)), [series_name(r["point"]) for r in rows], fontsize=7)
     axis.set_title("share of attention weights below 1 % of the row maximum")
     figure.colorbar(image, ax=axis)
-    return _save(plt, figure, folder / "attention_sparsity_per_layer.png")
-
-
-def _save(plt, figure, path: Path) -> Path:
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return save_figure(figure, folder / "attention_sparsity_per_layer.png")
 
 
 RULER_TASKS = ("ruler", "ruler_cost")  # one section for both (experiments.tasks.ruler.report)

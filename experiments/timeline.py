@@ -111,10 +111,9 @@ class Timeline:
 def plot_timelines(timelines: dict[str, Timeline], path: str, width_s: float = 2.0) -> None:
     """Rows in flight (top) and generated tokens/s (bottom, ``width_s`` bins) over each run's
     time, one line per run, into the PNG ``path``."""
-    from experiments.extras import pyplot
+    from experiments.extras import pyplot, save_figure
 
-    plt = pyplot()
-    figure, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    figure, (top, bottom) = pyplot().subplots(2, 1, figsize=(9, 6), sharex=True)
     for name, timeline in timelines.items():
         if timeline.times:
             ends, rows, rate = timeline.series(width_s)
@@ -126,6 +125,4 @@ def plot_timelines(timelines: dict[str, Timeline], path: str, width_s: float = 2
     top.legend(fontsize=8)
     for axes in (top, bottom):
         axes.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path, dpi=120)

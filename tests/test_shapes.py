@@ -54,9 +54,10 @@ def test_weights_larger_than_free_memory_are_refused_before_allocation(monkeypat
     shapes.check_fits("shape:llama-3.1-8b", "bfloat16", "cpu")  # 16 GB fits
     # The benchmarks say it once, before starting any worker.
     monkeypatch.setattr(bench_speed, "run_systems", pytest.fail)
-    assert "24.0 GiB" in bench_speed.check_model("shape:llama-3.1-8b", "float32")
-    assert bench_speed.main(["--model", "shape:llama-3.1-8b", "--dtype", "float32"]) == 2
-    assert bench_speed.check_model("smollm2-135m", "float32") is None
+    flags = ["--model", "shape:llama-3.1-8b", "--dtype", "float32"]
+    assert "24.0 GiB" in bench_speed.usage_error(bench_speed.parse_args(flags))
+    assert bench_speed.main(flags) == 2
+    assert bench_speed.usage_error(bench_speed.parse_args(["--dtype", "float32"])) is None
 
 
 def test_a_shape_model_generates_through_the_alisa_cache_with_host_retention():

@@ -7,7 +7,7 @@ out = sum_i exp(lse_i - lse) out_i. The merge is exact for dense attention.
 
 With a sparse policy each shard evicts within its own budget (round(n_shard * r)), by the attention
 its shard receives normalised within the shard: an APPROXIMATION of single-process SWA, whose
-top-k is global. ``experiments.bench_parallel`` measures how far it drifts.
+top-k is global. ``probes.bench_parallel`` measures how far it drifts.
 """
 
 from __future__ import annotations

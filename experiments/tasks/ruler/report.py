@@ -16,7 +16,7 @@ from pathlib import Path
 
 from alisa import AlisaConfig
 from alisa.sizes import format_bytes
-from experiments.extras import bench_module, pyplot
+from experiments.extras import bench_module, pyplot, save_figure
 from experiments.flags import markdown_table
 from experiments.systems import changed_settings, parse_alisa
 
@@ -290,7 +290,7 @@ def plot_grid(rows: list[dict], folder: Path) -> Path | None:
         axis.set_xlabel("length (tokens)")
         axis.set_title(System.of(system).label, fontsize=9)
     axes[0][0].set_ylabel("needle depth")
-    return _save(figure, folder / "ruler_niah_grid.png")
+    return save_figure(figure, folder / "ruler_niah_grid.png")
 
 
 def plot_vs_ratio(rows: list[dict], folder: Path) -> list[Path]:
@@ -308,7 +308,7 @@ def plot_vs_ratio(rows: list[dict], folder: Path) -> list[Path]:
         axes[0][0].set_ylabel("RULER score")
         axes[0][-1].legend(fontsize=6, loc="lower right")
         figure.suptitle(f"{keys[0][0]}, {length} tokens: score vs caching ratio r", fontsize=9)
-        paths.append(_save(figure, folder / f"ruler_vs_ratio_{length}.png"))
+        paths.append(save_figure(figure, folder / f"ruler_vs_ratio_{length}.png"))
     return paths
 
 
@@ -339,13 +339,6 @@ def _panel(axis, scores: dict, title: str) -> None:
     axis.set_ylim(-0.05, 1.05)
     axis.set_xlabel("r", fontsize=8)
     axis.set_title(title, fontsize=9)
-
-
-def _save(figure, path: Path) -> Path:
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    pyplot().close(figure)
-    return path
 
 
 def summary(rows: list[dict], partial: str | None = None, runs: int = 1) -> dict:

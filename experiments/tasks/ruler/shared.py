@@ -1,15 +1,12 @@
 """The runner's ``ruler`` and ``ruler_cost`` tasks (RULER: https://arxiv.org/abs/2404.06654).
 
 ``ruler`` runs the points of one (model, family, length, batch) that differ only in their system
-together. Every system's prefill computes the same thing (alisa's prefill attention is HF's dense
-SDPA; only what each cache keeps afterwards differs), and a long prompt's prefill is most of a
-sample's CPU time (SmolLM2, 8K tokens: 28 s against about 3 s of decoding), so it runs once: the
-``alisa_fanout`` attention computes the dense output and hands each layer's (query, key, value)
-to every cache (an ``AlisaCache`` layer then runs :func:`alisa.kv.attention.prefill_layer`, as
-``alisa_attention`` does; an HF cache stores the prompt). Each system then decodes alone from the
-shared first-token logits, token-identical to ``alisa.generate`` (``tests/test_ruler.py``). A row
-carries the score, the KV bytes per tier (per sequence) and the decode speed. ``ruler_cost``: one
-system alone in a fresh process (:mod:`experiments.worker`), for peak memory and speed.
+together. Every system's prefill is the same dense attention and a long prompt's prefill is most
+of a sample's CPU time (SmolLM2, 8K tokens: 28 s against about 3 s of decoding), so it runs once:
+the ``alisa_fanout`` attention hands each layer's (query, key, value) to every cache. Each system
+then decodes alone from the shared logits, token-identical to ``alisa.generate``
+(``tests/test_ruler.py``). ``ruler_cost``: one system alone in a fresh process
+(:mod:`experiments.worker`), for peak memory and speed.
 """
 
 from __future__ import annotations

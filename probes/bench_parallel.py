@@ -1,9 +1,9 @@
 """2 ranks x 1 thread against 1 process on this machine: KV-Runahead prefill, and ``alisa batch``.
 
-    python -m experiments.bench_parallel prefill                 # SmolLM2, 4096-token prompt
-    python -m experiments.bench_parallel prefill --tokens 1024   # quick
-    python -m experiments.bench_parallel batch                   # 64 XSum prompts, SmolLM2 bf16
-    python -m experiments.bench_parallel batch --prompts 8 --new-tokens 4   # quick
+    python -m probes.bench_parallel prefill                 # SmolLM2, 4096-token prompt
+    python -m probes.bench_parallel prefill --tokens 1024   # quick
+    python -m probes.bench_parallel batch                   # 64 XSum prompts, SmolLM2 bf16
+    python -m probes.bench_parallel batch --prompts 8 --new-tokens 4   # quick
 
 ``prefill``: time to first token of 1 process x 2 threads, and of 2 ranks x 1 thread with KVR-E
 (even split), KVR-S (grid search on measured TTFT), KVR-P (a table searched at half the length,
