@@ -58,7 +58,9 @@ def saved_llama(tmp_path):
 
 
 def test_a_batch_host_memory_refusal_quotes_the_jobs_new_tokens(tmp_path, capsys):
-    """It quoted ``max_new_tokens=256`` (the cache's default) for a job of 2 new tokens."""
+    """It quoted ``max_new_tokens=256`` (the cache's default) for a job of 2 new tokens. Since
+    admission counts the host regions (tests/test_host_admission.py), the row is a did_not_fit
+    row sized for the job's 2 new tokens, as a --kv-memory refusal is (exit 3: rows failed)."""
     model_dir = saved_llama(tmp_path)
     source = tmp_path / "in.jsonl"
     source.write_text('{"id": "a", "prompt": "hello there"}\n')
@@ -68,7 +70,11 @@ def test_a_batch_host_memory_refusal_quotes_the_jobs_new_tokens(tmp_path, capsys
         + [str(source), "-o", str(tmp_path / "o.jsonl"), *flags, "--host-memory", "1KB"]
     )
     message = capsys.readouterr().err
-    assert code == 1 and "max_new_tokens=2 need up to" in message and "256" not in message
+    assert code == 3 and "256" not in message
+    assert (
+        "needs about 5120 bytes of host region (retention='host'), over the host budget " in message
+    )
+    assert "--host-memory 1KB (1000 bytes) even alone" in message
 
 
 def test_a_resume_with_other_settings_names_only_what_differs(tmp_path, capsys, monkeypatch):
