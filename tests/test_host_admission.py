@@ -21,6 +21,7 @@ from alisa.planning.spec import model_spec
 from alisa.runtime.continuous import ContinuousScheduler
 from alisa.runtime.engine import DecodeState, Engine
 from alisa.serve import ServeSettings
+from alisa.sizes import format_bytes
 
 HOST = AlisaConfig(policy="swa", caching_ratio=0.5, retention="host")
 
@@ -165,5 +166,6 @@ def test_alisa_batch_sizes_its_batches_to_host_memory(tmp_path, capsys, static):
     argv += ["--retention", "host", "--host-memory", str(budget), "--dtype", "float32"]
     code, err = run_main([*argv, *(["--static"] if static else [])], capsys)
     assert code == 0, err
+    assert f"; host regions within {format_bytes(budget)} (--host-memory {budget})" in err
     written = (tmp_path / "out.jsonl").read_text().splitlines()
     assert sorted(json.loads(line)["id"] for line in written) == ["0", "1", "2", "3"]

@@ -131,5 +131,7 @@ def combine(summaries: list[JobSummary]) -> JobSummary:
     first = summaries[0]
     total.budget_bytes, total.budget_name = first.budget_bytes, first.budget_name
     total.kv_budget_bytes, total.kv_budget_name = first.kv_budget_bytes, first.kv_budget_name
+    total.host_budget_bytes = first.host_budget_bytes
+    total.host_budget_name = first.host_budget_name
     total.peak_memory_counts = first.peak_memory_counts
     return total

@@ -209,6 +209,8 @@ class JobSummary:
     budget_name: str = ""  # where budget_bytes comes from: "--gpu-memory 8GiB", ...
     kv_budget_bytes: int | None = None
     kv_budget_name: str = ""
+    host_budget_bytes: int | None = None  # the host regions of retention="host"
+    host_budget_name: str = ""
     # Time to first token of each prompt, from the job's start (the wait for its batch or
     # its admission included).
     ttfts_s: list = field(default_factory=list)
@@ -273,6 +275,11 @@ class JobSummary:
             text += (
                 f" and {format_bytes(self.kv_budget_bytes)} of KV "
                 f"({self.kv_budget_name or 'KV budget'})"
+            )
+        if self.host_budget_bytes is not None:
+            text += (
+                f"; host regions within {format_bytes(self.host_budget_bytes)} "
+                f"({self.host_budget_name or 'host budget'})"
             )
         return text
 
@@ -598,6 +605,7 @@ def run_requests(
     summary = JobSummary(prompts=len(pending), budget_bytes=budgets.device)
     summary.budget_name, summary.kv_budget_name = budgets.device_name, budgets.kv_name
     summary.kv_budget_bytes = budgets.kv
+    summary.host_budget_bytes, summary.host_budget_name = budgets.host, budgets.host_name
     summary.peak_memory_counts = PEAK_COUNTS.get(device.type, PEAK_COUNTS["cpu"])
     own = {request.id: own_settings(job, request) for request in pending}  # as the input has it
     defaults = job.row_defaults()  # once: the same for every row
