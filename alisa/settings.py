@@ -602,6 +602,17 @@ def check_host_admission(config: ConfigFields, reserve_tokens: int | None) -> No
         )
 
 
+def no_host_region(host_memory: int | str) -> ValueError:
+    """The error of a ``host_memory`` under ``retention="host"`` on a model none of whose
+    layers keeps a host region (sliding windows, dense layers, budgets that keep every token):
+    it would limit nothing."""
+    return ValueError(
+        f"host_memory={host_memory!r} (--host-memory) has no effect: no layer of this model "
+        "keeps a host region under retention='host' (its layers are sliding windows, dense "
+        "layers or keep every token), so it would limit nothing; leave it unset"
+    )
+
+
 def field_default(item: Field) -> object:
     """The default value of a dataclass field (its factory's product for a mutable one)."""
     return item.default_factory() if item.default is MISSING else item.default

@@ -33,21 +33,24 @@ _SIZE = re.compile(r"^\s*(-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)\s*([a-zA-Z]*)\s*$")
 MOST_BYTES = 2**62
 
 
-def parse_bytes(value: str | int | float, *, field: str = "size") -> int:
+def parse_bytes(value: str | int | float, *, field: str = "size", positive: bool = False) -> int:
     """Parse ``"16GiB"``, ``"512MB"``, ``"1.5g"``, ``"1e9"`` or a plain number into bytes.
 
     Raises
     ------
     ValueError
         For negative, infinite, non-numeric or unknown-unit values, or more than
-        :data:`MOST_BYTES`, naming ``field`` and the value.
+        :data:`MOST_BYTES`, naming ``field`` and the value; with ``positive``, for 0 bytes too
+        (``"0"``, ``"0.1B"``), every message then asking for ``> 0`` (a user who gives 0 after
+        being told ``>= 0`` is not refused again).
     """
+    bound = "> 0" if positive else ">= 0"
     if isinstance(value, bool):
         raise ValueError(f"{field}={value!r} is not a byte size")
     if isinstance(value, int | float):
         if not math.isfinite(value) or value < 0:
-            raise ValueError(f"{field}={value!r} must be a finite number of bytes >= 0")
-        return _at_most(int(value), value, field)
+            raise ValueError(f"{field}={value!r} must be a finite number of bytes {bound}")
+        return _nonzero(_at_most(int(value), value, field), value, field, positive)
     match = _SIZE.match(str(value))
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(
@@ -57,13 +60,20 @@ def parse_bytes(value: str | int | float, *, field: str = "size") -> int:
         )
     number = float(match.group(1))
     if number < 0:
-        raise ValueError(f"{field}={value!r} must be a byte size >= 0")
-    return _at_most(int(number * _UNITS[match.group(2).lower()]), value, field)
+        raise ValueError(f"{field}={value!r} must be a byte size {bound}")
+    size = _at_most(int(number * _UNITS[match.group(2).lower()]), value, field)
+    return _nonzero(size, value, field, positive)
 
 
 def _at_most(size: int, value: object, field: str) -> int:
     if size > MOST_BYTES:
         raise ValueError(f"{field}={value!r} is more bytes than any machine holds (4 EiB)")
+    return size
+
+
+def _nonzero(size: int, value: object, field: str, positive: bool) -> int:
+    if positive and size == 0:
+        raise ValueError(f"{field}={value!r} must be a byte size > 0")
     return size
 
 
@@ -76,10 +86,7 @@ def parse_budget(value: str | int | float, *, field: str) -> int:
         As :func:`parse_bytes`, and for a budget of 0 bytes (``"0"``, ``"0.1B"``), naming
         ``field`` and the value.
     """
-    count = parse_bytes(value, field=field)
-    if count == 0:
-        raise ValueError(f"{field}={value!r} must be a byte size > 0")
-    return count
+    return parse_bytes(value, field=field, positive=True)
 
 
 def format_bytes(count: int | float) -> str:

@@ -116,7 +116,7 @@ def read_prompt(args: argparse.Namespace) -> str:
     elif not sys.stdin.isatty():
         source = "the prompt on stdin"
         try:
-            prompt = sys.stdin.buffer.read().decode("utf-8")
+            prompt = sys.stdin.buffer.read().decode("utf-8-sig")  # as --prompt-file reads
         except UnicodeDecodeError as error:
             raise CommandError(f"{source} is not valid UTF-8: {error}") from None
     else:

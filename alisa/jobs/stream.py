@@ -8,7 +8,7 @@ from functools import cached_property
 
 from alisa.checks import check_bool, unordered
 from alisa.config import AlisaConfig, config_or_default
-from alisa.jobs.sizing import BatchMemory, fits, ring_refusal_note, running_memory
+from alisa.jobs.sizing import BatchMemory, fits, ring_refusal_note, rows_host, running_memory
 from alisa.kv.cache import AlisaCache
 from alisa.kv.hooks import attached
 from alisa.model.adapter import model_shape
@@ -18,7 +18,7 @@ from alisa.runtime.engine import Engine
 from alisa.runtime.generate import check_prompt
 from alisa.runtime.requests import PREFILL_TOKENS, RowShape, StreamRequest, StreamResult
 from alisa.runtime.sampling import RepeatedPrompts, SamplingOptions, sampling_or_default
-from alisa.settings import check_host_admission, check_untiered
+from alisa.settings import check_host_admission, check_untiered, no_host_region
 from alisa.sizes import parse_budget, parse_bytes
 from scheduler import ModelSpec
 
@@ -69,6 +69,9 @@ class ByteBudget:
         ):
             raise ValueError(f"reserve_tokens={reserve!r} must be an integer >= 0 or None")
         check_host_admission(self.config, reserve)
+        host = self.config.host_memory if self.config.retention == "host" else None
+        if host is not None and not rows_host(self.spec, self.config, [(1, 1)]):
+            raise no_host_region(host)
 
     @cached_property
     def host_bytes(self) -> int | None:

@@ -34,6 +34,7 @@ from alisa.policies import DensePolicy, KVPolicy
 from alisa.settings import (
     IgnoredSettingWarning,
     full_precision_note,
+    no_host_region,
     ring_tokens,
     unread_kernels_note,
     untiered_notes,
@@ -155,6 +156,10 @@ class AlisaCache(Cache):
             self._layer(index, factory, keeper, budgets, policies)
             for index in range(self.shape.num_layers)
         ]
+        # Past _check_host_memory_applies, a host_memory without tiers is retention="host"'s.
+        host = self.config.host_memory
+        if host is not None and self.planner is None and not _holds_host(layers):
+            raise no_host_region(host)
         super().__init__(layers=layers)
         attach(model, adapter=adapter)
         self._model_config = model.config
@@ -333,6 +338,17 @@ class AlisaCache(Cache):
             return self._pack.position()[0]
         return super().get_query_offset(layer_idx)
 
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        """HF's mask sizes (:meth:`AlisaLayer.get_mask_sizes`); a forward of no new token is
+        refused here, before its layers run: HF's ``generate`` cuts an input no longer than
+        what the cache holds down to nothing, and the model's attention then fails reshaping
+        an empty query. Its own model's forward says so; another model's is refused for
+        reaching the cache without its model (as :meth:`update` would)."""
+        if isinstance(query_length, int) and query_length == 0:
+            self._take_claim()  # another model's forward: refused naming the cache's model
+            raise self._no_new_tokens()
+        return super().get_mask_sizes(query_length, layer_idx)
+
     def claim(self, model: nn.Module | None) -> None:
         """Announce that ``model``'s forward stores into this cache next (the model's forward
         hook calls this, and a mixed forward for both its caches), refusing any model but the
@@ -382,13 +398,16 @@ class AlisaCache(Cache):
                 "a new AlisaCache for another batch size"
             )
         if tokens < 1:
-            raise ValueError(
-                f"past_key_values (an AlisaCache) already holds {self.get_seq_length()} tokens "
-                "per sequence and this forward adds none: the input must extend the cached "
-                "tokens (pass the whole conversation, or a new AlisaCache for a new prompt)"
-            )
+            raise self._no_new_tokens()
         if tokens > 1:
             self._check_extends(tokens)
+
+    def _no_new_tokens(self) -> ValueError:
+        return ValueError(
+            f"past_key_values (an AlisaCache) already holds {self.get_seq_length()} tokens "
+            "per sequence and this forward adds none: the input must extend the cached "
+            "tokens (pass the whole conversation, or a new AlisaCache for a new prompt)"
+        )
 
     def _check_extends(self, tokens: int) -> None:
         """Refuse modes for which ``tokens`` new tokens after the prefill are not one well
@@ -413,7 +432,7 @@ class AlisaCache(Cache):
                 "input tokens could exceed it unchecked: build a new AlisaCache for the whole "
                 "conversation"
             )
-        if any(isinstance(layer.keeper, HostKeeper) for layer in self.layers):
+        if _holds_host(self.layers):
             raise ValueError(
                 f"retention='host' (policy={self.config.policy!r}, whose budget can leave "
                 f"tokens on the host) cannot continue a cache with {tokens} input tokens at "
@@ -712,6 +731,11 @@ def _refuse_static(action: str, *caches: AlisaCache) -> None:
                 f"max_cache_len={cache.max_cache_len}: a static cache cannot {action}; "
                 "continuous batching runs caches built without max_cache_len"
             )
+
+
+def _holds_host(layers: list[AlisaLayer]) -> bool:
+    """Whether any of ``layers`` keeps a host region (host retention's keeper)."""
+    return any(isinstance(layer.keeper, HostKeeper) for layer in layers)
 
 
 def _check_host_memory_applies(config: AlisaConfig) -> None:

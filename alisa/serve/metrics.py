@@ -84,7 +84,8 @@ class ServeMetrics:
         self.kv_budget = Gauge(
             f"{PREFIX}_kv_budget_bytes",
             "Admission budgets: kv (the KV alone, --kv-memory), device (weights + KV + "
-            "activations, --gpu-memory); +Inf: no limit",
+            "activations, --gpu-memory), host (the host regions of --retention host, "
+            "--host-memory); +Inf: no limit",
             ["budget"],
             registry=registry,
         )

@@ -450,6 +450,9 @@ def _messages(value) -> tuple[tuple[str, str], ...]:
                     f"{field}.{key}",
                     "unknown_field",
                 )
+        for key in ("role", "content"):
+            if key not in message:  # not sent, which a null would claim it was
+                raise bad_request(f"{field}.{key} is required", f"{field}.{key}", "missing_field")
         role = message.get("role")
         if role not in ROLES:
             raise bad_request(

@@ -8,6 +8,7 @@ from alisa.checks import check_int, check_text
 from alisa.config import AlisaConfig
 from alisa.runtime.requests import PREFILL_TOKENS
 from alisa.settings import check_host_admission, check_untiered
+from alisa.sizes import parse_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,5 +77,8 @@ class ServeSettings:
 
     @property
     def budgets(self) -> dict[str, int | None]:
-        """``{"kv": ..., "device": ...}`` bytes (None: no limit)."""
-        return {"kv": self.kv_bytes, "device": self.device_bytes}
+        """``{"kv": ..., "device": ..., "host": ...}`` bytes (None: no limit); ``host`` is the
+        host regions' (``config.host_memory``, under ``retention="host"``)."""
+        host = self.config.host_memory
+        host_bytes = None if host is None else parse_bytes(host, field="host_memory")
+        return {"kv": self.kv_bytes, "device": self.device_bytes, "host": host_bytes}
