@@ -96,18 +96,18 @@ CASES = {
     "gpu-memory-negative": Case(
         "generate hi --gpu-memory -5GB",
         ERR,
-        ("--gpu-memory", "gpu_memory='-5GB' must be a byte size >= 0"),
+        ("--gpu-memory", "gpu_memory='-5GB' must be a byte size > 0"),
         unsaid=("expected one argument",),
     ),
     "host-memory-negative": Case(
         "generate hi --retention host --host-memory -1.5KiB",
         ERR,
-        ("--host-memory", "host_memory='-1.5KiB' must be a byte size >= 0"),
+        ("--host-memory", "host_memory='-1.5KiB' must be a byte size > 0"),
     ),
     "kv-memory-negative": Case(
         BATCH + " --kv-memory -1",
         ERR,
-        ("--kv-memory='-1' must be a byte size >= 0",),
+        ("--kv-memory='-1' must be a byte size > 0",),
         {"in.jsonl": ONE},
     ),
     # 35: an empty output path is not a directory
