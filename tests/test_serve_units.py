@@ -348,3 +348,23 @@ def test_bad_settings_are_refused_naming_the_field(options, words):
 def test_an_error_status_must_be_one_of_the_apis():
     with pytest.raises(ValueError, match="status=418"):
         APIError(status=418, message="teapot")
+
+
+def test_a_stop_string_in_the_first_token_ends_the_answer_there(engine):
+    """Tour 17's S2: a stop string the first generated token completes was billed as two
+    tokens (the step after it ran and counted): it ends the answer at that token."""
+    events: queue.Queue = queue.Queue()
+    value = engine.metrics.registry.get_sample_value
+    for prompt in ("prompt", "hello", "abc", "xyz", "tour", "seventeen"):  # a first token
+        engine.submit(job(events, prompt, 4, ignore_eos=True))  # that is a whole character
+        ((_, free),) = ends(events, 1)
+        first = byte_tokenizer().decode(free.token_ids[:1])
+        if first.isascii() and first.strip():
+            break
+    before = (value("alisa_generation_tokens_total"), value("alisa_scheduler_steps_total"))
+    engine.submit(job(events, prompt, 4, ignore_eos=True, stop=(first,)))
+    ((_, stopped),) = ends(events, 1)
+    assert stopped.finish_reason == "stop" and stopped.text == ""
+    assert stopped.token_ids == free.token_ids[:1]
+    assert value("alisa_generation_tokens_total") - before[0] == 1
+    assert value("alisa_scheduler_steps_total") - before[1] == 1  # no step after the stop

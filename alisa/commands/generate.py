@@ -102,10 +102,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def read_prompt(args: argparse.Namespace) -> str:
-    """The prompt from the argument, ``--prompt-file`` or stdin; never empty, always UTF-8."""
+    """The prompt from the argument, ``--prompt-file`` or stdin (no argument, or ``-``); never
+    empty, always UTF-8."""
+    from alisa.jobs.io import STDIN
+
     if args.prompt is not None and args.prompt_file is not None:
         raise CommandError("give the prompt either as an argument or with --prompt-file, not both")
-    if args.prompt is not None:
+    if args.prompt == STDIN and sys.stdin.isatty():
+        raise CommandError(
+            f"the prompt {STDIN!r} reads stdin, which is a terminal: pipe the prompt in, or give "
+            "it as an argument or with --prompt-file"
+        )
+    if args.prompt is not None and args.prompt != STDIN:  # "-": stdin, as alisa batch reads
         prompt, source = args.prompt, "the prompt argument"
     elif args.prompt_file is not None:
         source = f"--prompt-file {str(args.prompt_file)!r}"

@@ -89,8 +89,9 @@ class StreamRequest:
             now = time.perf_counter()
             if not 0 <= self.arrival_s <= now:
                 raise ValueError(
-                    f"arrival_s={self.arrival_s!r} of {self._who()} must be a "
-                    f"time.perf_counter() reading taken already (now {now:.3f}), or None"
+                    f"arrival_s={self.arrival_s!r} of {self._who()} must be in [0, {now:.3f}]: "
+                    "a time.perf_counter() reading taken already (not an offset from now), "
+                    "or None"
                 )
 
     def _who(self) -> str:

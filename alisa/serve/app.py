@@ -152,7 +152,7 @@ async def _generate(
     )
     state.engine.submit(job)
     reply = _Reply(parsed, state.settings.model_name, len(prepared.prompt_ids))
-    said = _ignored(parsed, state)
+    said = _ignored(parsed, prepared.notes, state)
     if parsed.stream:
         return StreamingResponse(
             _stream(state.engine, job, events, reply),
@@ -167,21 +167,26 @@ async def _generate(
     return JSONResponse(reply.whole(event, prepared.prompt_ids), headers=said)
 
 
-def _ignored(parsed: GenerationRequest, state: ServeState) -> dict[str, str]:
+def _ignored(parsed: GenerationRequest, notes: tuple[str, ...], state: ServeState) -> dict:
     """The response header naming the request's fields that change nothing (a client is
-    never shown a warning, and refusing fields OpenAI's API accepts would break clients), and
-    one log line per field for the server's operator, the first time a request sets it."""
-    if not parsed.ignored:
-        return {}
-    text = f"{', '.join(parsed.ignored)}: no effect at temperature=0 (greedy decoding)"
-    if new := [name for name in parsed.ignored if name not in state.said]:
-        state.said.update(new)
-        logger.warning(
-            "a request set %s; said once per field here, and in every response's %s header",
-            text,
-            IGNORED_HEADER,
-        )
-    return {IGNORED_HEADER: text}
+    never shown a warning, and refusing fields OpenAI's API accepts would break clients) and
+    what its own cache settings change nothing by at its length (``notes``,
+    :attr:`~alisa.serve.prepare.Prepared.notes`), and one log line per field for the server's
+    operator, the first time a request sets it."""
+    said = []
+    if parsed.ignored:
+        text = f"{', '.join(parsed.ignored)}: no effect at temperature=0 (greedy decoding)"
+        said.append((text, list(parsed.ignored)))
+    said += [(note, [note.split("=", 1)[0]]) for note in notes]  # by its field
+    for text, names in said:
+        if new := [name for name in names if name not in state.said]:
+            state.said.update(new)
+            logger.warning(
+                "a request set %s; said once per field here, and in every response's %s header",
+                text,
+                IGNORED_HEADER,
+            )
+    return {IGNORED_HEADER: "; ".join(text for text, _ in said)} if said else {}
 
 
 async def _read(

@@ -359,6 +359,7 @@ class ServeEngine:
         """Count, time and hand out a job's new tokens."""
         if not tokens or job.text.stopped:
             return
+        tokens = tokens[: job.text.add(tokens)]  # none after a stop string's last token
         metrics = self.metrics
         if job.received == 0:
             metrics.ttft.observe(now - job.arrival_s)
@@ -372,7 +373,6 @@ class ServeEngine:
         metrics.generation_tokens.inc(len(tokens))
         job.received += len(tokens)
         job.last_token_s = now
-        job.text.add(tokens)
         if job.stream:  # every step's tokens, with whatever text is final (maybe none)
             job.deliver(Delta(job.text.delta(), tuple(tokens)))
 

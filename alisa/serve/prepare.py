@@ -18,6 +18,7 @@ from alisa.kv.cache import AlisaCache
 from alisa.model.adapter import model_shape
 from alisa.model.loading import context_length, prompt_length_error
 from alisa.planning.spec import model_spec
+from alisa.runtime.generate import run_notes
 from alisa.runtime.requests import TOKENIZER_HINT, RowShape, past_vocabulary, vocabulary_size
 from alisa.serve.errors import APIError, bad_request
 from alisa.serve.protocol import GenerationRequest
@@ -40,11 +41,16 @@ class Prepared:
         Tokens to generate at most.
     config
         Its cache settings (the server's, with the request's own on top).
+    notes
+        What the request's own cache settings change nothing by at its length (a floor that
+        keeps every token, ...: :func:`~alisa.runtime.generate.run_notes`, in the request's
+        words), for the response's ``X-Alisa-Ignored`` header.
     """
 
     prompt_ids: tuple[int, ...]
     max_tokens: int
     config: AlisaConfig
+    notes: tuple[str, ...] = ()
 
 
 class Preparer:
@@ -61,7 +67,8 @@ class Preparer:
     def __init__(self, model, tokenizer, settings: ServeSettings) -> None:
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         self.context = context_length(model, tokenizer)
-        self.spec = model_spec(model, model_shape(model))
+        self.shape = model_shape(model)
+        self.spec = model_spec(model, self.shape)
         self.vocab_size = vocabulary_size(model)
         self._valid: set[AlisaConfig] = {settings.config}
         # A text longer than this cannot fit the context however it is tokenized: refused
@@ -87,7 +94,11 @@ class Preparer:
         ids = self.prompt_ids(request)
         max_tokens = self._length(request, len(ids))
         self._check_budget(len(ids), max_tokens, config, request.prompt_field)
-        return Prepared(prompt_ids=ids, max_tokens=max_tokens, config=config)
+        notes = ()
+        if request.cache:  # the server's own settings are its operator's, not the client's
+            found = run_notes(self.model, config, self.shape, len(ids) + max_tokens)
+            notes = tuple(_in_request_words(note) for note in found)
+        return Prepared(prompt_ids=ids, max_tokens=max_tokens, config=config, notes=notes)
 
     def config(self, request: GenerationRequest) -> AlisaConfig:
         """The server's cache settings with the request's ``"alisa"`` ones on top, checked
@@ -254,6 +265,13 @@ class Preparer:
             param=param,
             code="exceeds_budget",
         )
+
+
+def _in_request_words(note: str) -> str:
+    """A run note as a client reads it: ``min_budget_tokens=64 ...`` names the request's field,
+    ``alisa.min_budget_tokens=64 ...``, on one line (a response header holds no line break)."""
+    note = f"alisa.{note}" if re.match(r"\w+=", note) else note
+    return " ".join(note.split()).encode("ascii", "replace").decode()  # a header is latin-1
 
 
 def _config_error(message: str, given: dict) -> APIError:

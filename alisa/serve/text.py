@@ -39,14 +39,26 @@ class TextStream:
         self._searched = 0  # characters already searched for stop strings
         self._hold = max((len(s) for s in self.stop), default=1) - 1
 
-    def add(self, tokens: Sequence[int]) -> None:
-        """Append ``tokens`` (ignored once a stop string was found)."""
+    def add(self, tokens: Sequence[int]) -> int:
+        """Append ``tokens`` up to the one that completes a stop string (none once one was
+        found); returns how many were taken: a step can hand over several (a newcomer's first
+        two), and those after the stop are neither part of the answer nor counted."""
         if self.stopped or not tokens:
-            return
+            return 0
+        if not self.stop:
+            self._extend(tokens)
+            return len(tokens)
+        for taken, token in enumerate(tokens, start=1):
+            self._extend([token])
+            self._find_stop()
+            if self.stopped:
+                return taken
+        return len(tokens)
+
+    def _extend(self, tokens: Sequence[int]) -> None:
         self.tokens.extend(tokens)
         shown = [t for t in self.tokens if t not in self.eos_ids] if self.eos_ids else self.tokens
         self.text = self.tokenizer.decode(shown, skip_special_tokens=True)
-        self._find_stop()
 
     def _find_stop(self) -> None:
         """Cut the text at the first stop string, searching only what may hold a new one."""
