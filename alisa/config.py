@@ -239,7 +239,7 @@ class AlisaConfig:
                 f"reselect_every={self.reselect_every!r} needs retention='host' (with "
                 f"retention={self.retention!r} nothing is selected again)"
             )
-        if self.estimate_rest and self.retention != "host":
+        if self.estimate_rest is not None and self.retention != "host":  # False too: unread
             raise ValueError(
                 f"estimate_rest={self.estimate_rest!r} needs retention='host' (with "
                 f"retention={self.retention!r} tokens left out are gone: there is nothing to "

@@ -19,6 +19,7 @@ from alisa.commands.options import (
 from alisa.model.dtypes import DTYPES
 
 GIB = 1024**3
+PROMPT_LEN, GEN_LEN = 512, 128  # the workload planned when the flags are not given
 
 HELP = "print the three-phase plan (weights, KV tiers, p1/p2, alpha/beta, memory, tokens/s)"
 # The AlisaConfig fields the runtime's tier planner reads (alisa.planning.tiers.TierPlanner.decide).
@@ -48,9 +49,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
     parser.add_argument(
-        "--prompt-len", type=int, default=512, help="prompt tokens per sequence (default 512)"
+        "--prompt-len",
+        type=int,
+        default=PROMPT_LEN,
+        help=f"prompt tokens per sequence (default {PROMPT_LEN})",
     )
-    parser.add_argument("--gen-len", type=int, default=128, help="tokens to generate (default 128)")
+    parser.add_argument(
+        "--gen-len", type=int, default=GEN_LEN, help=f"tokens to generate (default {GEN_LEN})"
+    )
     parser.add_argument(
         "--hardware", help="published preset instead of this machine: v100-32gb, a100-40gb, ..."
     )
@@ -171,9 +177,12 @@ def _check_context(spec, prompt_len: int, gen_len: int) -> None:
     limit = spec.context_tokens
     if limit is None or prompt_len + gen_len <= limit:
         return
+    gen = max(min(gen_len, limit // 4), 1)
     raise CommandError(
         f"--prompt-len={prompt_len} plus --gen-len={gen_len} is {prompt_len + gen_len} "
-        f"tokens, past {spec.name}'s context of {limit} tokens (max_position_embeddings)"
+        f"tokens, past {spec.name}'s context of {limit} tokens (max_position_embeddings); "
+        f"give both within it (unset, they are {PROMPT_LEN} and {GEN_LEN}), e.g. --prompt-len "
+        f"{limit - gen} --gen-len {gen}"
     )
 
 

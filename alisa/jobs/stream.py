@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from alisa.checks import check_bool, unordered
+from alisa.checks import check_bool, check_int, unordered
 from alisa.config import AlisaConfig, config_or_default
 from alisa.jobs.sizing import BatchMemory, fits, ring_refusal_note, rows_host, running_memory
 from alisa.kv.cache import AlisaCache
@@ -61,8 +61,7 @@ class ByteBudget:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive byte count or None")
-        if isinstance(self.max_rows, bool) or self.max_rows < 1:
-            raise ValueError(f"max_rows={self.max_rows!r} must be an integer >= 1")
+        check_int("max_rows", self.max_rows, minimum=1)  # 1.5 too: a count of rows
         reserve = self.reserve_tokens
         if reserve is not None and (
             isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0
