@@ -334,6 +334,12 @@ class AlisaConfig:
         return resolve_settings(self, self._any_layers).reselect_every
 
     @property
+    def host_memory_bytes(self) -> int | None:
+        """``host_memory`` in bytes (validated when the config was built); None: not set."""
+        host = self.host_memory
+        return None if host is None else parse_budget(host, field="host_memory")
+
+    @property
     def host_estimate_rest(self) -> bool:
         """``estimate_rest``, or its default (:func:`alisa.settings.resolve_settings`)."""
         return resolve_settings(self, self._any_layers).estimate_rest

@@ -168,7 +168,7 @@ def _check_budgets(model, settings) -> None:
     from alisa.jobs.sizing import running_memory
     from alisa.model.adapter import model_shape
     from alisa.planning.spec import model_spec
-    from alisa.sizes import format_bytes, parse_bytes
+    from alisa.sizes import format_bytes
 
     spec = model_spec(model, model_shape(model))
     memory = running_memory(spec, settings.config, [], [(1, 1)])  # as admission sizes a row
@@ -193,7 +193,7 @@ def _check_budgets(model, settings) -> None:
             f"{format_bytes(memory.kv)} for that one token)"
         )
     host = settings.config.host_memory
-    if host is not None and memory.host > parse_bytes(host, field="--host-memory"):
+    if host is not None and memory.host > settings.config.host_memory_bytes:
         problems.append(
             f"--host-memory {host} cannot hold even a one-token request: its host region "
             f"(retention='host') needs {format_bytes(memory.host)}; raise --host-memory (to at "

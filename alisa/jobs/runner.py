@@ -573,7 +573,7 @@ def _budgets(model, job: BatchJob, spec, host_share: int) -> _Budgets:
         device_name=name,
         kv=kv_budget,
         kv_name=f"--kv-memory {job.kv_memory}",
-        host=None if host is None else parse_bytes(host, field="host_memory"),
+        host=job.config.host_memory_bytes,
         host_name=f"--host-memory {host}",
     )
 

@@ -19,7 +19,7 @@ from alisa.runtime.generate import check_prompt
 from alisa.runtime.requests import PREFILL_TOKENS, RowShape, StreamRequest, StreamResult
 from alisa.runtime.sampling import RepeatedPrompts, SamplingOptions, sampling_or_default
 from alisa.settings import check_host_admission, check_untiered, no_host_region
-from alisa.sizes import parse_budget, parse_bytes
+from alisa.sizes import parse_budget
 from scheduler import ModelSpec
 
 
@@ -75,8 +75,7 @@ class ByteBudget:
     @cached_property
     def host_bytes(self) -> int | None:
         """The host regions' budget in bytes (``config.host_memory``; None: no limit)."""
-        host = self.config.host_memory
-        return None if host is None else parse_bytes(host, field="host_memory")
+        return self.config.host_memory_bytes
 
     @cached_property
     def cache_config(self) -> AlisaConfig:

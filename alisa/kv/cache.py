@@ -39,7 +39,6 @@ from alisa.settings import (
     unread_kernels_note,
     untiered_notes,
 )
-from alisa.sizes import parse_bytes
 from alisa.storage.quantized import QuantizedStore
 from alisa.storage.recompute import KVRecomputer
 from alisa.storage.store import DenseStore, StoreFactory
@@ -625,7 +624,7 @@ class AlisaCache(Cache):
         limit, never exceeded silently (the tier planner checks its own host tier)."""
         if self.config.host_memory is None or self.planner is not None:
             return
-        budget = parse_bytes(self.config.host_memory, field="host_memory")
+        budget = self.config.host_memory_bytes
         tokens = keys.shape[2] + self.max_new_tokens
         need = sum(layer.keeper.host_bytes(keys, tokens) for layer in self.layers)
         if need > budget:

@@ -86,11 +86,9 @@ class TierPlanner:
         config = self.config
         device_bytes = parse_bytes(config.gpu_memory, field="gpu_memory")
         profile = machine_profile(self.device, config.profile)
-        host_bytes = (
-            parse_bytes(config.host_memory, field="host_memory")
-            if config.host_memory is not None
-            else psutil.virtual_memory().available
-        )
+        host_bytes = config.host_memory_bytes
+        if host_bytes is None:
+            host_bytes = psutil.virtual_memory().available
         profile = HardwareProfile(
             **{**profile.__dict__, "device_bytes": device_bytes, "host_bytes": host_bytes}
         )

@@ -8,7 +8,6 @@ from alisa.checks import check_int, check_text
 from alisa.config import AlisaConfig
 from alisa.runtime.requests import PREFILL_TOKENS
 from alisa.settings import check_host_admission, check_untiered
-from alisa.sizes import parse_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +78,5 @@ class ServeSettings:
     def budgets(self) -> dict[str, int | None]:
         """``{"kv": ..., "device": ..., "host": ...}`` bytes (None: no limit); ``host`` is the
         host regions' (``config.host_memory``, under ``retention="host"``)."""
-        host = self.config.host_memory
-        host_bytes = None if host is None else parse_bytes(host, field="host_memory")
-        return {"kv": self.kv_bytes, "device": self.device_bytes, "host": host_bytes}
+        host = self.config.host_memory_bytes
+        return {"kv": self.kv_bytes, "device": self.device_bytes, "host": host}
