@@ -124,7 +124,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_to_stderr()
     run: Callable[[argparse.Namespace], int] = COMMANDS[args.command][2]
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    previous = {}
+    if main_thread:
+        previous = {
+            signal.SIGINT: signal.signal(signal.SIGINT, _stop),
+            signal.SIGTERM: signal.signal(signal.SIGTERM, _stop),
+        }
     try:
         return run(args)
     except BrokenPipeError:  # stdout's reader stopped early (`| head`): not an error of ours
@@ -141,8 +146,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"alisa {args.command}: stopped by SIGTERM", file=sys.stderr)
         return EXIT_TERMINATED
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for number, handler in previous.items():
+            # After a stop the process is on its way out: a second Ctrl-C during the exit's own
+            # clean-up (atexit, the interpreter's shutdown) stays as quiet as during ours.
+            if signal.getsignal(number) is _stop:
+                signal.signal(number, handler)
 
 
 class Terminated(BaseException):
@@ -151,8 +159,21 @@ class Terminated(BaseException):
     stopped instead of vanishing. ``alisa serve`` drains on SIGTERM (its own handler)."""
 
 
-def _terminate(signum: int, frame) -> NoReturn:
-    raise Terminated
+def _stop(signum: int, frame) -> NoReturn:
+    """The first Ctrl-C or SIGTERM of a command: raised where it runs, so that its ``finally``
+    blocks close the output and release its lock. Another one while those run (an impatient
+    second Ctrl-C) would raise out of them, leave the lock behind and print a traceback:
+    from here on both signals are only noted, once (Ctrl-\\ still kills)."""
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, _stopping)
+    raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
+
+
+def _stopping(signum: int, frame) -> None:
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, signal.SIG_IGN)
+    # os.write, not print: the signal may land inside a print to stderr (a reentrant call).
+    os.write(2, b"alisa: stopping already (closing the output); Ctrl-\\ kills at once\n")
 
 
 def _detach_stdout() -> None:

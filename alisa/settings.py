@@ -323,11 +323,15 @@ def no_evicting_layer_note(config: ConfigFields, windows: Sequence[int | None]) 
     if any(window is None for window in windows):
         return None
     sizes = "/".join(str(size) for size in sorted(set(windows)))
+    budget = (  # the budget setting the user gave: budget_tokens replaces the ratio
+        f"caching_ratio={config.caching_ratio:g}"
+        if config.budget_tokens is None
+        else f"budget_tokens={config.budget_tokens}"
+    )
     return (
         f"policy={config.policy!r} evicts in no layer of this model: all its {len(windows)} "
         f"layers are {sizes}-token sliding windows, kept as the model keeps them, so "
-        f"caching_ratio={config.caching_ratio:g} has no effect; choose policy='dense' or a "
-        "model with full-attention layers"
+        f"{budget} has no effect; choose policy='dense' or a model with full-attention layers"
     )
 
 
