@@ -218,6 +218,11 @@ class AlisaConfig:
         if self.kv_bits not in KV_BITS:
             raise ValueError(f"kv_bits={self.kv_bits!r} must be one of {KV_BITS}")
         check_optional_int("quant_group_size", self.quant_group_size, minimum=1)
+        if self.kv_bits == 4 and (self.quant_group_size or 2) % 2:
+            raise ValueError(
+                f"quant_group_size={self.quant_group_size} must be even with kv_bits=4 (two 4-bit "
+                "codes share a byte): use 2, 4, 8, ... up to the head size"
+            )
         check_optional_int("residual_tokens", self.residual_tokens, minimum=0)
         for name in ("gpu_memory", "host_memory"):
             if getattr(self, name) is not None:
@@ -309,8 +314,8 @@ class AlisaConfig:
         if self.history_share is None:
             return
         check_share("history_share", self.history_share, zero=True)
-        if self.history_share == 0:
-            return
+        # 0 too: without host retention (or attention scores) nothing reads it, as any other
+        # value (estimate_rest=False is refused alike).
         if self.retention != "host":
             raise ValueError(
                 f"history_share={self.history_share!r} needs retention='host' (with "

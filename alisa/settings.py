@@ -70,7 +70,9 @@ class ConfigFields(Protocol):
     layer_schedule: str
     per_head: bool | None
     kv_bits: int
+    quant_group_size: int | None
     residual_tokens: int
+    stride: int | None
     kernels: str
     gpu_memory: int | str | None
     host_memory: int | str | None
@@ -390,6 +392,38 @@ def full_precision_note(config: ConfigFields, tokens: int, *, context: bool = Fa
         f"residual_tokens={config.residual_tokens} keeps {held} in full precision, so "
         f"kv_bits={config.kv_bits} codes nothing; lower it (default 64) for the coded KV to "
         "save memory"
+    )
+
+
+def long_stride_note(config: ConfigFields, tokens: int) -> str | None:
+    """Why ``stride`` strides over nothing: no sequence of ``tokens`` tokens reaches its second
+    strided token, so the strided policy keeps each sequence's first token and fills the rest
+    of its budget with the most recent ones, as ``local`` with one sink would; or None."""
+    if config.policy != "strided" or config.stride is None or config.stride < tokens:
+        return None
+    return (
+        f"stride={config.stride} is at least as long as every sequence of this run ({tokens} "
+        "tokens): only each sequence's first token is on the stride, so policy='strided' keeps "
+        "it and the most recent tokens (policy='local' with sink_tokens=1); lower the stride "
+        "(unset: 2/caching_ratio - 1)"
+    )
+
+
+def coded_size_note(config: ConfigFields, head_dim: int, element_bytes: int) -> str | None:
+    """Why ``kv_bits`` saves no memory on a model whose KV values take ``element_bytes`` each,
+    or None: every ``quant_group_size`` codes carry a scale and a zero point (float16 at least,
+    2 bytes each), so a small group takes as many bytes a value as the model's own, or more."""
+    if config.kv_bits == 16:
+        return None
+    group = config.quant_group_size or head_dim
+    coded = config.kv_bits / 8 + 4 / group
+    if coded < element_bytes:
+        return None
+    return (
+        f"quant_group_size={group} gives every {group} coded value(s) a scale and a zero point: "
+        f"at least {coded:g} bytes a value against the model's {element_bytes}, so "
+        f"kv_bits={config.kv_bits} saves no memory; use a larger group (unset: the head size, "
+        f"{head_dim})"
     )
 
 

@@ -35,7 +35,7 @@ CASES = {
     "quant-group-not-dividing-the-head": Case(
         "generate Hi --max-new-tokens 2 --kv-bits 8 --quant-group-size 7",
         ERR,
-        ("quant_group_size=7 must divide the model's head size (16;",),
+        ("quant_group_size=7 must divide the model's head size (16)",),
     ),
     "profile-a-model-too-short-to-calibrate": Case(
         "profile --model {short} --context 100 --output {tmp}/p.json",

@@ -340,3 +340,16 @@ def test_the_first_free_slot_is_below_the_width_or_the_width():
     assert first_free(positions, 3).squeeze(-1).tolist() == [[1, 3, 0]]
     assert first_free(positions, 4).squeeze(-1).tolist() == [[1, 3, 0]]
     assert first_free(positions[..., 1:], 3).squeeze(-1).tolist() == [[0, 2, 3]]
+
+
+def test_a_float64_models_decode_attention_is_float64():
+    """A float64 model's logits and probabilities stay float64 (float32 only for narrower
+    dtypes): in float32 their rounding, whose order follows the CPU's vector width and the slot
+    layout, parted the growing and the static cache's evictions on an AVX-512 CPU (above)."""
+    from transformers import DynamicCache
+
+    model = tiny_llama().to(torch.float64)
+    ids, mask = prompts(lengths=(20, 11, 16))
+    tokens, logits = decode(model, AlisaCache(model, config("dense")), ids, mask, 3, model)
+    _, reference = decode(model, DynamicCache(), ids, mask, 3, model, forced=tokens)
+    assert (logits - reference).abs().max() < 1e-12

@@ -27,10 +27,12 @@ from alisa.config import AlisaConfig
 from alisa.parallel.config import DECODES, MODES, PARTITIONS
 from alisa.settings import (
     IgnoredSettingWarning,
+    coded_size_note,
     describe_settings,
     effective_values,
     evicts_nothing_note,
     full_precision_note,
+    long_stride_note,
     no_evicting_layer_note,
     ring_tokens,
     unread_kernels_note,
@@ -276,7 +278,13 @@ def run(args: argparse.Namespace) -> int:
             )
     print(result.texts[0])
     held = result.prompt_tokens[0] + len(result.token_ids[0])
-    for note in (evicts_nothing_note(config, num_layers, held), full_precision_note(config, held)):
+    element_bytes = model.dtype.itemsize
+    for note in (
+        evicts_nothing_note(config, num_layers, held),
+        long_stride_note(config, held),
+        full_precision_note(config, held),
+        coded_size_note(config, shape.head_dim, element_bytes),
+    ):
         if note is not None:
             print(f"alisa generate: warning: {with_flag(note, FLOOR_FLAGS)}", file=sys.stderr)
     unevicted = no_evicting_layer_note(config, shape.windows)

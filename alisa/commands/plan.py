@@ -120,6 +120,14 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(
             f"{in_config_terms(str(error), config)} (for the workload {workload_flags})"
         ) from None
+    if config.recompute == "never" and (
+        not recomputable or solve(profile, spec, workload, Options()) == plan
+    ):  # the plan allowed to recompute is this one: "never" forbade nothing
+        print(
+            "alisa plan: warning: --recompute never has no effect on this plan: it would "
+            "recompute nothing either way (the device and host hold every KV token)",
+            file=sys.stderr,
+        )
     if config.host_memory is not None and plan.peak_host_bytes == 0:
         # The host budget bounds what the plan offloads; a plan that offloads nothing never
         # reads it (the device holds everything), which a user giving it should hear.

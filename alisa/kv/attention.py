@@ -324,8 +324,8 @@ def grouped_probabilities(
     Returns
     -------
     torch.Tensor
-        (B, H_kv, G, q, S) float32 probabilities, G = H / H_kv (query head h uses KV head h // G,
-        as ``repeat_kv``).
+        (B, H_kv, G, q, S) float32 probabilities (float64 for a float64 model), G = H / H_kv
+        (query head h uses KV head h // G, as ``repeat_kv``).
     """
     return _masked_softmax(grouped_logits(query, key, scaling), visible, options)
 
@@ -345,15 +345,16 @@ def _masked_softmax(
     if options.softcap is not None:  # before the mask, as Gemma 2's eager attention
         logits = torch.tanh(logits / options.softcap) * options.softcap
     logits = logits.masked_fill(~visible.unsqueeze(2), float("-inf"))
-    columns = [] if rest is None else [rest.float().unsqueeze(-1)]
+    dtype = logits.dtype  # float32, or float64 for a float64 model (grouped_logits)
+    columns = [] if rest is None else [rest.to(dtype).unsqueeze(-1)]
     if options.sinks is not None:
         batch, kv_heads, groups, queries, _ = logits.shape
         # Query head h = kv * G + g, as grouped_logits lays them out.
-        sink = options.sinks.float().view(1, kv_heads, groups, 1, 1)
+        sink = options.sinks.to(dtype).view(1, kv_heads, groups, 1, 1)
         columns.append(sink.expand(batch, -1, -1, queries, 1))
     if not columns:
-        return logits.softmax(dim=-1, dtype=torch.float32)
-    combined = torch.cat([logits, *columns], dim=-1).softmax(dim=-1, dtype=torch.float32)
+        return logits.softmax(dim=-1)
+    combined = torch.cat([logits, *columns], dim=-1).softmax(dim=-1)
     return combined[..., : logits.shape[-1] + (rest is not None)]
 
 

@@ -33,6 +33,7 @@ from alisa.planning.tiers import TierPlanner
 from alisa.policies import DensePolicy, KVPolicy
 from alisa.settings import (
     IgnoredSettingWarning,
+    coded_size_note,
     full_precision_note,
     no_host_region,
     ring_tokens,
@@ -136,6 +137,8 @@ class AlisaCache(Cache):
         factory = store_factory(
             self.config, self.shape, compiled=self.ops.compiled, context=context
         )
+        if note := coded_size_note(self.config, self.shape.head_dim, model.dtype.itemsize):
+            warnings.warn(note, IgnoredSettingWarning, stacklevel=2)
         self.planner = None
         if self.config.gpu_memory is not None and self.shape.hybrid:
             raise ValueError(
@@ -774,12 +777,17 @@ def store_factory(
     if config.kv_bits == 16:
         return partial(DenseStore, compiled=compiled)
     group = config.quant_group_size or shape.head_dim
-    try:
-        check_options(config.kv_bits, group, shape.head_dim)
-    except ValueError as error:
+    if shape.head_dim % group:
         raise ValueError(
             f"quant_group_size={config.quant_group_size!r} must divide the model's head size "
-            f"({shape.head_dim}; unset: the head size itself): {error}"
+            f"({shape.head_dim})"
+        )
+    try:
+        check_options(config.kv_bits, group, shape.head_dim)
+    except ValueError as error:  # an odd head size as the group (unset) at kv_bits=4
+        raise ValueError(
+            f"kv_bits={config.kv_bits} with quant_group_size={config.quant_group_size!r} "
+            f"(unset: the model's head size, {shape.head_dim}): {error}"
         ) from None
     return partial(
         QuantizedStore,

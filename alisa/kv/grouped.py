@@ -25,11 +25,14 @@ def grouped_logits(query: torch.Tensor, key: torch.Tensor, scaling: float) -> to
     Returns
     -------
     torch.Tensor
-        (B, H_kv, G, q, S) float32 logits.
+        (B, H_kv, G, q, S) float32 logits (float64 for float64 inputs).
     """
     batch, heads, length, head_dim = query.shape
     kv_heads = key.shape[1]
     # (B, Hkv, G*q, D) @ (B, Hkv, D, S): one matmul per KV head instead of copying keys G times.
     grouped = query.reshape(batch, kv_heads, heads // kv_heads * length, head_dim)
-    logits = torch.matmul(grouped, key.transpose(-1, -2)).float() * scaling
+    logits = torch.matmul(grouped, key.transpose(-1, -2))
+    # float32 at least; a float64 model's own precision, which its float32 rounding (in an
+    # order that follows the CPU's vector width and the slots' layout) would not be.
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) * scaling
     return logits.view(batch, kv_heads, heads // kv_heads, length, -1)

@@ -30,6 +30,7 @@ from alisa.settings import (
     IgnoredSettingWarning,
     evicts_nothing_note,
     full_precision_note,
+    long_stride_note,
     no_evicting_layer_note,
 )
 
@@ -305,7 +306,8 @@ def run_notes(model: nn.Module, config: AlisaConfig, shape: ModelShape, longest:
     -------
     list[str]
         :func:`~alisa.settings.no_evicting_layer_note` (a model of sliding layers only),
-        :func:`~alisa.settings.evicts_nothing_note` and
+        :func:`~alisa.settings.evicts_nothing_note`,
+        :func:`~alisa.settings.long_stride_note` and
         :func:`~alisa.settings.full_precision_note`, those that hold, in that order. The last
         is left out when ``residual_tokens`` covers the model's whole context: the cache says
         that itself when it is built.
@@ -313,6 +315,7 @@ def run_notes(model: nn.Module, config: AlisaConfig, shape: ModelShape, longest:
     notes = [
         no_evicting_layer_note(config, shape.windows),
         evicts_nothing_note(config, shape.num_layers, longest),
+        long_stride_note(config, longest),
     ]
     known = context_length(model)
     if known is None or config.residual_tokens < known[0]:

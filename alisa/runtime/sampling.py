@@ -155,6 +155,13 @@ class TokenPicker:
             return logits.argmax(dim=-1)
         scores = self.processors(sequences, logits.float())
         probabilities = scores.softmax(dim=-1)
+        # A temperature so small that the float32 logits divided by it overflow (1e-300 is 0 in
+        # float32: x / 0) gives inf - inf = NaN in the softmax, where its limit is greedy: such a
+        # row takes its argmax (HF's sampler raises instead). Other rows are HF's, bit for bit.
+        broken = probabilities.isnan().any(dim=-1, keepdim=True)  # (B, 1)
+        probabilities.masked_fill_(broken, 0.0).scatter_add_(
+            -1, logits.argmax(dim=-1, keepdim=True), broken.to(probabilities.dtype)
+        )
         if generators is None:
             return torch.multinomial(probabilities, 1).squeeze(1)
         rows = zip(probabilities, generators, strict=True)
