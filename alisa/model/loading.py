@@ -82,9 +82,7 @@ def config_dtype(spec: str) -> torch.dtype | None:
     ValueError
         A spec that resolves to nothing (see :func:`resolve_model_path`).
     """
-    from transformers import AutoConfig
-
-    dtype = getattr(AutoConfig.from_pretrained(resolve_model_path(spec)), "dtype", None)
+    dtype = getattr(model_config(resolve_model_path(spec), spec), "dtype", None)
     if isinstance(dtype, str):  # a config read from JSON may hold the name
         dtype = getattr(torch, dtype, None)
     return dtype if isinstance(dtype, torch.dtype) else None
@@ -512,12 +510,11 @@ def _attention(spec: str, path: str, given: str | None) -> str | None:
     Bloom, MPT, GPT-J, ...) and SDPA asked of one without it: loading would fail later, or in
     transformers' words, for another reason than the true one.
     """
-    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from alisa.model.routing import INLINE_ATTENTION
 
-    config = AutoConfig.from_pretrained(path)
+    config = model_config(path, spec)
     try:
         cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except KeyError:  # not a causal LM transformers knows: from_pretrained says so
@@ -537,14 +534,38 @@ def _attention(spec: str, path: str, given: str | None) -> str | None:
     return "eager"
 
 
+def model_config(path: str, spec: str | None = None):
+    """The transformers config of the checkpoint at ``path`` (a resolved model path).
+
+    Raises
+    ------
+    ValueError
+        A config transformers' own checks refuse (a hidden size that is not a multiple of the
+        heads, ...), naming the model and the reason: huggingface_hub raises those as its
+        ``StrictDataclassError``, which is not a ``ValueError``.
+    """
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except StrictDataclassError as error:
+        raise ValueError(_invalid_config(spec or path, path, error)) from error
+
+
+def _invalid_config(spec: str, path: str, error: Exception) -> str:
+    reason = " ".join(str(error.__cause__ or error).split())
+    return f"model={spec!r}: the config.json in {path!r} is invalid: {reason}"
+
+
 def empty_model(path: str, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """The causal LM of the checkpoint at ``path`` (a resolved model path) built from its
     config on the meta device (accelerate's ``init_empty_weights``): shapes and modules, no
     weights read."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(path)
+    config = model_config(path)
     with init_empty_weights():
         return AutoModelForCausalLM.from_config(config, **({"dtype": dtype} if dtype else {}))
 
