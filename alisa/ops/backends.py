@@ -6,10 +6,10 @@ has three implementations of the same rule:
 ``reference``
     PyTorch operators everywhere: the definitions the others are tested against.
 ``cpu``
-    numba-compiled kernels for the choice, the slot swap, the history and the host fetch; the
-    key sketch's product compiled too unless oneDNN multiplies bfloat16 natively (AVX-512 BF16,
-    AMX, Arm BF16), where PyTorch's bfloat16 product is faster; the selection in one compiled
-    call per layer where the layout allows (float32 model, compiled product).
+    numba-compiled kernels for the choice, the slot swap, the history and the host fetch; for a
+    float32 model the key sketch's product compiled too and the whole selection in one compiled
+    call per layer, on every CPU; for a 16-bit model the product compiled unless oneDNN
+    multiplies bfloat16 natively (AVX-512 BF16, AMX, Arm BF16), where PyTorch's is faster.
 ``cuda``
     Triton kernels: the device reads the chosen host rows itself and places them in one launch.
 
@@ -281,8 +281,12 @@ def choose_ops(device: torch.device | str, dtype: torch.dtype, kernels: str = "a
             f"kernels='cuda' needs Triton, which is not installed (this machine runs {runs})"
         )
     if name == "cpu":
-        product = "bfloat16" if cpu_bfloat16() else "compiled"
-        fused = product == "compiled" and dtype == torch.float32
+        # A float32 model's selection in one call beats PyTorch's bfloat16 product in separate
+        # calls even where oneDNN has it (an AVX-512 BF16 EPYC, stop 81: host retention 1.32x
+        # the fastest HF cache against 1.11-1.12x, docs/host-speed.md).
+        one_call = dtype == torch.float32
+        product = "bfloat16" if cpu_bfloat16() and not one_call else "compiled"
+        fused = product == "compiled" and one_call
         return Ops(
             name=name,
             device="cpu",
