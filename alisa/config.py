@@ -218,7 +218,7 @@ class AlisaConfig:
         if self.kv_bits not in KV_BITS:
             raise ValueError(f"kv_bits={self.kv_bits!r} must be one of {KV_BITS}")
         check_optional_int("quant_group_size", self.quant_group_size, minimum=1)
-        if self.kv_bits == 4 and (self.quant_group_size or 2) % 2:
+        if self.kv_bits == 4 and self.quant_group_size is not None and self.quant_group_size % 2:
             raise ValueError(
                 f"quant_group_size={self.quant_group_size} must be even with kv_bits=4 (two 4-bit "
                 "codes share a byte): use 2, 4, 8, ... up to the head size"

@@ -550,12 +550,10 @@ def model_config(path: str, spec: str | None = None):
     try:
         return AutoConfig.from_pretrained(path)
     except StrictDataclassError as error:
-        raise ValueError(_invalid_config(spec or path, path, error)) from error
-
-
-def _invalid_config(spec: str, path: str, error: Exception) -> str:
-    reason = " ".join(str(error.__cause__ or error).split())
-    return f"model={spec!r}: the config.json in {path!r} is invalid: {reason}"
+        reason = " ".join(str(error.__cause__ or error).split())  # the validator's own words
+        raise ValueError(
+            f"model={spec or path!r}: the config.json in {path!r} is invalid: {reason}"
+        ) from error
 
 
 def empty_model(path: str, dtype: torch.dtype | None = None) -> torch.nn.Module:
