@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from alisa import AlisaCache
 from alisa.kv.hooks import attached
+from alisa.ops.products import SETTLING
 from alisa.runtime.compiled import ASKED_ON
 from alisa.runtime.engine import DecodeState, Engine, cache_kv_bytes, cache_tier_bytes
 
@@ -93,11 +94,16 @@ def interleaved_rows(
     with torch.inference_mode(), attached(model):
         short = [prompt[: max(1, len(prompt) // 8)] for prompt in prompts]
         warm = [
-            _start(engines[system], tokenizer, short, system, 3, width + new_tokens)
+            _start(engines[system], tokenizer, short, system, 3 + SETTLING, width + new_tokens)
             for system in systems
         ]
         for _ in range(2):  # kernels compiled, allocator warm, for each system
             for run in warm:
+                _turn(run, 1)
+        for run in warm:  # the weights' product form settled for this batch size
+            for _ in range(SETTLING):
+                if run.engine.settled(len(prompts)):
+                    break
                 _turn(run, 1)
         del warm
         runs = [
@@ -125,6 +131,7 @@ def interleaved_rows(
             run.peak_kv,
         )
         result.kv_tier_bytes = cache_tier_bytes(run.cache, run.engine.device)
+        result.kernels = run.engine.kernels(run.cache)
         compiled = run.engine.compiled
         result.compile_s = compiled.compile_s if compiled is not None else None
         row = system_row(run.system, model, prompts, result, run.cache)

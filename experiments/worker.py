@@ -125,12 +125,12 @@ def system_row(system: str, model, prompts: list[str], result, cache) -> dict:
     """A benchmark row of one system's timed ``result`` (a ``GenerationOutput`` with its tier
     bytes and peak memory) on ``prompts``, with the ``cache`` it ran on."""
     from alisa import AlisaCache
-    from alisa.runtime.engine import cache_kernels
 
     median = statistics.median(result.step_times_s)
     return {
         "system": system,
-        "kernels": cache_kernels(cache),  # which backend ran (the machine: environment())
+        # which backend ran and the weights' product form settled on (machine: environment())
+        "kernels": result.kernels,
         "placement": placement(cache) if isinstance(cache, AlisaCache) else None,
         "batch": len(prompts),
         "decode_tokens_per_s": len(prompts) / median,

@@ -11,6 +11,7 @@ import torch
 from alisa.config import AlisaConfig
 from alisa.kv.cache import AlisaCache
 from alisa.model.adapter import model_shape
+from alisa.ops.products import SETTLING
 from alisa.planning.spec import model_spec
 from alisa.runtime.engine import DecodeState, Engine, device_clock
 from scheduler import (
@@ -112,7 +113,7 @@ def steps_in_turns(
         for context, config in runs:
             shape = (batch, context)
             ids = torch.randint(min(10, vocab - 1), min(1000, vocab), shape, device=device)
-            cache = AlisaCache(model, config, max_new_tokens=repeats + 8)
+            cache = AlisaCache(model, config, max_new_tokens=repeats + SETTLING + 8)
             state = DecodeState.start(ids, torch.ones_like(ids))
 
             def step(state: DecodeState = state, cache: AlisaCache = cache) -> None:
@@ -120,6 +121,12 @@ def steps_in_turns(
 
             step()  # the prefill
             step()  # warm-up: allocation, kernels, caches
+            # The first decode steps of a batch size try both weight-product forms in turn
+            # (alisa.ops.products): runs timed in turns would each get one form.
+            for _ in range(SETTLING):
+                if engine.settled(batch):
+                    break
+                step()
             steps.append(step)
             caches.append(cache)
         times: list[list[float]] = [[] for _ in runs]

@@ -6,10 +6,12 @@ has three implementations of the same rule:
 ``reference``
     PyTorch operators everywhere: the definitions the others are tested against.
 ``cpu``
-    numba-compiled kernels for the choice, the slot swap, the history and the host fetch; for a
-    float32 model the key sketch's product compiled too and the whole selection in one compiled
-    call per layer, on every CPU; for a 16-bit model the product compiled unless oneDNN
-    multiplies bfloat16 natively (AVX-512 BF16, AMX, Arm BF16), where PyTorch's is faster.
+    the weights' products of decode steps in the form measured faster per batch size
+    (:mod:`alisa.ops.products`); numba-compiled kernels for the choice, the slot swap, the
+    history and the host fetch; for a float32 model the key sketch's product compiled too and
+    the whole selection in one compiled call per layer, on every CPU; for a 16-bit model the
+    product compiled unless oneDNN multiplies bfloat16 natively (AVX-512 BF16, AMX, Arm BF16),
+    where PyTorch's is faster.
 ``cuda``
     Triton kernels: the device reads the chosen host rows itself and places them in one launch.
 
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from alisa.ops import KERNELS, reference
+from alisa.ops.products import FORMS
 
 # How the key sketch's product runs (alisa.storage.sketch): PyTorch in bfloat16, PyTorch on the
 # sketch widened to float32, or the compiled CPU kernel.
@@ -59,6 +62,10 @@ class Ops:
         asynchronously, and a kernel on the device can read host rows.
     feature
         What decided the product on a CPU (its bfloat16 support), for the record; else ``""``.
+    products
+        How decode steps multiply the model's weights (:mod:`alisa.ops.products`):
+        ``"measured"`` on a CPU (both forms tried per batch size, the faster kept), else
+        ``"standard"`` (as the model calls them).
     parts
         The compiled selection (:attr:`select`), the host fetch and the attention history
         split each call's rows into this many parts, run in parallel (a test asks for more
@@ -78,6 +85,7 @@ class Ops:
     mapped: bool
     placing: bool
     feature: str = ""
+    products: str = "standard"
     parts: int | None = None
     pinned: bool = field(init=False)
     select: Callable[[reference.SelectionStep], reference.Selected] = field(
@@ -99,6 +107,10 @@ class Ops:
             raise ValueError("placing=True needs mapped=True (it places rows the device reads)")
         if self.mapped and self.device == "cuda" and not triton_installed():
             raise ValueError("mapped=True on CUDA reads host rows by a Triton kernel: no Triton")
+        if self.products not in FORMS:
+            raise ValueError(f"products={self.products!r} must be one of {', '.join(FORMS)}")
+        if self.products != "standard" and self.device != "cpu":
+            raise ValueError(f"products={self.products!r} runs on a CPU, not {self.device}")
         if self.parts is not None and not self.compiled:
             raise ValueError(f"parts={self.parts!r} needs compiled=True (it splits kernel rows)")
         if self.parts is not None and (
@@ -153,7 +165,8 @@ class Ops:
         else:
             selection = "selection in separate calls"
         fetch = ", device-read fetch" if self.mapped else ""
-        return f"{self.name} ({engine}): {product}, {selection}{fetch}"
+        weights = "" if self.products == "standard" else f", weight products {self.products}"
+        return f"{self.name} ({engine}): {product}, {selection}{fetch}{weights}"
 
 
 def model_ops(model: torch.nn.Module, kernels: str = "auto", *, traced: bool = False) -> Ops:
@@ -296,6 +309,9 @@ def choose_ops(device: torch.device | str, dtype: torch.dtype, kernels: str = "a
             mapped=False,
             placing=False,
             feature=cpu_feature(),
+            # Which form of the weights' product a BLAS runs faster differs by CPU, BLAS and
+            # batch size, by up to 3.7x (alisa.ops.products): measured, never assumed.
+            products="measured",
         )
     if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
         product = "bfloat16"

@@ -20,6 +20,7 @@ from alisa.checks import check_int, check_number
 from alisa.kv.cache import TIERS, AlisaCache
 from alisa.memory import tensor_bytes
 from alisa.ops.backends import compile_mode
+from alisa.ops.products import WeightProducts
 from alisa.runtime.compiled import CompileChoice, CompiledDecode, last_logits
 from alisa.runtime.sampling import SamplingOptions, TokenPicker
 
@@ -52,8 +53,10 @@ class GenerationOutput:
         Peak resident memory of the process (CPU) or peak CUDA allocation (GPU) during the call.
     kernels
         The kernels the cache ran (:meth:`alisa.ops.backends.Ops.describe`, e.g. ``cpu
-        (numba): sketch product compiled (AVX2, no oneDNN bfloat16), selection in one call``);
-        ``"none (not an AlisaCache)"`` for another cache.
+        (numba): sketch product compiled (AVX2, no oneDNN bfloat16), selection in one call``)
+        and, where measured, the form the weights' products settled on per batch size
+        (:meth:`alisa.ops.products.WeightProducts.describe`); ``"none (not an AlisaCache)"``
+        for another cache.
     compile_s
         Seconds of the first compiled decode step (tracing and code generation included;
         :mod:`alisa.runtime.compiled`); None when the steps ran eager.
@@ -354,6 +357,9 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         self.compiled = None
+        # The form of the weights' products, measured over this engine's decode steps where the
+        # cache's kernels ask for it (alisa.ops.products); None until a step needs it.
+        self.products: WeightProducts | None = None
         if compile is not None and compile.compiled:
             self.compiled = CompiledDecode(model, compile_mode(self.device), compile)
         self.pick = TokenPicker(model, sampling or SamplingOptions())
@@ -376,9 +382,28 @@ class Engine:
         feed, positions, mask = state.feed, state.positions, state.attention_mask
         # A decode step only: a one-token prompt's prefill feeds one token too, but writes an
         # empty cache (eager: its slots are laid out then, which a traced step cannot branch on).
-        if self.compiled is not None and feed.shape[1] == 1 and cache.get_seq_length() > 0:
+        decode = feed.shape[1] == 1 and cache.get_seq_length() > 0
+        if self.compiled is not None and decode:
             return self.compiled(feed, positions, mask, cache, self.clock, **options)
+        if decode and isinstance(cache, AlisaCache) and cache.ops.products != "standard":
+            if self.products is None:
+                self.products = WeightProducts(cache.ops.products)
+            with self.products.step(feed.shape[0]):
+                return last_logits(self.model, feed, positions, mask, cache, **options)
         return last_logits(self.model, feed, positions, mask, cache, **options)
+
+    def settled(self, rows: int) -> bool:
+        """Whether this engine's decode steps of ``rows`` rows run one weight-product form from
+        now on (:meth:`WeightProducts.settled`; True before any step measured one): timings
+        that compare steps are taken only then, never over steps that alternate forms."""
+        return self.products is None or self.products.settled(rows)
+
+    def kernels(self, cache) -> str:
+        """The kernels ``cache`` ran and, where they were measured, the weights' product form
+        (:attr:`GenerationOutput.kernels`)."""
+        if self.products is None:
+            return cache_kernels(cache)
+        return f"{cache_kernels(cache)}; {self.products.describe()}"
 
     def forward_packed(
         self, running: DecodeState, newcomer: DecodeState, cache
@@ -499,7 +524,7 @@ class Engine:
             generated[:, :steps], prompt_tokens, ttft, times[1:], kv_bytes(), peak_kv
         )
         result.kv_tier_bytes = cache_tier_bytes(cache, self.device)
-        result.kernels = cache_kernels(cache)
+        result.kernels = self.kernels(cache)
         result.compile_s = self.compiled.compile_s if self.compiled is not None else None
         return result
 

@@ -1,0 +1,176 @@
+"""Decode steps' weight products on a CPU, in the form this machine runs faster, as measured.
+
+A decode step multiplies B rows (one new token a sequence) by every weight matrix of the model:
+``F.linear(x, W)``, ``x`` (B, K) by ``W`` (N, K) transposed. PyTorch hands it to its BLAS as
+``x @ Wᵀ``; the same numbers come out of ``(W @ xᵀ)ᵀ``, which the BLAS runs by another code path.
+Which path is faster depends on the CPU, the BLAS and B, by a lot: on a 2-core AMD EPYC (AVX-512,
+MKL 2024.2) one pass over SmolLM2-135M's float32 weights took 78 ms as ``x @ Wᵀ`` and 21 ms as
+``(W @ xᵀ)ᵀ`` at B = 2, 86 / 46 ms at B = 7 and 173 / 127 ms at B = 64, but the same at B = 1
+and 838 / 1,102 ms at B = 512 (docs/host-speed.md, "The weights' product form"). No rule of
+thumb holds across machines, so :class:`WeightProducts` measures both forms on the model's own
+decode steps, per batch size (rounded up to a power of two), and keeps the faster one.
+
+It is a ``TorchFunctionMode`` entered around a decode step's forward (by
+:class:`alisa.runtime.engine.Engine`): it sees the model's own ``F.linear`` calls, changes no
+model or class, and is gone when the step ends. The first decode steps of a batch size alternate
+the two forms; each step's product seconds (the ``F.linear`` calls alone, timed as they return:
+a CPU computes synchronously) are kept, the first of each form left out (first-touch costs), and
+after :data:`TRIALS` more of each the transposed form is kept only where its median beat the
+fastest step of the other: a clear win, not a toss-up of the machine's noise. Both forms give
+the same products up to float rounding (the sums run in another order); the first transposed
+product is checked against PyTorch's (:meth:`WeightProducts.check`) and a mismatch keeps the
+standard form for good.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch.nn import functional
+from torch.overrides import TorchFunctionMode
+
+# Timed steps of each form per batch size before the choice, after the first of each.
+TRIALS = 3
+# Decode steps of one batch size at most before its form settles (the first of each form too).
+SETTLING = 2 * (TRIALS + 1)
+# How decode steps' weight products run: measured per batch size, or one form always.
+FORMS = ("measured", "transposed", "standard")
+
+
+def transposed_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` computed as ``(weight @ x2ᵀ)ᵀ``.
+
+    Parameters
+    ----------
+    x
+        (..., K) inputs; flattened to (R, K) rows.
+    weight
+        (N, K).
+    bias
+        (N,) or None.
+
+    Returns
+    -------
+    torch.Tensor
+        (..., N), contiguous, as ``F.linear`` returns it.
+    """
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.mm(weight, rows.t()).t()
+    if bias is not None:
+        out = out + bias
+    return out.contiguous().view(*x.shape[:-1], weight.shape[0])
+
+
+def bucket(rows: int) -> int:
+    """The batch size ``rows`` is measured under: the next power of two (1, 2, 4, 8, ...)."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
+class WeightProducts(TorchFunctionMode):
+    """The weight products of decode steps, per batch size in the form measured faster.
+
+    Parameters
+    ----------
+    asked
+        ``"measured"`` (each batch size's first steps try both forms), ``"transposed"`` or
+        ``"standard"`` (always that form: tests, and a user pinning one).
+    clock
+        Seconds, read around each product (``time.perf_counter``; a test passes its own).
+    """
+
+    def __init__(
+        self, asked: str = "measured", clock: Callable[[], float] = time.perf_counter
+    ) -> None:
+        super().__init__()
+        if asked not in FORMS:
+            raise ValueError(f"asked={asked!r} must be one of {', '.join(FORMS)}")
+        self.asked, self.clock = asked, clock
+        # bucket -> seconds of each measured step's products, per form
+        self.samples: dict[int, dict[bool, list[float]]] = {}
+        self.chosen: dict[int, bool] = {}  # bucket -> transposed (once measured)
+        self.checked: bool | None = None  # None: no transposed product checked yet
+        self._transposed = False
+        self._spent = 0.0
+
+    def form(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows runs the transposed form now."""
+        if self.asked != "measured":
+            return self.asked == "transposed"
+        if self.checked is False:
+            return False
+        key = bucket(rows)
+        if key in self.chosen:
+            return self.chosen[key]
+        taken = self.samples.get(key, {False: [], True: []})
+        return len(taken[True]) < len(taken[False])  # alternate: standard first
+
+    def settled(self, rows: int) -> bool:
+        """Whether steps of ``rows`` rows run one form from now on (asked for, measured, or
+        the transposed form refused): a calibration times steps only then."""
+        return self.asked != "measured" or self.checked is False or bucket(rows) in self.chosen
+
+    @contextmanager
+    def step(self, rows: int) -> Iterator[None]:
+        """Run one decode step of ``rows`` rows under this mode (a ``with`` block around its
+        forward); its products are timed and, while measuring, recorded."""
+        self._transposed, self._spent = self.form(rows), 0.0
+        with self:
+            yield
+        key = bucket(rows)
+        if self.asked == "measured" and key not in self.chosen and self.checked is not False:
+            taken = self.samples.setdefault(key, {False: [], True: []})
+            taken[self._transposed].append(self._spent)
+            standard, transposed = taken[False][1:], taken[True][1:]  # first touches left out
+            if len(standard) >= TRIALS and len(transposed) >= TRIALS:
+                self.chosen[key] = statistics.median(transposed) < min(standard)
+
+    def check(self, x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor) -> bool:
+        """Whether the transposed product ``out`` equals PyTorch's within float rounding (a
+        BLAS that sums wrong in one form would otherwise change every token)."""
+        expected = functional.linear(x, weight, bias)
+        scale = expected.abs().max().clamp_min(1.0)
+        tolerance = 64 * torch.finfo(expected.dtype).eps * x.shape[-1] ** 0.5
+        return bool(((out - expected).abs().max() / scale) <= tolerance)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not functional.linear:
+            return func(*args, **kwargs)
+        start = self.clock()
+        if self._transposed:
+            x, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            out = transposed_linear(x, weight, bias)
+            if self.checked is None:
+                self.checked = self.check(x, weight, bias, out)
+        else:
+            out = func(*args, **kwargs)
+        self._spent += self.clock() - start
+        return out
+
+    def describe(self) -> str:
+        """e.g. ``weight products measured: transposed at 2-8 rows, standard at 1 row``."""
+        if self.asked != "measured":
+            return f"weight products {self.asked} (asked)"
+        if self.checked is False:
+            return "weight products standard (the transposed form missed PyTorch's)"
+        if not self.chosen:
+            return "weight products measured per batch size (none settled yet)"
+        parts = []
+        for form in (True, False):
+            sizes = [_rows(key) for key in sorted(self.chosen) if self.chosen[key] is form]
+            if sizes:
+                parts.append(f"{'transposed' if form else 'standard'} at {', '.join(sizes)} rows")
+        return "weight products measured: " + "; ".join(parts)
+
+
+def _rows(key: int) -> str:
+    """The batch sizes bucket ``key`` holds, in words: ``1``, ``2``, ``3-4``, ``5-8``."""
+    low = key // 2 + 1
+    return str(key) if low >= key else f"{low}-{key}"

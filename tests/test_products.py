@@ -1,0 +1,153 @@
+"""The weights' product form of decode steps (alisa.ops.products): the same numbers either way,
+measured per batch size on the steps themselves, a clear win kept, a wrong product never."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_llama
+from torch import nn
+
+from alisa import AlisaConfig, generate
+from alisa.ops.backends import Ops, choose_ops
+from alisa.ops.products import SETTLING, TRIALS, WeightProducts, bucket, transposed_linear
+from alisa.runtime.engine import Engine
+
+
+@pytest.mark.parametrize("shape", [(3, 16), (2, 1, 16), (5, 2, 16)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_transposed_product_is_the_linear_one(shape, bias):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=generator)
+    weight = torch.randn(24, 16, generator=generator)
+    offset = torch.randn(24, generator=generator) if bias else None
+    out = transposed_linear(x, weight, offset)
+    assert out.shape == (*shape[:-1], 24) and out.is_contiguous()
+    torch.testing.assert_close(out, nn.functional.linear(x, weight, offset))
+
+
+def test_batch_sizes_are_measured_by_powers_of_two():
+    sizes = (1, 2, 3, 4, 5, 8, 9, 64, 65)
+    assert [bucket(rows) for rows in sizes] == [1, 2, 4, 4, 8, 8, 16, 64, 128]
+
+
+class _Clock:
+    """Seconds that advance by ``cost[form]`` over each product of the step being run."""
+
+    def __init__(self, cost: dict[bool, list[float]]) -> None:
+        self.cost, self.now, self.form, self.reads = cost, 0.0, False, 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        if self.reads % 2 == 0:  # the product's end
+            costs = self.cost[self.form]
+            self.now += costs.pop(0) if len(costs) > 1 else costs[0]
+        return self.now
+
+
+def _run_steps(products: WeightProducts, clock: _Clock, rows: int, steps: int) -> list[bool]:
+    """Forms the ``steps`` decode steps of ``rows`` rows ran (one linear layer a step)."""
+    layer = nn.Linear(8, 4)
+    forms = []
+    for _ in range(steps):
+        clock.form = products.form(rows)
+        forms.append(clock.form)
+        with products.step(rows):
+            layer(torch.randn(rows, 1, 8))
+    return forms
+
+
+def test_a_batch_size_keeps_the_transposed_form_where_it_wins_clearly():
+    clock = _Clock({False: [3.0], True: [1.0]})
+    products = WeightProducts(clock=clock)
+    forms = _run_steps(products, clock, rows=6, steps=2 * (TRIALS + 1) + 3)
+    trials = 2 * (TRIALS + 1)
+    assert forms[:trials] == [False, True] * (TRIALS + 1)  # alternating, standard first
+    assert forms[trials:] == [True] * 3 and products.chosen == {8: True}
+    assert products.describe() == "weight products measured: transposed at 5-8 rows"
+    # another batch size is measured on its own
+    assert _run_steps(products, clock, rows=2, steps=2) == [False, True]
+    assert 2 not in products.chosen
+
+
+def test_a_win_inside_the_noise_keeps_the_standard_form():
+    # the transposed steps' median (2.0) does not beat the fastest standard step (1.5)
+    clock = _Clock({False: [9.0, 4.0, 1.5, 4.0], True: [9.0, 1.0, 2.0, 2.5]})
+    products = WeightProducts(clock=clock)
+    forms = _run_steps(products, clock, rows=1, steps=2 * (TRIALS + 1) + 2)
+    assert products.chosen == {1: False} and forms[-2:] == [False, False]
+    assert products.describe() == "weight products measured: standard at 1 rows"
+
+
+def test_a_transposed_product_that_misses_pytorchs_is_never_used():
+    class Wrong(WeightProducts):
+        def check(self, x, weight, bias, out):
+            return super().check(x, weight, bias, out + 1.0)
+
+    clock = _Clock({False: [3.0], True: [1.0]})
+    products = Wrong(clock=clock)
+    forms = _run_steps(products, clock, rows=4, steps=6)
+    assert forms == [False, True, False, False, False, False]
+    assert products.checked is False and products.chosen == {}
+    assert "missed PyTorch's" in products.describe()
+
+
+def test_the_check_accepts_float_rounding_only():
+    generator = torch.Generator().manual_seed(1)
+    x, weight = torch.randn(4, 64, generator=generator), torch.randn(32, 64, generator=generator)
+    products = WeightProducts()
+    assert products.check(x, weight, None, transposed_linear(x, weight))
+    assert not products.check(x, weight, None, transposed_linear(x, weight) * 1.001)
+
+
+@pytest.mark.parametrize("asked", ["transposed", "standard"])
+def test_a_form_asked_for_runs_every_step_unmeasured(asked):
+    clock = _Clock({False: [1.0], True: [1.0]})
+    products = WeightProducts(asked, clock=clock)
+    assert _run_steps(products, clock, rows=3, steps=4) == [asked == "transposed"] * 4
+    assert products.chosen == {} and products.describe() == f"weight products {asked} (asked)"
+
+
+def test_an_unknown_form_is_refused_naming_it():
+    with pytest.raises(ValueError, match="asked='fast' must be one of measured"):
+        WeightProducts("fast")
+
+
+def test_only_a_cpu_backend_measures_the_products():
+    assert choose_ops("cpu", torch.float32, "cpu").products == "measured"
+    assert choose_ops("cpu", torch.float32, "reference").products == "standard"
+    assert "weight products measured" in choose_ops("cpu", torch.bfloat16, "cpu").describe()
+    fields = dict(name="reference", product="float32", compiled=False, fused=False)
+    with pytest.raises(ValueError, match="products='measured' runs on a CPU, not cuda"):
+        Ops(device="cuda", mapped=False, placing=False, products="measured", **fields)
+    with pytest.raises(ValueError, match="products='fast' must be one of"):
+        Ops(device="cpu", mapped=False, placing=False, products="fast", **fields)
+
+
+def test_a_generation_says_what_its_products_settled_on(tokenizer):
+    model = tiny_llama()
+    prompts = ["one two three", "four five"]
+    steps = 2 * (TRIALS + 1) + 2
+    config = AlisaConfig(kernels="cpu")
+    result = generate(model, tokenizer, prompts, config, max_new_tokens=steps, stop_at_eos=False)
+    assert "; weight products measured: " in result.kernels and "at 2 rows" in result.kernels
+    reference = AlisaConfig(kernels="reference")
+    plain = generate(model, tokenizer, prompts, reference, max_new_tokens=4, stop_at_eos=False)
+    assert "weight products" not in plain.kernels
+
+
+def test_a_batch_size_settles_within_its_trials_and_says_so():
+    clock = _Clock({False: [2.0], True: [1.0]})
+    products = WeightProducts(clock=clock)
+    settled = []
+    for _ in range(SETTLING):
+        settled.append(products.settled(5))
+        _run_steps(products, clock, rows=5, steps=1)
+    assert settled == [False] * SETTLING and products.settled(5) and products.settled(8)
+    assert not products.settled(9)  # another batch size measures on its own
+    assert WeightProducts("standard").settled(9)
+
+
+def test_an_engine_before_its_first_measured_step_is_settled(tokenizer):
+    engine = Engine(tiny_llama(), tokenizer)
+    assert engine.settled(4) and engine.products is None
