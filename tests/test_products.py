@@ -151,3 +151,18 @@ def test_a_batch_size_settles_within_its_trials_and_says_so():
 def test_an_engine_before_its_first_measured_step_is_settled(tokenizer):
     engine = Engine(tiny_llama(), tokenizer)
     assert engine.settled(4) and engine.products is None
+
+
+def test_a_linear_called_by_name_or_on_a_subclassed_weight_still_computes():
+    class Marked(torch.Tensor):
+        pass
+
+    products = WeightProducts("transposed")
+    x, weight = torch.randn(3, 8), torch.randn(5, 8)
+    with products.step(3):
+        named = nn.functional.linear(input=x, weight=weight)
+        odd = nn.functional.linear(x, weight.as_subclass(Marked))
+        mixed = nn.functional.linear(x.double(), weight.double(), bias=torch.ones(5).double())
+    torch.testing.assert_close(named, x @ weight.T)
+    torch.testing.assert_close(odd.as_subclass(torch.Tensor), x @ weight.T)
+    torch.testing.assert_close(mixed, x.double() @ weight.double().T + 1)

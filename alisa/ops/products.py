@@ -143,9 +143,8 @@ class WeightProducts(TorchFunctionMode):
         if func is not functional.linear:
             return func(*args, **kwargs)
         start = self.clock()
-        if self._transposed:
-            x, weight = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        x, weight, bias = _operands(args, kwargs)
+        if self._transposed and _plain(x, weight, bias):
             out = transposed_linear(x, weight, bias)
             if self.checked is None:
                 self.checked = self.check(x, weight, bias, out)
@@ -168,6 +167,25 @@ class WeightProducts(TorchFunctionMode):
             if sizes:
                 parts.append(f"{'transposed' if form else 'standard'} at {', '.join(sizes)} rows")
         return "weight products measured: " + "; ".join(parts)
+
+
+def _operands(args: tuple, kwargs: dict) -> tuple:
+    """``F.linear``'s (input, weight, bias), given by position or by name."""
+    named = ("input", "weight", "bias")
+    values = [args[i] if i < len(args) else kwargs.get(name) for i, name in enumerate(named)]
+    return tuple(values)
+
+
+def _plain(x, weight, bias) -> bool:
+    """Whether the product is one the transposed form computes alike: plain dense tensors of one
+    dtype (a quantized or other subclassed weight keeps its own ``F.linear``)."""
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    return (
+        all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+        and all(t.layout is torch.strided and t.dtype is x.dtype for t in tensors)
+        and weight.dim() == 2
+        and x.dim() >= 1
+    )
 
 
 def _rows(key: int) -> str:
