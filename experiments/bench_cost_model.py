@@ -99,6 +99,7 @@ def bench_dtype(args: argparse.Namespace, dtype: str) -> dict:
             {
                 "config": name,
                 "placement": used,
+                "kernels": run["kernels"],  # the backend and the weights' product form settled
                 "measured_step_ms": 1000 * measured,
                 "predicted_step_ms": 1000 * predicted,
                 "error": predicted / measured - 1,
