@@ -166,3 +166,13 @@ def test_a_linear_called_by_name_or_on_a_subclassed_weight_still_computes():
     torch.testing.assert_close(named, x @ weight.T)
     torch.testing.assert_close(odd.as_subclass(torch.Tensor), x @ weight.T)
     torch.testing.assert_close(mixed, x.double() @ weight.double().T + 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_check_refuses_a_product_read_the_wrong_way(dtype):
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 64, generator=generator).to(dtype)
+    weight = torch.randn(64, 64, generator=generator).to(dtype)
+    products = WeightProducts()
+    assert products.check(x, weight, None, transposed_linear(x, weight))
+    assert not products.check(x, weight, None, transposed_linear(x, weight.T.contiguous()))

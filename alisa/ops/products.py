@@ -135,7 +135,11 @@ class WeightProducts(TorchFunctionMode):
         BLAS that sums wrong in one form would otherwise change every token)."""
         expected = functional.linear(x, weight, bias)
         scale = expected.abs().max().clamp_min(1.0)
-        tolerance = 64 * torch.finfo(expected.dtype).eps * x.shape[-1] ** 0.5
+        # Each output rounded once to its dtype, its K-term sum (in float32 at least) in another
+        # order: a few ulps, and the sum's error growing as sqrt(K). A wrong product (a layout
+        # read transposed) is off by the outputs' own size.
+        sums = max(torch.finfo(expected.dtype).eps, torch.finfo(torch.float32).eps)
+        tolerance = 4 * torch.finfo(expected.dtype).eps + 4 * sums * x.shape[-1] ** 0.5
         return bool(((out - expected).abs().max() / scale) <= tolerance)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
