@@ -76,7 +76,7 @@ def test_a_win_inside_the_noise_keeps_the_standard_form():
     products = WeightProducts(clock=clock)
     forms = _run_steps(products, clock, rows=1, steps=2 * (TRIALS + 1) + 2)
     assert products.chosen == {1: False} and forms[-2:] == [False, False]
-    assert products.describe() == "weight products measured: standard at 1 rows"
+    assert products.describe() == "weight products measured: standard at 1 row"
 
 
 def test_a_transposed_product_that_misses_pytorchs_is_never_used():
@@ -130,7 +130,8 @@ def test_a_generation_says_what_its_products_settled_on(tokenizer):
     steps = 2 * (TRIALS + 1) + 2
     config = AlisaConfig(kernels="cpu")
     result = generate(model, tokenizer, prompts, config, max_new_tokens=steps, stop_at_eos=False)
-    assert "; weight products measured: " in result.kernels and "at 2 rows" in result.kernels
+    assert ", weight products measured: " in result.kernels and "at 2 rows" in result.kernels
+    assert result.kernels.count("weight products") == 1
     reference = AlisaConfig(kernels="reference")
     plain = generate(model, tokenizer, prompts, reference, max_new_tokens=4, stop_at_eos=False)
     assert "weight products" not in plain.kernels
@@ -176,3 +177,13 @@ def test_the_check_refuses_a_product_read_the_wrong_way(dtype):
     products = WeightProducts()
     assert products.check(x, weight, None, transposed_linear(x, weight))
     assert not products.check(x, weight, None, transposed_linear(x, weight.T.contiguous()))
+
+
+def test_a_backend_says_what_its_products_settled_on_in_place_of_measured():
+    ops = choose_ops("cpu", torch.float32, "cpu")
+    settled = ops.describe(products="weight products measured: transposed at 5-8 rows")
+    assert settled.endswith(
+        ", selection in one call, weight products measured: transposed at 5-8 rows"
+    )
+    assert ops.describe().endswith(", weight products measured")
+    assert "weight products" not in choose_ops("cpu", torch.float32, "reference").describe()

@@ -151,9 +151,11 @@ class Ops:
                 f"kernels={self.name!r} were chosen for {self.device}; the model is on {device}"
             )
 
-    def describe(self) -> str:
+    def describe(self, products: str | None = None) -> str:
         """One line naming the backend and its choices, e.g. ``cpu (numba): sketch product
-        compiled (AVX2, no oneDNN bfloat16), selection in one call``."""
+        compiled (AVX2, no oneDNN bfloat16), selection in one call, weight products measured``;
+        ``products``: what the weights' products settled on, said in place of ``weight products
+        measured`` (:meth:`alisa.ops.products.WeightProducts.describe`, after a run)."""
         engine = {"reference": "pytorch", "cpu": "numba", "cuda": "triton"}[self.name]
         product = f"sketch product {self.product}"
         if self.feature:
@@ -166,6 +168,8 @@ class Ops:
             selection = "selection in separate calls"
         fetch = ", device-read fetch" if self.mapped else ""
         weights = "" if self.products == "standard" else f", weight products {self.products}"
+        if products is not None:
+            weights = f", {products}"
         return f"{self.name} ({engine}): {product}, {selection}{fetch}{weights}"
 
 

@@ -164,18 +164,18 @@ class WeightProducts(TorchFunctionMode):
         return out
 
     def describe(self) -> str:
-        """e.g. ``weight products measured: transposed at 2-8 rows, standard at 1 row``."""
+        """e.g. ``weight products measured: transposed at 2 rows, 3-4 rows; standard at 1 row``."""
         if self.asked != "measured":
             return f"weight products {self.asked} (asked)"
         if self.checked is False:
             return "weight products standard (the transposed form missed PyTorch's)"
         if not self.chosen:
-            return "weight products measured per batch size (none settled yet)"
+            return "weight products measured, none settled yet"
         parts = []
         for form in (True, False):
             sizes = [_rows(key) for key in sorted(self.chosen) if self.chosen[key] is form]
             if sizes:
-                parts.append(f"{'transposed' if form else 'standard'} at {', '.join(sizes)} rows")
+                parts.append(f"{'transposed' if form else 'standard'} at {', '.join(sizes)}")
         return "weight products measured: " + "; ".join(parts)
 
 
@@ -201,4 +201,4 @@ def _plain(x, weight, bias) -> bool:
 def _rows(key: int) -> str:
     """The batch sizes bucket ``key`` holds, in words: ``1``, ``2``, ``3-4``, ``5-8``."""
     low = key // 2 + 1
-    return str(key) if low >= key else f"{low}-{key}"
+    return ("1 row" if key == 1 else f"{key} rows") if low >= key else f"{low}-{key} rows"

@@ -401,9 +401,9 @@ class Engine:
     def kernels(self, cache) -> str:
         """The kernels ``cache`` ran and, where they were measured, the weights' product form
         (:attr:`GenerationOutput.kernels`)."""
-        if self.products is None:
+        if self.products is None or not isinstance(cache, AlisaCache):
             return cache_kernels(cache)
-        return f"{cache_kernels(cache)}; {self.products.describe()}"
+        return cache.ops.describe(products=self.products.describe())
 
     def forward_packed(
         self, running: DecodeState, newcomer: DecodeState, cache
