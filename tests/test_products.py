@@ -187,3 +187,15 @@ def test_a_backend_says_what_its_products_settled_on_in_place_of_measured():
     )
     assert ops.describe().endswith(", weight products measured")
     assert "weight products" not in choose_ops("cpu", torch.float32, "reference").describe()
+
+
+def test_a_step_settled_on_pytorchs_form_runs_outside_the_mode():
+    clock = _Clock({False: [1.0], True: [3.0]})
+    products = WeightProducts(clock=clock)
+    _run_steps(products, clock, rows=2, steps=SETTLING)
+    assert products.chosen == {2: False}
+    reads = clock.reads
+    _run_steps(products, clock, rows=2, steps=3)
+    assert clock.reads == reads  # no product timed, none dispatched through the mode
+    _run_steps(products, clock, rows=3, steps=1)  # another batch size is measured
+    assert clock.reads > reads

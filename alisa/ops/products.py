@@ -126,10 +126,14 @@ class WeightProducts(TorchFunctionMode):
         """Run one decode step of ``rows`` rows under this mode (a ``with`` block around its
         forward); its products are timed and, while measuring, recorded."""
         self._transposed, self._spent = self.form(rows), 0.0
+        measuring = not self.settled(rows)
+        if not (measuring or self._transposed):  # PyTorch's own form with nothing to time:
+            yield  # the model's calls go straight through, not through this mode's dispatch
+            return
         with self:
             yield
-        key = bucket(rows)
-        if self.asked == "measured" and key not in self.chosen and self.checked is not False:
+        if measuring and self.checked is not False:  # (a failed check ends the measuring)
+            key = bucket(rows)
             taken = self.samples.setdefault(key, {False: [], True: []})
             taken[self._transposed].append(self._spent)
             standard, transposed = taken[False][1:], taken[True][1:]  # first touches left out
@@ -199,6 +203,6 @@ def _plain(x, weight, bias) -> bool:
 
 
 def _rows(key: int) -> str:
-    """The batch sizes bucket ``key`` holds, in words: ``1``, ``2``, ``3-4``, ``5-8``."""
+    """The batch sizes bucket ``key`` holds, in words: ``1 row``, ``2 rows``, ``3-4 rows``."""
     low = key // 2 + 1
     return ("1 row" if key == 1 else f"{key} rows") if low >= key else f"{low}-{key} rows"
