@@ -53,6 +53,7 @@ class Served:
 
     port: int
     server: AlisaServer
+    thread: threading.Thread  # the one that called server.run: where the model computes
 
     @property
     def base_url(self) -> str:
@@ -71,7 +72,7 @@ def running_server(model, tokenizer, settings: ServeSettings) -> Iterator[Served
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.02)
     try:
-        yield Served(sock.getsockname()[1], server)
+        yield Served(sock.getsockname()[1], server, thread)
     finally:
         server.stop()
         thread.join(WAIT_S)

@@ -7,8 +7,9 @@ import queue
 import threading
 
 import pytest
+import serve_support
 from conftest import byte_tokenizer, tiny_llama
-from serve_support import wait_for
+from serve_support import load, model_dir, running_server, wait_for
 from test_continuous import alisa_alone, prompts, requests
 from test_preemption import Squeeze
 
@@ -202,6 +203,23 @@ def test_a_full_queue_is_refused_at_once():
     finally:
         held.set()
         engine.stop(60)
+
+
+def test_the_model_computes_on_the_thread_that_runs_the_server(tmp_path):
+    """The engine runs on the thread that calls ``AlisaServer.run`` (in ``alisa serve`` the main
+    thread, which loaded the model), HTTP on another: a second thread computing would start a
+    second OpenMP pool, and with two pools on a machine with no spare cores each operator waits
+    for its workers to wake (a third slower a step, docs/results.md)."""
+    model, tokenizer = load(model_dir(tmp_path))
+    computed: set[int] = set()
+    model.register_forward_pre_hook(lambda module, args: computed.add(threading.get_ident()))
+    settings = ServeSettings(model_name="tiny", max_tokens=4)
+    with running_server(model, tokenizer, settings) as served:
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 3}
+        status, answer = serve_support.request(served.port, "POST", "/v1/completions", body)
+        runner = served.thread.ident
+    assert status == 200, answer
+    assert computed == {runner}
 
 
 def test_a_stopped_engine_refuses_requests():

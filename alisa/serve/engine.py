@@ -1,5 +1,14 @@
 """The engine thread: the one thread that runs the model, through continuous schedulers.
 
+It is the thread that loaded the model (``alisa serve`` runs it on the main thread, and HTTP on
+another, :class:`~alisa.serve.server.AlisaServer`): GNU OpenMP, which runs torch's CPU
+operators, keeps a pool of worker threads for each thread that has run a parallel operator, and
+once its threads outnumber the CPUs its workers spin only briefly between operators before they
+sleep (``GOMP_SPINCOUNT``'s documented throttling), so that each operator waits for its workers
+to wake. Computing on a second thread after loading on the first made each decode step about a
+third slower on a 2-core CPU (``docs/results.md``, "Serving on the thread that loaded the
+model").
+
 Requests come in through a thread-safe inbox (:meth:`ServeEngine.submit`, :meth:`cancel`); the
 thread takes them between scheduler steps, so the HTTP event loop never waits for a forward and
 a cancelled request leaves the batch (its KV freed) before the next step. What a request gets
@@ -127,7 +136,8 @@ class _Group:
 
 
 class ServeEngine:
-    """Owns the model and its schedulers on a thread of its own.
+    """Owns the model and its schedulers, on the thread that calls :meth:`run` (or one of its
+    own, :meth:`start`).
 
     Parameters
     ----------
@@ -154,8 +164,9 @@ class ServeEngine:
         self._ids = itertools.count()
         self._pending: deque[Job] = deque()  # accepted, not in a scheduler (engine thread)
         self._active: _Group | None = None
-        self._thread = threading.Thread(target=self._run, name="alisa-engine", daemon=True)
+        self._thread: threading.Thread | None = None  # the engine's own, when start()ed
         self._ready = threading.Event()
+        self._running = False  # the loop has begun (on whichever thread runs it)
         self._stopped = False  # no more submits: the engine thread has left its loop
         self.failure: str | None = None  # why the engine thread stopped, if it failed
         metrics.waiting.set_function(lambda: self.waiting)  # read at each scrape
@@ -169,14 +180,17 @@ class ServeEngine:
     # ---- the HTTP side ----------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the engine thread; returns once it has routed the model's attention through
-        alisa (so that checking a request's config, which builds a cache, changes nothing)."""
+        """Run the engine on a thread of its own; returns once it has routed the model's
+        attention through alisa (so that checking a request's config, which builds a cache,
+        changes nothing). :meth:`run` on the thread that loaded the model computes faster."""
+        self._thread = threading.Thread(target=self.run, name="alisa-engine", daemon=True)
         self._thread.start()
         self._ready.wait()
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        """Whether the engine's loop runs (started, not yet stopped or failed)."""
+        return self._running and not self._stopped
 
     @property
     def open_requests(self) -> int:
@@ -215,17 +229,27 @@ class ServeEngine:
         self._inbox.put(("cancel", job))
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop the engine thread after its current step; requests still open fail (503)."""
+        """Stop the engine after its current step; requests still open fail (503). Waits up to
+        ``timeout`` for a thread :meth:`start` began; returns at once otherwise."""
         self._inbox.put(("stop", None))
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout)
 
     # ---- the engine thread ------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def run(self, ready: Callable[[], None] | None = None) -> None:
+        """Run the engine on the calling thread until :meth:`stop` (or a failure, logged and
+        kept in :attr:`failure`); requests still open then fail (503).
+
+        ``ready`` is called once the model's attention is routed through alisa, before the
+        first request is taken: where the HTTP side starts.
+        """
+        self._running = True
         try:
             with attached(self.model):  # the model's attention is restored when it stops
                 self._ready.set()
+                if ready is not None:
+                    ready()
                 while self._take(block=self._active is None and not self._pending):
                     self._schedule()
                     if self._active is not None:

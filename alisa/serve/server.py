@@ -1,8 +1,10 @@
-"""One server: the engine thread, the app, and uvicorn serving it on a socket until drained.
+"""One server: the engine, the app, and uvicorn serving it on a socket until drained.
 
-SIGTERM (or Ctrl-C) drains: the socket stays open and new requests get 503, every request
-already accepted runs to its end, then uvicorn closes the connections and :meth:`AlisaServer.run`
-returns (``alisa serve`` exits 0). A second signal stops at once.
+The model computes on the thread that calls :meth:`AlisaServer.run` (the main thread of ``alisa
+serve``, which loaded it: one OpenMP pool, :mod:`alisa.serve.engine`), uvicorn's event loop on a
+thread of its own. SIGTERM (or Ctrl-C) drains: the socket stays open and new requests get 503,
+every request already accepted runs to its end, then uvicorn closes the connections and
+:meth:`AlisaServer.run` returns (``alisa serve`` exits 0). A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -10,6 +12,10 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+import threading
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
 
 import uvicorn
@@ -25,15 +31,26 @@ LOG = logging.getLogger("uvicorn.error")  # uvicorn's own lines: where a server'
 GRACEFUL_S = 30  # after the drain, seconds uvicorn waits for responses still being written
 
 
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 class _DrainingServer(uvicorn.Server):
-    """uvicorn's server, draining on the first signal instead of closing the socket."""
+    """uvicorn's server, draining on the first signal instead of closing the socket.
+
+    A signal is only noted where it lands (:meth:`handle_exit`, on the main thread, which may be
+    inside the engine's step holding its lock) and acted on at uvicorn's next tick, every 0.1 s.
+    """
 
     def __init__(self, config: uvicorn.Config, state: ServeState) -> None:
         super().__init__(config)
         self.state = state
         self.stopped_by: int | None = None  # the second signal, which stopped it at once
+        self._signals: deque[int] = deque()  # noted, not yet acted on (appends are atomic)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._signals.append(sig)
+
+    def _act_on(self, sig: int) -> None:
         running = self.state.engine.open_requests
         if self.state.draining:  # a second signal: stop now
             if self.stopped_by is not None:
@@ -59,6 +76,8 @@ class _DrainingServer(uvicorn.Server):
         self.state.draining = True
 
     async def on_tick(self, counter: int) -> bool:
+        while self._signals:
+            self._act_on(self._signals.popleft())
         if self.stopped_by is not None and not self.should_exit:
             for connection in list(self.server_state.connections):
                 connection.transport.close()  # its client gets no answer
@@ -100,13 +119,42 @@ class AlisaServer:
     def run(self, sock: socket.socket) -> None:
         """Serve on ``sock`` (bound; see :func:`bind`) until drained or stopped; blocks.
 
-        Signals are handled only when called from the main thread (as uvicorn does).
+        The model computes on the calling thread, which should be the one that loaded it;
+        uvicorn runs on another. SIGINT and SIGTERM drain only when called from the main thread
+        (where signals land), as uvicorn does.
         """
-        self.engine.start()
+        failed: list[BaseException] = []
+
+        def serve() -> None:
+            try:
+                self.server.run(sockets=[sock])
+            except BaseException as error:  # noqa: BLE001 - raised again on the caller's thread
+                failed.append(error)
+            finally:
+                self.engine.stop()  # the engine's loop on the caller's thread ends
+
+        http = threading.Thread(target=serve, name="alisa-http", daemon=True)
+        with self._signals():
+            self.engine.run(ready=http.start)
+            if http.ident is None:  # the engine failed before it could take a request
+                raise RuntimeError(f"the engine did not start: {self.engine.failure}")
+            http.join()  # an engine that failed later: HTTP answers 503 until a signal
+        if failed:
+            raise failed[0]
+
+    @contextmanager
+    def _signals(self) -> Iterator[None]:
+        """SIGINT and SIGTERM drain while serving, on the main thread; the handlers before come
+        back after."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.server.handle_exit) for sig in SIGNALS}
         try:
-            self.server.run(sockets=[sock])
+            yield
         finally:
-            self.engine.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def drain(self) -> None:
         """Start draining, as SIGTERM does (from any thread)."""
