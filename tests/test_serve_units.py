@@ -222,6 +222,22 @@ def test_the_model_computes_on_the_thread_that_runs_the_server(tmp_path):
     assert computed == {runner}
 
 
+def test_every_scheduler_a_server_starts_goes_on_with_one_products_measurement():
+    """A server starts a scheduler (and an engine) per group of requests, again after each idle
+    spell: each goes on with the server's one measurement of the weights' product form rather
+    than alternating the forms of its first steps afresh; a group whose kernels ask another
+    form gets that form's."""
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    settings = ServeSettings(model_name="tiny")
+    engine = ServeEngine(model, tokenizer, settings, ServeMetrics(settings.config, {}))
+    first = engine._scheduler(settings.config, SamplingOptions(), False)
+    later = engine._scheduler(settings.config, SamplingOptions(do_sample=True, seed=1), True)
+    reference = engine._scheduler(AlisaConfig(kernels="reference"), SamplingOptions(), False)
+    assert first.engine.products is later.engine.products
+    assert first.engine.products.asked == "measured"
+    assert reference.engine.products.asked == "standard"
+
+
 def test_a_stopped_engine_refuses_requests():
     model, tokenizer = tiny_llama(), byte_tokenizer()
     settings = ServeSettings(model_name="tiny")

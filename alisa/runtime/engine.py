@@ -343,6 +343,10 @@ class Engine:
         Run decode steps compiled where it says so (:class:`~alisa.runtime.compiled.
         CompiledDecode`, which may settle ``"auto"`` eager for a model it cannot trace; the
         cache must be compileable); prefill stays eager. None: eager.
+    products
+        A measurement of the weights' product form to go on with (a server keeps one across
+        the schedulers it starts, :mod:`alisa.serve.engine`); None: this engine measures its
+        own once a decode step needs it.
     """
 
     def __init__(
@@ -353,13 +357,14 @@ class Engine:
         *,
         stop_at_eos: bool = True,
         compile: CompileChoice | None = None,
+        products: WeightProducts | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         self.compiled = None
         # The form of the weights' products, measured over this engine's decode steps where the
         # cache's kernels ask for it (alisa.ops.products); None until a step needs it.
-        self.products: WeightProducts | None = None
+        self.products = products
         if compile is not None and compile.compiled:
             self.compiled = CompiledDecode(model, compile_mode(self.device), compile)
         self.pick = TokenPicker(model, sampling or SamplingOptions())
@@ -386,7 +391,7 @@ class Engine:
         if self.compiled is not None and decode:
             return self.compiled(feed, positions, mask, cache, self.clock, **options)
         if decode and isinstance(cache, AlisaCache) and cache.ops.products != "standard":
-            if self.products is None:
+            if self.products is None or self.products.asked != cache.ops.products:
                 self.products = WeightProducts(cache.ops.products)
             with self.products.step(feed.shape[0]):
                 return last_logits(self.model, feed, positions, mask, cache, **options)

@@ -39,6 +39,8 @@ from alisa.config import AlisaConfig
 from alisa.jobs.stream import ByteBudget
 from alisa.kv.cache import AlisaCache
 from alisa.kv.hooks import attached
+from alisa.ops.backends import model_ops
+from alisa.ops.products import WeightProducts
 from alisa.runtime.continuous import ContinuousScheduler
 from alisa.runtime.engine import Engine
 from alisa.runtime.requests import StreamRequest, StreamResult
@@ -164,6 +166,9 @@ class ServeEngine:
         self._ids = itertools.count()
         self._pending: deque[Job] = deque()  # accepted, not in a scheduler (engine thread)
         self._active: _Group | None = None
+        # The weights' product form measured per form asked (alisa.ops.products), kept for the
+        # server's life: each group's scheduler goes on with it instead of measuring afresh.
+        self._products: dict[str, WeightProducts] = {}
         self._thread: threading.Thread | None = None  # the engine's own, when start()ed
         self._ready = threading.Event()
         self._running = False  # the loop has begun (on whichever thread runs it)
@@ -319,8 +324,16 @@ class ServeEngine:
             max_rows=settings.max_rows,
             reserve_tokens=settings.reserve_tokens,
         )
+        form = model_ops(self.model, config.kernels).products
+        products = self._products.setdefault(form, WeightProducts(form))
         return ContinuousScheduler(
-            Engine(self.model, self.tokenizer, sampling, stop_at_eos=not ignore_eos),
+            Engine(
+                self.model,
+                self.tokenizer,
+                sampling,
+                stop_at_eos=not ignore_eos,
+                products=products,
+            ),
             lambda: AlisaCache(self.model, admission.cache_config),
             admission,
             prefill_tokens=settings.prefill_tokens,
