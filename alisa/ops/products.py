@@ -23,10 +23,9 @@ standard form for good.
 
 What is measured lives as long as its owner: a server keeps it for its life (each scheduler it
 starts goes on with it), a continuous batch for every step it runs, while each ``generate``
-call measures afresh: its first
-:data:`SETTLING` steps of a batch size alternate, half of them in the slower form (a few percent
-of a 64-token call where the forms differ; nothing where they do not, as at one row). Nothing is
-kept between calls or processes, so nothing stale can be replayed.
+call measures afresh: its first :data:`SETTLING` steps of a batch size alternate, half of them
+in the slower form (a few percent of a 64-token call where the forms differ; nothing where they
+do not, as at one row). Nothing is kept between processes, so nothing stale can be replayed.
 """
 
 from __future__ import annotations
