@@ -101,10 +101,7 @@ def interleaved_rows(
             for run in warm:
                 _turn(run, 1)
         for run in warm:  # the weights' product form settled for this batch size
-            for _ in range(SETTLING):
-                if run.engine.settled(len(prompts)):
-                    break
-                _turn(run, 1)
+            run.engine.settle(len(prompts), lambda run=run: _turn(run, 1))
         del warm
         runs = [
             _start(engines[system], tokenizer, prompts, system, new_tokens, width + new_tokens)

@@ -121,12 +121,7 @@ def steps_in_turns(
 
             step()  # the prefill
             step()  # warm-up: allocation, kernels, caches
-            # The first decode steps of a batch size try both weight-product forms in turn
-            # (alisa.ops.products): runs timed in turns would each get one form.
-            for _ in range(SETTLING):
-                if engine.settled(batch):
-                    break
-                step()
+            engine.settle(batch, step)  # both weight-product forms tried first
             steps.append(step)
             caches.append(cache)
         times: list[list[float]] = [[] for _ in runs]

@@ -20,7 +20,7 @@ from alisa.checks import check_int, check_number
 from alisa.kv.cache import TIERS, AlisaCache
 from alisa.memory import tensor_bytes
 from alisa.ops.backends import compile_mode
-from alisa.ops.products import WeightProducts
+from alisa.ops.products import SETTLING, WeightProducts
 from alisa.runtime.compiled import CompileChoice, CompiledDecode, last_logits
 from alisa.runtime.sampling import SamplingOptions, TokenPicker
 
@@ -402,6 +402,15 @@ class Engine:
         now on (:meth:`WeightProducts.settled`; True before any step measured one): timings
         that compare steps are taken only then, never over steps that alternate forms."""
         return self.products is None or self.products.settled(rows)
+
+    def settle(self, rows: int, step: Callable[[], None]) -> None:
+        """Run ``step`` (one decode step of ``rows`` rows) until their weight-product form
+        settles, :data:`~alisa.ops.products.SETTLING` steps at most: a warm-up before steps are
+        timed in turns, which would otherwise each get one form."""
+        for _ in range(SETTLING):
+            if self.settled(rows):
+                return
+            step()
 
     def kernels(self, cache) -> str:
         """The kernels ``cache`` ran and, where they were measured, the weights' product form
