@@ -155,3 +155,103 @@ def test_a_host_decode_step_stays_in_few_files():
     book, the keeper's base). A step that starts calling into more files fails here."""
     files = _traced_files("cpu")
     assert len(files) <= 18, sorted(files)
+
+
+def _eviction(seed: int, *, batch: int, groups: int, width: int, most: int):
+    """A random dropping step: scores with many ties, padding, empty slots, excess per row."""
+    import numpy as np
+
+    from alisa.ops.reference import FREE, Eviction
+
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, 4, (batch, groups, width), generator=generator).float() / 4
+    positions = torch.stack(
+        [torch.randperm(width + 8, generator=generator)[:width] for _ in range(batch * groups)]
+    ).view(batch, groups, width)
+    positions[torch.rand(positions.shape, generator=generator) < 0.1] = FREE
+    rng = np.random.default_rng(seed)
+    excess = rng.integers(0, most + 1, batch)
+    excess[rng.integers(batch)] = most  # at least one row evicts
+    return Eviction(
+        scores=scores,
+        positions=positions,
+        first=rng.integers(0, 4, batch),
+        seen=width + 8,
+        recent=rng.integers(0, 6, batch),
+        sinks=int(rng.integers(0, 3)),
+        excess=excess,
+    )
+
+
+@pytest.mark.parametrize("most", [1, 3, 20])
+@pytest.mark.parametrize("parts", [1, 3])
+def test_the_compiled_eviction_chooses_the_references_slots(most, parts):
+    """Dropping's choice (alisa.ops.cpu.evict against alisa.ops.reference.evict): the same
+    slots in the same order and the same taken entries, over ties (four score levels), padding,
+    empty slots and unequal excesses; by insertion (few victims) and by sort (many), the rows
+    split into parts or not."""
+    from alisa.ops import cpu, reference
+
+    for seed in range(12):
+        step = _eviction(seed, batch=3, groups=2, width=40, most=most)
+        victims, taken = reference.evict(step)
+        theirs, their_taken = cpu.evict(step, parts=parts)
+        assert torch.equal(victims, theirs), seed
+        assert torch.equal(taken, their_taken), seed
+
+
+def test_an_eviction_tie_goes_to_the_older_token():
+    """Equal scores: the older position is evicted first, whatever slot holds it."""
+    import numpy as np
+
+    from alisa.ops import cpu, reference
+
+    step = reference.Eviction(
+        scores=torch.tensor([[[0.5, 0.5, 0.25, 0.5]]]),
+        positions=torch.tensor([[[7, 3, 9, 5]]]),
+        first=np.array([0]),
+        seen=10,
+        recent=np.array([0]),
+        sinks=0,
+        excess=np.array([3]),
+    )
+    for evict in (reference.evict, cpu.evict):
+        assert evict(step)[0].tolist() == [[[2, 1, 3]]]  # 0.25 first, then positions 3, 5
+
+
+@pytest.mark.parametrize("decayed", [True, False])
+def test_the_compiled_attention_sums_equal_the_references_bits(decayed):
+    import numpy as np
+
+    from alisa.ops import cpu, reference
+
+    generator = torch.Generator().manual_seed(3)
+    total = torch.rand(3, 2, 50, generator=generator) * 7
+    rows = torch.rand(3, 2, 41, generator=generator) ** 3
+    keep = (1 - 1 / np.array([3.0, 17.0, 101.0])).astype(np.float32) if decayed else None
+    mine = total.clone()
+    reference.add_sums(total, rows, keep)
+    cpu.add_sums(mine, rows, keep, parts=2)
+    assert torch.equal(total, mine)
+
+
+@pytest.mark.parametrize(
+    "policy", [{}, {"policy": "h2o"}, {"policy": "tova"}, {"policy": "streaming"}]
+)
+def test_dropping_generates_the_references_tokens_on_the_compiled_kernels(policy):
+    """A dropping generation (padded batch, past the budget) with the compiled CPU kernels and
+    with the PyTorch reference: the same tokens and the same evictions, for SWA's faded sums,
+    H2O's whole sums, TOVA's one-step window and a recency policy."""
+    model = tiny_llama()
+    ids, mask = padded_batch()
+    config = AlisaConfig(
+        **{"policy": "swa", "caching_ratio": 0.3, "min_budget_tokens": 0, **policy}
+    )
+    runs = []
+    for ops in (forced_ops("cpu", "reference"), forced_ops("cpu", "cpu")):
+        cache = AlisaCache(model, config, keeper=partial(default_keeper, ops=ops))
+        tokens = hf_generate(model, ids, mask, cache, max_new_tokens=24)
+        assert all(layer.keeper.ops == ops for layer in cache.layers)
+        runs.append((tokens, [layer.keeper.evicted for layer in cache.layers]))
+    assert runs[0][1][0] > 0
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]

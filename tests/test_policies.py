@@ -8,6 +8,7 @@ import torch
 
 from alisa import AlisaConfig, get_policy
 from alisa.config import policy_for_layer
+from alisa.ops.reference import protected_slots
 from alisa.policies import POLICIES, layer_budget_scale
 
 
@@ -65,7 +66,8 @@ def test_protected_tokens_are_sinks_and_recent():
     policy = get_policy("streaming", caching_ratio=0.5, sink_tokens=2, recent_fraction=1.0)
     positions = torch.arange(3, 20).view(1, 1, -1)  # 3 padding slots before position 3
     first = torch.tensor([3])
-    protected = policy.protected(positions, first, seen=20, recent=torch.tensor([4]))
+    recent = torch.tensor([4])
+    protected = protected_slots(positions, first, 20, recent, policy.sink_tokens)
     kept = positions[protected].tolist()
     assert kept == [3, 4, 16, 17, 18, 19]
 
@@ -107,7 +109,7 @@ def test_sinks_survive_small_ratio_budgets(seen):
     assert budget[0] == min(seen, max(5, round(seen * 0.1)))
     positions = torch.arange(seen).view(1, 1, -1)
     recent = torch.as_tensor(policy.recent(budget))
-    protected = policy.protected(positions, torch.tensor([0]), seen=seen, recent=recent)
+    protected = protected_slots(positions, torch.tensor([0]), seen, recent, policy.sink_tokens)
     assert int(protected.sum()) <= budget[0]
     assert protected[0, 0, : min(4, seen)].all()
 
@@ -148,7 +150,8 @@ def test_the_observation_window_vote_is_pooled_and_ranks_the_first_eviction():
     policy = get_policy("swa", caching_ratio=0.25, observation_window=4)
     slots = SlotMap(1, 2, 40, 48, torch.device("cpu"))
     eviction = DropKeeper(policy, per_head=True)
-    eviction.start(slots, None, None)
+    keys = torch.zeros(1, 2, 40, 8)
+    eviction.start(slots, keys, keys)
     assert eviction.observes and eviction.rows_wanted(slots) == 4
     vote = torch.zeros(1, 2, 48)
     vote[0, 0, 10] = 1.0  # head 0's question looks at token 10, head 1's at token 20

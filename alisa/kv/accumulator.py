@@ -15,10 +15,12 @@ per slot, no snapshots.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from alisa.ops.reference import add_sums as reference_add_sums
 from alisa.ops.reference import put_taken
 from alisa.ops.transfer import upload
 
@@ -41,6 +43,9 @@ class AttentionAccumulator:
         Exponentially faded sums with time constant w (not ``windowed``: no snapshots).
     blocks
         Snapshots per window; more is closer to exact, each costs one value per slot.
+    add_sums
+        How a decode step's row is added (:attr:`alisa.ops.backends.Ops.add_sums`: the cache's
+        kernels; the PyTorch reference by default).
     """
 
     def __init__(
@@ -53,11 +58,15 @@ class AttentionAccumulator:
         windowed: bool,
         decayed: bool = False,
         blocks: int = 8,
+        add_sums: Callable[[torch.Tensor, torch.Tensor, np.ndarray | None], None] = (
+            reference_add_sums
+        ),
     ) -> None:
         if windowed and decayed:
             raise ValueError("an accumulator is windowed or decayed, not both")
         self.blocks = blocks
         self.decayed = decayed
+        self._add_sums = add_sums
         # A plain attribute, not the ring's length read off the tensor: a compiled step then
         # never touches an empty ring, whose strides (left by the slot space it was cut from)
         # would be guarded and recompile a step of the same shapes.
@@ -84,9 +93,8 @@ class AttentionAccumulator:
 
     def add(self, row: torch.Tensor, window: np.ndarray | None) -> None:
         """Add one step's attention row (B, Hs, S') over the first S' slots."""
-        if self.decayed:
-            self.total *= self._fade(window, 1)
-        self.total[..., : row.shape[-1]] += row
+        keep = self._keep(window).astype(np.float32) if self.decayed else None
+        self._add_sums(self.total, row, keep)
         self._advance(1, window)
 
     def add_static(
@@ -99,8 +107,8 @@ class AttentionAccumulator:
         (-1: none)."""
         # In place by method: ``self.total += row`` would rebind the attribute, which a traced
         # step returns as an output (a CUDA graph's output buffer, rewritten by the next replay).
-        if self.decayed:
-            self.total.mul_(_faded(keep, 1))
+        if self.decayed:  # the weight itself, as add multiplies by it
+            self.total.mul_(keep.view(-1, 1, 1))
         self.total.add_(row)
         if self.windowed:  # a masked copy: every step writes one ring slot, most write it back
             slot = snapshot.clamp(min=0)
@@ -192,16 +200,17 @@ class AttentionAccumulator:
             return self.total
         return self._less_snapshot(self.total, choice, has_snapshot)
 
-    def clear_slots(self, slots: torch.Tensor, taken: torch.Tensor) -> None:
+    def clear_slots(self, slots: torch.Tensor, taken: torch.Tensor | None) -> None:
         """Zero the sums of evicted slots so a reused slot starts afresh: (B, Hs, k) distinct
-        slots per row, only where ``taken`` (a masked scatter: no host round trip)."""
+        slots per row, only where ``taken`` (a masked scatter: no host round trip; None: every
+        entry)."""
         put_taken(self.total, slots, taken, 0.0)
         if self.windowed:
             ring = self.snapshots.shape[0]
             put_taken(
                 self.snapshots,
                 slots.expand(ring, *slots.shape),
-                taken.expand(ring, *taken.shape),
+                None if taken is None else taken.expand(ring, *taken.shape),
                 0.0,
             )
 
@@ -255,11 +264,15 @@ class AttentionAccumulator:
         self.snapshots = torch.cat([self.snapshots, snapshots], dim=1)
         self.total = torch.cat([self.total, other.total])
 
-    def _fade(self, window: np.ndarray | None, age: int | torch.Tensor) -> torch.Tensor:
-        """(B, 1, A) weights (1 - 1/w[b]) ** age of rows ``age`` steps old (A = 1 for an int)."""
+    def _keep(self, window: np.ndarray | None) -> np.ndarray:
+        """:meth:`keep_of` the window, refused without one."""
         if window is None:
             raise ValueError("a decayed accumulator needs the window w of each sequence")
-        keep = upload(self.keep_of(window), self.total.device, torch.float32)
+        return self.keep_of(window)
+
+    def _fade(self, window: np.ndarray | None, age: int | torch.Tensor) -> torch.Tensor:
+        """(B, 1, A) weights (1 - 1/w[b]) ** age of rows ``age`` steps old (A = 1 for an int)."""
+        keep = upload(self._keep(window), self.total.device, torch.float32)
         return _faded(keep, age)
 
     def _interval(self, window: np.ndarray | None) -> int:

@@ -754,7 +754,7 @@ def _check_host_memory_applies(config: AlisaConfig) -> None:
 def default_keeper(config: AlisaConfig, policy: KVPolicy, *, ops: Ops | None = None) -> Keeper:
     """Host retention when ``retention="host"`` and the policy can leave tokens out, else
     dropping (which never drops under a budget that covers every token). ``ops``: the kernels
-    host retention runs (:func:`alisa.ops.backends.choose_ops`; None: the device's default)."""
+    the keeper runs (:func:`alisa.ops.backends.choose_ops`; None: the device's default)."""
     if config.retention == "host" and policy.can_evict():
         return HostKeeper(
             policy,
@@ -764,7 +764,7 @@ def default_keeper(config: AlisaConfig, policy: KVPolicy, *, ops: Ops | None = N
             estimate_rest=config.host_estimate_rest,
             ops=ops,
         )
-    return DropKeeper(policy, per_head=config.selects_per_head)
+    return DropKeeper(policy, per_head=config.selects_per_head, ops=ops)
 
 
 def store_factory(

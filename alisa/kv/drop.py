@@ -1,7 +1,7 @@
 """Dropping: the keeper that evicts each sequence's excess tokens for good (ALISA's SWA, H2O, ...).
 
 Per sequence, the excess over the policy's budget goes, lowest policy score first, with sinks,
-the recent window and empty slots protected (:func:`alisa.ops.reference.top_k`). Evicted tokens are
+the recent window and empty slots protected (:func:`alisa.ops.reference.evict`). Evicted tokens are
 really gone: their slot is overwritten by the next token, and compaction returns the memory.
 ALISA, https://arxiv.org/abs/2403.17312, Alg. 1.
 """
@@ -15,7 +15,8 @@ from alisa.kv.accumulator import AttentionAccumulator
 from alisa.kv.keeper import Keeper
 from alisa.kv.slots import SlotMap
 from alisa.kv.static import StepPack
-from alisa.ops.reference import top_k, with_protections
+from alisa.ops.backends import Ops, choose_ops
+from alisa.ops.reference import Eviction, eviction_key, protected_slots, with_protections
 from alisa.ops.transfer import upload
 from alisa.storage.store import KVStore
 
@@ -32,10 +33,21 @@ class DropKeeper(Keeper):
 
     An attention-scored policy (SWA, H2O, TOVA) gets the attention each slot received, summed
     over its score window (:class:`~alisa.kv.accumulator.AttentionAccumulator`).
+
+    Parameters
+    ----------
+    policy, per_head
+        As :class:`~alisa.kv.keeper.Keeper` takes them.
+    ops
+        The kernels that add the sums and choose the victims
+        (:func:`alisa.ops.backends.choose_ops`: the compiled CPU kernels on a CPU); None: the
+        device's default, chosen at the prefill, when the device is known.
     """
 
-    def __init__(self, policy, *, per_head: bool = False) -> None:
+    def __init__(self, policy, *, per_head: bool = False, ops: Ops | None = None) -> None:
         super().__init__(policy, per_head=per_head)
+        self.ops_option = ops
+        self.ops: Ops | None = None  # chosen at the prefill
         self.scores: AttentionAccumulator | None = None
         # Where this keeper's fields sit in a static cache's step pack (laid out for pack.rows).
         self._fields = 0
@@ -47,6 +59,8 @@ class DropKeeper(Keeper):
 
     def start(self, slots: SlotMap, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Fresh attention sums for a new slot map (prefill); none when not needed."""
+        self.ops = self.ops_option or choose_ops(keys.device, keys.dtype)
+        self.ops.check_device(keys.device)
         self.scores = None
         if self.needs_attention:
             window = self.policy.score_window(np.ones(len(slots.kept), dtype=np.int64))
@@ -58,6 +72,7 @@ class DropKeeper(Keeper):
                 slots.device,
                 windowed=window is not None and not decayed,
                 decayed=decayed,
+                add_sums=self.ops.add_sums,
             )
 
     @property
@@ -127,6 +142,8 @@ class DropKeeper(Keeper):
         if chosen is None:
             return
         victims, taken, excess = chosen
+        if excess.min() == excess.max():  # every entry counts: known here, no mask to apply
+            taken = None
         slots.free(victims, taken, excess)
         if self.scores is not None:
             self.scores.clear_slots(victims, taken)  # a reused slot starts afresh
@@ -137,22 +154,27 @@ class DropKeeper(Keeper):
         sequence's excess, and the (B,) excess; None if none."""
         if not self.policy.can_evict():
             return None
-        budget = self.budget(slots)
-        excess = np.maximum(slots.kept - budget, 0)
+        shares = self.shares(slots)
+        excess = np.maximum(slots.kept - shares.budget, 0)
         if excess.max(initial=0) <= 0:
             return None
-        policy, device = self.policy, slots.device
         positions = slots.positions
-        first = upload(slots.first, device)
-        recent = upload(self.recent(slots), device)
         attention = None
         if self.scores is not None:
             attention = self.scores.window_sum(self.steps_scored(slots), slots.capacity)
-        score = policy.score(positions, attention, first).to(torch.float32)
-        protected = policy.protected(positions, first, slots.seen, recent) | (positions < 0)
-        priority = with_protections(score, protected)
+        score = self.policy.score(positions, attention, upload(slots.first, slots.device))
         # Every group (KV head, when selecting per head) of a sequence drops its excess.
-        chosen, taken = top_k(priority, excess, largest=False, ordered=True)
+        chosen, taken = self.ops.evict(
+            Eviction(
+                scores=score,
+                positions=positions,
+                first=slots.first,
+                seen=slots.seen,
+                recent=shares.recent.copy(),  # the book's array is read-only
+                sinks=self.policy.sink_tokens,
+                excess=excess,
+            )
+        )
         return chosen, taken, excess
 
     # ---- a static step (:mod:`alisa.kv.static`) -----------------------------------------
@@ -220,8 +242,8 @@ class DropKeeper(Keeper):
             attention = self.scores.static_window_sum(choice, has)
         score = self.policy.score(positions, attention, first).to(torch.float32)
         seen = self.pack.position() + 1
-        protected = self.policy.protected(positions, first, seen, recent) | (positions < 0)
-        priority = with_protections(score, protected)
+        protected = protected_slots(positions, first, seen, recent, self.policy.sink_tokens)
+        priority = eviction_key(with_protections(score, protected), positions)
         victim = torch.topk(priority, 1, dim=-1, largest=False, sorted=True).indices
         taken = (self._field(0) > 0).view(-1, 1, 1).expand(victim.shape)
         slots.empty(victim, taken)

@@ -165,9 +165,10 @@ class SlotMap:
         extra = capacity - self.capacity
         self.positions = torch.nn.functional.pad(self.positions, (0, extra), value=FREE)
 
-    def free(self, slots: torch.Tensor, taken: torch.Tensor, excess: np.ndarray) -> None:
+    def free(self, slots: torch.Tensor, taken: torch.Tensor | None, excess: np.ndarray) -> None:
         """Empty evicted slots: (B, Hs, k) distinct slots per row, ``taken`` (B, Hs, k) False
-        past a sequence's ``excess`` (B,) tokens (those slots are left as they are).
+        past a sequence's ``excess`` (B,) tokens (those slots are left as they are; None:
+        every sequence's excess is k).
 
         No host round trip (:func:`~alisa.ops.reference.put_taken`).
         """
@@ -183,7 +184,7 @@ class SlotMap:
         if leaving is not None:
             self.release(leaving)
 
-    def empty(self, slots: torch.Tensor, taken: torch.Tensor) -> None:
+    def empty(self, slots: torch.Tensor, taken: torch.Tensor | None) -> None:
         """The device half of :meth:`free`: mark the ``taken`` slots of (B, Hs, k) empty."""
         put_taken(self.positions, slots, taken, FREE)
 

@@ -27,6 +27,7 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from alisa.ops import KERNELS, reference
@@ -75,6 +76,13 @@ class Ops:
         Host retention's selection of one layer, ``select(step: SelectionStep) -> Selected``
         (:mod:`alisa.ops.reference`): a plain function bound once from the choices above, so a
         decode step runs it without asking which kernels to use.
+    evict
+        Dropping's choice of one layer's victims, ``evict(step: Eviction) -> (slots, taken)``
+        (:func:`alisa.ops.reference.evict`), bound once as :attr:`select` is: compiled with
+        ``compiled``.
+    add_sums
+        Dropping's attention sums of one layer, ``add_sums(total, rows, keep)``
+        (:func:`alisa.ops.reference.add_sums`), bound as :attr:`evict` is.
     """
 
     name: str
@@ -89,6 +97,12 @@ class Ops:
     parts: int | None = None
     pinned: bool = field(init=False)
     select: Callable[[reference.SelectionStep], reference.Selected] = field(
+        init=False, repr=False, compare=False
+    )
+    evict: Callable[[reference.Eviction], tuple[torch.Tensor, torch.Tensor]] = field(
+        init=False, repr=False, compare=False
+    )
+    add_sums: Callable[[torch.Tensor, torch.Tensor, np.ndarray | None], None] = field(
         init=False, repr=False, compare=False
     )
 
@@ -119,6 +133,14 @@ class Ops:
             raise ValueError(f"parts={self.parts!r} must be a whole number of at least 1 or None")
         object.__setattr__(self, "pinned", self.device == "cuda")
         object.__setattr__(self, "select", self._bound_select())
+        evict, add_sums = reference.evict, reference.add_sums
+        if self.compiled:
+            from alisa.ops import cpu
+
+            evict = functools.partial(cpu.evict, parts=self.parts)
+            add_sums = functools.partial(cpu.add_sums, parts=self.parts)
+        object.__setattr__(self, "evict", evict)
+        object.__setattr__(self, "add_sums", add_sums)
 
     def _bound_select(self) -> Callable[[reference.SelectionStep], reference.Selected]:
         """The selection these choices make, composed once from the backends' functions."""

@@ -15,6 +15,7 @@ and ``tests/test_ops.py`` compare them exactly:
   :func:`code_rows`, :func:`put_slots`, :func:`slot_logits`, :func:`slot_output`);
 * the whole selection in one call (:func:`select_and_fetch`);
 * a decode step's attention over a region's slots (:func:`attend_slots`);
+* dropping's attention sums and eviction (:func:`add_sums`, :func:`evict`);
 * the selection composed from them (:func:`select_rule`, :func:`swapped`, :func:`fused`), which
   :attr:`alisa.ops.backends.Ops.select` binds.
 
@@ -40,6 +41,7 @@ from alisa.ops.numba_cache import kernel
 from alisa.ops.reference import (
     FREE,
     ChoiceInputs,
+    Eviction,
     Incoming,
     Selected,
     SelectionStep,
@@ -1539,6 +1541,152 @@ def attend_slots(
     return (
         out.view(batch, 1, heads, head_dim),
         probabilities.view(batch, kv_heads, groups, 1, capacity),
+    )
+
+
+# =================================================================================================
+# Dropping: the attention sums and the eviction (alisa.kv.drop)
+# =================================================================================================
+
+# Dropping's decode step per layer (ALISA's SWA, H2O, ...) adds the step's attention to per-slot
+# sums and evicts each sequence's excess, lowest score first: about fifteen PyTorch operators
+# over (B, Hs, S) arrays, each a fixed few tens of microseconds on a CPU, 13-15 % of SmolLM2's
+# step at one sequence and at sixteen (2-core EPYC, B = 1 and 16 x 2,048, r = 0.2, timed around
+# the keeper in a throw-away run). Each kernel here is one pass per (sequence, group) row with
+# the arithmetic of :func:`alisa.ops.reference.add_sums` and :func:`alisa.ops.reference.evict`:
+# a float32 product, then a float32 sum, each rounded (no fused multiply-add); the same integer
+# keys, so the same slots.
+
+# Up to this many victims per row are kept sorted by insertion (a step evicts one per
+# sequence); more are ranked by a sort of the row's keys.
+_FEW = 16
+_INF_BITS = 0x7F800000  # +inf's float32 bits: a protected slot's priority
+
+
+@kernel(parallel=True, nogil=True)
+def _add_sums(
+    total: np.ndarray, rows: np.ndarray, keep: np.ndarray, decayed: bool, parts: int
+) -> None:
+    """total (B, Hs, S) float32 faded by keep (B,) float32 where ``decayed``, then rows
+    (B, Hs, S') added to its first S' slots, per row of ``parts`` in parallel."""
+    batch, groups, width = total.shape
+    used = rows.shape[2]
+    count = batch * groups
+    size = (count + parts - 1) // parts
+    for part in numba.prange(parts):
+        for row in range(part * size, min(count, (part + 1) * size)):
+            b, h = row // groups, row % groups
+            if decayed:
+                factor = keep[b]
+                for slot in range(width):
+                    total[b, h, slot] = total[b, h, slot] * factor
+            for slot in range(used):
+                total[b, h, slot] = total[b, h, slot] + rows[b, h, slot]
+
+
+@kernel(parallel=True, nogil=True)
+def _evict(
+    score_bits: np.ndarray,
+    positions: np.ndarray,
+    first: np.ndarray,
+    seen: int,
+    recent: np.ndarray,
+    sinks: int,
+    excess: np.ndarray,
+    victims: np.ndarray,
+    taken: np.ndarray,
+    parts: int,
+) -> None:
+    """Per (sequence, group) row, its ``victims.shape[2]`` lowest keys' slots, ascending
+    (:func:`alisa.ops.reference.eviction_key` of the protected scores), and ``taken`` below the
+    sequence's ``excess``."""
+    batch, groups, width = score_bits.shape
+    count = victims.shape[2]
+    rows = batch * groups
+    size = (rows + parts - 1) // parts
+    for part in numba.prange(parts):
+        keys = np.empty(width, dtype=np.int64)  # each part's own scratch
+        best = np.empty(count, dtype=np.int64)
+        for row in range(part * size, min(rows, (part + 1) * size)):
+            b, h = row // groups, row % groups
+            low, high = first[b] + sinks, seen - recent[b]
+            for slot in range(width):
+                position = positions[b, h, slot]
+                bits = score_bits[b, h, slot]
+                if position < 0 or position < low or position >= high:
+                    bits = _INF_BITS
+                keys[slot] = (_f32_key(bits) << 32) | max(position, 0)
+            if count <= _FEW:
+                filled = 0
+                for slot in range(width):
+                    key = keys[slot]
+                    if filled == count and key >= best[count - 1]:
+                        continue
+                    at = filled if filled < count else count - 1
+                    filled = min(filled + 1, count)
+                    while at > 0 and best[at - 1] > key:
+                        best[at] = best[at - 1]
+                        victims[b, h, at] = victims[b, h, at - 1]
+                        at -= 1
+                    best[at] = key
+                    victims[b, h, at] = slot
+            else:
+                order = np.argsort(keys)
+                for rank in range(count):
+                    victims[b, h, rank] = order[rank]
+            for rank in range(count):
+                taken[b, h, rank] = rank < excess[b]
+
+
+def evict(step: Eviction, *, parts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`alisa.ops.reference.evict` in one compiled pass per row (the same slots).
+
+    Parameters
+    ----------
+    step
+        The layer's step (:class:`alisa.ops.reference.Eviction`), its tensors on the CPU.
+    parts
+        The (sequence, group) rows are split into this many parts, run in parallel
+        (:func:`kernel_parts`; None: its own count); the result does not depend on it.
+
+    Returns
+    -------
+    tuple
+        (B, Hs, K) slots and their (B, Hs, K) ``taken``, as the reference returns them.
+    """
+    batch, groups, _ = step.scores.shape
+    count = int(step.excess.max())
+    victims = np.empty((batch, groups, count), dtype=np.int64)
+    taken = np.empty((batch, groups, count), dtype=np.bool_)
+    _evict(
+        step.scores.to(torch.float32).view(torch.int32).numpy(),
+        step.positions.numpy(),
+        np.asarray(step.first, dtype=np.int64),
+        step.seen,
+        np.asarray(step.recent, dtype=np.int64),
+        step.sinks,
+        np.asarray(step.excess, dtype=np.int64),
+        victims,
+        taken,
+        kernel_parts(batch * groups, parts),
+    )
+    return torch.from_numpy(victims), torch.from_numpy(taken)
+
+
+def add_sums(
+    total: torch.Tensor, rows: torch.Tensor, keep: np.ndarray | None, *, parts: int | None = None
+) -> None:
+    """:func:`alisa.ops.reference.add_sums` in one compiled pass per row (the same bits);
+    ``parts`` as :func:`evict` takes it."""
+    batch, groups, _ = total.shape
+    faded = keep is not None
+    factors = np.asarray(keep if faded else (), dtype=np.float32)
+    _add_sums(
+        total.numpy(),
+        rows.to(torch.float32).numpy(),
+        factors,
+        faded,
+        kernel_parts(batch * groups, parts),
     )
 
 

@@ -15,7 +15,10 @@ function per concept:
 * the slot swap and placement (:func:`swap`, :func:`place`): a layer's slots made exactly the
   chosen positions, the tokens the device lacks listed to fetch;
 * the fetch of placed rows from a host region (:func:`fetch_placed`);
-* dropping's priorities and top-k (:func:`with_protections`, :func:`top_k`, :func:`put_taken`).
+* dropping's choice (:func:`evict`: :func:`protected_slots`, :func:`eviction_key`,
+  :func:`top_k`), the writes it makes (:func:`put_taken`) and the attention sums it ranks by
+  (:func:`add_sums`); ties are broken by position there too (equal priorities: the older token
+  goes first), so the compiled kernels (:func:`alisa.ops.cpu.evict`) choose the same slots.
 
 The compiled CPU kernels (:mod:`alisa.ops.cpu`) and the Triton kernels (:mod:`alisa.ops.cuda`)
 compute the same results; ``tests/test_ops.py`` and ``tests/test_kernels.py`` compare them with
@@ -67,16 +70,117 @@ def with_protections(
     return priority
 
 
-def put_taken(target: torch.Tensor, index: torch.Tensor, taken: torch.Tensor, value: float) -> None:
+def put_taken(
+    target: torch.Tensor, index: torch.Tensor, taken: torch.Tensor | None, value: float
+) -> None:
     """Write ``value`` into ``target`` at ``index`` along the last dimension where ``taken``
-    (as :func:`top_k` returns them: False past a row's count), in place. An index taken in a
-    row must not appear again in that row (both writes would race).
+    (as :func:`top_k` returns them: False past a row's count; None: every entry), in place. An
+    index taken in a row must not appear again in that row (both writes would race).
 
     A masked scatter: the entries not taken write back what they read. Indexing only the taken
     entries would first read the mask on the host (``nonzero``), a device round trip per layer
-    and step.
+    and step; a caller that knows on the host that every entry counts passes None (one
+    operator instead of three).
     """
+    if taken is None:
+        target.scatter_(-1, index, value)
+        return
     target.scatter_(-1, index, torch.where(taken, value, target.gather(-1, index)))
+
+
+def protected_slots(
+    positions: torch.Tensor,
+    first: torch.Tensor,
+    seen: int | torch.Tensor,
+    recent: torch.Tensor,
+    sinks: int,
+) -> torch.Tensor:
+    """(B, Hs, S) bool: the slots dropping never evicts, the first ``sinks`` real tokens
+    (StreamingLLM's attention sinks), the ``recent`` newest of the ``seen`` (ALISA's locally
+    static tokens) and empty slots.
+
+    Parameters
+    ----------
+    positions
+        (B, Hs, S) position of each slot's token, negative for an empty slot.
+    first
+        (B,) position of each sequence's first real token.
+    seen
+        Tokens seen per sequence, padding included (an int, or a (1,) device tensor in a static
+        step).
+    recent
+        (B,) newest tokens each sequence keeps.
+    sinks
+        The policy's ``sink_tokens``.
+    """
+    relative = positions - first.view(-1, 1, 1)
+    newest = positions >= (seen - recent).view(-1, 1, 1)
+    return (relative < sinks) | newest | (positions < 0)
+
+
+def eviction_key(priority: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """(B, Hs, S) int64 keys in the order dropping evicts: the priority's, and among equal
+    priorities the older position first; every key of a row differs (held positions do)."""
+    return (ordered_key(priority) << 32) | positions.clamp(min=0)
+
+
+class Eviction(NamedTuple):
+    """What one layer's dropping reads at a decode step (:func:`evict`).
+
+    Attributes
+    ----------
+    scores
+        (B, Hs, S) float32 the policy's scores of the slots (higher is kept first), e.g. the
+        attention sums themselves.
+    positions
+        (B, Hs, S) int64 position of each slot's token, negative for an empty slot.
+    first
+        (B,) int64 position of each sequence's first real token.
+    seen
+        Tokens seen per sequence, padding included.
+    recent
+        (B,) int64 newest tokens each sequence keeps.
+    sinks
+        The policy's ``sink_tokens``.
+    excess
+        (B,) int64 tokens each sequence evicts per group, at least one of them above 0.
+    """
+
+    scores: torch.Tensor
+    positions: torch.Tensor
+    first: np.ndarray
+    seen: int
+    recent: np.ndarray
+    sinks: int
+    excess: np.ndarray
+
+
+def evict(step: Eviction) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slots each sequence evicts: its ``excess`` unprotected slots of lowest score (ties:
+    the older token), ALISA's SWA eviction, https://arxiv.org/abs/2403.17312, Alg. 1.
+
+    Returns
+    -------
+    tuple
+        (B, Hs, K) slots, K = ``excess.max()``, lowest key first, and a bool of the same shape,
+        False past a sequence's excess (those entries are the next ranked slots: distinct from
+        the taken ones, so :func:`put_taken` may write them back).
+    """
+    device = step.positions.device
+    first, recent = upload(step.first, device), upload(step.recent, device)
+    protected = protected_slots(step.positions, first, step.seen, recent, step.sinks)
+    priority = with_protections(step.scores, protected)
+    return top_k(eviction_key(priority, step.positions), step.excess, largest=False, ordered=True)
+
+
+def add_sums(total: torch.Tensor, rows: torch.Tensor, keep: np.ndarray | None) -> None:
+    """Add a decode step's attention to the per-slot sums, in place: ``total`` (B, Hs, S)
+    float32 is first faded by ``keep`` (B,) float32 per sequence (a decayed window; None: not
+    faded), then ``rows`` (B, Hs, S') float32 is added to its first S' slots (A2SF's forgetting
+    factor, https://arxiv.org/abs/2407.20485; H2O's plain sums without it)."""
+    if keep is not None:
+        total.mul_(upload(keep, total.device).view(-1, 1, 1))
+    total[..., : rows.shape[-1]].add_(rows)
 
 
 def top_k(

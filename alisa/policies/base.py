@@ -190,14 +190,6 @@ class KVPolicy:
         """
         raise NotImplementedError
 
-    def protected(
-        self, positions: torch.Tensor, first: torch.Tensor, seen: int, recent: torch.Tensor
-    ) -> torch.Tensor:
-        """(B, Hs, S) bool: sinks and the ``recent`` (B,) newest tokens, which are never evicted."""
-        relative = positions - first.view(-1, 1, 1)
-        newest = positions >= (seen - recent).view(-1, 1, 1)
-        return (relative < self.sink_tokens) | newest
-
 
 def recency(positions: torch.Tensor) -> torch.Tensor:
     """Scores that keep the newest tokens first."""
