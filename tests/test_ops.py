@@ -255,3 +255,26 @@ def test_dropping_generates_the_references_tokens_on_the_compiled_kernels(policy
         runs.append((tokens, [layer.keeper.evicted for layer in cache.layers]))
     assert runs[0][1][0] > 0
     assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
+
+
+@pytest.mark.parametrize("head_max", [False, True])
+def test_the_compiled_history_sums_query_heads_as_the_reference_does(head_max):
+    """Host retention's attention history with seven query heads per KV head (Qwen2.5's
+    grouping; PyTorch's own sum adds five or more in another order): the compiled kernel and
+    the reference give the same bits."""
+    from alisa.kv.history import PositionHistory
+
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, groups, width = 2, 2, 7, 40
+    probabilities = torch.rand(batch, heads, groups, width, generator=generator) ** 3
+    positions = torch.stack(
+        [torch.randperm(width, generator=generator) for _ in range(batch * heads)]
+    ).view(batch, heads, width)
+    totals = []
+    for compiled in (False, True):
+        history = PositionHistory(
+            batch, heads, width, torch.device("cpu"), decayed=False, head_max=head_max
+        )
+        history.add(probabilities, positions, None, width, compiled=compiled, parts=1)
+        totals.append(history.total)
+    assert torch.equal(*totals)

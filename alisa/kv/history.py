@@ -20,6 +20,7 @@ import torch
 
 from alisa.ops import cpu
 from alisa.ops.cpu import kernel_parts
+from alisa.ops.reference import combine_queries
 from alisa.ops.transfer import upload
 from alisa.storage.store import headroom
 
@@ -127,7 +128,7 @@ class PositionHistory:
                 kernel_parts(slots.shape[0] * slots.shape[1], parts),
             )
             return
-        rows = probabilities.amax(dim=2) if self.head_max else probabilities.sum(dim=2)
+        rows = combine_queries(probabilities, self.head_max)
         rows = rows * upload(scale, rows.device).view(-1, 1, 1)
         rows = rows.masked_fill(slots < 0, 0.0)
         self.total.scatter_add_(-1, slots.clamp(min=0), rows)

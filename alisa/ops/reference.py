@@ -17,8 +17,9 @@ function per concept:
 * the fetch of placed rows from a host region (:func:`fetch_placed`);
 * dropping's choice (:func:`evict`: :func:`protected_slots`, :func:`eviction_key`,
   :func:`top_k`), the writes it makes (:func:`put_taken`) and the attention sums it ranks by
-  (:func:`add_sums`); ties are broken by position there too (equal priorities: the older token
-  goes first), so the compiled kernels (:func:`alisa.ops.cpu.evict`) choose the same slots.
+  (:func:`add_sums`, :func:`combine_queries`); ties are broken by position there too (equal
+  priorities: the older token goes first), so the compiled kernels (:func:`alisa.ops.cpu.evict`)
+  choose the same slots.
 
 The compiled CPU kernels (:mod:`alisa.ops.cpu`) and the Triton kernels (:mod:`alisa.ops.cuda`)
 compute the same results; ``tests/test_ops.py`` and ``tests/test_kernels.py`` compare them with
@@ -171,6 +172,22 @@ def evict(step: Eviction) -> tuple[torch.Tensor, torch.Tensor]:
     protected = protected_slots(step.positions, first, step.seen, recent, step.sinks)
     priority = with_protections(step.scores, protected)
     return top_k(eviction_key(priority, step.positions), step.excess, largest=False, ordered=True)
+
+
+def combine_queries(probabilities: torch.Tensor, head_max: bool) -> torch.Tensor:
+    """(B, H_kv, G, ...) attention to (B, H_kv, ...): each KV head's G query heads combined by
+    their max, or by their sum added in head order.
+
+    The order is the compiled kernels' (:func:`alisa.ops.cpu.accumulate`), so every backend's
+    sums have the same bits: ``torch.sum`` over a dimension of five or more adds in another
+    order (a model with 7 query heads per KV head, as Qwen2.5's, differed in the last bit).
+    """
+    if head_max:
+        return probabilities.amax(dim=2)
+    rows = probabilities[:, :, 0]
+    for group in range(1, probabilities.shape[2]):
+        rows = rows + probabilities[:, :, group]
+    return rows
 
 
 def add_sums(total: torch.Tensor, rows: torch.Tensor, keep: np.ndarray | None) -> None:

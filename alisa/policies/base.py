@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from alisa.checks import check_field_types, check_number, check_optional_int, check_share
+from alisa.ops.reference import combine_queries
 from scheduler.budget import KeepRule
 
 
@@ -159,12 +160,12 @@ class KVPolicy:
     ) -> torch.Tensor:
         """(B, Hs, q, S') score rows from attention (B, H_kv, G, q, S').
 
-        The G query heads of a KV group are summed (or, at decode steps, their max:
-        :attr:`head_max`), then every KV head is summed when the layer keeps one index set
-        (``groups`` = 1). An observation ``vote`` always sums its query heads, as SnapKV does.
+        The G query heads of a KV group are summed in head order (or, at decode steps, their
+        max: :attr:`head_max`; :func:`alisa.ops.reference.combine_queries`), then every KV head
+        is summed when the layer keeps one index set (``groups`` = 1). An observation ``vote``
+        always sums its query heads, as SnapKV does.
         """
-        largest = self.head_max and not vote
-        rows = probabilities.amax(dim=2) if largest else probabilities.sum(dim=2)
+        rows = combine_queries(probabilities, self.head_max and not vote)
         return rows.sum(dim=1, keepdim=True) if groups == 1 else rows
 
     def score(
