@@ -219,19 +219,22 @@ def test_an_eviction_tie_goes_to_the_older_token():
         assert evict(step)[0].tolist() == [[[2, 1, 3]]]  # 0.25 first, then positions 3, 5
 
 
+@pytest.mark.parametrize("head_max", [True, False])
 @pytest.mark.parametrize("decayed", [True, False])
-def test_the_compiled_attention_sums_equal_the_references_bits(decayed):
+def test_the_compiled_attention_sums_equal_the_references_bits(decayed, head_max):
+    """Dropping's sums (alisa.ops.cpu.add_sums against the reference): faded or not, seven
+    query heads per group combined by their max or their sum, the same bits."""
     import numpy as np
 
     from alisa.ops import cpu, reference
 
     generator = torch.Generator().manual_seed(3)
     total = torch.rand(3, 2, 50, generator=generator) * 7
-    rows = torch.rand(3, 2, 41, generator=generator) ** 3
+    probabilities = torch.rand(3, 2, 7, 41, generator=generator) ** 3
     keep = (1 - 1 / np.array([3.0, 17.0, 101.0])).astype(np.float32) if decayed else None
     mine = total.clone()
-    reference.add_sums(total, rows, keep)
-    cpu.add_sums(mine, rows, keep, parts=2)
+    reference.add_sums(total, probabilities, keep, head_max)
+    cpu.add_sums(mine, probabilities, keep, head_max, parts=2)
     assert torch.equal(total, mine)
 
 

@@ -58,7 +58,7 @@ class AttentionAccumulator:
         windowed: bool,
         decayed: bool = False,
         blocks: int = 8,
-        add_sums: Callable[[torch.Tensor, torch.Tensor, np.ndarray | None], None] = (
+        add_sums: Callable[[torch.Tensor, torch.Tensor, np.ndarray | None, bool], None] = (
             reference_add_sums
         ),
     ) -> None:
@@ -91,10 +91,15 @@ class AttentionAccumulator:
         """The totals and snapshots, which a static step adds to and clears in place."""
         return (self.total, self.snapshots) if self.windowed else (self.total,)
 
-    def add(self, row: torch.Tensor, window: np.ndarray | None) -> None:
-        """Add one step's attention row (B, Hs, S') over the first S' slots."""
+    def add(
+        self, row: torch.Tensor, window: np.ndarray | None, *, head_max: bool | None = None
+    ) -> None:
+        """Add one step's attention row (B, Hs, S') over the first S' slots; with ``head_max``
+        given, ``row`` is (B, Hs, G, S'), each group's G query heads to combine first (their
+        max, or their sum in head order: :func:`alisa.ops.reference.combine_queries`)."""
         keep = self._keep(window).astype(np.float32) if self.decayed else None
-        self._add_sums(self.total, row, keep)
+        heads = row.unsqueeze(2) if head_max is None else row
+        self._add_sums(self.total, heads, keep, bool(head_max))
         self._advance(1, window)
 
     def add_static(

@@ -95,10 +95,16 @@ class DropKeeper(Keeper):
         """
         if self.scores is None:
             return
+        window = self.steps_scored(slots)
+        heads = probabilities.shape[1]
+        if not vote and probabilities.shape[3] == 1 and slots.groups == heads:
+            # One decode step, a set per KV head: the sums' kernel combines the query heads.
+            step = probabilities[:, :, :, 0, : slots.capacity]
+            self.scores.add(step, window, head_max=self.policy.head_max)
+            return
         rows = self.policy.combine_heads(
             probabilities[..., : slots.capacity], slots.groups, vote=vote
         )
-        window = self.steps_scored(slots)
         if vote:
             self._observe(rows.sum(dim=2), window)
         elif rows.shape[2] == 1:

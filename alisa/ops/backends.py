@@ -81,7 +81,8 @@ class Ops:
         (:func:`alisa.ops.reference.evict`), bound once as :attr:`select` is: compiled with
         ``compiled``.
     add_sums
-        Dropping's attention sums of one layer, ``add_sums(total, rows, keep)``
+        Dropping's attention sums of one layer, ``add_sums(total, probabilities, keep,
+        head_max)``
         (:func:`alisa.ops.reference.add_sums`), bound as :attr:`evict` is.
     """
 
@@ -102,7 +103,7 @@ class Ops:
     evict: Callable[[reference.Eviction], tuple[torch.Tensor, torch.Tensor]] = field(
         init=False, repr=False, compare=False
     )
-    add_sums: Callable[[torch.Tensor, torch.Tensor, np.ndarray | None], None] = field(
+    add_sums: Callable[[torch.Tensor, torch.Tensor, np.ndarray | None, bool], None] = field(
         init=False, repr=False, compare=False
     )
 

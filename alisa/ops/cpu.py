@@ -1565,12 +1565,18 @@ _INF_BITS = 0x7F800000  # +inf's float32 bits: a protected slot's priority
 
 @kernel(parallel=True, nogil=True)
 def _add_sums(
-    total: np.ndarray, rows: np.ndarray, keep: np.ndarray, decayed: bool, parts: int
+    total: np.ndarray,
+    probabilities: np.ndarray,
+    keep: np.ndarray,
+    decayed: bool,
+    head_max: bool,
+    parts: int,
 ) -> None:
-    """total (B, Hs, S) float32 faded by keep (B,) float32 where ``decayed``, then rows
-    (B, Hs, S') added to its first S' slots, per row of ``parts`` in parallel."""
+    """total (B, Hs, S) float32 faded by keep (B,) float32 where ``decayed``, then each
+    group's G query heads of probabilities (B, Hs, G, S') combined (their max, or their sum in
+    head order) and added to its first S' slots, per row of ``parts`` in parallel."""
     batch, groups, width = total.shape
-    used = rows.shape[2]
+    heads, used = probabilities.shape[2], probabilities.shape[3]
     count = batch * groups
     size = (count + parts - 1) // parts
     for part in numba.prange(parts):
@@ -1581,7 +1587,11 @@ def _add_sums(
                 for slot in range(width):
                     total[b, h, slot] = total[b, h, slot] * factor
             for slot in range(used):
-                total[b, h, slot] = total[b, h, slot] + rows[b, h, slot]
+                combined = probabilities[b, h, 0, slot]
+                for g in range(1, heads):
+                    value = probabilities[b, h, g, slot]
+                    combined = max(combined, value) if head_max else combined + value
+                total[b, h, slot] = total[b, h, slot] + combined
 
 
 @kernel(parallel=True, nogil=True)
@@ -1674,7 +1684,12 @@ def evict(step: Eviction, *, parts: int | None = None) -> tuple[torch.Tensor, to
 
 
 def add_sums(
-    total: torch.Tensor, rows: torch.Tensor, keep: np.ndarray | None, *, parts: int | None = None
+    total: torch.Tensor,
+    probabilities: torch.Tensor,
+    keep: np.ndarray | None,
+    head_max: bool,
+    *,
+    parts: int | None = None,
 ) -> None:
     """:func:`alisa.ops.reference.add_sums` in one compiled pass per row (the same bits);
     ``parts`` as :func:`evict` takes it."""
@@ -1683,9 +1698,10 @@ def add_sums(
     factors = np.asarray(keep if faded else (), dtype=np.float32)
     _add_sums(
         total.numpy(),
-        rows.to(torch.float32).numpy(),
+        probabilities.to(torch.float32).numpy(),
         factors,
         faded,
+        head_max,
         kernel_parts(batch * groups, parts),
     )
 

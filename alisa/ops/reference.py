@@ -190,11 +190,15 @@ def combine_queries(probabilities: torch.Tensor, head_max: bool) -> torch.Tensor
     return rows
 
 
-def add_sums(total: torch.Tensor, rows: torch.Tensor, keep: np.ndarray | None) -> None:
+def add_sums(
+    total: torch.Tensor, probabilities: torch.Tensor, keep: np.ndarray | None, head_max: bool
+) -> None:
     """Add a decode step's attention to the per-slot sums, in place: ``total`` (B, Hs, S)
     float32 is first faded by ``keep`` (B,) float32 per sequence (a decayed window; None: not
-    faded), then ``rows`` (B, Hs, S') float32 is added to its first S' slots (A2SF's forgetting
-    factor, https://arxiv.org/abs/2407.20485; H2O's plain sums without it)."""
+    faded), then ``probabilities`` (B, Hs, G, S') float32, each group's G query heads combined
+    (:func:`combine_queries`), is added to its first S' slots (A2SF's forgetting factor,
+    https://arxiv.org/abs/2407.20485; H2O's plain sums without it)."""
+    rows = combine_queries(probabilities, head_max)
     if keep is not None:
         total.mul_(upload(keep, total.device).view(-1, 1, 1))
     total[..., : rows.shape[-1]].add_(rows)
