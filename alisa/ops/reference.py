@@ -97,8 +97,8 @@ def protected_slots(
     sinks: int,
 ) -> torch.Tensor:
     """(B, Hs, S) bool: the slots dropping never evicts, the first ``sinks`` real tokens
-    (StreamingLLM's attention sinks), the ``recent`` newest of the ``seen`` (ALISA's locally
-    static tokens) and empty slots.
+    (StreamingLLM's attention sinks, https://arxiv.org/abs/2309.17453), the ``recent`` newest
+    of the ``seen`` (ALISA's locally static tokens) and empty slots.
 
     Parameters
     ----------
@@ -121,7 +121,19 @@ def protected_slots(
 
 def eviction_key(priority: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """(B, Hs, S) int64 keys in the order dropping evicts: the priority's, and among equal
-    priorities the older position first; every key of a row differs (held positions do)."""
+    priorities the older position first; every key of a row differs (held positions do).
+
+    Parameters
+    ----------
+    priority
+        (B, Hs, S) float32 priorities (:func:`with_protections`: protected slots +inf).
+    positions
+        (B, Hs, S) int64 position of each slot's token, negative for an empty slot (protected,
+        so its key's low half, 0, never decides).
+
+    The rule mirrors host retention's choice (:func:`select_rule`: equal values keep the newer
+    position), ALISA, https://arxiv.org/abs/2403.17312, Alg. 1.
+    """
     return (ordered_key(priority) << 32) | positions.clamp(min=0)
 
 
