@@ -8,10 +8,10 @@ has three implementations of the same rule:
 ``cpu``
     the weights' products of decode steps in the form measured faster per batch size
     (:mod:`alisa.ops.products`); numba-compiled kernels for the choice, the slot swap, the
-    history and the host fetch; for a float32 model the key sketch's product compiled too and
-    the whole selection in one compiled call per layer, on every CPU; for a 16-bit model the
-    product compiled unless oneDNN multiplies bfloat16 natively (AVX-512 BF16, AMX, Arm BF16),
-    where PyTorch's is faster.
+    history and the host fetch, and for dropping's eviction and attention sums; for a float32
+    model the key sketch's product compiled too and the whole selection in one compiled call
+    per layer, on every CPU; for a 16-bit model the product compiled unless oneDNN multiplies
+    bfloat16 natively (AVX-512 BF16, AMX, Arm BF16), where PyTorch's is faster.
 ``cuda``
     Triton kernels: the device reads the chosen host rows itself and places them in one launch.
 
@@ -51,7 +51,8 @@ class Ops:
     product
         How the key sketch's product runs, one of :data:`PRODUCTS`.
     compiled
-        The choice, swap, history and host fetch run as compiled CPU kernels (numba).
+        The choice, swap, history and host fetch, and dropping's eviction and attention sums,
+        run as compiled CPU kernels (numba).
     fused
         The selection runs as one compiled call per layer where the layout allows it.
     mapped
