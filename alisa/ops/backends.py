@@ -83,8 +83,7 @@ class Ops:
         ``compiled``.
     add_sums
         Dropping's attention sums of one layer, ``add_sums(total, probabilities, keep,
-        head_max)``
-        (:func:`alisa.ops.reference.add_sums`), bound as :attr:`evict` is.
+        head_max)`` (:func:`alisa.ops.reference.add_sums`), bound as :attr:`evict` is.
     """
 
     name: str

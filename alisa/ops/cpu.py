@@ -725,6 +725,17 @@ def choose(
     return total
 
 
+@numba.njit(inline="always")
+def _combined(probabilities: np.ndarray, b: int, h: int, slot: int, head_max: bool) -> float:
+    """The G query heads of KV head ``h`` at ``slot`` of (B, H, G, S') attention combined: their
+    max, or their sum in head order (:func:`alisa.ops.reference.combine_queries`)."""
+    combined = probabilities[b, h, 0, slot]
+    for g in range(1, probabilities.shape[2]):
+        value = probabilities[b, h, g, slot]
+        combined = max(combined, value) if head_max else combined + value
+    return combined
+
+
 @kernel(parallel=True, nogil=True)
 def accumulate(
     probabilities: np.ndarray,
@@ -752,7 +763,7 @@ def accumulate(
         The (sequence, KV head) rows are split into this many parts, run in parallel
         (:func:`kernel_parts`); the result does not depend on it.
     """
-    batch, heads, groups, width = probabilities.shape
+    batch, heads, _, width = probabilities.shape
     rows = batch * heads
     size = (rows + parts - 1) // parts
     for part in numba.prange(parts):
@@ -762,10 +773,7 @@ def accumulate(
                 position = positions[b, h, slot]
                 if position < 0:
                     continue
-                combined = probabilities[b, h, 0, slot]
-                for g in range(1, groups):
-                    value = probabilities[b, h, g, slot]
-                    combined = max(combined, value) if head_max else combined + value
+                combined = _combined(probabilities, b, h, slot, head_max)
                 total[b, h, position] += combined * scale[b]
 
 
@@ -1576,7 +1584,7 @@ def _add_sums(
     group's G query heads of probabilities (B, Hs, G, S') combined (their max, or their sum in
     head order) and added to its first S' slots, per row of ``parts`` in parallel."""
     batch, groups, width = total.shape
-    heads, used = probabilities.shape[2], probabilities.shape[3]
+    used = probabilities.shape[3]
     count = batch * groups
     size = (count + parts - 1) // parts
     for part in numba.prange(parts):
@@ -1587,10 +1595,7 @@ def _add_sums(
                 for slot in range(width):
                     total[b, h, slot] = total[b, h, slot] * factor
             for slot in range(used):
-                combined = probabilities[b, h, 0, slot]
-                for g in range(1, heads):
-                    value = probabilities[b, h, g, slot]
-                    combined = max(combined, value) if head_max else combined + value
+                combined = _combined(probabilities, b, h, slot, head_max)
                 total[b, h, slot] = total[b, h, slot] + combined
 
 
