@@ -369,7 +369,7 @@ def print_table(rows: list[dict]) -> None:
         tiers, dense = row["kv_tier_bytes"], row["dense_fp32_kv_bytes"]
         shares = f"{tiers['device'] / dense:.3f} / {tiers.get('host', 0) / dense:.3f}"
         step = f"{row['median_step_ms']:.0f}"
-        speedup = f"{row.get('speedup_vs_baseline', 0):.2f}x"
+        speedup = "–" if "speedup_vs_baseline" not in row else f"{row['speedup_vs_baseline']:.2f}x"
         if "round_step_ms" in row:  # the rounds' own figures after the median
             step += " (" + ", ".join(f"{value:.0f}" for value in row["round_step_ms"]) + ")"
         peak = "–" if row["peak_rss_bytes"] is None else f"{row['peak_rss_bytes'] / 2**20:.0f}"

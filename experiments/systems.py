@@ -12,10 +12,12 @@ extra).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields, replace
 
 from alisa import AlisaConfig
 from alisa.assignments import parse_assignments
+from alisa.settings import IgnoredSettingWarning
 
 HF_QUANTIZED = {
     "hf-hqq8": {"backend": "hqq", "nbits": 8},
@@ -100,7 +102,9 @@ def host_pairs(systems: list[str]) -> list[HostPair]:
             host_bits=AlisaConfig.host_bits,
         )
         if drop in named:
-            full = named.get(replace(drop, caching_ratio=1.0))
+            with warnings.catch_warnings():  # a lookup key, never run: its notes are not the user's
+                warnings.simplefilter("ignore", IgnoredSettingWarning)
+                full = named.get(replace(drop, caching_ratio=1.0))
             ratio = config.caching_ratio
             pairs.append(HostPair(host=name, drop=named[drop], full=full, caching_ratio=ratio))
     return pairs

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -632,3 +633,33 @@ def test_a_saved_shape_loads_as_a_checkpoint_with_its_dimensions(tmp_path):
     for name, mine in built.state_dict().items():
         assert torch.equal(mine, theirs[name]), name
     assert AutoTokenizer.from_pretrained(folder).chat_template
+
+
+def test_pairing_a_host_system_warns_nothing_and_a_row_without_a_baseline_says_so(capsys):
+    """The r = 1 partner looked up for a host system is a key, never run: its config's notes
+    (SWA at r = 1 keeps every token) are not the user's; and a run without ``hf-dynamic`` has
+    no speed-up over it to print."""
+    drop, host = (
+        "alisa:policy=swa,caching_ratio=0.1",
+        "alisa:policy=swa,caching_ratio=0.1,retention=host",
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pairs = systems.host_pairs([drop, host])
+    assert pairs == [systems.HostPair(host=host, drop=drop, full=None, caching_ratio=0.1)]
+    tiers = {"device": 10, "host": 0}
+    row = {
+        "system": drop,
+        "decode_tokens_per_s": 5.0,
+        "median_step_ms": 200.0,
+        "ttft_s": 1.0,
+        "kv_bytes": 10,
+        "kv_tier_bytes": tiers,
+        "dense_fp32_kv_bytes": 100,
+        "peak_rss_bytes": None,
+        "fastest_hf": "hf-static",
+        "speedup_vs_fastest_hf": 2.0,
+    }
+    bench_speed.print_table([row])
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.endswith("| – | 2.00x |"), line

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import types
-from numba.core import config
+from numba.core import cgutils, config
 from numba.extending import intrinsic, overload
 from numba.np.ufunc import parallel
 
@@ -191,6 +191,38 @@ def _float_bits(typingctx, value):
         return builder.bitcast(args[0], ir.IntType(32))
 
     return types.uint32(types.float32), codegen
+
+
+def _prefetcher(write: bool):
+    """An intrinsic ``prefetch(array, index)``: ask for the cache line of 1-D ``array[index]``
+    (no bounds check, no fault: a hint), for reading or, with ``write``, for writing."""
+
+    @intrinsic
+    def prefetch(typingctx, array, index):
+        def codegen(context, builder, signature, args):
+            kind = signature.args[0]
+            view = context.make_array(kind)(context, builder, args[0])
+            pointer = cgutils.get_item_pointer(
+                context, builder, kind, view, [args[1]], wraparound=False, boundscheck=False
+            )
+            word, byte = ir.IntType(32), ir.IntType(8).as_pointer()
+            function = cgutils.get_or_insert_function(
+                builder.module,
+                ir.FunctionType(ir.VoidType(), [byte, word, word, word]),
+                "llvm.prefetch.p0",
+            )
+            # (address, write, locality 3: keep in every level, data cache)
+            flags = (ir.Constant(word, int(write)), ir.Constant(word, 3), ir.Constant(word, 1))
+            builder.call(function, [builder.bitcast(pointer, byte), *flags])
+            return context.get_dummy_value()
+
+        return types.void(array, index), codegen
+
+    return prefetch
+
+
+_prefetch_read = _prefetcher(write=False)
+_prefetch_write = _prefetcher(write=True)
 
 
 def _widen(code):  # pragma: no cover - typed by the overload below, never called from Python
@@ -889,7 +921,39 @@ def fetch_rows(
     for part in numba.prange(parts):
         start, stop = _span(part, parts, source.shape[0])
         for entry in range(start, stop):
+            if entry + AHEAD < stop:
+                ahead = entry + AHEAD
+                prefetch_row(codes, scale, zero, source[ahead], target[ahead], keys, values)
             decode_row(codes, scale, zero, halves, source[entry], target[entry], keys, values)
+
+
+# Rows fetched ahead of the one being decoded. A fetch reads scattered host rows (their codes,
+# scales and zero points in four arrays) and writes scattered device rows: about ten cache
+# misses per row, which one row's few dozen instructions cannot hide. Asked for this many rows
+# early, they arrive while earlier rows decode (B = 16 x 2,048, SmolLM2: 2,600 rows per layer;
+# docs/host-speed.md, stop 85).
+AHEAD = 8
+
+
+@numba.njit(inline="always")
+def prefetch_row(
+    codes: np.ndarray,
+    scale: np.ndarray,
+    zero: np.ndarray,
+    row: int,
+    out: int,
+    keys: np.ndarray,
+    values: np.ndarray,
+) -> None:
+    """Ask the caches for what :func:`decode_row` of host row ``row`` into device row ``out``
+    will read and write (a hint: no result, no fault)."""
+    for half in range(2):
+        _prefetch_read(codes[half, row], 0)
+        _prefetch_read(scale[half], row)
+        _prefetch_read(zero[half], row)
+    for channel in range(0, keys.shape[1], 16):  # 16 float32: one 64-byte line
+        _prefetch_write(keys[out], channel)
+        _prefetch_write(values[out], channel)
 
 
 @kernel(nogil=True)
@@ -1390,7 +1454,16 @@ def select_and_fetch(
             args = (history, shares, positions, first, budget, recent, sinks, seen)
             choose_at(bits[row], *args, b, h, levels, chosen[b, h])
             added = swap_row(positions[b, h], chosen[b, h], budget[b], wanted, b, h, entries, 0)
+            for entry in range(min(AHEAD, added)):
+                position = entries[3, entry]
+                if position < stored:
+                    target = row * slots + entries[2, entry]
+                    prefetch_row(codes, scale, zero, row * stored + position, target, keys, values)
             for entry in range(added):
+                if entry + AHEAD < added and entries[3, entry + AHEAD] < stored:
+                    ahead = row * stored + entries[3, entry + AHEAD]
+                    target = row * slots + entries[2, entry + AHEAD]
+                    prefetch_row(codes, scale, zero, ahead, target, keys, values)
                 position = entries[3, entry]
                 if position >= stored:
                     missing[row] += 1
