@@ -94,13 +94,19 @@ def test_code_rows_writes_quantize_bytes_or_nothing(kind, written):
 
 @pytest.fixture
 def kernel_calls(monkeypatch) -> list[bool]:
-    """What each call of the compiled writer returned, in order (the kernel still runs)."""
+    """What each call of the compiled writers returned, in order (the kernels still run):
+    ``code_rows``' result, or ``("token", result)`` for a decode token's ``code_token``."""
     calls = []
-    original = alisa.storage.quantized.code_rows
+    rows, token = alisa.storage.quantized.code_rows, alisa.storage.quantized.code_token
     monkeypatch.setattr(
         alisa.storage.quantized,
         "code_rows",
-        lambda *a: calls.append(original(*a)) or calls[-1],
+        lambda *a: calls.append(rows(*a)) or calls[-1],
+    )
+    monkeypatch.setattr(
+        alisa.storage.quantized,
+        "code_token",
+        lambda *a: calls.append(("token", token(*a))) or calls[-1][1],
     )
     return calls
 
@@ -121,10 +127,13 @@ def store_pair(compiled: bool, heads: int, groups: int, residual: int):
 
 
 @pytest.mark.parametrize("groups", [1, 2], ids=["one-group", "per-head"])
-@pytest.mark.parametrize("kind", ["normal", "positive"], ids=["kernel", "widening"])
+@pytest.mark.parametrize(
+    "kind", ["normal", "constant", "positive"], ids=["kernel", "constant", "widening"]
+)
 def test_a_store_writes_new_tokens_as_the_reference_does(groups, kind, kernel_calls):
-    """write_range, write_slots and write_entries, compiled and not: the same region, byte for
-    byte; a row that needs wider scales takes the reference's path (and widens the region)."""
+    """write_range, write_slots and write_entries, compiled and not: the same region and
+    full-precision ring, byte for byte; a row that needs wider scales takes the reference's
+    path (and widens the region)."""
     rng = np.random.default_rng(3)
     regions = []
     for compiled in (True, False):
@@ -132,19 +141,25 @@ def test_a_store_writes_new_tokens_as_the_reference_does(groups, kind, kernel_ca
         tokens = rows_of(kind, rng, entries=3 * 2 * 2, width=16).view(2, 3, 2, 2, 16)
         store.write_range(6, tokens[0], tokens[1], position=6)
         for step in range(3):
-            token = rows_of(kind, rng, entries=3 * 2, width=16).view(2, 3, 2, 1, 16)
+            # laid out as a model's projection leaves it: (B, 1, H_kv, D) transposed
+            token = rows_of(kind, rng, entries=3 * 2, width=16).view(2, 3, 1, 2, 16)
+            token = token.transpose(2, 3)
             slots = torch.tensor([[[8 + step]], [[11]], [[14 - step]]]).expand(3, groups, 1)
             store.write_slots(slots, token[0], token[1], position=8 + step)
         token = rows_of("normal", rng, entries=2 * 2, width=16).view(2, 2, 2, 16)
         store.write_entries(
             torch.tensor([0, 2]), torch.tensor([15, 16]), token[0], token[1], position=9
         )
-        regions.append([t.clone() for t in store.codes.tensors()])
+        ring = (store.ring_keys, store.ring_values, store.ring_slots, store.ring_positions)
+        regions.append([t.clone() for t in (*store.codes.tensors(), *ring)])
         rng = np.random.default_rng(3)
     widened = kind == "positive"
-    # construction, write_range, write_slots x 3, write_entries; widened once, the region's
-    # scales are no longer float16 and the kernel is not asked again
-    assert kernel_calls == ([True, False] if widened else [True] * 6)  # the compiled store only
+    # construction, write_range, write_slots x 3 (codes and ring in one call each),
+    # write_entries; widened once, the region's scales are no longer float16 and no kernel is
+    # asked again
+    token = ("token", True)
+    expected = [True, False] if widened else [True, True, token, token, token, True]
+    assert kernel_calls == expected  # the compiled store only
     assert (regions[0][1].dtype == torch.float16) is not widened
     for mine, theirs in zip(*regions, strict=True):
         assert mine.dtype == theirs.dtype

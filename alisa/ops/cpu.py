@@ -1127,35 +1127,121 @@ def code_rows(
     bool
         Whether the rows were written (all or none).
     """
-    halves, entries, width = tokens.shape
+    halves, entries = tokens.shape[:2]
     steps = np.empty((halves, entries))
     offsets = np.empty((halves, entries))
     for half in range(halves):
         for entry in range(entries):
-            row = tokens[half, entry]
-            low = high = np.float64(row[0])
-            for channel in range(1, width):
-                low = min(low, np.float64(row[channel]))
-                high = max(high, np.float64(row[channel]))
-            if high == low:  # quantize's constant group: the value itself is the scale
-                step = 1.0 if low == 0.0 else low
-                if low != 0.0 and _half_ceil(abs(low)) != abs(low) or abs(low) > HALF_MAX:
-                    return False
-                offset = 0.0
-            else:
-                step = _half_ceil((high - low) / 255.0)
-                offset = np.rint(-low / step)
-                if step > HALF_MAX or abs(offset) > 2048.0:
-                    return False
+            holds, step, offset = _row_code(tokens[half, entry])
+            if not holds:
+                return False
             steps[half, entry], offsets[half, entry] = step, offset
     for half in range(halves):
         for entry in range(entries):
-            out, step, offset = target[entry], steps[half, entry], offsets[half, entry]
-            for channel in range(width):
-                code = np.rint(np.float64(tokens[half, entry, channel]) / step + offset)
-                codes[half, out, channel] = np.uint8(min(max(code, 0.0), 255.0))
-            scale[half, out] = _half_bits(step)
-            zero[half, out] = _half_bits(offset)
+            out = target[entry]
+            _put_code(
+                tokens[half, entry], steps[half, entry], offsets[half, entry], codes[half, out]
+            )
+            scale[half, out] = _half_bits(steps[half, entry])
+            zero[half, out] = _half_bits(offsets[half, entry])
+    return True
+
+
+@numba.njit(inline="always")
+def _row_code(row: np.ndarray) -> tuple[bool, float, float]:
+    """Whether float16 holds quantize's scale and zero point of one row, and those (float64;
+    a constant row's scale is its value, of either sign) (:func:`code_rows`)."""
+    low = high = np.float64(row[0])
+    for channel in range(1, row.shape[0]):
+        low = min(low, np.float64(row[channel]))
+        high = max(high, np.float64(row[channel]))
+    if high == low:  # quantize's constant group: the value itself is the scale
+        step = 1.0 if low == 0.0 else low
+        if low != 0.0 and _half_ceil(abs(low)) != abs(low) or abs(low) > HALF_MAX:
+            return False, 0.0, 0.0
+        return True, step, 0.0
+    step = _half_ceil((high - low) / 255.0)
+    offset = np.rint(-low / step)
+    if step > HALF_MAX or abs(offset) > 2048.0:
+        return False, 0.0, 0.0
+    return True, step, offset
+
+
+@numba.njit(inline="always")
+def _put_code(row: np.ndarray, step: float, offset: float, out: np.ndarray) -> None:
+    """One row's INT8 codes under ``step`` and ``offset`` into ``out`` (quantize's rounding)."""
+    for channel in range(row.shape[0]):
+        code = np.rint(np.float64(row[channel]) / step + offset)
+        out[channel] = np.uint8(min(max(code, 0.0), 255.0))
+
+
+@kernel(nogil=True)
+def code_token(
+    keys: np.ndarray,
+    values: np.ndarray,
+    slots: np.ndarray,
+    codes: np.ndarray,
+    scale: np.ndarray,
+    zero: np.ndarray,
+    ring: tuple,
+    entry: int,
+    position: int,
+) -> bool:
+    """A decode step's token of every (sequence, KV head) written into an INT8 region in one
+    call: its codes at the token's slot (:func:`code_rows`' bytes) and its full-precision copy
+    at ring entry ``entry``. As a stack, an index computation, :func:`code_rows` and four ring
+    writes it took about 40 us a layer more (SmolLM2-135M, one sequence: the write 4.6-5.3 ->
+    3.4-3.7 ms a step, dropping's 2.6; ``docs/host-speed.md``, stop 85)
+
+    Parameters
+    ----------
+    keys, values
+        (B, H_kv, D) float32, the token (any strides).
+    slots
+        (B, Hs) int64 each (sequence, group)'s slot, Hs = 1 or H_kv.
+    codes, scale, zero
+        The region as :func:`code_rows` takes it: (2, B * H_kv * C, D) uint8 codes, (2, B *
+        H_kv * C) int16 float16 bits; C slots per row.
+    ring
+        (keys (B, H_kv, E, D), values, slots (B, Hs, E) int64, positions (E,) int64), the
+        full-precision ring, written at entry ``entry``; E = 0: none.
+    position
+        The token's position (the ring's record of what each entry holds).
+
+    Returns
+    -------
+    bool
+        Whether anything was written (all or none: False where quantize would widen a scale).
+    """
+    batch, heads, _ = keys.shape
+    capacity = codes.shape[1] // (batch * heads)
+    groups = slots.shape[1]
+    steps = np.empty((2, batch, heads))
+    offsets = np.empty((2, batch, heads))
+    for b in range(batch):
+        for h in range(heads):
+            for half in range(2):
+                holds, step, offset = _row_code(keys[b, h] if half == 0 else values[b, h])
+                if not holds:
+                    return False
+                steps[half, b, h], offsets[half, b, h] = step, offset
+    ring_keys, ring_values, ring_slots, ring_positions = ring
+    for b in range(batch):
+        for h in range(heads):
+            slot = slots[b, h % groups]
+            out = (b * heads + h) * capacity + slot
+            for half in range(2):
+                row = keys[b, h] if half == 0 else values[b, h]
+                _put_code(row, steps[half, b, h], offsets[half, b, h], codes[half, out])
+                scale[half, out] = _half_bits(steps[half, b, h])
+                zero[half, out] = _half_bits(offsets[half, b, h])
+            if ring_positions.shape[0] > 0:
+                ring_keys[b, h, entry] = keys[b, h]
+                ring_values[b, h, entry] = values[b, h]
+                if h < groups:
+                    ring_slots[b, h, entry] = slot
+    if ring_positions.shape[0] > 0:
+        ring_positions[entry] = position
     return True
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from alisa.ops.cpu import Ring, Scales, attend_slots, code_rows, takes
+from alisa.ops.cpu import Ring, Scales, attend_slots, code_rows, code_token, takes
 from alisa.storage.store import (
     DeviceResident,
     HostRows,
@@ -332,6 +332,8 @@ class QuantizedStore(DeviceResident):
         inputs: TokenInputs | None = None,
     ) -> None:
         """Store one token per (sequence, group) at ``slots`` (B, Hs, 1)."""
+        if self._code_token(slots, keys, values, position):
+            return
         kv_heads = keys.shape[1]
         rows, heads, slots_ = slot_indices(slots, kv_heads)
         tokens = torch.stack([keys, values])  # (2, B, H_kv, 1, D)
@@ -343,6 +345,29 @@ class QuantizedStore(DeviceResident):
         ):
             self.codes.write((slice(None), rows, heads, slots_), tokens)
         self._remember(slots, keys[:, :, 0], values[:, :, 0], position)
+
+    def _code_token(
+        self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: int
+    ) -> bool:
+        """A decode step's (B, H_kv, 1, D) token coded at ``slots`` and kept in the ring by
+        :func:`~alisa.ops.cpu.code_token`, one compiled call, where this store runs its
+        compiled kernels on float32 tokens; False: nothing written."""
+        pair = self.codes
+        if not (self.compiled and keys.dtype == torch.float32 and pair.int8_rows()):
+            return False
+        entry = position % self.residual if self.residual else 0
+        ring = (self.ring_keys, self.ring_values, self.ring_slots, self.ring_positions)
+        return code_token(
+            keys.detach()[:, :, 0].numpy(),
+            values.detach()[:, :, 0].numpy(),
+            slots[..., 0].numpy(),
+            pair.data.view(2, -1, pair.data.shape[-1]).numpy(),
+            pair.scale.view(torch.int16).view(2, -1).numpy(),
+            pair.zero.view(torch.int16).view(2, -1).numpy(),
+            tuple(t.numpy() for t in ring),
+            entry,
+            position,
+        )
 
     def _code_rows(self, tokens: torch.Tensor, targets: Callable[[], np.ndarray]) -> bool:
         """:meth:`QuantizedPair.code_rows` where this store runs its compiled kernels: one
