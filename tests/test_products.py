@@ -10,7 +10,14 @@ from torch import nn
 
 from alisa import AlisaConfig, generate
 from alisa.ops.backends import Ops, choose_ops
-from alisa.ops.products import SETTLING, TRIALS, WeightProducts, bucket, transposed_linear
+from alisa.ops.products import (
+    MARGIN,
+    SETTLING,
+    TRIALS,
+    WeightProducts,
+    bucket,
+    transposed_linear,
+)
 from alisa.runtime.engine import Engine
 
 
@@ -77,6 +84,15 @@ def test_a_win_inside_the_noise_keeps_the_standard_form():
     forms = _run_steps(products, clock, rows=1, steps=2 * (TRIALS + 1) + 2)
     assert products.chosen == {1: False} and forms[-2:] == [False, False]
     assert products.describe() == "weight products measured: standard at 1 row"
+
+
+def test_a_win_smaller_than_the_margin_keeps_the_standard_form():
+    # every transposed step is 5 % faster than every standard one: below MARGIN, a toss-up
+    assert MARGIN > 0.05
+    clock = _Clock({False: [1.0], True: [0.95]})
+    products = WeightProducts(clock=clock)
+    forms = _run_steps(products, clock, rows=1, steps=2 * (TRIALS + 1) + 2)
+    assert products.chosen == {1: False} and forms[-2:] == [False, False]
 
 
 def test_a_transposed_product_that_misses_pytorchs_is_never_used():

@@ -15,8 +15,11 @@ It is a ``TorchFunctionMode`` entered around a decode step's forward (by
 model or class, and is gone when the step ends. The first decode steps of a batch size alternate
 the two forms; each step's product seconds (the ``F.linear`` calls alone, timed as they return:
 a CPU computes synchronously) are kept, the first of each form left out (first-touch costs), and
-after :data:`TRIALS` more of each the transposed form is kept only where its median beat the
-fastest step of the other: a clear win, not a toss-up of the machine's noise. Both forms give
+after :data:`TRIALS` more of each the transposed form is kept only where its median is at least
+:data:`MARGIN` below the fastest step of the other: a clear win, not a toss-up of the machine's
+noise (with the forms equal, as at one row, a median of three under the least of three comes
+up one time in five; an interleaved B = 1 run kept the transposed form for one system that
+way and ran it 5-10 % slower, stop 85). Both forms give
 the same products up to float rounding (the sums run in another order); the first transposed
 product is checked against PyTorch's (:meth:`WeightProducts.check`) and a mismatch keeps the
 standard form for good.
@@ -41,6 +44,9 @@ from torch.overrides import TorchFunctionMode
 
 # Timed steps of each form per batch size before the choice, after the first of each.
 TRIALS = 3
+# The transposed form's median must be this far below the other's fastest step (the gains it is
+# for are 1.4-3.7x at 2-64 rows on the machine measured; equal forms differ by noise alone).
+MARGIN = 0.1
 # Decode steps of one batch size at most before its form settles (the first of each form too).
 SETTLING = 2 * (TRIALS + 1)
 # How decode steps' weight products run: measured per batch size, or one form always.
@@ -138,7 +144,8 @@ class WeightProducts(TorchFunctionMode):
             taken[self._transposed].append(self._spent)
             standard, transposed = taken[False][1:], taken[True][1:]  # first touches left out
             if len(standard) >= TRIALS and len(transposed) >= TRIALS:
-                self.chosen[key] = statistics.median(transposed) < min(standard)
+                fastest = min(standard)
+                self.chosen[key] = statistics.median(transposed) < (1 - MARGIN) * fastest
 
     def check(self, x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor) -> bool:
         """Whether the transposed product ``out`` equals PyTorch's within float rounding (a
