@@ -13,13 +13,15 @@ decode steps, per batch size (rounded up to a power of two), and keeps the faste
 It is a ``TorchFunctionMode`` entered around a decode step's forward (by
 :class:`alisa.runtime.engine.Engine`): it sees the model's own ``F.linear`` calls, changes no
 model or class, and is gone when the step ends. The first decode steps of a batch size alternate
-the two forms; each step's product seconds (the ``F.linear`` calls alone, timed as they return:
-a CPU computes synchronously) are kept, the first of each form left out (first-touch costs), and
-after :data:`TRIALS` more of each the transposed form is kept only where its median is at least
-:data:`MARGIN` below the fastest step of the other: a clear win, not a toss-up of the machine's
-noise (with the forms equal, as at one row, a median of three under the least of three comes
-up one time in five; an interleaved B = 1 run kept the transposed form for one system that
-way and ran it 5-10 % slower, stop 85). Both forms give
+the two forms in the order :data:`ORDER` (balanced against a machine whose speed drifts over
+those steps); each step's product seconds (the ``F.linear`` calls alone, timed as they return:
+a CPU computes synchronously) are kept, and after :data:`TRIALS` more of each than the first
+(first-touch costs, left out) the transposed form is kept only where its time over the
+neighbouring standard step's, the median of those ratios (:func:`transposed_wins`), is at least
+:data:`MARGIN` below 1: a clear win, not a toss-up of the machine's noise. (Plain
+alternation, standard first, on a machine speeding up over its first steps, once kept the
+transposed form at one row, where the forms cost the same, and that system ran 5-10 % slower
+than the others; stop 85.) Both forms give
 the same products up to float rounding (the sums run in another order); the first transposed
 product is checked against PyTorch's (:meth:`WeightProducts.check`) and a mismatch keeps the
 standard form for good.
@@ -44,9 +46,14 @@ from torch.overrides import TorchFunctionMode
 
 # Timed steps of each form per batch size before the choice, after the first of each.
 TRIALS = 3
-# The transposed form's median must be this far below the other's fastest step (the gains it is
-# for are 1.4-3.7x at 2-64 rows on the machine measured; equal forms differ by noise alone).
-MARGIN = 0.1
+# The transposed form's median time over the standard form's must be this far below 1 (the gains
+# it is for are 1.2-3.8x at 2-32 rows on the machine measured; at one row, 1.0x, noise decides).
+MARGIN = 0.05
+# The forms' order while measuring, repeated: standard, transposed, transposed, standard, so
+# each pair of neighbouring steps holds one of each, in turns of which comes first. A machine
+# that speeds up or slows down over the first steps (caches warming, a neighbour's load) then
+# favours neither (plain alternation gives the second form the later, faster steps).
+ORDER = (False, True, True, False)
 # Decode steps of one batch size at most before its form settles (the first of each form too).
 SETTLING = 2 * (TRIALS + 1)
 # How decode steps' weight products run: measured per batch size, or one form always.
@@ -84,6 +91,19 @@ def bucket(rows: int) -> int:
     return 1 << max(rows - 1, 0).bit_length()
 
 
+def transposed_wins(taken: list[tuple[bool, float]]) -> bool:
+    """Whether the transposed form clearly beat PyTorch's in ``taken``, the measured steps in
+    order ((transposed, seconds), :data:`ORDER` repeated): each pair of neighbouring steps
+    (one of each form, a step apart, so a drifting machine moves both alike) gives a ratio,
+    the first pair (first touches) left out; the median ratio must be below ``1 - MARGIN``."""
+    ratios = []
+    for first, second in zip(taken[2::2], taken[3::2], strict=True):
+        (form, seconds), (_, other) = first, second
+        transposed, standard = (seconds, other) if form else (other, seconds)
+        ratios.append(transposed / standard if standard > 0 else 1.0)
+    return statistics.median(ratios) < 1 - MARGIN
+
+
 class WeightProducts(TorchFunctionMode):
     """The weight products of decode steps, per batch size in the form measured faster.
 
@@ -103,8 +123,8 @@ class WeightProducts(TorchFunctionMode):
         if asked not in FORMS:
             raise ValueError(f"asked={asked!r} must be one of {', '.join(FORMS)}")
         self.asked, self.clock = asked, clock
-        # bucket -> seconds of each measured step's products, per form
-        self.samples: dict[int, dict[bool, list[float]]] = {}
+        # bucket -> (transposed, seconds of the step's products) of each measured step, in order
+        self.samples: dict[int, list[tuple[bool, float]]] = {}
         self.chosen: dict[int, bool] = {}  # bucket -> transposed (once measured)
         self.checked: bool | None = None  # None: no transposed product checked yet
         self._transposed = False
@@ -119,8 +139,7 @@ class WeightProducts(TorchFunctionMode):
         key = bucket(rows)
         if key in self.chosen:
             return self.chosen[key]
-        taken = self.samples.get(key, {False: [], True: []})
-        return len(taken[True]) < len(taken[False])  # alternate: standard first
+        return ORDER[len(self.samples.get(key, ())) % len(ORDER)]
 
     def settled(self, rows: int) -> bool:
         """Whether steps of ``rows`` rows run one form from now on (asked for, measured, or
@@ -140,12 +159,10 @@ class WeightProducts(TorchFunctionMode):
             yield
         if measuring and self.checked is not False:  # (a failed check ends the measuring)
             key = bucket(rows)
-            taken = self.samples.setdefault(key, {False: [], True: []})
-            taken[self._transposed].append(self._spent)
-            standard, transposed = taken[False][1:], taken[True][1:]  # first touches left out
-            if len(standard) >= TRIALS and len(transposed) >= TRIALS:
-                fastest = min(standard)
-                self.chosen[key] = statistics.median(transposed) < (1 - MARGIN) * fastest
+            taken = self.samples.setdefault(key, [])
+            taken.append((self._transposed, self._spent))
+            if len(taken) == SETTLING:
+                self.chosen[key] = transposed_wins(taken)
 
     def check(self, x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor) -> bool:
         """Whether the transposed product ``out`` equals PyTorch's within float rounding (a
