@@ -14,6 +14,7 @@ from alisa import AlisaConfig, generate
 from alisa.ops.backends import Ops, choose_ops
 from alisa.ops.products import (
     MARGIN,
+    ORDER,
     SETTLING,
     TRIALS,
     WeightProducts,
@@ -239,3 +240,34 @@ def test_a_step_settled_on_pytorchs_form_runs_outside_the_mode():
     assert clock.reads == reads  # no product timed, none dispatched through the mode
     _run_steps(products, clock, rows=3, steps=1)  # another batch size is measured
     assert clock.reads > reads
+
+
+def test_a_step_is_timed_whole_and_pytorchs_form_runs_outside_the_mode():
+    """A measured step's seconds are the whole step's (what the mode's dispatch costs counts
+    against the transposed form), and a step in PyTorch's form never enters the mode."""
+
+    class Counting(WeightProducts):
+        seen = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Counting.seen += 1
+            return super().__torch_function__(func, types, args, kwargs)
+
+    reads = []
+
+    def clock() -> float:
+        reads.append(len(reads))
+        return float(len(reads))
+
+    products = Counting(clock=clock)
+    layer = nn.Linear(8, 4)
+    for expected in ORDER:
+        transposed = products.form(3)
+        assert transposed is expected
+        before = Counting.seen
+        with products.step(3):
+            layer(torch.randn(3, 8))
+            torch.relu(torch.randn(3))
+        assert (Counting.seen > before) is transposed  # the standard form: no dispatch at all
+    assert len(reads) == 2 * len(ORDER)  # one read as each step starts, one as it ends
+    assert [seconds for _, seconds in products.samples[4]] == [1.0] * len(ORDER)

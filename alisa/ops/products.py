@@ -10,21 +10,21 @@ and 838 / 1,102 ms at B = 512 (docs/host-speed.md, "The weights' product form").
 thumb holds across machines, so :class:`WeightProducts` measures both forms on the model's own
 decode steps, per batch size (rounded up to a power of two), and keeps the faster one.
 
-It is a ``TorchFunctionMode`` entered around a decode step's forward (by
+It is a ``TorchFunctionMode`` entered around a transposed decode step's forward (by
 :class:`alisa.runtime.engine.Engine`): it sees the model's own ``F.linear`` calls, changes no
-model or class, and is gone when the step ends. The first decode steps of a batch size alternate
-the two forms in the order :data:`ORDER` (balanced against a machine whose speed drifts over
-those steps); each step's product seconds (the ``F.linear`` calls alone, timed as they return:
-a CPU computes synchronously) are kept, and after :data:`TRIALS` more of each than the first
-(first-touch costs, left out) the transposed form is kept only where its time over the
-neighbouring standard step's, the median of those ratios (:func:`transposed_wins`), is at least
-:data:`MARGIN` below 1: a clear win, not a toss-up of the machine's noise. (Plain
-alternation, standard first, on a machine speeding up over its first steps, once kept the
-transposed form at one row, where the forms cost the same, and that system ran 5-10 % slower
-than the others; stop 85.) Both forms give
-the same products up to float rounding (the sums run in another order); the first transposed
-product is checked against PyTorch's (:meth:`WeightProducts.check`) and a mismatch keeps the
-standard form for good.
+model or class, and is gone when the step ends; a step in PyTorch's form runs without it. The
+first decode steps of a batch size alternate the two forms in the order :data:`ORDER`
+(balanced against a machine whose speed drifts over those steps), each step timed whole as it
+would run once settled (a CPU computes synchronously), and after :data:`TRIALS` more of each
+than the first (first-touch costs, left out) the transposed form is kept only where its step
+over the neighbouring standard step, the median of those ratios (:func:`transposed_wins`), is
+at least :data:`MARGIN` below 1: a clear win, not a toss-up of the machine's noise. (Timing the
+products alone, alternating standard first, kept the transposed form at one row in two runs of
+three, where the products cost the same and the transposed steps ran 5-10 % slower: the mode's
+dispatch of every operator, and the later, faster steps of a machine warming up; stop 85.) Both
+forms give the same products up to float rounding (the sums run in another order); the first
+transposed product is checked against PyTorch's (:meth:`WeightProducts.check`) and a mismatch
+keeps the standard form for good.
 
 What is measured lives as long as its owner: a server keeps it for its life (each scheduler it
 starts goes on with it), a continuous batch for every step it runs, while each ``generate``
@@ -113,7 +113,8 @@ class WeightProducts(TorchFunctionMode):
         ``"measured"`` (each batch size's first steps try both forms), ``"transposed"`` or
         ``"standard"`` (always that form: tests, and a user pinning one).
     clock
-        Seconds, read around each product (``time.perf_counter``; a test passes its own).
+        Seconds, read around each measured step (``time.perf_counter``; a test passes its
+        own).
     """
 
     def __init__(
@@ -128,7 +129,6 @@ class WeightProducts(TorchFunctionMode):
         self.chosen: dict[int, bool] = {}  # bucket -> transposed (once measured)
         self.checked: bool | None = None  # None: no transposed product checked yet
         self._transposed = False
-        self._spent = 0.0
 
     def form(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows runs the transposed form now."""
@@ -148,19 +148,24 @@ class WeightProducts(TorchFunctionMode):
 
     @contextmanager
     def step(self, rows: int) -> Iterator[None]:
-        """Run one decode step of ``rows`` rows under this mode (a ``with`` block around its
-        forward); its products are timed and, while measuring, recorded."""
-        self._transposed, self._spent = self.form(rows), 0.0
+        """Run one decode step of ``rows`` rows (a ``with`` block around its forward): in the
+        transposed form under this mode, in PyTorch's form outside it (the model's calls go
+        straight through). While measuring, the step is timed whole, each form as it runs
+        once settled: the mode's dispatch, which every operator of a transposed step pays, and
+        whatever else the form changes count, not only the products (at one row the products
+        alone measured alike and the transposed steps ran 5-10 % slower, stop 85)."""
+        self._transposed = self.form(rows)
         measuring = not self.settled(rows)
-        if not (measuring or self._transposed):  # PyTorch's own form with nothing to time:
-            yield  # the model's calls go straight through, not through this mode's dispatch
-            return
-        with self:
+        start = self.clock() if measuring else 0.0
+        if self._transposed:
+            with self:
+                yield
+        else:
             yield
         if measuring and self.checked is not False:  # (a failed check ends the measuring)
             key = bucket(rows)
             taken = self.samples.setdefault(key, [])
-            taken.append((self._transposed, self._spent))
+            taken.append((self._transposed, self.clock() - start))
             if len(taken) == SETTLING:
                 self.chosen[key] = transposed_wins(taken)
 
@@ -180,16 +185,13 @@ class WeightProducts(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not functional.linear:
             return func(*args, **kwargs)
-        start = self.clock()
         x, weight, bias = _operands(args, kwargs)
         if self._transposed and _plain(x, weight, bias):
             out = transposed_linear(x, weight, bias)
             if self.checked is None:
                 self.checked = self.check(x, weight, bias, out)
-        else:
-            out = func(*args, **kwargs)
-        self._spent += self.clock() - start
-        return out
+            return out
+        return func(*args, **kwargs)
 
     def describe(self) -> str:
         """e.g. ``weight products measured: transposed at 2 rows, 3-4 rows; standard at 1 row``."""
