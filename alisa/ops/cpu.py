@@ -920,11 +920,12 @@ def fetch_rows(
     """
     for part in numba.prange(parts):
         start, stop = _span(part, parts, source.shape[0])
-        for entry in range(start, stop):
-            if entry + AHEAD < stop:
-                ahead = entry + AHEAD
+        for entry in range(start - AHEAD, stop):
+            ahead = entry + AHEAD  # asked for now, decoded AHEAD rows later
+            if start <= ahead < stop:
                 prefetch_row(codes, scale, zero, source[ahead], target[ahead], keys, values)
-            decode_row(codes, scale, zero, halves, source[entry], target[entry], keys, values)
+            if entry >= start:
+                decode_row(codes, scale, zero, halves, source[entry], target[entry], keys, values)
 
 
 # Rows fetched ahead of the one being decoded. A fetch reads scattered host rows (their codes,
@@ -1540,16 +1541,15 @@ def select_and_fetch(
             args = (history, shares, positions, first, budget, recent, sinks, seen)
             choose_at(bits[row], *args, b, h, levels, chosen[b, h])
             added = swap_row(positions[b, h], chosen[b, h], budget[b], wanted, b, h, entries, 0)
-            for entry in range(min(AHEAD, added)):
-                position = entries[3, entry]
-                if position < stored:
-                    target = row * slots + entries[2, entry]
-                    prefetch_row(codes, scale, zero, row * stored + position, target, keys, values)
-            for entry in range(added):
-                if entry + AHEAD < added and entries[3, entry + AHEAD] < stored:
-                    ahead = row * stored + entries[3, entry + AHEAD]
-                    target = row * slots + entries[2, entry + AHEAD]
-                    prefetch_row(codes, scale, zero, ahead, target, keys, values)
+            for entry in range(-AHEAD, added):
+                ahead = entry + AHEAD  # asked for now, decoded AHEAD entries later
+                if ahead < added and entries[3, ahead] < stored:
+                    early = row * stored + entries[3, ahead]
+                    prefetch_row(
+                        codes, scale, zero, early, row * slots + entries[2, ahead], keys, values
+                    )
+                if entry < 0:
+                    continue
                 position = entries[3, entry]
                 if position >= stored:
                     missing[row] += 1

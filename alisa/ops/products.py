@@ -124,7 +124,7 @@ class WeightProducts(TorchFunctionMode):
         if asked not in FORMS:
             raise ValueError(f"asked={asked!r} must be one of {', '.join(FORMS)}")
         self.asked, self.clock = asked, clock
-        # bucket -> (transposed, seconds of the step's products) of each measured step, in order
+        # bucket -> (transposed, the whole step's seconds) of each measured step, in order
         self.samples: dict[int, list[tuple[bool, float]]] = {}
         self.chosen: dict[int, bool] = {}  # bucket -> transposed (once measured)
         self.checked: bool | None = None  # None: no transposed product checked yet
