@@ -1139,12 +1139,8 @@ def code_rows(
             steps[half, entry], offsets[half, entry] = step, offset
     for half in range(halves):
         for entry in range(entries):
-            out = target[entry]
-            _put_code(
-                tokens[half, entry], steps[half, entry], offsets[half, entry], codes[half, out]
-            )
-            scale[half, out] = _half_bits(steps[half, entry])
-            zero[half, out] = _half_bits(offsets[half, entry])
+            step, offset = steps[half, entry], offsets[half, entry]
+            _put_row(tokens[half, entry], step, offset, codes, scale, zero, half, target[entry])
     return True
 
 
@@ -1169,11 +1165,23 @@ def _row_code(row: np.ndarray) -> tuple[bool, float, float]:
 
 
 @numba.njit(inline="always")
-def _put_code(row: np.ndarray, step: float, offset: float, out: np.ndarray) -> None:
-    """One row's INT8 codes under ``step`` and ``offset`` into ``out`` (quantize's rounding)."""
+def _put_row(
+    row: np.ndarray,
+    step: float,
+    offset: float,
+    codes: np.ndarray,
+    scale: np.ndarray,
+    zero: np.ndarray,
+    half: int,
+    out: int,
+) -> None:
+    """One row's INT8 codes under ``step`` and ``offset`` (quantize's rounding) into region row
+    ``out`` of ``half``, with their float16 scale and zero point (:func:`code_rows`' arrays)."""
     for channel in range(row.shape[0]):
         code = np.rint(np.float64(row[channel]) / step + offset)
-        out[channel] = np.uint8(min(max(code, 0.0), 255.0))
+        codes[half, out, channel] = np.uint8(min(max(code, 0.0), 255.0))
+    scale[half, out] = _half_bits(step)
+    zero[half, out] = _half_bits(offset)
 
 
 @kernel(nogil=True)
@@ -1233,9 +1241,8 @@ def code_token(
             out = (b * heads + h) * capacity + slot
             for half in range(2):
                 row = keys[b, h] if half == 0 else values[b, h]
-                _put_code(row, steps[half, b, h], offsets[half, b, h], codes[half, out])
-                scale[half, out] = _half_bits(steps[half, b, h])
-                zero[half, out] = _half_bits(offsets[half, b, h])
+                step, offset = steps[half, b, h], offsets[half, b, h]
+                _put_row(row, step, offset, codes, scale, zero, half, out)
             if ring_positions.shape[0] > 0:
                 ring_keys[b, h, entry] = keys[b, h]
                 ring_values[b, h, entry] = values[b, h]

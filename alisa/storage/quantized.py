@@ -92,14 +92,49 @@ class QuantizedPair:
         :meth:`code` and :meth:`put`, where the kernel takes them: host memory, float32 tokens,
         INT8 rows with one float16 scale each. False: nothing written (the caller takes
         :meth:`write`, which widens the scales where a row needs it)."""
-        if not (tokens.dtype == torch.float32 and self.int8_rows()):
+        if not self._kernel_codes(tokens.dtype):
             return False
         return code_rows(
-            tokens.detach().reshape(2, -1, tokens.shape[-1]).numpy(),
+            tokens.detach().reshape(2, -1, tokens.shape[-1]).numpy(), *self._rows(), targets()
+        )
+
+    def code_token(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        slots: torch.Tensor,
+        ring: tuple[torch.Tensor, ...],
+        position: int,
+    ) -> bool:
+        """Quantize a decode step's (B, H_kv, 1, D) token into its (B, Hs, 1) ``slots`` and copy
+        it into the full-precision ``ring`` (keys, values, slots, positions; E entries, entry
+        ``position % E``) by :func:`~alisa.ops.cpu.code_token`, one compiled call, where the
+        kernel takes them (as :meth:`code_rows`). False: nothing written."""
+        if not self._kernel_codes(keys.dtype):
+            return False
+        residual = ring[3].shape[0]
+        return code_token(
+            keys.detach()[:, :, 0].numpy(),
+            values.detach()[:, :, 0].numpy(),
+            slots[..., 0].numpy(),
+            *self._rows(),
+            tuple(t.numpy() for t in ring),
+            position % residual if residual else 0,
+            position,
+        )
+
+    def _kernel_codes(self, dtype: torch.dtype) -> bool:
+        """Whether the compiled coders take tokens of ``dtype`` into this pair: float32
+        tokens, INT8 rows with one float16 scale each (host memory is the caller's)."""
+        return dtype == torch.float32 and self.int8_rows()
+
+    def _rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The (2, B * H_kv * capacity, ·) numpy views the compiled coders write: the codes, and
+        the int16 bits of the float16 scales and zero points."""
+        return (
             self.data.view(2, -1, self.data.shape[-1]).numpy(),
             self.scale.view(torch.int16).view(2, -1).numpy(),
             self.zero.view(torch.int16).view(2, -1).numpy(),
-            targets(),
         )
 
     def put(self, index: tuple, data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
@@ -352,22 +387,8 @@ class QuantizedStore(DeviceResident):
         """A decode step's (B, H_kv, 1, D) token coded at ``slots`` and kept in the ring by
         :func:`~alisa.ops.cpu.code_token`, one compiled call, where this store runs its
         compiled kernels on float32 tokens; False: nothing written."""
-        pair = self.codes
-        if not (self.compiled and keys.dtype == torch.float32 and pair.int8_rows()):
-            return False
-        entry = position % self.residual if self.residual else 0
         ring = (self.ring_keys, self.ring_values, self.ring_slots, self.ring_positions)
-        return code_token(
-            keys.detach()[:, :, 0].numpy(),
-            values.detach()[:, :, 0].numpy(),
-            slots[..., 0].numpy(),
-            pair.data.view(2, -1, pair.data.shape[-1]).numpy(),
-            pair.scale.view(torch.int16).view(2, -1).numpy(),
-            pair.zero.view(torch.int16).view(2, -1).numpy(),
-            tuple(t.numpy() for t in ring),
-            entry,
-            position,
-        )
+        return self.compiled and self.codes.code_token(keys, values, slots, ring, position)
 
     def _code_rows(self, tokens: torch.Tensor, targets: Callable[[], np.ndarray]) -> bool:
         """:meth:`QuantizedPair.code_rows` where this store runs its compiled kernels: one
