@@ -181,3 +181,18 @@ def test_the_cli_takes_compile_and_shows_what_it_settled(tmp_path, capsys):
     assert "| compile off (auto)" in err.split("[alisa]")[1]
     assert main([*argv, "--compile", "on", "--kv-bits", "8"]) == 1
     assert "kv_bits=8 has no static (compiled) decode step yet" in capsys.readouterr().err
+
+
+def test_a_compiled_step_after_another_caches_forward_attends_with_alisa():
+    """An HF cache's forward on the same model switches its attention back to the one it had
+    (the attachment's hook); a compiled step, which calls ``model.forward`` without hooks,
+    switches it to alisa's again (it was refused: "attn_implementation='sdpa' is incompatible
+    with AlisaCache", whenever ``bench_speed --interleave`` ran an HF system just before a
+    compiled one)."""
+    from experiments.interleave import interleaved_rows
+
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    systems = ["hf-static", "alisa-compiled:caching_ratio=1.0"]
+    rows = interleaved_rows(model, tokenizer, PROMPTS, systems, 6, 2, "hf-static")
+    tokens = {row["system"]: row["token_ids"] for row in rows}
+    assert tokens["alisa-compiled:caching_ratio=1.0"] == tokens["hf-static"]

@@ -73,6 +73,13 @@ class _Attachment:
         inputs = _forward_inputs(model, args, kwargs) if isinstance(first, AlisaLayer) else None
         if inputs is not None:
             cache.begin_forward(*inputs, model=model)
+        self.route(model, uses_alisa=uses_alisa)
+        return None
+
+    def route(self, model: nn.Module, *, uses_alisa: bool) -> None:
+        """Attention for a forward with an alisa cache (``uses_alisa``) or another one: alisa's
+        back where another cache's forward had restored the previous implementation, and that
+        one back for another cache."""
         current = model.config._attn_implementation
         if uses_alisa and self.restored and current == self.previous:
             _switch(model, ATTENTION_NAME)
@@ -80,7 +87,6 @@ class _Attachment:
         elif not uses_alisa and current == ATTENTION_NAME and self.previous != ATTENTION_NAME:
             model.set_attn_implementation(self.previous)
             self.restored = True
-        return None
 
 
 def _forward_inputs(model: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
@@ -96,6 +102,15 @@ def _forward_inputs(model: nn.Module, args: tuple, kwargs: dict) -> tuple | None
     if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2:
         return None
     return inputs.shape[0], inputs.shape[1], kwargs.get("attention_mask")
+
+
+def route_to_alisa(model: nn.Module) -> None:
+    """What the attachment's hook does before a forward with an alisa cache, for a caller that
+    runs ``model.forward`` itself, without hooks (a compiled decode step): another cache's
+    forward on the same model may have switched its attention back to the previous one."""
+    attachment = _attachment(model)
+    if attachment is not None:
+        attachment.route(model, uses_alisa=True)
 
 
 def _attachment(model: nn.Module) -> _Attachment | None:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from alisa.kv.cache import AlisaCache
+from alisa.kv.hooks import route_to_alisa
 from alisa.ops import COMPILE
 from alisa.ops.backends import compiles_by_default
 
@@ -222,6 +223,7 @@ class CompiledDecode:
         check_compileable(cache)
         if isinstance(cache, AlisaCache):  # the host's half of its step (no hook runs here)
             cache.begin_forward(feed.shape[0], feed.shape[1], mask, model=self.model)
+            route_to_alisa(self.model)
         if mask is not None:
             mask = nn.functional.pad(mask, (0, cache.get_max_length() - mask.shape[1]))
 
