@@ -5,6 +5,8 @@ run are reused:
 
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python -m probes.compile_time swa    # or dense, hf
 
+(``--kernels reference`` or ``cpu`` for the alisa systems' backend.)
+
 SmolLM2-135M float32, one random prompt of 256 tokens, 4 new tokens, 2 threads. Prints the
 first compiled step's seconds (tracing and code generation included) and inductor's largest
 phases.
@@ -25,6 +27,7 @@ PHASES = ("bytecode_tracing", "Scheduler.__init__", "GraphLowering.codegen", "co
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("system", choices=("swa", "dense", "hf"))
+    parser.add_argument("--kernels", default="auto", help="an alisa system's kernels")
     args = parser.parse_args()
     torch.set_num_threads(2)
     model, tokenizer = load_benchmark_model("smollm2-135m", dtype="float32", tokenizer="bytes")
@@ -34,9 +37,11 @@ def main() -> None:
         width = tokenizer(prompts, return_tensors="pt")["input_ids"].shape[1]
         run["past_key_values"] = StaticCache(config=model.config, max_cache_len=width + 4)
     elif args.system == "dense":
-        run["config"] = AlisaConfig(caching_ratio=1.0)
+        run["config"] = AlisaConfig(caching_ratio=1.0, kernels=args.kernels)
     else:
-        run["config"] = AlisaConfig(policy="swa", caching_ratio=0.2, min_budget_tokens=0)
+        run["config"] = AlisaConfig(
+            policy="swa", caching_ratio=0.2, min_budget_tokens=0, kernels=args.kernels
+        )
     result = generate(model, tokenizer, prompts, **run)
     phases = dict(
         line.rsplit(", ", 1) for line in compile_times(repr="str").splitlines()[2:] if ", " in line

@@ -281,3 +281,71 @@ def test_the_compiled_history_sums_query_heads_as_the_reference_does(head_max):
         history.add(probabilities, positions, None, width, compiled=compiled, parts=1)
         totals.append(history.total)
     assert torch.equal(*totals)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_static_steps_eviction_operator_chooses_the_references_slot(groups):
+    """``alisa::evict_one`` (the CPU's eviction called as an operator by a compiled static
+    step) against :func:`alisa.ops.reference.evict_one`, the PyTorch a CUDA step traces: the
+    same slot per row over ties, padding and empty slots; its fake twin gives the shapes."""
+    from alisa.ops import library, reference
+
+    for seed in range(12):
+        step = _eviction(seed, batch=3, groups=groups, width=40, most=1)
+        numbers = (
+            torch.as_tensor(step.first, dtype=torch.int64),
+            torch.tensor([step.seen]),
+            torch.as_tensor(step.recent, dtype=torch.int64),
+        )
+        first, seen, recent = numbers
+        args = (step.scores, step.positions, first, seen, recent, step.sinks)
+        theirs = library.evict_one(*args)
+        assert theirs.shape == (3, groups, 1)
+        assert torch.equal(theirs, reference.evict_one(*args)), seed
+    torch.library.opcheck(library.evict_one, args)
+
+
+@pytest.mark.parametrize("window", [0, 8])
+def test_a_static_steps_attention_operator_is_the_compiled_attention(window):
+    """``alisa::attend_slots``: the compiled attention over a float32 region's slots with the
+    tokens seen as a static step has them (a (1,) tensor), close to PyTorch's grouped
+    attention over the same slots (empty, future and, in a sliding layer, out-of-window slots
+    masked); its fake twin's shapes."""
+    from alisa.kv.attention import _visible, grouped_attention_parts
+    from alisa.ops import library
+    from alisa.storage.store import Part
+
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, slots, dim = 2, 6, 2, 24, 16
+    query = torch.randn(batch, heads, 1, dim, generator=generator)
+    keys = torch.randn(batch, kv_heads, slots, dim, generator=generator)
+    values = torch.randn(batch, kv_heads, slots, dim, generator=generator)
+    positions = torch.randperm(40, generator=generator)[:slots].repeat(batch, kv_heads, 1)
+    positions[:, :, ::5] = -1  # empty slots
+    seen = torch.tensor([30])  # positions 30 and on are the future: hidden
+    args = (query, keys, values, positions, seen, window, 0.25)
+    output, probabilities = library.attend_slots(*args)
+    parts = [Part(keys, values, positions)]
+    visible = _visible(parts, seen, 1, window or None)
+    want_output, want_probabilities = grouped_attention_parts(query, parts, visible, 0.25)
+    torch.testing.assert_close(output, want_output)
+    torch.testing.assert_close(probabilities, want_probabilities)
+    torch.library.opcheck(library.attend_slots, args)
+
+
+def test_a_static_cache_on_a_cpu_runs_its_kernels_as_operators_when_asked():
+    """A static cache's ``cpu`` kernels on a CPU: the attention and the eviction as operators
+    (said by ``describe``), nothing of the eager step's compiled paths (which the compiler
+    cannot trace); ``auto`` and ``reference`` trace PyTorch's (faster compiled code at one
+    sequence); a growing cache's ``auto`` is the eager CPU kernels."""
+    model = tiny_llama()
+    ops = AlisaCache(model, AlisaConfig(kernels="cpu"), max_cache_len=64).ops
+    assert ops.operators and not ops.compiled and not ops.fused
+    assert "attention and eviction as operators" in ops.describe()
+    for kernels in ("auto", "reference"):
+        static = AlisaCache(model, AlisaConfig(kernels=kernels), max_cache_len=64).ops
+        assert static.name == "reference" and not static.operators
+    growing = AlisaCache(model, AlisaConfig()).ops
+    assert growing.name == "cpu" and growing.compiled and not growing.operators
+    with pytest.raises(ValueError, match="operators=True runs a static step's CPU kernels"):
+        replace(choose_ops("cpu", torch.float32, "cpu"), operators=True)

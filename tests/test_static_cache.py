@@ -30,8 +30,8 @@ MODES = {
 }
 
 
-def config(mode: str) -> AlisaConfig:
-    return AlisaConfig(kernels="reference", **MODES[mode])
+def config(mode: str, kernels: str = "reference") -> AlisaConfig:
+    return AlisaConfig(kernels=kernels, **MODES[mode])
 
 
 def greedy(model, cache, ids, mask, steps: int, forward) -> torch.Tensor:
@@ -72,13 +72,15 @@ def traced(model):
     return torch.compile(model.forward, backend="eager", fullgraph=True, dynamic=False)
 
 
-def traced_equals_eager(model, mode: str, ids, mask, steps: int) -> torch.Tensor:
+def traced_equals_eager(
+    model, mode: str, ids, mask, steps: int, kernels: str = "reference"
+) -> torch.Tensor:
     """Assert that ``steps`` traced static steps give the eager static step's tokens from one
     graph (a recompile is an error); returns them."""
     longest = ids.shape[1] + steps + 1
-    eager_cache = AlisaCache(model, config(mode), max_cache_len=longest)
+    eager_cache = AlisaCache(model, config(mode, kernels), max_cache_len=longest)
     eager = greedy(model, eager_cache, ids, mask, steps, model)
-    static = AlisaCache(model, config(mode), max_cache_len=longest)
+    static = AlisaCache(model, config(mode, kernels), max_cache_len=longest)
     assert static.is_compileable
     torch._dynamo.reset()
     counters.clear()
@@ -89,14 +91,20 @@ def traced_equals_eager(model, mode: str, ids, mask, steps: int) -> torch.Tensor
     return tokens
 
 
+@pytest.mark.parametrize("kernels", ["reference", "cpu"])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_three_hundred_traced_steps_replay_one_graph_of_the_eager_step(mode):
+def test_three_hundred_traced_steps_replay_one_graph_of_the_eager_step(mode, kernels):
     """Padded rows, 300 decode steps across budget growth, evictions and the whole fixed slot
     space: the traced static step gives every token of the eager static step, from one graph
-    (a recompile is an error); r = 1 gives HF's dense tokens too (100 of them)."""
+    (a recompile is an error); r = 1 gives HF's dense tokens too (100 of them). With the CPU's
+    kernels as operators (attention and eviction) the tokens are PyTorch's operators' too."""
     model = tiny_llama()
     ids, mask = prompts(lengths=(20, 11, 16))
-    tokens = traced_equals_eager(model, mode, ids, mask, 300)
+    tokens = traced_equals_eager(model, mode, ids, mask, 300, kernels)
+    if kernels == "cpu":
+        cache = AlisaCache(model, config(mode), max_cache_len=ids.shape[1] + 301)
+        assert torch.equal(tokens, greedy(model, cache, ids, mask, 300, model))
+        return
     if mode == "dense":  # HF's SDPA sums in another order: a near tie of this random
         # model's logits parts them at step 194 of the first row, eager cache or static
         with torch.inference_mode():
@@ -104,8 +112,9 @@ def test_three_hundred_traced_steps_replay_one_graph_of_the_eager_step(mode):
         assert torch.equal(tokens[:, :100], hf[:, ids.shape[1] :])
 
 
+@pytest.mark.parametrize("kernels", ["reference", "cpu"])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_the_static_step_keeps_what_the_growing_cache_keeps(mode):
+def test_the_static_step_keeps_what_the_growing_cache_keeps(mode, kernels):
     """The static step's rule is the eager cache's: 200 steps of padded rows give its tokens.
     In float64, since the two lay their slots out differently and float32 sums in another
     order can part a near tie of evictions (SWA's exact window subtracts snapshots: at step
@@ -113,8 +122,8 @@ def test_the_static_step_keeps_what_the_growing_cache_keeps(mode):
     model = tiny_llama().to(torch.float64)
     ids, mask = prompts(lengths=(20, 11, 16))
     steps = 200
-    growing = greedy(model, AlisaCache(model, config(mode)), ids, mask, steps, model)
-    static = AlisaCache(model, config(mode), max_cache_len=ids.shape[1] + steps + 1)
+    growing = greedy(model, AlisaCache(model, config(mode, kernels)), ids, mask, steps, model)
+    static = AlisaCache(model, config(mode, kernels), max_cache_len=ids.shape[1] + steps + 1)
     assert torch.equal(greedy(model, static, ids, mask, steps, model), growing)
 
 
@@ -224,9 +233,8 @@ def test_the_static_slot_space_is_fixed_and_bounded_by_the_budget():
             {"policy": "swa", "caching_ratio": 0.3, "retention": "host"},
             "retention='host' has no static (compiled) decode step yet",
         ),
-        ({"kernels": "cpu"}, "kernels='cpu' runs numba's kernels, which torch.compile cannot"),
     ],
-    ids=["int8", "tiers", "host", "numba"],
+    ids=["int8", "tiers", "host"],
 )
 def test_modes_without_a_static_step_are_refused_when_built(fields, needle):
     model = tiny_llama()

@@ -135,7 +135,11 @@ class AlisaCache(Cache):
         self._pack: StepPack | None = None
         self._planned = False
         factory = store_factory(
-            self.config, self.shape, compiled=self.ops.compiled, context=context
+            self.config,
+            self.shape,
+            compiled=self.ops.compiled,
+            operators=self.ops.operators,
+            context=context,
         )
         if note := coded_size_note(self.config, self.shape.head_dim, model.dtype.itemsize):
             warnings.warn(note, IgnoredSettingWarning, stacklevel=2)
@@ -768,14 +772,21 @@ def default_keeper(config: AlisaConfig, policy: KVPolicy, *, ops: Ops | None = N
 
 
 def store_factory(
-    config: AlisaConfig, shape: ModelShape, *, compiled: bool, context: int | None = None
+    config: AlisaConfig,
+    shape: ModelShape,
+    *,
+    compiled: bool,
+    operators: bool = False,
+    context: int | None = None,
 ) -> StoreFactory:
     """Dense storage for ``kv_bits=16``, else INT8/INT4 storage checked against the head size;
-    ``compiled``: the stores run the compiled CPU kernels (:attr:`~alisa.ops.backends.Ops`).
+    ``compiled``: the stores run the compiled CPU kernels, ``operators``: a static step's
+    attention runs them as operators (:class:`~alisa.ops.backends.Ops`; INT8/INT4 storage has
+    no static step).
     The full-precision ring holds ``residual_tokens`` but never more than the model's
     ``context`` (None: unknown): no sequence has more tokens to keep there."""
     if config.kv_bits == 16:
-        return partial(DenseStore, compiled=compiled)
+        return partial(DenseStore, compiled=compiled, operators=operators)
     group = config.quant_group_size or shape.head_dim
     if shape.head_dim % group:
         raise ValueError(

@@ -16,7 +16,7 @@ from alisa.kv.keeper import Keeper
 from alisa.kv.slots import SlotMap
 from alisa.kv.static import StepPack
 from alisa.ops.backends import Ops, choose_ops
-from alisa.ops.reference import Eviction, eviction_key, protected_slots, with_protections
+from alisa.ops.reference import Eviction
 from alisa.ops.transfer import upload
 from alisa.storage.store import KVStore
 
@@ -248,9 +248,9 @@ class DropKeeper(Keeper):
             attention = self.scores.static_window_sum(choice, has)
         score = self.policy.score(positions, attention, first).to(torch.float32)
         seen = self.pack.position() + 1
-        protected = protected_slots(positions, first, seen, recent, self.policy.sink_tokens)
-        priority = eviction_key(with_protections(score, protected), positions)
-        victim = torch.topk(priority, 1, dim=-1, largest=False, sorted=True).indices
+        victim = self.ops.evict_static(
+            score, positions, first, seen, recent, self.policy.sink_tokens
+        )
         taken = (self._field(0) > 0).view(-1, 1, 1).expand(victim.shape)
         slots.empty(victim, taken)
         if self.scores is not None:

@@ -239,11 +239,9 @@ class AlisaLayer(CacheLayerMixin):
         """The store's own plain attention over the slots for a decode step's (B, H, 1, D)
         ``query`` (:meth:`~alisa.storage.store.KVStore.attend`): ((B, 1, H, D) output,
         (B, H_kv, G, 1, capacity) probabilities), or None where attention reads :meth:`parts`
-        (always in a static step: the store's own paths are compiled CPU kernels)."""
-        if self.keeper.pack is not None:
-            return None
+        (a static step's store runs its kernels as operators, or leaves it to PyTorch's)."""
         return self.store.attend(
-            self.slots.positions, query, self.slots.seen, self.keeper.window, scaling
+            self.slots.positions, query, self.seen_now(), self.keeper.window, scaling
         )
 
     def slot_positions(self) -> torch.Tensor:

@@ -73,6 +73,10 @@ class Ops:
         split each call's rows into this many parts, run in parallel (a test asks for more
         than the machine's threads); None, the default: the count
         :func:`~alisa.ops.cpu.kernel_parts` picks from torch's threads. Only with ``compiled``.
+    operators
+        A static (compiled) decode step calls the CPU's compiled kernels as PyTorch operators
+        (:mod:`alisa.ops.library`): its attention over a float32 region and dropping's choice
+        of victims; False: the compiler traces PyTorch's (:mod:`alisa.ops.reference`).
     select
         Host retention's selection of one layer, ``select(step: SelectionStep) -> Selected``
         (:mod:`alisa.ops.reference`): a plain function bound once from the choices above, so a
@@ -84,6 +88,10 @@ class Ops:
     add_sums
         Dropping's attention sums of one layer, ``add_sums(total, probabilities, keep,
         head_max)`` (:func:`alisa.ops.reference.add_sums`), bound as :attr:`evict` is.
+    evict_static
+        A static step's choice, ``evict_static(scores, positions, first, seen, recent, sinks)
+        -> (B, Hs, 1) slots`` (:func:`alisa.ops.reference.evict_one`), every number a device
+        tensor: the operator with ``operators``.
     """
 
     name: str
@@ -96,6 +104,7 @@ class Ops:
     feature: str = ""
     products: str = "standard"
     parts: int | None = None
+    operators: bool = False
     pinned: bool = field(init=False)
     select: Callable[[reference.SelectionStep], reference.Selected] = field(
         init=False, repr=False, compare=False
@@ -106,6 +115,7 @@ class Ops:
     add_sums: Callable[[torch.Tensor, torch.Tensor, np.ndarray | None, bool], None] = field(
         init=False, repr=False, compare=False
     )
+    evict_static: Callable[..., torch.Tensor] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.name not in KERNELS[1:]:
@@ -126,6 +136,11 @@ class Ops:
             raise ValueError(f"products={self.products!r} must be one of {', '.join(FORMS)}")
         if self.products != "standard" and self.device != "cpu":
             raise ValueError(f"products={self.products!r} runs on a CPU, not {self.device}")
+        if self.operators and (self.device != "cpu" or self.compiled):
+            raise ValueError(
+                "operators=True runs a static step's CPU kernels as operators: a CPU, and "
+                "compiled=False (the eager step's kernels are not traced)"
+            )
         if self.parts is not None and not self.compiled:
             raise ValueError(f"parts={self.parts!r} needs compiled=True (it splits kernel rows)")
         if self.parts is not None and (
@@ -142,6 +157,12 @@ class Ops:
             add_sums = functools.partial(cpu.add_sums, parts=self.parts)
         object.__setattr__(self, "evict", evict)
         object.__setattr__(self, "add_sums", add_sums)
+        evict_static = reference.evict_one
+        if self.operators:
+            from alisa.ops import library  # registers the operators (and loads numba)
+
+            evict_static = library.evict_one
+        object.__setattr__(self, "evict_static", evict_static)
 
     def _bound_select(self) -> Callable[[reference.SelectionStep], reference.Selected]:
         """The selection these choices make, composed once from the backends' functions."""
@@ -180,6 +201,10 @@ class Ops:
         ``products``: what the weights' products settled on, said in place of ``weight products
         measured`` (:meth:`alisa.ops.products.WeightProducts.describe`, after a run)."""
         engine = {"reference": "pytorch", "cpu": "numba", "cuda": "triton"}[self.name]
+        if self.operators:
+            feature = f" ({self.feature})" if self.feature else ""
+            static = "a static step's attention and eviction as operators"
+            return f"{self.name} ({engine}): {static}{feature}"
         product = f"sketch product {self.product}"
         if self.feature:
             product += f" ({self.feature})"
@@ -200,18 +225,10 @@ def model_ops(model: torch.nn.Module, kernels: str = "auto", *, traced: bool = F
     """:func:`choose_ops` for a model's cache: its weights' device and dtype (its KV's).
 
     ``traced``: the cache's decode step runs under ``torch.compile`` (a static cache,
-    :mod:`alisa.kv.static`), which cannot trace numba's kernels: ``auto`` takes PyTorch's
-    operators on a CPU (inductor compiles them), and ``cpu`` is refused.
+    :mod:`alisa.kv.static`), as :func:`choose_ops` takes it.
     """
     weight = next(model.parameters())
-    if traced and kernels in ("auto", "cpu") and weight.device.type == "cpu":
-        if kernels == "cpu":
-            raise ValueError(
-                "kernels='cpu' runs numba's kernels, which torch.compile cannot trace: a "
-                "static (compiled) cache runs kernels='reference' or 'auto' on a CPU"
-            )
-        kernels = "reference"
-    return choose_ops(weight.device, weight.dtype, kernels)
+    return choose_ops(weight.device, weight.dtype, kernels, traced=traced)
 
 
 def compile_mode(device: torch.device | str) -> str:
@@ -273,7 +290,9 @@ def cpu_feature() -> str:
     return f"{capability}, {'oneDNN bfloat16' if cpu_bfloat16() else 'no oneDNN bfloat16'}"
 
 
-def choose_ops(device: torch.device | str, dtype: torch.dtype, kernels: str = "auto") -> Ops:
+def choose_ops(
+    device: torch.device | str, dtype: torch.dtype, kernels: str = "auto", *, traced: bool = False
+) -> Ops:
     """The kernels a cache on ``device`` with ``dtype`` keys runs.
 
     Parameters
@@ -285,6 +304,13 @@ def choose_ops(device: torch.device | str, dtype: torch.dtype, kernels: str = "a
     kernels
         ``"auto"`` (``cuda`` on a CUDA device with Triton, ``cpu`` on a CPU, else
         ``reference``), or a backend name of :data:`KERNELS` to force it.
+    traced
+        The decode step runs under ``torch.compile`` (a static cache), which cannot trace
+        numba's kernels: ``cpu`` then runs the step's attention and eviction as registered
+        operators (:attr:`Ops.operators`) and PyTorch's operators for the rest; ``auto`` takes
+        ``reference`` on a CPU, whose operators inductor compiles into faster code at one
+        sequence (SmolLM2-135M, B = 1 x 2,048, SWA r = 0.2: 56 against 61 ms a step) and as
+        fast at sixteen (docs/compile.md).
 
     Returns
     -------
@@ -307,9 +333,9 @@ def choose_ops(device: torch.device | str, dtype: torch.dtype, kernels: str = "a
     if kernels == "auto":
         if device.type == "cuda" and triton_installed():
             name = "cuda"
-        elif device.type == "cpu":
+        elif device.type == "cpu" and not traced:
             name = "cpu"
-        else:
+        else:  # a static step on a CPU: inductor's code of PyTorch's operators (see traced)
             name = "reference"
     if name in ("cpu", "cuda") and device.type != name:
         raise ValueError(
@@ -319,6 +345,18 @@ def choose_ops(device: torch.device | str, dtype: torch.dtype, kernels: str = "a
     if name == "cuda" and not triton_installed():
         raise ValueError(
             f"kernels='cuda' needs Triton, which is not installed (this machine runs {runs})"
+        )
+    if name == "cpu" and traced:
+        return Ops(
+            name=name,
+            device="cpu",
+            product="float32",
+            compiled=False,
+            fused=False,
+            mapped=False,
+            placing=False,
+            feature=cpu_feature(),
+            operators=True,
         )
     if name == "cpu":
         # A float32 model's selection in one call beats PyTorch's bfloat16 product in separate

@@ -186,6 +186,39 @@ def evict(step: Eviction) -> tuple[torch.Tensor, torch.Tensor]:
     return top_k(eviction_key(priority, step.positions), step.excess, largest=False, ordered=True)
 
 
+def evict_one(
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    first: torch.Tensor,
+    seen: torch.Tensor,
+    recent: torch.Tensor,
+    sinks: int,
+) -> torch.Tensor:
+    """A static step's eviction (:mod:`alisa.kv.static`): each row's one unprotected slot of
+    lowest score (ties: the older token), :func:`evict` with an excess of one for every
+    sequence and every number on the device (the caller applies it where the excess is 1).
+
+    Parameters
+    ----------
+    scores, positions
+        As :class:`Eviction` has them: (B, Hs, S) float32 and int64.
+    first, recent
+        (B,) int64 on the device: each sequence's first real position and newest tokens kept.
+    seen
+        (1,) int64 on the device: tokens seen per sequence, padding included.
+    sinks
+        The policy's ``sink_tokens``.
+
+    Returns
+    -------
+    torch.Tensor
+        (B, Hs, 1) int64 slots.
+    """
+    protected = protected_slots(positions, first, seen, recent, sinks)
+    priority = eviction_key(with_protections(scores, protected), positions)
+    return torch.topk(priority, 1, dim=-1, largest=False, sorted=True).indices
+
+
 def combine_queries(probabilities: torch.Tensor, head_max: bool) -> torch.Tensor:
     """(B, H_kv, G, ...) attention to (B, H_kv, ...): each KV head's G query heads combined by
     their max, or by their sum added in head order.

@@ -15,6 +15,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
+from alisa.ops import library
 from alisa.ops.cpu import attend_slots, put_slots, takes
 
 
@@ -169,7 +170,7 @@ class KVStore(Protocol):
         self,
         positions: torch.Tensor,
         query: torch.Tensor,
-        seen: int,
+        seen: int | torch.Tensor,
         window: int | None,
         scaling: float,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -177,7 +178,8 @@ class KVStore(Protocol):
         it has a faster way than :meth:`parts` (on a CPU: compiled kernels over a float32
         region, or over an INT8 region's codes read in place):
         ((B, 1, H, D) output, (B, H_kv, G, 1, capacity) probabilities); None otherwise.
-        ``positions`` is the layer's slot map, the query's position ``seen - 1``."""
+        ``positions`` is the layer's slot map, the query's position ``seen - 1`` (a (1,)
+        device tensor in a static step)."""
         ...
 
     def reindex(self, index: torch.Tensor, capacity: int) -> None: ...
@@ -310,6 +312,8 @@ class DenseStore(DeviceResident):
 
     ``compiled`` (None: when the tokens are on a CPU) lets a float32 decode step's attention
     run the compiled kernels of :mod:`alisa.ops.cpu`; False keeps PyTorch's path.
+    ``operators``: a static step's attention runs them as an operator
+    (:func:`alisa.ops.library.attend_slots`), which ``torch.compile`` calls.
     """
 
     def __init__(
@@ -320,10 +324,12 @@ class DenseStore(DeviceResident):
         *,
         groups: int = 1,
         compiled: bool = False,
+        operators: bool = False,
     ) -> None:
         batch, heads, length, head_dim = keys.shape
         # Whether writes and attention run the compiled CPU kernels (alisa.ops.backends.Ops).
         self.compiled = compiled
+        self.operators = operators
         # Zeroed, not empty: masked slots still enter p @ V, and 0 * NaN garbage would be NaN.
         self.keys = keys.new_zeros(batch, heads, capacity, head_dim)
         self.values = values.new_zeros(batch, heads, capacity, values.shape[-1])
@@ -346,11 +352,16 @@ class DenseStore(DeviceResident):
         """The keys and values: a static step writes its token into them in place."""
         return self.keys, self.values
 
-    def attend(self, positions, query, seen: int, window, scaling: float):
+    def attend(self, positions, query, seen: int | torch.Tensor, window, scaling: float):
         """A float32 decode step on a CPU: :func:`alisa.ops.cpu.attend_slots` over the
-        buffers (one pass for the logits and mask, one for the output); else None."""
-        if not (self.compiled and takes(query, self.keys)):
+        buffers (one pass for the logits and mask, one for the output), called as an operator
+        in a static step (``seen`` a (1,) tensor); else None."""
+        if not ((self.compiled or self.operators) and takes(query, self.keys)):
             return None
+        if self.operators:
+            return library.attend_slots(
+                query, self.keys, self.values, positions, seen, window or 0, scaling
+            )
         return attend_slots(query, self.keys, self.values, positions, seen, window, scaling)
 
     def read(self, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

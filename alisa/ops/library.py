@@ -1,0 +1,113 @@
+"""The CPU's compiled kernels as PyTorch operators, so that a compiled decode step runs them.
+
+``torch.compile`` cannot trace numba's kernels, but it calls a registered operator as one node
+(https://pytorch.org/tutorials/advanced/python_custom_ops.html): inductor generates no code for
+what the operator computes, so a static step (:mod:`alisa.kv.static`) compiles a third fewer
+nodes and runs the kernels the eager step runs. Each operator has a fake (meta) twin that gives
+the compiler its outputs' shapes. Registered for CPU tensors only: a CUDA step traces
+PyTorch's operators (:mod:`alisa.ops.reference`), which a CUDA graph captures. A static cache
+calls them with ``kernels="cpu"`` (``Ops.operators``); ``auto`` traces PyTorch's on a CPU too,
+whose compiled code measured as fast at 16 sequences and faster at one (docs/compile.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from alisa.ops import cpu
+from alisa.ops.reference import Eviction
+
+# The operators' schemas. Registered through torch.library's lower-level API, with a CPU kernel
+# and a fake one each: ``torch.library.custom_op`` adds an autograd layer (never used here) that
+# cost 40 us a call against 9 us, 1.2 ms a step for SmolLM2's 30 layers (a throw-away timing).
+SCHEMAS = {
+    "attend_slots": "attend_slots(Tensor query, Tensor keys, Tensor values, Tensor positions, "
+    "Tensor seen, int window, float scaling) -> (Tensor, Tensor)",
+    "evict_one": "evict_one(Tensor scores, Tensor positions, Tensor first, Tensor seen, "
+    "Tensor recent, int sinks) -> Tensor",
+}
+
+
+def _attend_slots_cpu(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    seen: torch.Tensor,
+    window: int,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`alisa.ops.cpu.attend_slots` over a float32 region's slots, with the tokens seen
+    as a static step has them.
+
+    Parameters
+    ----------
+    query
+        (B, H, 1, D) float32 queries.
+    keys, values
+        (B, H_kv, C, D) float32 rows.
+    positions
+        (B, Hs, C) int64 position held by each slot (negative: empty).
+    seen
+        (1,) int64: tokens seen, the query's included (read here: the tensor is on the CPU).
+    window
+        A sliding layer's window, 0 for none.
+    scaling
+        Softmax scale.
+
+    Returns
+    -------
+    tuple
+        ((B, 1, H, D) output, (B, H_kv, G, 1, C) float32 probabilities).
+    """
+    return cpu.attend_slots(query, keys, values, positions, int(seen), window or None, scaling)
+
+
+def _attend_slots_shapes(query, keys, values, positions, seen, window, scaling):
+    batch, heads, _, head_dim = query.shape
+    kv_heads, capacity = keys.shape[1], keys.shape[2]
+    output = query.new_empty(batch, 1, heads, head_dim)
+    groups = heads // kv_heads
+    probabilities = query.new_empty(batch, kv_heads, groups, 1, capacity, dtype=torch.float32)
+    return output, probabilities
+
+
+def _evict_one_cpu(scores, positions, first, seen, recent, sinks: int) -> torch.Tensor:
+    """:func:`alisa.ops.reference.evict_one` by the compiled eviction (the same slots; the
+    arguments as :data:`SCHEMAS` types them): (B, Hs, S) float32 scores and int64 positions,
+    (B,) int64 ``first`` and ``recent``, (1,) int64 ``seen``; returns the (B, Hs, 1) int64
+    slots."""
+    step = Eviction(
+        scores=scores,
+        positions=positions,
+        first=first.numpy(),
+        seen=int(seen),
+        recent=recent.numpy(),
+        sinks=sinks,
+        excess=np.ones(scores.shape[0], dtype=np.int64),
+    )
+    return cpu.evict(step)[0]
+
+
+def _evict_one_shapes(scores, positions, first, seen, recent, sinks):
+    return positions.new_empty(*scores.shape[:2], 1)
+
+
+def _register() -> torch.library.Library:
+    """Define the operators under the ``alisa`` namespace, each with its CPU kernel and fake."""
+    library = torch.library.Library("alisa", "DEF")
+    kernels = {"attend_slots": _attend_slots_cpu, "evict_one": _evict_one_cpu}
+    fakes = {"attend_slots": _attend_slots_shapes, "evict_one": _evict_one_shapes}
+    for name, schema in SCHEMAS.items():
+        library.define(schema)
+        library.impl(name, kernels[name], "CPU")
+        torch.library.register_fake(f"alisa::{name}", fakes[name], lib=library)
+    return library
+
+
+# The registration's handle: the operators live as long as this module (loaded once).
+_LIBRARY = _register()
+# What a static step calls (the compiler sees one node each); documented by their kernels.
+attend_slots = torch.ops.alisa.attend_slots.default
+evict_one = torch.ops.alisa.evict_one.default
