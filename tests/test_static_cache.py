@@ -127,12 +127,19 @@ def test_the_static_step_keeps_what_the_growing_cache_keeps(mode, kernels):
     assert torch.equal(greedy(model, static, ids, mask, steps, model), growing)
 
 
+@pytest.mark.parametrize("kernels", ["reference", "cpu"])
 @pytest.mark.parametrize("name", ["mistral", "gemma3_text", "qwen2-window", "gpt2", "qwen3"])
 @pytest.mark.parametrize("mode", ["dense", "swa"])
-def test_each_family_traces_its_static_step_to_the_eager_tokens(name, mode):
+def test_each_family_traces_its_static_step_to_the_eager_tokens(name, mode, kernels):
     """Sliding-window layers (Mistral, Gemma 3's hybrid, Qwen2's window), GPT-2's fused
-    projections, Qwen3's norms: the traced static step is the eager step, in one graph."""
-    traced_equals_eager(build(FAMILIES[name]), mode, *prompts(), 24)
+    projections, Qwen3's norms: the traced static step is the eager step, in one graph, with
+    PyTorch's operators or the CPU's (whose attention then masks a sliding layer's window:
+    PyTorch's tokens)."""
+    model, (ids, mask) = build(FAMILIES[name]), prompts()
+    tokens = traced_equals_eager(model, mode, ids, mask, 24, kernels)
+    if kernels == "cpu":
+        cache = AlisaCache(model, config(mode), max_cache_len=ids.shape[1] + 25)
+        assert torch.equal(tokens, greedy(model, cache, ids, mask, 24, model))
 
 
 @pytest.mark.parametrize("mode", ["dense", "swa"])
