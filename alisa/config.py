@@ -152,7 +152,9 @@ class AlisaConfig:
         attention over the kept slots and slot map: ``auto`` (the device's: ``cuda``, Triton's,
         on a CUDA device with Triton; ``cpu``, numba's compiled kernels, on a CPU; else
         ``reference``), ``reference`` (PyTorch operators, the definition the others are
-        tested against), ``cpu`` or ``cuda``. Chosen once per cache, and named by
+        tested against), ``cpu`` or ``cuda``. A static (compiled) cache on a CPU traces
+        PyTorch's operators under ``auto``; ``cpu`` calls numba's attention and eviction there
+        as registered operators (:mod:`alisa.ops.library`). Chosen once per cache, and named by
         ``--show-config``, the ``[alisa]`` line and ``GenerationOutput.kernels``
         (:mod:`alisa.ops.backends`).
     residual_tokens
