@@ -159,7 +159,7 @@ class Ops:
         object.__setattr__(self, "add_sums", add_sums)
         evict_static = reference.evict_one
         if self.operators:
-            from alisa.ops import library  # registers the operators (and loads numba)
+            from alisa.ops import library  # numba loads only where its kernels run
 
             evict_static = library.evict_one
         object.__setattr__(self, "evict_static", evict_static)
