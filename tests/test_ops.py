@@ -292,12 +292,9 @@ def test_a_static_steps_eviction_operator_chooses_the_references_slot(groups):
 
     for seed in range(12):
         step = _eviction(seed, batch=3, groups=groups, width=40, most=1)
-        numbers = (
-            torch.as_tensor(step.first, dtype=torch.int64),
-            torch.tensor([step.seen]),
-            torch.as_tensor(step.recent, dtype=torch.int64),
-        )
-        first, seen, recent = numbers
+        first = torch.as_tensor(step.first, dtype=torch.int64)
+        seen = torch.tensor([step.seen])
+        recent = torch.as_tensor(step.recent, dtype=torch.int64)
         args = (step.scores, step.positions, first, seen, recent, step.sinks)
         theirs = library.evict_one(*args)
         assert theirs.shape == (3, groups, 1)

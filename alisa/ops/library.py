@@ -19,14 +19,17 @@ from alisa.ops import cpu
 from alisa.ops.reference import Eviction
 
 # The operators' schemas. Registered through torch.library's lower-level API, with a CPU kernel
-# and a fake one each: ``torch.library.custom_op`` adds an autograd layer (never used here) that
-# cost 40 us a call against 9 us, 1.2 ms a step for SmolLM2's 30 layers (a throw-away timing).
-SCHEMAS = {
-    "attend_slots": "attend_slots(Tensor query, Tensor keys, Tensor values, Tensor positions, "
-    "Tensor seen, int window, float scaling) -> (Tensor, Tensor)",
-    "evict_one": "evict_one(Tensor scores, Tensor positions, Tensor first, Tensor seen, "
-    "Tensor recent, int sinks) -> Tensor",
-}
+# and a fake one each (:data:`OPERATORS`): ``torch.library.custom_op`` adds an autograd layer
+# (never used here) that cost 40 us a call against 9 us, 1.2 ms a step for SmolLM2's 30 layers
+# (a throw-away timing).
+ATTEND_SLOTS = (
+    "attend_slots(Tensor query, Tensor keys, Tensor values, Tensor positions, Tensor seen, "
+    "int window, float scaling) -> (Tensor, Tensor)"
+)
+EVICT_ONE = (
+    "evict_one(Tensor scores, Tensor positions, Tensor first, Tensor seen, Tensor recent, "
+    "int sinks) -> Tensor"
+)
 
 
 def _attend_slots_cpu(
@@ -75,7 +78,7 @@ def _attend_slots_shapes(query, keys, values, positions, seen, window, scaling):
 
 def _evict_one_cpu(scores, positions, first, seen, recent, sinks: int) -> torch.Tensor:
     """:func:`alisa.ops.reference.evict_one` by the compiled eviction (the same slots; the
-    arguments as :data:`SCHEMAS` types them): (B, Hs, S) float32 scores and int64 positions,
+    arguments as :data:`EVICT_ONE` types them): (B, Hs, S) float32 scores and int64 positions,
     (B,) int64 ``first`` and ``recent``, (1,) int64 ``seen``; returns the (B, Hs, 1) int64
     slots."""
     step = Eviction(
@@ -94,15 +97,21 @@ def _evict_one_shapes(scores, positions, first, seen, recent, sinks):
     return positions.new_empty(*scores.shape[:2], 1)
 
 
+# (schema, CPU kernel, fake kernel) of each operator; its name is the schema's.
+OPERATORS = (
+    (ATTEND_SLOTS, _attend_slots_cpu, _attend_slots_shapes),
+    (EVICT_ONE, _evict_one_cpu, _evict_one_shapes),
+)
+
+
 def _register() -> torch.library.Library:
-    """Define the operators under the ``alisa`` namespace, each with its CPU kernel and fake."""
+    """Define :data:`OPERATORS` under the ``alisa`` namespace, each with its kernels."""
     library = torch.library.Library("alisa", "DEF")
-    kernels = {"attend_slots": _attend_slots_cpu, "evict_one": _evict_one_cpu}
-    fakes = {"attend_slots": _attend_slots_shapes, "evict_one": _evict_one_shapes}
-    for name, schema in SCHEMAS.items():
+    for schema, kernel, fake in OPERATORS:
+        name = schema.partition("(")[0]
         library.define(schema)
-        library.impl(name, kernels[name], "CPU")
-        torch.library.register_fake(f"alisa::{name}", fakes[name], lib=library)
+        library.impl(name, kernel, "CPU")
+        torch.library.register_fake(f"alisa::{name}", fake, lib=library)
     return library
 
 
