@@ -182,24 +182,79 @@ def _storable(
     that dtype; a constant group's value (its scale, with z = 0) must be exact.
     """
     for dtype in dict.fromkeys((preferred, torch.float32, torch.float64)):
-        stored_scale = scale.to(dtype)
-        below = stored_scale.double().abs() < scale.abs()
-        stored_scale = torch.where(
-            below & ~constant,
-            torch.nextafter(stored_scale, torch.full_like(stored_scale, torch.inf)),
-            stored_scale,
-        )
-        zero = torch.where(
-            constant, torch.zeros_like(low), torch.round(-low / stored_scale.double())
-        )
-        stored_zero = zero.to(dtype)
-        wide = stored_scale.double()
-        fits = (
-            torch.isfinite(stored_scale)
-            & (stored_scale != 0)
-            & (stored_zero.double() == zero)
-            & ((wide == scale) | ~constant)
-        )
+        stored_scale, stored_zero, fits = _stored_as(scale, low, constant, dtype)
         if bool(fits.all()):  # one reduction, one host sync
             return stored_scale, stored_zero
     raise AssertionError("float64 always holds float64 values")
+
+
+def _stored_as(
+    scale: torch.Tensor, low: torch.Tensor, constant: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scale and zero point stored as ``dtype`` (see :func:`_storable`), and where they hold."""
+    stored_scale = scale.to(dtype)
+    below = stored_scale.double().abs() < scale.abs()
+    stored_scale = torch.where(
+        below & ~constant,
+        torch.nextafter(stored_scale, torch.full_like(stored_scale, torch.inf)),
+        stored_scale,
+    )
+    zero = torch.where(constant, torch.zeros_like(low), torch.round(-low / stored_scale.double()))
+    stored_zero = zero.to(dtype)
+    wide = stored_scale.double()
+    fits = (
+        torch.isfinite(stored_scale)
+        & (stored_scale != 0)
+        & (stored_zero.double() == zero)
+        & ((wide == scale) | ~constant)
+    )
+    return stored_scale, stored_zero, fits
+
+
+#: The scale dtypes :func:`quantize` tries, narrowest first (:func:`quantize_fixed`'s levels).
+SCALE_LEVELS = (torch.float16, torch.float32, torch.float64)
+
+
+def quantize_fixed(
+    x: torch.Tensor, valid: torch.Tensor, level: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """INT8 :func:`quantize` of (..., m, D) rows with one scale each, with one shape and no
+    host read (for a compiled step): the same codes, scales and zero points.
+
+    :func:`quantize` stores the scales of one call in the first dtype of
+    :data:`SCALE_LEVELS`, from the preferred one on, that holds every row's (a host read);
+    here each dtype is tried at once and the first that holds every ``valid`` row, from
+    ``level`` on, is taken on the device.
+
+    Parameters
+    ----------
+    x
+        (..., m, D) float rows, finite.
+    valid
+        (m,) bool: the rows that count (the others are coded too, and ignored).
+    level
+        (1,) int64 on ``x``'s device: the index in :data:`SCALE_LEVELS` of the preferred dtype.
+
+    Returns
+    -------
+    tuple
+        (..., m, D) uint8 codes; (..., m, 1) float64 scales and zero points, whose values are
+        those of the chosen dtype; the chosen (1,) int64 level.
+    """
+    grouped = x.double().unsqueeze(-2)  # (..., m, 1, D): one group per row
+    low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
+    constant = high == low
+    scale = torch.where(constant, low, (high - low) / 255)
+    scale = torch.where(constant & (low == 0), torch.ones_like(scale), scale)
+    stored = [_stored_as(scale, low, constant, dtype) for dtype in SCALE_LEVELS]
+    counted = valid.view(-1, 1)
+    holds = torch.stack([(fits | ~counted).all() for _, _, fits in stored])  # (levels,)
+    candidates = torch.arange(len(SCALE_LEVELS), device=x.device)
+    usable = holds & (candidates >= level)
+    # The first usable level (float64 always is): a minimum, not an argmax of a mask.
+    chosen = torch.where(usable, candidates, len(SCALE_LEVELS)).min().view(1)
+    stored_scale = torch.stack([s.double() for s, _, _ in stored]).index_select(0, chosen)[0]
+    stored_zero = torch.stack([z.double() for _, z, _ in stored]).index_select(0, chosen)[0]
+    codes = torch.round(grouped / stored_scale.unsqueeze(-1) + stored_zero.unsqueeze(-1))
+    codes = codes.clamp_(0, 255).to(torch.uint8).reshape(x.shape)
+    return codes, stored_scale, stored_zero, chosen

@@ -20,7 +20,8 @@ from alisa.runtime.engine import DecodeState, Engine
 from alisa.runtime.generate import new_cache
 
 SWA = AlisaConfig(policy="swa", caching_ratio=0.5, min_budget_tokens=0)  # decayed sums: no ring
-HOST = AlisaConfig(policy="swa", caching_ratio=0.5, retention="host")
+# A mode without a static step: host retention over an INT4 host region.
+HOST = AlisaConfig(policy="swa", caching_ratio=0.5, retention="host", host_bits=4)
 CUDA_AUTO = CompileChoice(asked="auto", compiled=True, reason="auto: CUDA")
 
 
@@ -126,7 +127,8 @@ def test_auto_runs_eager_on_a_cpu_and_settles_what_cannot_compile(tmp_path):
     settled = job_compile(CUDA_AUTO, model, host, None)
     assert (
         settled.describe()
-        == "off (auto: retention='host' has no static (compiled) decode step yet)"
+        == "off (auto: retention='host' with host_bits=4 has no static (compiled) decode step "
+        "yet (host_bits=8 and 16 have))"
     )
     static = BatchJob(input=source, output=out, static=True, config=SWA)
     assert job_compile(CUDA_AUTO, model, static, None) == CUDA_AUTO
@@ -151,7 +153,7 @@ def test_compile_on_is_refused_for_continuous_batching_and_modes_without_a_stati
         config=HOST,
         progress=False,
     )
-    with pytest.raises(ValueError, match="retention='host' has no static"):
+    with pytest.raises(ValueError, match="retention='host' with host_bits=4 has no static"):
         run_batch(tiny_llama(), byte_tokenizer(), job)
     assert not out.exists()  # refused before any row: the run leaves no output behind
 

@@ -27,6 +27,19 @@ MODES = {
     "streaming": {"policy": "streaming", "budget_tokens": 9},
     "local": {"policy": "local", "caching_ratio": 0.5},
     "strided": {"policy": "strided", "caching_ratio": 0.4},
+    # Host retention: SWA's decayed history share and H2O's whole-history sums over an INT8
+    # host region (the default), TOVA's one-step window (the sums erased every step) and the
+    # sketch alone over a 16-bit one.
+    "host": {"policy": "swa", "caching_ratio": 0.3, "retention": "host"},
+    "host-h2o": {"policy": "h2o", "caching_ratio": 0.3, "retention": "host"},
+    "host-tova": {"policy": "tova", "caching_ratio": 0.3, "retention": "host", "host_bits": 16},
+    "host-sketch": {
+        "policy": "swa",
+        "caching_ratio": 0.2,
+        "retention": "host",
+        "host_bits": 16,
+        "history_share": 0.0,
+    },
 }
 
 
@@ -119,7 +132,11 @@ def test_the_static_step_keeps_what_the_growing_cache_keeps(mode, kernels):
     In float64, since the two lay their slots out differently and float32 sums in another
     order can part a near tie of evictions (SWA's exact window subtracts snapshots: at step
     111 of one row in float32 here, never in float64)."""
-    model = tiny_llama().to(torch.float64)
+    model = tiny_llama()
+    if config(mode).host_bits != 8 or config(mode).retention != "host":
+        # An INT8 host region's static step takes float32 models only (its rows are decoded
+        # as the eager region's there): the rest compare in float64.
+        model = model.to(torch.float64)
     ids, mask = prompts(lengths=(20, 11, 16))
     steps = 200
     growing = greedy(model, AlisaCache(model, config(mode, kernels)), ids, mask, steps, model)
@@ -142,7 +159,7 @@ def test_each_family_traces_its_static_step_to_the_eager_tokens(name, mode, kern
         assert torch.equal(tokens, greedy(model, cache, ids, mask, 24, model))
 
 
-@pytest.mark.parametrize("mode", ["dense", "swa"])
+@pytest.mark.parametrize("mode", ["dense", "swa", "host"])
 def test_generate_compiles_a_static_cache_to_the_eager_tokens(mode):
     """``generate(compile="on")`` builds the static cache itself and runs inductor's code: the
     eager tokens, one graph, its compile time reported."""
@@ -237,16 +254,33 @@ def test_the_static_slot_space_is_fixed_and_bounded_by_the_budget():
         ({"kv_bits": 8}, "kv_bits=8 has no static (compiled) decode step yet"),
         ({"gpu_memory": "1GiB"}, "gpu_memory='1GiB' has no static (compiled) decode step yet"),
         (
-            {"policy": "swa", "caching_ratio": 0.3, "retention": "host"},
-            "retention='host' has no static (compiled) decode step yet",
+            {"policy": "swa", "caching_ratio": 0.3, "retention": "host", "host_bits": 4},
+            "retention='host' with host_bits=4 has no static (compiled) decode step yet",
+        ),
+        (
+            {**MODES["host"], "estimate_rest": True},
+            "retention='host' with estimate_rest=True has no static (compiled) decode step",
+        ),
+        (
+            {**MODES["host"], "reselect_every": 2},
+            "retention='host' with reselect_every=2 has no static (compiled) decode step",
         ),
     ],
-    ids=["int8", "tiers", "host"],
+    ids=["int8", "tiers", "host-int4", "host-rest", "host-reselect"],
 )
 def test_modes_without_a_static_step_are_refused_when_built(fields, needle):
     model = tiny_llama()
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         AlisaCache(model, AlisaConfig(**fields), max_cache_len=64)
+
+
+def test_an_int8_host_region_of_a_model_not_in_float32_is_refused_when_built():
+    """Its rows are decoded as the eager region's only for float32 keys: a bfloat16 model's
+    static host step is refused, naming the setting, the dtype and what has one."""
+    model = tiny_llama().to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"host_bits=8 for a bfloat16 model \(float32 has\)"):
+        AlisaCache(model, config("host"), max_cache_len=64)
+    assert AlisaCache(model, config("host-tova"), max_cache_len=64).is_compileable
 
 
 @pytest.mark.parametrize("value", [0, -3, 2.5, True, "64"])

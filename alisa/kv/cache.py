@@ -130,6 +130,8 @@ class AlisaCache(Cache):
         self.ops: Ops = model_ops(model, self.config.kernels, traced=traced)
         if note := unread_kernels_note(self.config, self.ops.device):  # a CUDA step without one
             warnings.warn(note, IgnoredSettingWarning, stacklevel=2)
+        if traced and self.config.retention == "host":
+            _check_static_host(self.config, self.ops.device, model.dtype)
         # A static cache's step numbers, bound at its first decode step (alisa.kv.static), and
         # whether a step was planned whose token is not stored yet.
         self._pack: StepPack | None = None
@@ -702,9 +704,9 @@ def _check_static(
 ) -> int | None:
     """``max_cache_len`` as an int, refused (naming the setting) where the mode has no static
     step yet: KV coded to fewer bits (a region of codes and full-precision recent tokens),
-    device/host/recompute tiers (their regions move per step) and host retention (its
-    selection and fetch are numba/Triton kernels, not custom operators). Keepers refuse for
-    their own modes too (:meth:`~alisa.kv.keeper.Keeper.static_slots`)."""
+    device/host/recompute tiers (their regions move per step). Keepers refuse for their own
+    modes too (:meth:`~alisa.kv.keeper.Keeper.static_slots`: host retention's INT8/INT4 host
+    region), and the cache host retention on CUDA."""
     if max_cache_len is None:
         return None
     check_int("max_cache_len", max_cache_len, minimum=1)
@@ -714,11 +716,7 @@ def _check_static(
             f"max_cache_len={max_cache_len} is longer than the model's context of {context[0]} "
             f"tokens ({context[1]}); at most {context[0]}"
         )
-    reasons = {
-        "kv_bits": config.kv_bits != 16,
-        "gpu_memory": config.gpu_memory is not None,
-        "retention": config.retention == "host",
-    }
+    reasons = {"kv_bits": config.kv_bits != 16, "gpu_memory": config.gpu_memory is not None}
     for name, refused in reasons.items():
         if refused:
             raise ValueError(
@@ -726,6 +724,23 @@ def _check_static(
                 "run it eager (compile='off' or 'auto'; a cache built without max_cache_len)"
             )
     return int(max_cache_len)
+
+
+def _check_static_host(config: AlisaConfig, device: str, dtype: torch.dtype) -> None:
+    """Refuse a static host-retention cache where its step is not static yet: on CUDA (its host
+    region is page-locked host memory the device reads by a kernel of its own,
+    :mod:`alisa.ops.cuda`, which a captured graph cannot take yet), or with an INT8 host region
+    under a model that is not float32 (its rows are decoded as the eager region's only there)."""
+    if device != "cpu":
+        why = f"on {device} yet (a CPU has)"
+    elif config.host_bits == 8 and dtype != torch.float32:
+        why = f"with host_bits=8 for a {str(dtype).removeprefix('torch.')} model (float32 has)"
+    else:
+        return
+    raise ValueError(
+        f"retention='host' has no static (compiled) decode step {why}: run it eager "
+        "(compile='off' or 'auto'; a cache built without max_cache_len)"
+    )
 
 
 def _refuse_static(action: str, *caches: AlisaCache) -> None:

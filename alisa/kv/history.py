@@ -103,19 +103,9 @@ class PositionHistory:
             depend on it.
         """
         self.reserve(width)
-        if self.decayed:
-            if window is None:
-                raise ValueError("a decayed history needs the window w of each sequence")
-            keep = 1.0 - 1.0 / np.maximum(window, 1)
-            if keep.min() > 0:  # every sequence fades (one array op: this runs every layer)
-                self.scale /= keep
-            else:
-                erased = keep == 0  # a one-step window (TOVA): only this step's attention counts
-                self.total[upload(erased, self.total.device)] = 0.0
-                self.scale[erased] = 1.0
-                self.scale[~erased] /= keep[~erased]
-            if self.scale.max() > RESCALE_AT:
-                self._rescale()
+        factor = self.fade(window)
+        if factor is not None:
+            self.total.mul_(upload(factor, self.total.device).view(-1, 1, 1))
         scale = self.scale.astype(np.float32)
         slots = positions[..., : probabilities.shape[-1]]
         if compiled:
@@ -128,10 +118,61 @@ class PositionHistory:
                 kernel_parts(slots.shape[0] * slots.shape[1], parts),
             )
             return
-        rows = combine_queries(probabilities, self.head_max)
-        rows = rows * upload(scale, rows.device).view(-1, 1, 1)
-        rows = rows.masked_fill(slots < 0, 0.0)
+        self._scatter(probabilities, slots, upload(scale, probabilities.device))
+
+    def fade(self, window: np.ndarray | None) -> np.ndarray | None:
+        """The host's half of a step's fade: grow each sequence's scale by ``1 / (1 - 1/w)``
+        for its window ``window`` (B,), and say what the stored sums must first be multiplied
+        by: (B,) float32, 0 where a one-step window (TOVA) erases them, the inverse scale where
+        they are brought back to scale 1; None: nothing (not decayed, or no such row).
+
+        Raises
+        ------
+        ValueError
+            A decayed history without a window.
+        """
+        if not self.decayed:
+            return None
+        if window is None:
+            raise ValueError("a decayed history needs the window w of each sequence")
+        keep = 1.0 - 1.0 / np.maximum(window, 1)
+        factor = None
+        if keep.min() > 0:  # every sequence fades (one array op: this runs every layer)
+            self.scale /= keep
+        else:
+            erased = keep == 0  # a one-step window (TOVA): only this step's attention counts
+            factor = np.where(erased, 0.0, 1.0)
+            self.scale[erased] = 1.0
+            self.scale[~erased] /= keep[~erased]
+        if self.scale.max() > RESCALE_AT:  # back to the true sums, scale 1
+            inverse = 1.0 / self.scale
+            factor = inverse if factor is None else factor * inverse
+            self.scale[:] = 1.0
+        return None if factor is None else factor.astype(np.float32)
+
+    def add_static(
+        self,
+        probabilities: torch.Tensor,
+        positions: torch.Tensor,
+        factor: torch.Tensor,
+        scale: torch.Tensor,
+    ) -> None:
+        """:meth:`add` in a static step (:mod:`alisa.kv.static`): the host computed the fade
+        (:meth:`fade`), the device gets its (B,) float32 ``factor`` and ``scale``; the sums are
+        allocated for every position already. Same parameters as :meth:`add` otherwise."""
+        self.total.mul_(factor.view(-1, 1, 1))
+        self._scatter(probabilities, positions[..., : probabilities.shape[-1]], scale)
+
+    def _scatter(self, probabilities: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor):
+        """Add (B, H_kv, G, S') attention, its query heads combined and times the (B,) scale,
+        to the positions the (B, H_kv, S') ``slots`` hold."""
+        rows = combine_queries(probabilities, self.head_max) * scale.view(-1, 1, 1)
+        rows = rows.masked_fill(slots < 0, 0.0).to(self.total.dtype)  # float64 models too
         self.total.scatter_add_(-1, slots.clamp(min=0), rows)
+
+    def static_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The tensor a static step writes in place (its address kept from here on)."""
+        return (self.total,)
 
     def reserve(self, width: int) -> None:
         """Grow (with headroom) so that positions [0, width) exist; new ones are zero."""
@@ -172,9 +213,3 @@ class PositionHistory:
             decayed=self.decayed,
             head_max=self.head_max,
         )
-
-    def _rescale(self) -> None:
-        """Divide the stored sums by their scale: back to the true sums, scale 1."""
-        inverse = upload(1.0 / self.scale, self.total.device, torch.float32)
-        self.total *= inverse.view(-1, 1, 1)
-        self.scale[:] = 1.0

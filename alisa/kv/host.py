@@ -37,13 +37,26 @@ from alisa.kv.history import PositionHistory
 from alisa.kv.keeper import Keeper
 from alisa.kv.rest import RestColumn, ValueTotals, rest_logit
 from alisa.kv.slots import SlotMap
+from alisa.kv.static import StepPack
 from alisa.ops.backends import Ops, choose_ops
-from alisa.ops.reference import ChoiceInputs, SelectionStep
+from alisa.ops.reference import (
+    ChoiceInputs,
+    SelectionStep,
+    StaticChoice,
+    fetch_placed_static,
+    place,
+    select_rule_static,
+)
 from alisa.ops.transfer import upload
 from alisa.policies import KVPolicy
 from alisa.storage.pages import PAGE_TOKENS, HostPages, host_region_bytes
 from alisa.storage.sketch import KeySketch, Scoring
 from alisa.storage.store import KVStore
+
+# A static step's numbers per sequence (HostKeeper.reserve): the budget, the recent window, the
+# history's picks, the first real position, the history's fade factor and scale, and the range
+# of positions the host region codes at this step (its start and count).
+STATIC_FIELDS = 8
 
 
 class HostStep(NamedTuple):
@@ -121,6 +134,11 @@ class HostKeeper(Keeper):
         self.history_share = history_share
         self.reselect_every = reselect_every
         self.estimate_rest = estimate_rest
+        # A static cache's longest context and the budget there (static_slots), and where this
+        # keeper's fields sit in its step pack.
+        self.static_width = 0
+        self.static_most = 0
+        self._fields = 0
         self.reset()
 
     def reset(self) -> None:
@@ -165,6 +183,9 @@ class HostKeeper(Keeper):
         """Make the device slots this step's chosen tokens (fetching what the device lacks),
         once every ``reselect_every`` steps; the steps between attend to the last choice and
         the tokens written since."""
+        if self.pack is not None:  # a static step: the host planned it (plan_step)
+            self._select_static(slots, store, query)
+            return
         self.unselected += 1
         if self.unselected < self.reselect_every:
             return
@@ -188,7 +209,15 @@ class HostKeeper(Keeper):
             if self.prompt is not None:
                 self.write(0, *self.prompt, slots)
                 self.prompt = None
+                # The sketch's channels are chosen from the prompt, whatever its length: a
+                # static step, which writes every token as it comes, chooses them so too.
+                self._flush(slots)
             self.select(slots, store, query[:, :, -1:], self.step(slots))
+        elif self.pack is not None:
+            if self.history is not None:
+                probabilities = probabilities[:, :, :, 0, : slots.capacity]
+                factor, scale = (self._field(4).float(), self._field(5).float())
+                self.history.add_static(probabilities, slots.positions, factor, scale)
         elif probabilities is not None:
             window = self.steps_scored(slots)
             self.account_history(probabilities[:, :, :, 0, : slots.capacity], slots, window)
@@ -408,13 +437,7 @@ class HostKeeper(Keeper):
         if self.history_share == 0 or self.pages is None:
             return
         if self.history is None:
-            self.history = PositionHistory(
-                *probabilities.shape[:2],
-                slots.seen,
-                probabilities.device,
-                decayed=window is not None,
-                head_max=self.policy.head_max,  # the policy's combine_heads at decode steps
-            )
+            self.history = self._new_history(slots.seen, decayed=window is not None)
         self.history.add(
             probabilities,
             slots.positions,
@@ -423,6 +446,129 @@ class HostKeeper(Keeper):
             compiled=self.ops.compiled,
             parts=self.ops.parts,
         )
+
+    def _new_history(self, width: int, *, decayed: bool) -> PositionHistory:
+        """An empty attention history of ``width`` positions, shaped like the host region."""
+        batch, heads = self.sketch.keys.shape[:2]
+        return PositionHistory(
+            batch,
+            heads,
+            width,
+            self.sketch.keys.device,
+            decayed=decayed,
+            head_max=self.policy.head_max,  # the policy's combine_heads at decode steps
+        )
+
+    # ---- a static step (:mod:`alisa.kv.static`) -----------------------------------------
+
+    def static_slots(self, max_len: int) -> int:
+        """The budget at ``max_len`` tokens and the new token: budgets never shrink as a
+        sequence grows, so a step holds at most its last choice and its token.
+
+        Raises
+        ------
+        ValueError
+            A host region coded to fewer bits (its scales' dtype follows the data), the
+            rest's estimate or a selection every few steps: no static step yet.
+        """
+        unstatic = {
+            "host_bits": self.host_bits == 4,
+            "estimate_rest": self.estimate_rest,
+            "reselect_every": self.reselect_every != 1,
+        }
+        for name, refused in unstatic.items():
+            if refused:
+                raise ValueError(
+                    f"retention='host' with {name}={getattr(self, name)!r} has no static "
+                    "(compiled) decode step yet (host_bits=8 and 16 have): run it eager "
+                    "(compile='off' or 'auto'; a cache built without max_cache_len)"
+                )
+        self.static_most = int(self.policy.budget(np.array([max_len], dtype=np.int64))[0])
+        self.static_width = max_len
+        return min(self.static_most + 1, max_len)
+
+    def reserve(self, pack: StepPack, batch: int) -> None:
+        """Fields (B,) each (:data:`STATIC_FIELDS`); the host region, the sketch and the
+        attention history allocated for every position a step may reach, and a device count
+        of the tokens fetched, so that a step writes them in place."""
+        super().reserve(pack, batch)
+        self._fields = pack.reserve(STATIC_FIELDS, batch)
+        self.pages.make_static(self.static_width)
+        self.sketch.grow(self.static_width)
+        if self.history_share > 0:
+            if self.history is None:
+                decayed = self.policy.steps_scored(np.ones(1, dtype=np.int64)) is not None
+                self.history = self._new_history(self.static_width, decayed=decayed)
+            self.history.reserve(self.static_width)
+        if self._fetched_on_device is None:
+            self._fetched_on_device = torch.zeros((), dtype=torch.int64, device=self.pack.device)
+
+    def static_buffers(self) -> tuple[torch.Tensor, ...]:
+        history = () if self.history is None else self.history.static_buffers()
+        return (
+            *self.pages.static_buffers(),
+            *self.sketch.static_buffers(),
+            *history,
+            self._fetched_on_device,
+        )
+
+    def plan_step(self, slots: SlotMap) -> None:
+        """The eager step's numbers, from the same shares: what :meth:`select` and
+        :meth:`account_history` compute on the host."""
+        step = self.step(slots)
+        block = self.pack.host(self._fields, STATIC_FIELDS, self.pack.rows)
+        block[0], block[1], block[3] = step.budget, step.recent, slots.first
+        block[2] = step.shares if self.history is not None else 0
+        if self.history is not None:
+            factor = self.history.fade(self.steps_scored(slots))
+            block[4] = 1.0 if factor is None else factor
+            block[5] = self.history.scale.astype(np.float32)
+        # The range the eager step codes into the host region now: the pending tokens, once a
+        # page of them came or a selection could leave one out (see write and select).
+        coded = slots.seen - self.flushed >= PAGE_TOKENS
+        coded |= not step.covers and self.flushed < slots.seen - step.nearest
+        block[6], block[7] = self.flushed, slots.seen - self.flushed if coded else 0
+        if coded:
+            self.flushed = slots.seen
+        if not step.covers:
+            slots.settle(step.budget)
+            self.steps += 1
+
+    def write_static(self, position: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+        """The sketch takes the token at once, the host region as the eager step codes it (a
+        16-bit one at once: the same bytes, as every row is stored alone)."""
+        start, count = (self._field(i)[:1].to(torch.int64) for i in (6, 7))
+        self.pages.write_static(position, keys, values, start, count)
+        self.sketch.write_at(position, keys)
+
+    def _field(self, index: int) -> torch.Tensor:
+        return self.pack.field(self._fields, self.pack.rows, index)
+
+    def _select_static(self, slots: SlotMap, store: KVStore, query: torch.Tensor) -> None:
+        """:meth:`select` with one shape and every number read from the device: choose by
+        :func:`~alisa.ops.reference.select_rule_static`, place, fetch the rows the device
+        lacks into their slots."""
+        batch, kv_heads = slots.positions.shape[:2]
+        grouped = query[:, :, -1].reshape(batch, kv_heads, -1, query.shape[-1])
+        budget, recent, shares, first = (self._field(i).to(torch.int64) for i in range(4))
+        inputs = StaticChoice(
+            logits=self.sketch.logits(grouped),
+            history=None if self.history is None else self.history.total,
+            shares=shares,
+            positions=slots.positions,
+            first=first,
+            budget=budget,
+            recent=recent,
+            sinks=self.policy.sink_tokens,
+            seen=self.pack.position() + 1,
+            width=self.static_width,
+            most=self.static_most,
+        )
+        chosen, taken = select_rule_static(inputs)
+        placement = place(slots.positions, chosen, taken, self.static_width)
+        anchor = slots.holding(self.pack.position())  # the new token's slot
+        fetch_placed_static(self.pages.tensors(), *placement, anchor, *store.plain_heads())
+        self._fetched_on_device.add_(placement.fetch.sum())
 
     # ---- bookkeeping ----------------------------------------------------------------------
 

@@ -144,6 +144,11 @@ class Keeper:
         :meth:`SlotMap.advance`): write this keeper's numbers into its fields of
         :attr:`pack` and count on the host what the step will do on the device."""
 
+    def write_static(self, position: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+        """A static decode step stores its (B, H_kv, 1, D) token at ``position`` ((1,) int64 on
+        the device; the layer placed it in a slot): what the keeper keeps of it besides the
+        slot, written with one shape and no host read (nothing here)."""
+
     def grow(self, capacity: int) -> None:
         """The slot space grew to ``capacity`` slots."""
 

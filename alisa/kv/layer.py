@@ -102,7 +102,9 @@ class AlisaLayer(CacheLayerMixin):
         if self.prefilling:
             self._start(key_states, value_states)
         elif self.keeper.pack is not None:  # a static step: the host counted the token
-            slot = self.slots.claim_free(self.keeper.pack.position())
+            position = self.keeper.pack.position()
+            self.keeper.write_static(position, key_states, value_states)
+            slot = self.slots.claim_free(position)
             self.store.write_slots(slot, key_states, value_states)
         else:
             self.keeper.on_write(self.slots.seen, key_states, value_states, self.slots)

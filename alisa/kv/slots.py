@@ -212,6 +212,13 @@ class SlotMap:
         self.positions.scatter_(-1, slot, position.view(1, 1, 1).expand(slot.shape))
         return slot
 
+    def holding(self, position: torch.Tensor) -> torch.Tensor:
+        """(B, Hs, 1) int64: the slot that holds ``position`` ((1,) int64 on the device) in
+        every (sequence, group), found on the device (one every row holds: a step's token)."""
+        slots = torch.arange(self.positions.shape[-1], device=self.positions.device)
+        held = torch.where(self.positions == position.view(1, 1, 1), slots, slots.shape[0])
+        return held.amin(dim=-1, keepdim=True)
+
     def settle(self, kept: np.ndarray) -> None:
         """After a selection made the slots its chosen positions (:mod:`alisa.ops.reference`):
         ``kept`` (B,) tokens per group, and the width bound."""

@@ -430,30 +430,144 @@ def select_rule(inputs: ChoiceInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """
     logits, seen = inputs.logits, inputs.seen
     device = logits.device
-    every = torch.arange(seen, device=device)
     first = upload(inputs.first, device).view(-1, 1, 1)
     low = (first + inputs.sinks).clamp(max=seen)
     high = torch.maximum(seen - upload(inputs.recent, device).view(-1, 1, 1), low)
-    width = min(logits.shape[-1], seen)
-    level = ordered_key(logits[..., :width].amax(dim=2)) + 32768  # (B, H, width)
-    level = torch.nn.functional.pad(level, (0, seen - width))  # past C: never ranked
-    key = (level << 32) | every
-    ranked = (every >= low) & (every < high)
-    key = torch.where(ranked, key, torch.where(every >= first, _TOP, _BOTTOM))
+    key = _choice_keys(logits, seen, first, low, high, seen)
     if inputs.history is not None and int(inputs.shares.max()) > 0:
-        slots = inputs.positions
-        column = slots.clamp(min=0)
-        sums = inputs.history.gather(-1, column)
-        candidate = (slots >= low) & (slots < high) & (sums > 0)
-        history_key = torch.where(candidate, (ordered_key(sums) << 32) | column, _BOTTOM)
-        top, taken = top_k(history_key, np.minimum(inputs.shares, slots.shape[-1]))
-        taken &= history_key.gather(-1, top) > _BOTTOM
-        # Picks not taken go to an extra column (an empty slot's clamped 0 could name a taken
-        # position, and two writes to one index would race).
-        picked = torch.where(taken, column.gather(-1, top), seen)
-        key = torch.nn.functional.pad(key, (0, 1)).scatter_(-1, picked, _TOP)[..., :seen]
+        shares = np.minimum(inputs.shares, inputs.positions.shape[-1])
+        key = _with_history(
+            key, inputs.history, inputs.positions, low, high, lambda k: top_k(k, shares)
+        )
     top, taken = top_k(key, inputs.budget)
     return torch.where(taken, top, seen).sort(dim=-1).values, taken_by_budget(inputs)
+
+
+class StaticChoice(NamedTuple):
+    """What a static step's choice reads (:func:`select_rule_static`): :class:`ChoiceInputs`
+    with every number a step changes on the device and every shape fixed for the longest
+    context (``width`` positions), so that one trace serves every step.
+
+    Attributes
+    ----------
+    logits
+        (B, H_kv, G, C) bfloat16 sketch logits, C >= ``width``.
+    history
+        (B, H_kv, W) float32 attention sums (W >= ``width``), or None.
+    shares, first, budget, recent
+        (B,) int64 on the device: history picks at most, first real position, tokens to
+        choose, newest tokens protected.
+    positions
+        (B, H_kv, S) position each device slot holds (negative: none).
+    sinks
+        Leading real tokens protected.
+    seen
+        (1,) int64 on the device: positions so far.
+    width
+        Positions a step may reach (``max_cache_len``); every position is below it.
+    most
+        The largest budget any step chooses (the budget at ``width`` tokens).
+    """
+
+    logits: torch.Tensor
+    history: torch.Tensor | None
+    shares: torch.Tensor
+    positions: torch.Tensor
+    first: torch.Tensor
+    budget: torch.Tensor
+    recent: torch.Tensor
+    sinks: int
+    seen: torch.Tensor
+    width: int
+    most: int
+
+
+def select_rule_static(inputs: StaticChoice) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`select_rule` with one shape for every step and no host read: the same positions.
+
+    Positions at or past ``seen`` rank below every real one, and each top-k takes the most any
+    step takes, its entries past a sequence's count masked, so the chosen set is the eager
+    step's (its keys are distinct but for the protected ones, which every budget covers).
+
+    Returns
+    -------
+    tuple
+        (chosen, taken), each (B, H_kv, ``most``): the positions, ascending where taken, and
+        whether each counts (entries not taken hold ``width``).
+    """
+    width, seen = inputs.width, inputs.seen.view(1, 1, 1)
+    first = inputs.first.view(-1, 1, 1)
+    low = torch.minimum(first + inputs.sinks, seen)
+    high = torch.maximum(seen - inputs.recent.view(-1, 1, 1), low)
+    key = _choice_keys(inputs.logits, width, first, low, high, seen)
+    if inputs.history is not None:
+        slots = inputs.positions.shape[-1]
+        key = _with_history(
+            key,
+            inputs.history[..., :width],
+            inputs.positions,
+            low,
+            high,
+            lambda k: top_counted(k, inputs.shares, slots),
+        )
+    top, taken = top_counted(key, inputs.budget, inputs.most)
+    return torch.where(taken, top, width).sort(dim=-1).values, taken
+
+
+def top_counted(
+    priority: torch.Tensor, counts: torch.Tensor, most: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`top_k` with device ``counts`` (B,) int64 and a fixed width: the ``most`` highest
+    entries of each (B, Hs, n) row, highest first, and whether each is within its row's
+    count."""
+    top = torch.topk(priority, most, dim=-1, sorted=True).indices
+    wanted = torch.arange(most, device=priority.device).view(1, 1, -1)
+    return top, (wanted < counts.view(-1, 1, 1)).expand_as(top)
+
+
+def _choice_keys(
+    logits: torch.Tensor,
+    width: int,
+    first: torch.Tensor,
+    low: torch.Tensor,
+    high: torch.Tensor,
+    seen: int | torch.Tensor,
+) -> torch.Tensor:
+    """(B, H_kv, width) int64 keys of positions [0, width): ranked ones (``low`` <= p <
+    ``high``) by their best sketch logit with the position as the tie rule, protected real
+    ones above all (``first`` <= p < ``seen``), padding and positions not seen below all."""
+    every = torch.arange(width, device=logits.device)
+    scored = min(logits.shape[-1], width)
+    level = ordered_key(logits[..., :scored].amax(dim=2)) + 32768  # (B, H, scored)
+    level = torch.nn.functional.pad(level, (0, width - scored))  # past C: never ranked
+    key = (level << 32) | every
+    ranked = (every >= low) & (every < high)
+    real = (every >= first) & (every < seen)
+    return torch.where(ranked, key, torch.where(real, _TOP, _BOTTOM))
+
+
+def _with_history(
+    key: torch.Tensor,
+    history: torch.Tensor,
+    positions: torch.Tensor,
+    low: torch.Tensor,
+    high: torch.Tensor,
+    pick: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """``key`` with the held ranked tokens of most attention history (> 0) protected: ``pick``
+    takes (top, taken) of the (B, H_kv, S) history keys of the slots (ALISA's "globally
+    dynamic" tokens)."""
+    width = key.shape[-1]
+    column = positions.clamp(min=0)
+    sums = history.gather(-1, column)
+    candidate = (positions >= low) & (positions < high) & (sums > 0)
+    history_key = torch.where(candidate, (ordered_key(sums) << 32) | column, _BOTTOM)
+    top, taken = pick(history_key)
+    taken = taken & (history_key.gather(-1, top) > _BOTTOM)
+    # Picks not taken go to an extra column (an empty slot's clamped 0 could name a taken
+    # position, and two writes to one index would race).
+    picked = torch.where(taken, column.gather(-1, top), width)
+    return torch.nn.functional.pad(key, (0, 1)).scatter_(-1, picked, _TOP)[..., :width]
 
 
 def taken_by_budget(inputs: ChoiceInputs) -> torch.Tensor:
@@ -592,19 +706,58 @@ def fetch_placed(
     rows = torch.arange(batch * heads, device=chosen.device).view(batch, heads, 1)
     source = (rows * capacity + chosen.clamp(0, capacity - 1)).view(-1).cpu()
     picked = [t.view(2, -1, t.shape[-1]).index_select(1, source) for t in region]
-    if len(region) == 3:
-        data, scale, zero = picked
-        compute = torch.float16 if keys.dtype == torch.float16 else torch.float32
-        rows_out = (data.to(compute) - zero.to(compute)) * scale.to(compute)
-    else:
-        rows_out = picked[0]
-    rows_out = rows_out.to(keys.device, keys.dtype).view(2, batch, heads, entries, head_dim)
+    rows_out = _decoded(picked, keys.dtype).to(keys.device, keys.dtype)
+    rows_out = rows_out.view(2, batch, heads, entries, head_dim)
     # Entries not fetched write to one spare slot past the buffer (no data-dependent shape).
     spare = keys.shape[2]
     slots = torch.where(fetch, target, spare).unsqueeze(-1).expand(-1, -1, -1, head_dim)
     for buffer, rows_half in zip((keys, values), rows_out, strict=True):
         padded = torch.nn.functional.pad(buffer, (0, 0, 0, 1))
         buffer.copy_(padded.scatter_(2, slots, rows_half)[:, :, :spare])
+
+
+def fetch_placed_static(
+    region: tuple[torch.Tensor, ...],
+    chosen: torch.Tensor,
+    fetch: torch.Tensor,
+    target: torch.Tensor,
+    anchor: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+) -> None:
+    """:func:`fetch_placed` in a static step, whose region is where the device is (a CPU's
+    memory): one shape, and only the fetched rows read and written.
+
+    Entries not fetched read their row's position 0 and rewrite the ``anchor`` slot (B, H_kv,
+    1), one every row holds through the step (its new token's), with its own value, so the
+    scatter needs neither a copy of the buffers nor a slot to spare. Same parameters as
+    :func:`fetch_placed` otherwise.
+    """
+    batch, heads, entries = chosen.shape
+    head_dim = keys.shape[-1]
+    capacity = region[0].shape[3]
+    rows = torch.arange(batch * heads, device=chosen.device).view(batch, heads, 1)
+    source = (rows * capacity + torch.where(fetch, chosen, 0)).view(-1)
+    picked = [t.view(2, -1, t.shape[-1]).index_select(1, source) for t in region]
+    rows_out = _decoded(picked, keys.dtype).to(keys.dtype).view(2, batch, heads, entries, head_dim)
+    fetched = fetch.unsqueeze(-1)
+    slots = torch.where(fetch, target, anchor).unsqueeze(-1).expand(-1, -1, -1, head_dim)
+    held = anchor.unsqueeze(-1).expand(-1, -1, 1, head_dim)
+    for buffer, rows_half in zip((keys, values), rows_out, strict=True):
+        buffer.scatter_(2, slots, torch.where(fetched, rows_half, buffer.gather(2, held)))
+
+
+def _decoded(picked: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Rows read from a host region, (2, R, D), decoded for keys of ``dtype``: 16-bit rows as
+    they are, INT8 codes in float32 (float16 for float16 keys), or in float64 where the scales
+    are (a widened or static region: as :func:`quant.asymmetric.dequantize` decodes them)."""
+    if len(picked) == 1:
+        return picked[0]
+    data, scale, zero = picked
+    compute = torch.float16 if dtype == torch.float16 else torch.float32
+    if scale.dtype == torch.float64:
+        return ((data.double() - zero) * scale).to(compute)
+    return (data.to(compute) - zero.to(compute)) * scale.to(compute)
 
 
 # ---- the selection, composed ------------------------------------------------------------

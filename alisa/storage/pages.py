@@ -27,6 +27,7 @@ from alisa.ops.cpu import HALVES, fetch_rows, kernel_parts, move_rows
 from alisa.ops.reference import HostRegion
 from alisa.storage.quantized import SCALE_DTYPE, QuantizedPair
 from alisa.storage.store import byte_view, flat_rows, page_locked, range_rows, with_capacity
+from quant.asymmetric import SCALE_LEVELS, quantize_fixed
 
 
 @dataclass(frozen=True)
@@ -259,6 +260,10 @@ class HostPages:
         else:
             self.pair = QuantizedPair(shape, bits, head_dim, dtype, self.host)
         self.length = 0  # positions written
+        # A static step's INT8 coding (make_static): the scales' dtype chosen so far (an index
+        # of SCALE_LEVELS, on the device) and the tokens not coded yet, by position mod a page.
+        self.level: torch.Tensor | None = None
+        self.ring: torch.Tensor | None = None
         # region()'s numpy views of the INT8 rows, until its buffers are replaced.
         self._codes: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self.defer = pinned if defer is None else defer
@@ -271,14 +276,14 @@ class HostPages:
 
     @property
     def capacity(self) -> int:
-        return self._tensors()[0].shape[3]
+        return self.tensors()[0].shape[3]
 
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self._tensors())
+        return sum(t.nbytes for t in self.tensors())
 
     def pinned(self) -> bool:
         """Whether the buffers are page-locked (on CUDA they are, once a page is written)."""
-        return page_locked(*self._tensors())
+        return page_locked(*self.tensors())
 
     def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store (B, H_kv, m, D) keys and values at positions [start, start + m).
@@ -289,7 +294,7 @@ class HostPages:
         """
         end = start + keys.shape[2]
         self.settle(wait=False)
-        self._reserve(end)
+        self.reserve(end)
         self.length = max(self.length, end)
         batch, heads = keys.shape[:2]
         for first in range(0, keys.shape[2], WRITE_CHUNK):
@@ -303,6 +308,58 @@ class HostPages:
                     continue
             index = (slice(None), slice(None), slice(None), slice(start + first, start + last))
             self._write(index, pair)
+
+    def make_static(self, width: int) -> None:
+        """Ready the region for a static step (:meth:`write_static`): room for positions [0,
+        ``width``) and one page more (a step's coding writes a whole page's rows, most of them
+        masked); an INT8 region's scales and zero points as float64, which holds exactly every
+        dtype :func:`quant.asymmetric.quantize` may choose for them, with the region's choice so
+        far kept on the device, and a ring of the tokens not coded yet."""
+        self.settle()
+        self.reserve(width + PAGE_TOKENS)
+        if self.pair is None:
+            return
+        data, scale, zero = self.pair.tensors()
+        level = SCALE_LEVELS.index(scale.dtype)
+        self._replace((data, scale.double(), zero.double()))
+        self.level = torch.tensor([level], device=self.host)
+        two, batch, heads, _, head_dim = data.shape
+        self.ring = torch.zeros(two, batch, heads, PAGE_TOKENS, head_dim, dtype=self.pair.dtype)
+
+    def write_static(
+        self,
+        position: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        start: torch.Tensor,
+        count: torch.Tensor,
+    ) -> None:
+        """A static step's (B, H_kv, 1, D) token at ``position``, with one shape and no host
+        read (the model's memory is the host's: a CPU). A 16-bit region takes it at once; an
+        INT8 one keeps it in the ring and codes positions [``start``, ``start + count``) ((1,)
+        int64 each; ``count`` <= ``PAGE_TOKENS``, 0: none), the range the eager region codes
+        at this step (a page, or sooner when a selection could leave a token out), with the
+        scales' dtype it would choose: the same bytes."""
+        pair = torch.stack([keys, values])
+        if self.plain is not None:
+            self.plain.index_copy_(3, position, pair)
+            return
+        self.ring.index_copy_(3, position % PAGE_TOKENS, pair)
+        offsets = torch.arange(PAGE_TOKENS, device=self.host)
+        positions = start + offsets
+        valid = offsets < count
+        rows = self.ring.index_select(3, positions % PAGE_TOKENS)
+        *coded, chosen = quantize_fixed(rows, valid, self.level)
+        kept = valid.view(1, 1, 1, -1, 1)
+        for region, new in zip(self.pair.tensors(), coded, strict=True):
+            old = region.index_select(3, positions)
+            region.index_copy_(3, positions, torch.where(kept, new, old))
+        self.level.copy_(torch.maximum(self.level, chosen))
+
+    def static_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The tensors a static step writes in place (their addresses kept from here on)."""
+        coding = () if self.pair is None else (self.ring, self.level)
+        return (*self.tensors(), *coding)
 
     def _write(self, index: tuple, pair: torch.Tensor) -> None:
         """Code (2, B, H_kv, m, D) ``pair`` and land it at ``index``."""
@@ -367,7 +424,7 @@ class HostPages:
             A token's row is past the host region.
         """
         self.settle()
-        _, _, heads_, capacity = self._tensors()[0].shape[:4]
+        _, _, heads_, capacity = self.tensors()[0].shape[:4]
         flat = flat_rows(rows, heads, positions, heads_, capacity, host=True)
         if flat.device != self.host:
             flat = flat.to(self.host)
@@ -397,12 +454,12 @@ class HostPages:
         elif self._codes is None:  # views made once per buffer (each is dispatched operators)
             self._codes = decodable(self._rows())
         maps = pair is None or pair.int8_rows()
-        return HostRegion(tensors=self._tensors(), codes=self._codes, maps=maps)
+        return HostRegion(tensors=self.tensors(), codes=self._codes, maps=maps)
 
     def select_batch(self, indices: torch.Tensor) -> None:
         self.settle()
         host = indices.to(self.host)
-        self._replace(tuple(t.index_select(1, host) for t in self._tensors()))
+        self._replace(tuple(t.index_select(1, host) for t in self.tensors()))
 
     def extend_rows(self, other: HostPages) -> None:
         """Append ``other``'s sequences (same positions, heads and format) after these."""
@@ -412,7 +469,7 @@ class HostPages:
         self._replace(
             tuple(
                 torch.cat([with_capacity3(mine, capacity), with_capacity3(theirs, capacity)], 1)
-                for mine, theirs in zip(self._tensors(), other._tensors(), strict=True)
+                for mine, theirs in zip(self.tensors(), other.tensors(), strict=True)
             )
         )
         self.length = max(self.length, other.length)
@@ -425,7 +482,7 @@ class HostPages:
         self.settle()
         self.length = max(self.length + delta, 0)
         capacity = grown_capacity(self.length)
-        self._replace(tuple(_moved3(t, delta, capacity) for t in self._tensors()))
+        self._replace(tuple(_moved3(t, delta, capacity) for t in self.tensors()))
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -442,13 +499,14 @@ class HostPages:
         else:
             self.pair.put(index, *codes)
 
-    def _tensors(self) -> tuple[torch.Tensor, ...]:
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The region: (plain,) or the INT8/INT4 codes' (data, scale, zero point)."""
         return (self.plain,) if self.plain is not None else self.pair.tensors()
 
     def _rows(self) -> tuple[torch.Tensor, ...]:
         """The region's tensors as (2, N, ·) views, a row per (sequence, KV head, position):
         N = B * H_kv * capacity."""
-        return tuple(t.flatten(1, 3) for t in self._tensors())
+        return tuple(t.flatten(1, 3) for t in self.tensors())
 
     def _replace(self, tensors: tuple[torch.Tensor, ...]) -> None:
         if self.pin:
@@ -457,20 +515,20 @@ class HostPages:
             # host allocator knows only of its own copies, so they stay alive until it ran.
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-            self._retired.append((self._tensors(), event))
+            self._retired.append((self.tensors(), event))
         if self.plain is not None:
             (self.plain,) = tensors
         else:
             self.pair.replace(tensors)
         self._codes = None
 
-    def _reserve(self, length: int) -> None:
+    def reserve(self, length: int) -> None:
         """Grow by whole pages, 1/64 of the length at least: the host region is the largest
         buffer, so spare room stays under 2 % while growth copies still amortise."""
         if length <= self.capacity:
             return
         capacity = grown_capacity(length)
-        self._replace(tuple(with_capacity(t, capacity) for t in self._tensors()))
+        self._replace(tuple(with_capacity(t, capacity) for t in self.tensors()))
 
 
 def _moved3(tensor: torch.Tensor, delta: int, capacity: int) -> torch.Tensor:

@@ -171,14 +171,33 @@ class KeySketch:
             self.channels = self._choose(keys, counted)
             self._arrays = None
         self.grow(start + keys.shape[2])
+        end = start + keys.shape[2]
+        codes, scales = self._coded(keys)
+        self.keys[..., start:end] = codes
+        if scales is not None:
+            self.scales[:, :, start:end] = scales
+
+    def write_at(self, position: torch.Tensor, keys: torch.Tensor) -> None:
+        """A static step's (B, H, 1, D) key at ``position`` ((1,) int64 on the device): one
+        shape and no host read, the channels chosen and the position allocated before."""
+        codes, scales = self._coded(keys)
+        self.keys.index_copy_(3, position, codes)
+        if scales is not None:
+            self.scales.index_copy_(2, position, scales)
+
+    def static_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The tensors a static step writes in place (their addresses kept from here on)."""
+        return (self.keys,) if self.scales is None else (self.keys, self.scales)
+
+    def _coded(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sketched channels of (B, H, m, D) keys as stored: (B, H, width, m) codes in
+        the sketch's dtype, and (B, H, m) scales of INT8 codes (None for bfloat16 ones)."""
         index = self.channels.unsqueeze(2).expand(*keys.shape[:3], self.width)
         kept = keys.gather(-1, index)
-        end = start + keys.shape[2]
         if self.scales is None:
-            self.keys[..., start:end] = kept.mT
-        else:
-            codes, self.scales[:, :, start:end] = quantize_rows(kept)
-            self.keys[..., start:end] = codes.mT
+            return kept.mT.to(self.keys.dtype), None
+        codes, scales = quantize_rows(kept)
+        return codes.mT, scales
 
     def logits(
         self, query: torch.Tensor, upto: int | None = None, *, parts: int | None = None

@@ -1,0 +1,95 @@
+"""Host retention's static step (alisa.kv.host, issue 65): the host region a static step codes
+one token at a time holds the eager region's bytes, widened scales included, and its fetch
+writes only the fetched rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from alisa.ops.reference import fetch_placed, fetch_placed_static
+from alisa.storage.pages import PAGE_TOKENS, HostPages
+from quant.asymmetric import SCALE_LEVELS
+
+BATCH, HEADS, DIM = 2, 2, 8
+
+
+def _token(generator: torch.Generator, kind: str) -> torch.Tensor:
+    """(B, H, 1, D) keys or values; ``kind`` picks rows whose scales float16 cannot hold."""
+    token = torch.randn(BATCH, HEADS, 1, DIM, generator=generator)
+    if kind == "constant":  # a constant row keeps its value as the scale: not a float16 one
+        token[0, 1] = 0.1234567
+    elif kind == "offset":  # a zero point of -5.7e8: past float16's and float32's integers
+        token[1, 0] = 1e9 + torch.arange(DIM) * 64.0
+    return token
+
+
+@pytest.mark.parametrize("widen", ["none", "constant", "offset"])
+def test_a_static_int8_region_holds_the_eager_regions_bytes(widen):
+    """Tokens coded a range at a time (a page, or sooner when a selection would leave one
+    out), the eager way and the static way (each token into the ring, the host's range coded
+    by a fixed-shape call): the same codes, the same scales and zero points in the dtype
+    quantize chose, widened where a row needed it, at the same step."""
+    generator = torch.Generator().manual_seed(7)
+    eager = HostPages(BATCH, HEADS, DIM, bits=8, dtype=torch.float32, device="cpu")
+    static = HostPages(BATCH, HEADS, DIM, bits=8, dtype=torch.float32, device="cpu")
+    prompt = torch.randn(2, BATCH, HEADS, 20, DIM, generator=generator)
+    for pages in (eager, static):
+        pages.write(0, *prompt)
+    static.make_static(96)
+    flushed, pending = 20, []
+    early = {27, 33, 34, 61}  # steps where a selection codes the pending tokens sooner
+    for position in range(20, 90):
+        kind = widen if position in (41, 70) else "none"
+        keys, values = _token(generator, kind), _token(generator, "none")
+        pending.append((keys, values))
+        seen = position + 1
+        coded = seen - flushed >= PAGE_TOKENS or position in early
+        start, count = flushed, seen - flushed if coded else 0
+        if coded:
+            keys_due, values_due = (torch.cat(half, 2) for half in zip(*pending, strict=True))
+            eager.write(flushed, keys_due, values_due)
+            pending, flushed = [], seen
+        static.write_static(
+            torch.tensor([position]), keys, values, torch.tensor([start]), torch.tensor([count])
+        )
+        data, scale, zero = eager.tensors()
+        assert SCALE_LEVELS[int(static.level)] == scale.dtype
+        mine = static.tensors()
+        assert torch.equal(mine[0][:, :, :, :flushed], data[:, :, :, :flushed])
+        assert torch.equal(mine[1][:, :, :, :flushed], scale[:, :, :, :flushed].double())
+        assert torch.equal(mine[2][:, :, :, :flushed], zero[:, :, :, :flushed].double())
+    widened = {"none": torch.float16, "constant": torch.float32, "offset": torch.float64}
+    assert eager.tensors()[1].dtype == widened[widen]
+
+
+@pytest.mark.parametrize("coded", [False, True])
+def test_the_static_fetch_writes_what_the_eager_fetch_writes_and_nothing_else(coded):
+    """Random placements (rows with and without fetches, entries past a budget): the static
+    fetch leaves the device buffers as the eager one does, reading a float64-scaled INT8
+    region as the eager one decodes its float16 one."""
+    generator = torch.Generator().manual_seed(3)
+    capacity, slots, entries = 40, 12, 6
+    region16 = torch.randn(2, BATCH, HEADS, capacity, DIM, generator=generator)
+    if coded:
+        pages = HostPages(BATCH, HEADS, DIM, bits=8, dtype=torch.float32, device="cpu")
+        pages.write(0, *region16)
+        eager_region = pages.tensors()
+        pages.make_static(capacity)
+        static_region = pages.tensors()
+    else:
+        eager_region = static_region = (region16,)
+    keys = torch.randn(BATCH, HEADS, slots, DIM, generator=generator)
+    values = torch.randn(BATCH, HEADS, slots, DIM, generator=generator)
+    chosen = torch.stack(
+        [torch.randperm(capacity, generator=generator)[:entries] for _ in range(BATCH * HEADS)]
+    ).view(BATCH, HEADS, entries)
+    fetch = torch.rand(BATCH, HEADS, entries, generator=generator) < 0.5
+    fetch[0, 1] = False  # a row that fetches nothing
+    # Fetched entries take distinct slots 1..; slot 0 is held through the step (the anchor).
+    target = torch.where(fetch, fetch.cumsum(-1), slots)
+    anchor = torch.zeros(BATCH, HEADS, 1, dtype=torch.int64)
+    expected = (keys.clone(), values.clone())
+    fetch_placed(eager_region, chosen, fetch, target, *expected)
+    fetch_placed_static(static_region, chosen, fetch, target, anchor, keys, values)
+    assert torch.equal(keys, expected[0]) and torch.equal(values, expected[1])
