@@ -338,7 +338,7 @@ def test_a_static_cache_on_a_cpu_runs_its_kernels_as_operators_when_asked():
     model = tiny_llama()
     ops = AlisaCache(model, AlisaConfig(kernels="cpu"), max_cache_len=64).ops
     assert ops.operators and not ops.compiled and not ops.fused
-    assert "attention and eviction as operators" in ops.describe()
+    assert "attention, eviction and host selection as operators" in ops.describe()
     for kernels in ("auto", "reference"):
         static = AlisaCache(model, AlisaConfig(kernels=kernels), max_cache_len=64).ops
         assert static.name == "reference" and not static.operators

@@ -93,3 +93,71 @@ def test_the_static_fetch_writes_what_the_eager_fetch_writes_and_nothing_else(co
     fetch_placed(eager_region, chosen, fetch, target, *expected)
     fetch_placed_static(static_region, chosen, fetch, target, anchor, keys, values)
     assert torch.equal(keys, expected[0]) and torch.equal(values, expected[1])
+
+
+def _selection(seed: int, *, history: bool):
+    """A random static step's selection inputs: (B, H_kv) rows holding some of their seen
+    positions (the new token always, empty slots between), a plain host region, sums."""
+    from alisa.ops.reference import FREE
+
+    generator = torch.Generator().manual_seed(seed)
+    groups, slots, seen, capacity = 2, 12, 30, 40
+    logits = torch.randn(BATCH, HEADS, groups, capacity, generator=generator).bfloat16()
+    positions = torch.full((BATCH, HEADS, slots), FREE, dtype=torch.int64)
+    for b in range(BATCH):
+        for h in range(HEADS):
+            held = torch.randperm(seen - 1, generator=generator)[:7]
+            row = torch.cat([held, torch.tensor([seen - 1])])
+            place = torch.randperm(slots, generator=generator)[: row.numel()]
+            positions[b, h, place] = row
+    sums = torch.rand(BATCH, HEADS, capacity, generator=generator) if history else None
+    region = (torch.randn(2, BATCH, HEADS, capacity, DIM, generator=generator),)
+    keys = torch.randn(BATCH, HEADS, slots, DIM, generator=generator)
+    values = torch.randn(BATCH, HEADS, slots, DIM, generator=generator)
+    numbers = {
+        "budget": torch.tensor([9, 6]),
+        "recent": torch.tensor([2, 3]),
+        "shares": torch.tensor([3, 1]) if history else torch.zeros(BATCH, dtype=torch.int64),
+        "first": torch.tensor([0, 4]),
+    }
+    return logits, sums, positions, region, keys, values, numbers, seen
+
+
+@pytest.mark.parametrize("history", [False, True])
+def test_the_selection_operator_is_the_pytorch_static_selection(history):
+    """``alisa::choose_and_fetch`` (the eager step's compiled choice and swap, the rows the
+    slots lack fetched) leaves the slot map and the device rows as PyTorch's static path does
+    (choose at fixed width, place, fetch), and passes torch.library's checks."""
+    from alisa.ops import library
+    from alisa.ops.reference import StaticChoice, place, select_rule_static
+
+    logits, sums, positions, region, keys, values, numbers, seen = _selection(5, history=history)
+    mine = [positions.clone(), keys.clone(), values.clone()]
+    history_arg = sums if history else torch.zeros(BATCH, HEADS, 0)
+    count = library.choose_and_fetch(
+        logits, history_arg, numbers["shares"], mine[0], numbers["first"], numbers["budget"],
+        numbers["recent"], 1, torch.tensor([seen]), list(region), mine[1], mine[2],
+    )  # fmt: skip
+    inputs = StaticChoice(
+        logits=logits,
+        history=sums,
+        positions=positions,
+        sinks=1,
+        seen=torch.tensor([seen]),
+        width=40,
+        most=9,
+        **numbers,
+    )
+    chosen, taken = select_rule_static(inputs)
+    placement = place(positions, chosen, taken, 40)
+    anchor = torch.where(positions == seen - 1, torch.arange(12), 12).amin(-1, keepdim=True)
+    fetch_placed_static(region, *placement, anchor, keys, values)
+    assert torch.equal(mine[0], positions)
+    assert torch.equal(mine[1], keys) and torch.equal(mine[2], values)
+    assert int(count) == int(placement.fetch.sum()) > 0
+    arguments = (
+        logits, history_arg, numbers["shares"], positions.clone(), numbers["first"],
+        numbers["budget"], numbers["recent"], 1, torch.tensor([seen]), list(region),
+        keys.clone(), values.clone(),
+    )  # fmt: skip
+    torch.library.opcheck(torch.ops.alisa.choose_and_fetch.default, arguments)

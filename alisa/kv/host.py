@@ -38,6 +38,7 @@ from alisa.kv.keeper import Keeper
 from alisa.kv.rest import RestColumn, ValueTotals, rest_logit
 from alisa.kv.slots import SlotMap
 from alisa.kv.static import StepPack
+from alisa.ops import library
 from alisa.ops.backends import Ops, choose_ops
 from alisa.ops.reference import (
     ChoiceInputs,
@@ -545,14 +546,41 @@ class HostKeeper(Keeper):
         return self.pack.field(self._fields, self.pack.rows, index)
 
     def _select_static(self, slots: SlotMap, store: KVStore, query: torch.Tensor) -> None:
-        """:meth:`select` with one shape and every number read from the device: choose by
+        """:meth:`select` with one shape and every number read from the device: the eager
+        step's compiled choice, swap and fetch as one operator where the cache runs the CPU's
+        kernels as operators (:attr:`Ops.operators`), else PyTorch's: choose by
         :func:`~alisa.ops.reference.select_rule_static`, place, fetch the rows the device
         lacks into their slots."""
         batch, kv_heads = slots.positions.shape[:2]
         grouped = query[:, :, -1].reshape(batch, kv_heads, -1, query.shape[-1])
         budget, recent, shares, first = (self._field(i).to(torch.int64) for i in range(4))
+        logits = self.sketch.logits(grouped)
+        seen = self.pack.position() + 1
+        keys, values = store.plain_heads()
+        if self.ops.operators:  # the eager step's compiled choice and swap, as one operator
+            history = (
+                self.history.total
+                if self.history is not None
+                else logits.new_zeros(batch, kv_heads, 0, dtype=torch.float32)
+            )
+            count = library.choose_and_fetch(
+                logits,
+                history,
+                shares,
+                slots.positions,
+                first,
+                budget,
+                recent,
+                self.policy.sink_tokens,
+                seen,
+                list(self.pages.tensors()),
+                keys,
+                values,
+            )
+            self._fetched_on_device.add_(count)
+            return
         inputs = StaticChoice(
-            logits=self.sketch.logits(grouped),
+            logits=logits,
             history=None if self.history is None else self.history.total,
             shares=shares,
             positions=slots.positions,
@@ -560,14 +588,14 @@ class HostKeeper(Keeper):
             budget=budget,
             recent=recent,
             sinks=self.policy.sink_tokens,
-            seen=self.pack.position() + 1,
+            seen=seen,
             width=self.static_width,
             most=self.static_most,
         )
         chosen, taken = select_rule_static(inputs)
         placement = place(slots.positions, chosen, taken, self.static_width)
         anchor = slots.holding(self.pack.position())  # the new token's slot
-        fetch_placed_static(self.pages.tensors(), *placement, anchor, *store.plain_heads())
+        fetch_placed_static(self.pages.tensors(), *placement, anchor, keys, values)
         self._fetched_on_device.add_(placement.fetch.sum())
 
     # ---- bookkeeping ----------------------------------------------------------------------

@@ -75,8 +75,9 @@ class Ops:
         :func:`~alisa.ops.cpu.kernel_parts` picks from torch's threads. Only with ``compiled``.
     operators
         A static (compiled) decode step calls the CPU's compiled kernels as PyTorch operators
-        (:mod:`alisa.ops.library`): its attention over a float32 region and dropping's choice
-        of victims; False: the compiler traces PyTorch's (:mod:`alisa.ops.reference`).
+        (:mod:`alisa.ops.library`): its attention over a float32 region, dropping's choice
+        of victims and host retention's choice, swap and fetch; False: the compiler traces
+        PyTorch's (:mod:`alisa.ops.reference`).
     select
         Host retention's selection of one layer, ``select(step: SelectionStep) -> Selected``
         (:mod:`alisa.ops.reference`): a plain function bound once from the choices above, so a
@@ -203,7 +204,7 @@ class Ops:
         engine = {"reference": "pytorch", "cpu": "numba", "cuda": "triton"}[self.name]
         if self.operators:
             feature = f" ({self.feature})" if self.feature else ""
-            static = "a static step's attention and eviction as operators"
+            static = "a static step's attention, eviction and host selection as operators"
             return f"{self.name} ({engine}): {static}{feature}"
         product = f"sketch product {self.product}"
         if self.feature:

@@ -4,7 +4,9 @@
 (https://pytorch.org/tutorials/advanced/python_custom_ops.html): inductor generates no code for
 what the operator computes, so a static step (:mod:`alisa.kv.static`) compiles a third fewer
 nodes and runs the kernels the eager step runs. Each operator has a fake (meta) twin that gives
-the compiler its outputs' shapes. Registered for CPU tensors only: a CUDA step traces
+the compiler its outputs' shapes: the attention over a float32 region's slots, dropping's
+eviction, and host retention's choice, swap and fetch. Registered for CPU tensors only: a CUDA
+step traces
 PyTorch's operators (:mod:`alisa.ops.reference`), which a CUDA graph captures. A static cache
 calls them with ``kernels="cpu"`` (``Ops.operators``); ``auto`` traces PyTorch's on a CPU too,
 whose compiled code measured as fast at 16 sequences and faster at one (docs/compile.md).
@@ -16,7 +18,7 @@ import numpy as np
 import torch
 
 from alisa.ops import cpu
-from alisa.ops.reference import Eviction
+from alisa.ops.reference import ChoiceInputs, Eviction, decoded
 
 # The operators' schemas. Registered through torch.library's lower-level API, with a CPU kernel
 # and a fake one each (:data:`OPERATORS`): ``torch.library.custom_op`` adds an autograd layer
@@ -29,6 +31,12 @@ ATTEND_SLOTS = (
 EVICT_ONE = (
     "evict_one(Tensor scores, Tensor positions, Tensor first, Tensor seen, Tensor recent, "
     "int sinks) -> Tensor"
+)
+
+CHOOSE_AND_FETCH = (
+    "choose_and_fetch(Tensor logits, Tensor history, Tensor shares, Tensor(a!) positions, "
+    "Tensor first, Tensor budget, Tensor recent, int sinks, Tensor seen, Tensor[] region, "
+    "Tensor(b!) keys, Tensor(c!) values) -> Tensor"
 )
 
 
@@ -97,10 +105,80 @@ def _evict_one_shapes(scores, positions, first, seen, recent, sinks):
     return positions.new_empty(*scores.shape[:2], 1)
 
 
+def _choose_and_fetch_cpu(
+    logits,
+    history,
+    shares,
+    positions,
+    first,
+    budget,
+    recent,
+    sinks: int,
+    seen,
+    region,
+    keys,
+    values,
+) -> torch.Tensor:
+    """Host retention's static selection by the eager step's compiled kernels: the choice and
+    the slot swap in one call (:func:`alisa.ops.cpu.choose_and_swap`), then the rows the slots
+    lack read from the host ``region`` and written into ``keys`` and ``values``.
+
+    Parameters
+    ----------
+    logits
+        (B, H_kv, G, C) bfloat16 sketch logits.
+    history
+        (B, H_kv, W) float32 attention sums, or (B, H_kv, 0) for none.
+    shares, first, budget, recent
+        (B,) int64 (:class:`alisa.ops.reference.ChoiceInputs`).
+    positions
+        (B, H_kv, S) int64 slot map, rewritten in place.
+    sinks
+        Leading real tokens protected.
+    seen
+        (1,) int64: positions so far (read here: the tensor is on the CPU).
+    region
+        The host region's tensors (:attr:`alisa.ops.reference.HostRegion.tensors`).
+    keys, values
+        (B, H_kv, S, D) device rows, written in place.
+
+    Returns
+    -------
+    torch.Tensor
+        0-d int64: the tokens fetched.
+    """
+    inputs = ChoiceInputs(
+        logits=logits,
+        history=history if history.shape[-1] else None,
+        shares=shares.numpy(),
+        positions=positions,
+        first=first.numpy(),
+        budget=budget.numpy(),
+        recent=recent.numpy(),
+        sinks=sinks,
+        seen=int(seen),
+    )
+    incoming = cpu.choose_and_swap(inputs)
+    if incoming is None:
+        return torch.zeros((), dtype=torch.int64)
+    rows, groups, targets, tokens = incoming[:4]
+    read = decoded([t[:, rows, groups, tokens] for t in region], keys.dtype).to(keys.dtype)
+    keys[rows, groups, targets] = read[0]
+    values[rows, groups, targets] = read[1]
+    return torch.tensor(rows.numel(), dtype=torch.int64)
+
+
+def _choose_and_fetch_shapes(
+    logits, history, shares, positions, first, budget, recent, sinks, seen, region, keys, values
+):
+    return positions.new_empty(())
+
+
 # (schema, CPU kernel, fake kernel) of each operator; its name is the schema's.
 OPERATORS = (
     (ATTEND_SLOTS, _attend_slots_cpu, _attend_slots_shapes),
     (EVICT_ONE, _evict_one_cpu, _evict_one_shapes),
+    (CHOOSE_AND_FETCH, _choose_and_fetch_cpu, _choose_and_fetch_shapes),
 )
 
 
@@ -120,3 +198,4 @@ _LIBRARY = _register()
 # What a static step calls (the compiler sees one node each); documented by their kernels.
 attend_slots = torch.ops.alisa.attend_slots.default
 evict_one = torch.ops.alisa.evict_one.default
+choose_and_fetch = torch.ops.alisa.choose_and_fetch.default

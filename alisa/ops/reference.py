@@ -706,7 +706,7 @@ def fetch_placed(
     rows = torch.arange(batch * heads, device=chosen.device).view(batch, heads, 1)
     source = (rows * capacity + chosen.clamp(0, capacity - 1)).view(-1).cpu()
     picked = [t.view(2, -1, t.shape[-1]).index_select(1, source) for t in region]
-    rows_out = _decoded(picked, keys.dtype).to(keys.device, keys.dtype)
+    rows_out = decoded(picked, keys.dtype).to(keys.device, keys.dtype)
     rows_out = rows_out.view(2, batch, heads, entries, head_dim)
     # Entries not fetched write to one spare slot past the buffer (no data-dependent shape).
     spare = keys.shape[2]
@@ -739,7 +739,7 @@ def fetch_placed_static(
     rows = torch.arange(batch * heads, device=chosen.device).view(batch, heads, 1)
     source = (rows * capacity + torch.where(fetch, chosen, 0)).view(-1)
     picked = [t.view(2, -1, t.shape[-1]).index_select(1, source) for t in region]
-    rows_out = _decoded(picked, keys.dtype).to(keys.dtype).view(2, batch, heads, entries, head_dim)
+    rows_out = decoded(picked, keys.dtype).to(keys.dtype).view(2, batch, heads, entries, head_dim)
     fetched = fetch.unsqueeze(-1)
     slots = torch.where(fetch, target, anchor).unsqueeze(-1).expand(-1, -1, -1, head_dim)
     held = anchor.unsqueeze(-1).expand(-1, -1, 1, head_dim)
@@ -747,7 +747,7 @@ def fetch_placed_static(
         buffer.scatter_(2, slots, torch.where(fetched, rows_half, buffer.gather(2, held)))
 
 
-def _decoded(picked: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+def decoded(picked: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """Rows read from a host region, (2, R, D), decoded for keys of ``dtype``: 16-bit rows as
     they are, INT8 codes in float32 (float16 for float16 keys), or in float64 where the scales
     are (a widened or static region: as :func:`quant.asymmetric.dequantize` decodes them)."""
