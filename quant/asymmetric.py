@@ -104,15 +104,9 @@ def quantize(
         raise ValueError("cannot quantize a tensor with NaN or infinite values")
     levels = 2**bits - 1
     grouped = x.double().reshape(*x.shape[:-1], x.shape[-1] // group, group)
-    low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
-    constant = high == low
-    scale = torch.where(constant, low, (high - low) / levels)
-    scale = torch.where(constant & (low == 0), torch.ones_like(scale), scale)
+    low, constant, scale = _span(grouped, levels)
     stored_scale, stored_zero = _storable(scale, low, constant, scale_dtype)
-    codes = torch.round(
-        grouped / stored_scale.double().unsqueeze(-1) + stored_zero.double().unsqueeze(-1)
-    )
-    codes = codes.clamp_(0, levels).to(torch.uint8).reshape(x.shape)
+    codes = _codes(grouped, stored_scale, stored_zero, levels).reshape(x.shape)
     if bits == 4:
         codes = pack_nibbles(codes)
     return QuantizedTensor(
@@ -172,6 +166,28 @@ def _compute_dtype(q: QuantizedTensor) -> torch.dtype:
     return torch.float32
 
 
+#: The scale dtypes :func:`quantize` tries, narrowest first (:func:`quantize_fixed`'s levels).
+SCALE_LEVELS = (torch.float16, torch.float32, torch.float64)
+
+
+def _span(grouped: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each float64 group's (..., groups, size) minimum, whether it is constant, and its
+    scale before storage: the range over ``levels`` steps, a constant group's value (1 for
+    zeros)."""
+    low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
+    constant = high == low
+    scale = torch.where(constant, low, (high - low) / levels)
+    return low, constant, torch.where(constant & (low == 0), torch.ones_like(scale), scale)
+
+
+def _codes(
+    grouped: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: int
+) -> torch.Tensor:
+    """uint8 codes of float64 groups under their stored scales and zero points (any dtype)."""
+    codes = torch.round(grouped / scale.double().unsqueeze(-1) + zero.double().unsqueeze(-1))
+    return codes.clamp_(0, levels).to(torch.uint8)
+
+
 def _storable(
     scale: torch.Tensor, low: torch.Tensor, constant: torch.Tensor, preferred: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,7 +197,7 @@ def _storable(
     then derived from the stored scale (z = round(-min / lambda)) and must be an exact integer in
     that dtype; a constant group's value (its scale, with z = 0) must be exact.
     """
-    for dtype in dict.fromkeys((preferred, torch.float32, torch.float64)):
+    for dtype in dict.fromkeys((preferred, *SCALE_LEVELS[1:])):
         stored_scale, stored_zero, fits = _stored_as(scale, low, constant, dtype)
         if bool(fits.all()):  # one reduction, one host sync
             return stored_scale, stored_zero
@@ -211,10 +227,6 @@ def _stored_as(
     return stored_scale, stored_zero, fits
 
 
-#: The scale dtypes :func:`quantize` tries, narrowest first (:func:`quantize_fixed`'s levels).
-SCALE_LEVELS = (torch.float16, torch.float32, torch.float64)
-
-
 def quantize_fixed(
     x: torch.Tensor, valid: torch.Tensor, level: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -242,10 +254,7 @@ def quantize_fixed(
         those of the chosen dtype; the chosen (1,) int64 level.
     """
     grouped = x.double().unsqueeze(-2)  # (..., m, 1, D): one group per row
-    low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
-    constant = high == low
-    scale = torch.where(constant, low, (high - low) / 255)
-    scale = torch.where(constant & (low == 0), torch.ones_like(scale), scale)
+    low, constant, scale = _span(grouped, 255)
     stored = [_stored_as(scale, low, constant, dtype) for dtype in SCALE_LEVELS]
     counted = valid.view(-1, 1)
     holds = torch.stack([(fits | ~counted).all() for _, _, fits in stored])  # (levels,)
@@ -255,6 +264,5 @@ def quantize_fixed(
     chosen = torch.where(usable, candidates, len(SCALE_LEVELS)).min().view(1)
     stored_scale = torch.stack([s.double() for s, _, _ in stored]).index_select(0, chosen)[0]
     stored_zero = torch.stack([z.double() for _, z, _ in stored]).index_select(0, chosen)[0]
-    codes = torch.round(grouped / stored_scale.unsqueeze(-1) + stored_zero.unsqueeze(-1))
-    codes = codes.clamp_(0, 255).to(torch.uint8).reshape(x.shape)
+    codes = _codes(grouped, stored_scale, stored_zero, 255).reshape(x.shape)
     return codes, stored_scale, stored_zero, chosen

@@ -128,6 +128,7 @@ def test_the_selection_operator_is_the_pytorch_static_selection(history):
     """``alisa::choose_and_fetch`` (the eager step's compiled choice and swap, the rows the
     slots lack fetched) leaves the slot map and the device rows as PyTorch's static path does
     (choose at fixed width, place, fetch), and passes torch.library's checks."""
+    from alisa.kv.slots import first_slot
     from alisa.ops import library
     from alisa.ops.reference import StaticChoice, place, select_rule_static
 
@@ -150,7 +151,7 @@ def test_the_selection_operator_is_the_pytorch_static_selection(history):
     )
     chosen, taken = select_rule_static(inputs)
     placement = place(positions, chosen, taken, 40)
-    anchor = torch.where(positions == seen - 1, torch.arange(12), 12).amin(-1, keepdim=True)
+    anchor = first_slot(positions == seen - 1)  # the new token's slot
     fetch_placed_static(region, *placement, anchor, keys, values)
     assert torch.equal(mine[0], positions)
     assert torch.equal(mine[1], keys) and torch.equal(mine[2], values)

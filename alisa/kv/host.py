@@ -258,8 +258,17 @@ class HostKeeper(Keeper):
             if self.estimate_rest:
                 self.values = ValueTotals(batch, heads, head_dim, keys.device)
         self.pending.append((keys, values))
-        if start + length - self.flushed >= PAGE_TOKENS:
+        if self._page_due(start + length):
             self._flush(slots)
+
+    def _page_due(self, seen: int) -> bool:
+        """Whether the pending tokens of positions [flushed, ``seen``) fill a page."""
+        return seen - self.flushed >= PAGE_TOKENS
+
+    def _left_out(self, seen: int, step: HostStep) -> bool:
+        """Whether this step's selection could leave out a pending (not yet coded) token: the
+        ranked span, which ends where the shortest recent window starts, reaches past it."""
+        return self.flushed < seen - step.nearest
 
     def _flush(self, slots: SlotMap) -> None:
         """Code the pending tokens into the host region and the key sketch."""
@@ -343,10 +352,10 @@ class HostKeeper(Keeper):
         self.unselected = 0
         if step.covers:  # budgets only fall behind n: nothing has left yet
             return
+        if self._left_out(slots.seen, step):
+            self._flush(slots)
         # Every position from here on is in each sequence's recent window: chosen, never ranked.
         ranked_end = slots.seen - step.nearest
-        if self.flushed < ranked_end:  # a pending token could be left out
-            self._flush(slots)
         scoring = self._scoring(slots, query, ranked_end)
         inputs = self._choice_inputs(slots, step, scoring.logits)
         host = self.pages.region(protected=ranked_end)
@@ -525,9 +534,8 @@ class HostKeeper(Keeper):
             block[4] = 1.0 if factor is None else factor
             block[5] = self.history.scale.astype(np.float32)
         # The range the eager step codes into the host region now: the pending tokens, once a
-        # page of them came or a selection could leave one out (see write and select).
-        coded = slots.seen - self.flushed >= PAGE_TOKENS
-        coded |= not step.covers and self.flushed < slots.seen - step.nearest
+        # page of them came (write) or a selection could leave one out (select).
+        coded = self._page_due(slots.seen) or (not step.covers and self._left_out(slots.seen, step))
         block[6], block[7] = self.flushed, slots.seen - self.flushed if coded else 0
         if coded:
             self.flushed = slots.seen
@@ -555,7 +563,8 @@ class HostKeeper(Keeper):
         grouped = query[:, :, -1].reshape(batch, kv_heads, -1, query.shape[-1])
         budget, recent, shares, first = (self._field(i).to(torch.int64) for i in range(4))
         logits = self.sketch.logits(grouped)
-        seen = self.pack.position() + 1
+        position = self.pack.position()  # the step's token, held through the step
+        seen = position + 1
         keys, values = store.plain_heads()
         if self.ops.operators:  # the eager step's compiled choice and swap, as one operator
             history = (
@@ -594,7 +603,7 @@ class HostKeeper(Keeper):
         )
         chosen, taken = select_rule_static(inputs)
         placement = place(slots.positions, chosen, taken, self.static_width)
-        anchor = slots.holding(self.pack.position())  # the new token's slot
+        anchor = slots.holding(position)
         fetch_placed_static(self.pages.tensors(), *placement, anchor, keys, values)
         self._fetched_on_device.add_(placement.fetch.sum())
 

@@ -32,9 +32,14 @@ def first_free(positions: torch.Tensor, width: int) -> torch.Tensor:
     an int8 mask gave indices past the row at Llama-3.1-8B shapes (docs/gpu.md, seventh run),
     and a minimum has one answer whatever the reduction's split.
     """
-    view = positions[..., :width]
-    slots = torch.arange(view.shape[-1], device=view.device)
-    return torch.where(view == FREE, slots, view.shape[-1]).amin(dim=-1, keepdim=True)
+    return first_slot(positions[..., :width] == FREE)
+
+
+def first_slot(where: torch.Tensor) -> torch.Tensor:
+    """The first slot of every (sequence, group) of a (B, Hs, S) bool ``where`` that is True:
+    (B, Hs, 1) int64, S where none is (a minimum over slot numbers: see :func:`first_free`)."""
+    slots = torch.arange(where.shape[-1], device=where.device)
+    return torch.where(where, slots, where.shape[-1]).amin(dim=-1, keepdim=True)
 
 
 PAD = -2  # slot holds a left-padding token; masked, reclaimed at the next compaction
@@ -215,9 +220,7 @@ class SlotMap:
     def holding(self, position: torch.Tensor) -> torch.Tensor:
         """(B, Hs, 1) int64: the slot that holds ``position`` ((1,) int64 on the device) in
         every (sequence, group), found on the device (one every row holds: a step's token)."""
-        slots = torch.arange(self.positions.shape[-1], device=self.positions.device)
-        held = torch.where(self.positions == position.view(1, 1, 1), slots, slots.shape[0])
-        return held.amin(dim=-1, keepdim=True)
+        return first_slot(self.positions == position.view(1, 1, 1))
 
     def settle(self, kept: np.ndarray) -> None:
         """After a selection made the slots its chosen positions (:mod:`alisa.ops.reference`):

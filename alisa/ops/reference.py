@@ -700,14 +700,9 @@ def fetch_placed(
     to list the rows; :func:`alisa.ops.cuda.fetch_placed` reads only the flagged rows, by the
     device itself).
     """
-    batch, heads, entries = chosen.shape
     head_dim = keys.shape[-1]
     capacity = region[0].shape[3]
-    rows = torch.arange(batch * heads, device=chosen.device).view(batch, heads, 1)
-    source = (rows * capacity + chosen.clamp(0, capacity - 1)).view(-1).cpu()
-    picked = [t.view(2, -1, t.shape[-1]).index_select(1, source) for t in region]
-    rows_out = decoded(picked, keys.dtype).to(keys.device, keys.dtype)
-    rows_out = rows_out.view(2, batch, heads, entries, head_dim)
+    rows_out = _region_rows(region, chosen.clamp(0, capacity - 1), keys)
     # Entries not fetched write to one spare slot past the buffer (no data-dependent shape).
     spare = keys.shape[2]
     slots = torch.where(fetch, target, spare).unsqueeze(-1).expand(-1, -1, -1, head_dim)
@@ -733,18 +728,27 @@ def fetch_placed_static(
     scatter needs neither a copy of the buffers nor a slot to spare. Same parameters as
     :func:`fetch_placed` otherwise.
     """
-    batch, heads, entries = chosen.shape
     head_dim = keys.shape[-1]
-    capacity = region[0].shape[3]
-    rows = torch.arange(batch * heads, device=chosen.device).view(batch, heads, 1)
-    source = (rows * capacity + torch.where(fetch, chosen, 0)).view(-1)
-    picked = [t.view(2, -1, t.shape[-1]).index_select(1, source) for t in region]
-    rows_out = decoded(picked, keys.dtype).to(keys.dtype).view(2, batch, heads, entries, head_dim)
+    rows_out = _region_rows(region, torch.where(fetch, chosen, 0), keys)
     fetched = fetch.unsqueeze(-1)
     slots = torch.where(fetch, target, anchor).unsqueeze(-1).expand(-1, -1, -1, head_dim)
     held = anchor.unsqueeze(-1).expand(-1, -1, 1, head_dim)
     for buffer, rows_half in zip((keys, values), rows_out, strict=True):
         buffer.scatter_(2, slots, torch.where(fetched, rows_half, buffer.gather(2, held)))
+
+
+def _region_rows(
+    region: tuple[torch.Tensor, ...], positions: torch.Tensor, keys: torch.Tensor
+) -> torch.Tensor:
+    """(2, B, H_kv, K, D) keys and values of a host region's (B, H_kv, K) ``positions`` (each
+    within the region), read where the region is and decoded to ``keys``' dtype and device."""
+    batch, heads, entries = positions.shape
+    capacity = region[0].shape[3]
+    rows = torch.arange(batch * heads, device=positions.device).view(batch, heads, 1)
+    source = (rows * capacity + positions).view(-1).to(region[0].device)
+    picked = [t.view(2, -1, t.shape[-1]).index_select(1, source) for t in region]
+    read = decoded(picked, keys.dtype).to(keys.device, keys.dtype)
+    return read.view(2, batch, heads, entries, keys.shape[-1])
 
 
 def decoded(picked: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
