@@ -14,6 +14,7 @@ float64 as a last resort, so the error bound always holds.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -159,10 +160,16 @@ def dequantize(q: QuantizedTensor, *, out: torch.Tensor | None = None) -> torch.
 
 
 def _compute_dtype(q: QuantizedTensor) -> torch.dtype:
-    if q.scale.dtype == torch.float64:
+    return _compute_for(q.dtype, q.scale.dtype)
+
+
+def _compute_for(dtype: torch.dtype, scale_dtype: torch.dtype) -> torch.dtype:
+    """The dtype :func:`dequantize` computes values of ``dtype`` in under ``scale_dtype`` scales:
+    one where the product rounds once, as it would before the cast."""
+    if scale_dtype == torch.float64:
         return torch.float64
-    if q.dtype == torch.float32 or (q.dtype == torch.float16 and q.scale.dtype == torch.float16):
-        return q.dtype
+    if dtype == torch.float32 or (dtype == torch.float16 and scale_dtype == torch.float16):
+        return dtype
     return torch.float32
 
 
@@ -228,14 +235,19 @@ def _stored_as(
 
 
 def quantize_fixed(
-    x: torch.Tensor, valid: torch.Tensor, level: torch.Tensor
+    x: torch.Tensor,
+    valid: torch.Tensor | None,
+    level: torch.Tensor,
+    *,
+    bits: int = 8,
+    group_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """INT8 :func:`quantize` of (..., m, D) rows with one scale each, with one shape and no
-    host read (for a compiled step): the same codes, scales and zero points.
+    """:func:`quantize` of (..., m, D) rows with one shape and no host read (for a compiled
+    step): the same codes, scales and zero points.
 
     :func:`quantize` stores the scales of one call in the first dtype of
-    :data:`SCALE_LEVELS`, from the preferred one on, that holds every row's (a host read);
-    here each dtype is tried at once and the first that holds every ``valid`` row, from
+    :data:`SCALE_LEVELS`, from the preferred one on, that holds every group's (a host read);
+    here each dtype is tried at once and the first that holds every ``valid`` row's, from
     ``level`` on, is taken on the device.
 
     Parameters
@@ -243,26 +255,124 @@ def quantize_fixed(
     x
         (..., m, D) float rows, finite.
     valid
-        (m,) bool: the rows that count (the others are coded too, and ignored).
+        (m,) bool: the rows that count (the others are coded too, and ignored); None: all.
     level
         (1,) int64 on ``x``'s device: the index in :data:`SCALE_LEVELS` of the preferred dtype.
+    bits, group_size
+        As :func:`quantize` (checked there; default one group per row).
 
     Returns
     -------
     tuple
-        (..., m, D) uint8 codes; (..., m, 1) float64 scales and zero points, whose values are
-        those of the chosen dtype; the chosen (1,) int64 level.
+        (..., m, D * bits / 8) uint8 codes; (..., m, D / group) float64 scales and zero points,
+        whose values are those of the chosen dtype; the chosen (1,) int64 level.
     """
-    grouped = x.double().unsqueeze(-2)  # (..., m, 1, D): one group per row
-    low, constant, scale = _span(grouped, 255)
+    group = x.shape[-1] if group_size is None else group_size
+    grouped = x.double().reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    levels = 2**bits - 1
+    low, constant, scale = _span(grouped, levels)
     stored = [_stored_as(scale, low, constant, dtype) for dtype in SCALE_LEVELS]
-    counted = valid.view(-1, 1)
-    holds = torch.stack([(fits | ~counted).all() for _, _, fits in stored])  # (levels,)
+    ignored = False if valid is None else ~valid.view(-1, 1)
+    holds = torch.stack([(fits | ignored).all() for _, _, fits in stored])  # (levels,)
     candidates = torch.arange(len(SCALE_LEVELS), device=x.device)
     usable = holds & (candidates >= level)
     # The first usable level (float64 always is): a minimum, not an argmax of a mask.
     chosen = torch.where(usable, candidates, len(SCALE_LEVELS)).min().view(1)
     stored_scale = torch.stack([s.double() for s, _, _ in stored]).index_select(0, chosen)[0]
     stored_zero = torch.stack([z.double() for _, z, _ in stored]).index_select(0, chosen)[0]
-    codes = _codes(grouped, stored_scale, stored_zero, 255).reshape(x.shape)
+    codes = _codes(grouped, stored_scale, stored_zero, levels).reshape(x.shape)
+    if bits == 4:
+        codes = pack_nibbles(codes)
     return codes, stored_scale, stored_zero, chosen
+
+
+def dequantize_fixed(
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    level: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    bits: int = 8,
+    branch: bool = False,
+) -> torch.Tensor:
+    """:func:`dequantize` of codes whose scales and zero points :func:`quantize_fixed` keeps
+    as float64 values of the dtype ``level`` names, with one shape and no host read: the same
+    values, bit for bit.
+
+    :func:`dequantize` computes in a dtype that depends on the scales' (float64 scales in
+    float64, others in the output dtype or float32). Here the dtype of ``level`` is taken on
+    the device: by ``torch.cond`` with ``branch`` (only the chosen dtype is computed; the
+    branch reads ``level`` on the host, free on a CPU), else by computing each such dtype and
+    selecting (what a CUDA graph can replay; a fused kernel reads the codes once for all).
+
+    Parameters
+    ----------
+    data
+        (..., D * bits / 8) uint8 codes.
+    scale, zero
+        (..., D / group) float64 scales and zero points.
+    level
+        (1,) int64: the index in :data:`SCALE_LEVELS` of the dtype their values are of.
+    dtype
+        The dtype of the tensor that was quantized (the result's).
+    bits
+        8 or 4.
+    branch
+        Compute only the dtype ``level`` picks (``torch.cond``).
+
+    Returns
+    -------
+    torch.Tensor
+        (..., D) values in ``dtype``.
+    """
+    # Each compute dtype serves consecutive levels (the scales' dtypes only widen).
+    spans: dict[torch.dtype, list[int]] = {}
+    for index, scale_dtype in enumerate(SCALE_LEVELS):
+        spans.setdefault(_compute_for(dtype, scale_dtype), []).append(index)
+    variants = [
+        (indices[0], indices[-1], partial(_decoded, compute=compute, dtype=dtype, bits=bits))
+        for compute, indices in spans.items()
+    ]
+    operands = (data, scale, zero)
+    if branch:
+        return _branches(variants, level, operands)
+    result = variants[0][2](*operands)
+    for low, high, decode in variants[1:]:
+        result = torch.where((level >= low) & (level <= high), decode(*operands), result)
+    return result
+
+
+def _decoded(
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    *,
+    compute: torch.dtype,
+    dtype: torch.dtype,
+    bits: int,
+) -> torch.Tensor:
+    """:func:`dequantize`'s arithmetic in ``compute``, cast to ``dtype``: (..., D) values."""
+    codes = unpack_nibbles(data) if bits == 4 else data
+    groups = scale.shape[-1]
+    values = codes.to(compute).view(*codes.shape[:-1], groups, codes.shape[-1] // groups)
+    decoded = (values - zero.to(compute).unsqueeze(-1)) * scale.to(compute).unsqueeze(-1)
+    return decoded.to(dtype).view(codes.shape)
+
+
+def _branches(variants: list, level: torch.Tensor, operands: tuple) -> torch.Tensor:
+    """The variant whose levels hold ``level``, by nested ``torch.cond``: only it runs.
+    Outside a trace the branch is Python's (``level`` read on the host: a CPU's number)."""
+    if not torch.compiler.is_compiling():
+        index = int(level)
+        decode = next(decode for low, high, decode in variants if low <= index <= high)
+        return decode(*operands)
+    (low, high, decode), rest = variants[0], variants[1:]
+    if not rest:
+        return decode(*operands)
+    return torch.cond(
+        (level[0] >= low) & (level[0] <= high),
+        decode,
+        lambda *tensors: _branches(rest, level, tensors),
+        operands,
+    )

@@ -94,8 +94,12 @@ def test_a_damaged_tokenizer_file_is_named(tmp_path):
 @pytest.mark.parametrize(
     ("fields", "needle"),
     [
-        ({"kv_bits": 8}, "kv_bits=8 has no static (compiled) decode step yet: run it eager"),
-        ({"gpu_memory": "1GB"}, "gpu_memory='1GB' has no static (compiled) decode step yet"),
+        (
+            {"kv_bits": 8, "policy": "swa", "caching_ratio": 0.3, "retention": "host"},
+            "kv_bits=8 with retention='host' has no static (compiled) decode step yet: "
+            "run it eager",
+        ),
+        ({"gpu_memory": "1GB"}, "gpu_memory='1GB' has no static (compiled) decode step: its"),
         (
             {"policy": "swa", "caching_ratio": 0.5, "retention": "host", "host_bits": 4},
             "retention='host' with host_bits=4 has no static (compiled) decode step yet",

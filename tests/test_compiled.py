@@ -65,8 +65,11 @@ def test_compiled_steps_equal_eager_ones_in_one_graph():
         ({"compile": "on", "past_key_values": "alisa"}, "AlisaCache's decode step cannot be"),
         ({"compile": "on", "past_key_values": DynamicCache()}, "DynamicCache's decode step"),
         (
-            {"compile": "on", "config": AlisaConfig(kv_bits=8)},
-            "kv_bits=8 has no static (compiled) decode step yet",
+            {
+                "compile": "on",
+                "config": AlisaConfig(kv_bits=8, policy="swa", caching_ratio=0.3, retention="host"),
+            },
+            "kv_bits=8 with retention='host' has no static (compiled) decode step yet",
         ),
         (
             {"compile": "on", "prune_finished": True},
@@ -138,14 +141,26 @@ def test_auto_settles_eager_where_the_cache_cannot_compile_and_on_refuses():
     why; ``"on"`` is refused naming the setting."""
     model = tiny_llama()
     wants = CompileChoice(asked="auto", compiled=True, reason="auto: CUDA")
-    cache, settled = new_cache(model, AlisaConfig(kv_bits=8), 4, 16, wants)
+    cache, settled = new_cache(
+        model,
+        AlisaConfig(kv_bits=8, policy="swa", caching_ratio=0.3, retention="host"),
+        4,
+        16,
+        wants,
+    )
     assert cache.max_cache_len is None and not cache.is_compileable
-    assert settled.describe() == "off (auto: kv_bits=8 has no static (compiled) decode step yet)"
+    assert settled.describe() == (
+        "off (auto: kv_bits=8 with retention='host' has no static (compiled) decode step yet)"
+    )
     cache, settled = new_cache(model, AlisaConfig(policy="swa", caching_ratio=0.5), 4, 16, wants)
     assert cache.max_cache_len == 128 and settled == wants
-    with pytest.raises(ValueError, match="kv_bits=8 has no static"):
+    with pytest.raises(ValueError, match="kv_bits=8 with retention='host' has no static"):
         new_cache(
-            model, AlisaConfig(kv_bits=8), 4, 16, CompileChoice(**{**vars(wants), "asked": "on"})
+            model,
+            AlisaConfig(kv_bits=8, policy="swa", caching_ratio=0.3, retention="host"),
+            4,
+            16,
+            CompileChoice(**{**vars(wants), "asked": "on"}),
         )
     settled = settle_compile(wants, DynamicCache())
     assert settled.describe() == "off (auto: DynamicCache's step changes shape)"
@@ -179,8 +194,12 @@ def test_the_cli_takes_compile_and_shows_what_it_settled(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "\ncompile: off (auto: a CPU" in err
     assert "| compile off (auto)" in err.split("[alisa]")[1]
-    assert main([*argv, "--compile", "on", "--kv-bits", "8"]) == 1
-    assert "kv_bits=8 has no static (compiled) decode step yet" in capsys.readouterr().err
+    host = ["--kv-bits", "8", "--retention", "host", "--policy", "swa", "--caching-ratio", "0.3"]
+    assert main([*argv, "--compile", "on", *host]) == 1
+    assert (
+        "kv_bits=8 with retention='host' has no static (compiled) decode step yet"
+        in capsys.readouterr().err
+    )
 
 
 def test_a_compiled_step_after_another_caches_forward_attends_with_alisa():

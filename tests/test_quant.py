@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from quant import dequantize, pack_nibbles, quantize, quantize_rows, unpack_nibbles
+from quant.asymmetric import SCALE_LEVELS, dequantize_fixed, quantize_fixed
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -160,3 +161,36 @@ def test_row_quantization_refuses_integers_and_scalars():
         quantize_rows(torch.arange(4))
     with pytest.raises(ValueError, match="0-dimensional"):
         quantize_rows(torch.tensor(1.0))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    values=arrays(
+        "float32", st.tuples(st.integers(1, 3), st.sampled_from([4, 8, 16])), elements=finite
+    ),
+    bits=st.sampled_from([8, 4]),
+    group=st.sampled_from([2, 4, None]),
+    dtype=st.sampled_from(DTYPES),
+    level=st.integers(0, 2),
+    widen=st.sampled_from(["none", "constant", "offset"]),
+)
+def test_the_fixed_shape_coder_is_quantize_and_dequantize_bit_for_bit(
+    values, bits, group, dtype, level, widen
+):
+    """A compiled step's coder (issue 65): the codes, scales and zero points quantize stores,
+    in the dtype it chooses from a preferred one on (rows that float16, or float32, cannot
+    hold included), and the values dequantize decodes from them in every output dtype."""
+    x = torch.from_numpy(values).to(dtype)
+    if widen == "constant":  # a constant group keeps its value as the scale
+        x[0] = 0.1234567
+    elif widen == "offset":  # a zero point past float16's (and float32's) integers
+        x[-1] = 1e4 + torch.arange(x.shape[-1]) * 1e-3
+    q = quantize(x, bits, group, scale_dtype=SCALE_LEVELS[level])
+    codes, scale, zero, chosen = quantize_fixed(
+        x, None, torch.tensor([level]), bits=bits, group_size=group
+    )
+    assert SCALE_LEVELS[int(chosen)] == q.scale.dtype
+    assert torch.equal(codes, q.data)
+    assert torch.equal(scale, q.scale.double()) and torch.equal(zero, q.zero_point.double())
+    decoded = dequantize_fixed(codes, scale, zero, chosen, dtype, bits=bits)
+    assert decoded.dtype == dtype and torch.equal(decoded, dequantize(q))

@@ -40,6 +40,17 @@ MODES = {
         "host_bits": 16,
         "history_share": 0.0,
     },
+    # KV coded to INT8 (one scale a row, the full-precision ring of the newest 64 tokens) and
+    # to INT4 in groups of 4 with a ring of 5 that wraps while evictions empty its slots.
+    "int8": {"policy": "swa", "caching_ratio": 0.3, "kv_bits": 8},
+    "int4": {
+        "policy": "h2o",
+        "caching_ratio": 0.4,
+        "per_head": False,
+        "kv_bits": 4,
+        "quant_group_size": 4,
+        "residual_tokens": 5,
+    },
 }
 
 
@@ -133,9 +144,10 @@ def test_the_static_step_keeps_what_the_growing_cache_keeps(mode, kernels):
     order can part a near tie of evictions (SWA's exact window subtracts snapshots: at step
     111 of one row in float32 here, never in float64)."""
     model = tiny_llama()
-    if config(mode).host_bits != 8 or config(mode).retention != "host":
-        # An INT8 host region's static step takes float32 models only (its rows are decoded
-        # as the eager region's there): the rest compare in float64.
+    chosen = config(mode)
+    if chosen.kv_bits == 16 and (chosen.host_bits != 8 or chosen.retention != "host"):
+        # Codes are made of float32 (or narrower) keys only, and an INT8 host region's static
+        # step takes float32 models only: the rest compare in float64.
         model = model.to(torch.float64)
     ids, mask = prompts(lengths=(20, 11, 16))
     steps = 200
@@ -146,10 +158,11 @@ def test_the_static_step_keeps_what_the_growing_cache_keeps(mode, kernels):
 
 @pytest.mark.parametrize("kernels", ["reference", "cpu"])
 @pytest.mark.parametrize("name", ["mistral", "gemma3_text", "qwen2-window", "gpt2", "qwen3"])
-@pytest.mark.parametrize("mode", ["dense", "swa"])
+@pytest.mark.parametrize("mode", ["dense", "swa", "int8"])
 def test_each_family_traces_its_static_step_to_the_eager_tokens(name, mode, kernels):
     """Sliding-window layers (Mistral, Gemma 3's hybrid, Qwen2's window), GPT-2's fused
-    projections, Qwen3's norms: the traced static step is the eager step, in one graph, with
+    projections, Qwen3's norms, over 16-bit or INT8 KV: the traced static step is the eager
+    step, in one graph, with
     PyTorch's operators or the CPU's (whose attention then masks a sliding layer's window:
     PyTorch's tokens)."""
     model, (ids, mask) = build(FAMILIES[name]), prompts()
@@ -159,7 +172,20 @@ def test_each_family_traces_its_static_step_to_the_eager_tokens(name, mode, kern
         assert torch.equal(tokens, greedy(model, cache, ids, mask, 24, model))
 
 
-@pytest.mark.parametrize("mode", ["dense", "swa", "host"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_coded_kv_of_a_16_bit_model_traces_to_the_eager_tokens(mode, dtype):
+    """A 16-bit model's codes decode in the dtype the eager store decodes them in (float16
+    scales of float16 keys in float16, the rest in float32): the traced step's tokens are the
+    eager static step's, and the growing cache's."""
+    model = tiny_llama().to(dtype)
+    ids, mask = prompts(lengths=(20, 11, 16))
+    tokens = traced_equals_eager(model, mode, ids, mask, 60)
+    growing = greedy(model, AlisaCache(model, config(mode)), ids, mask, 60, model)
+    assert torch.equal(tokens, growing)
+
+
+@pytest.mark.parametrize("mode", ["dense", "swa", "host", "int8"])
 def test_generate_compiles_a_static_cache_to_the_eager_tokens(mode):
     """``generate(compile="on")`` builds the static cache itself and runs inductor's code: the
     eager tokens, one graph, its compile time reported."""
@@ -175,7 +201,7 @@ def test_generate_compiles_a_static_cache_to_the_eager_tokens(mode):
     assert compiled.compile_s > 0 and eager.compile_s is None
 
 
-@pytest.mark.parametrize("mode", ["dense", "swa", "swa-exact-window"])
+@pytest.mark.parametrize("mode", ["dense", "swa", "swa-exact-window", "int8"])
 def test_the_buffers_a_static_step_writes_keep_their_addresses_and_say_so(mode):
     """CUDA graphs replay a step that writes the cache in place only if those buffers have
     fixed addresses (else they skip the graph, as they would for HF's StaticCache without
@@ -251,8 +277,11 @@ def test_the_static_slot_space_is_fixed_and_bounded_by_the_budget():
 @pytest.mark.parametrize(
     ("fields", "needle"),
     [
-        ({"kv_bits": 8}, "kv_bits=8 has no static (compiled) decode step yet"),
-        ({"gpu_memory": "1GiB"}, "gpu_memory='1GiB' has no static (compiled) decode step yet"),
+        (
+            {"kv_bits": 8, "policy": "swa", "caching_ratio": 0.3, "retention": "host"},
+            "kv_bits=8 with retention='host' has no static (compiled) decode step yet",
+        ),
+        ({"gpu_memory": "1GiB"}, "gpu_memory='1GiB' has no static (compiled) decode step: its"),
         (
             {"policy": "swa", "caching_ratio": 0.3, "retention": "host", "host_bits": 4},
             "retention='host' with host_bits=4 has no static (compiled) decode step yet",

@@ -142,6 +142,8 @@ class AlisaCache(Cache):
             compiled=self.ops.compiled,
             operators=self.ops.operators,
             context=context,
+            static=traced,
+            branch=self.ops.branches,
         )
         if note := coded_size_note(self.config, self.shape.head_dim, model.dtype.itemsize):
             warnings.warn(note, IgnoredSettingWarning, stacklevel=2)
@@ -703,10 +705,10 @@ def _check_static(
     config: AlisaConfig, max_cache_len: int | None, context: tuple[int, str] | None
 ) -> int | None:
     """``max_cache_len`` as an int, refused (naming the setting) where the mode has no static
-    step yet: KV coded to fewer bits (a region of codes and full-precision recent tokens),
-    device/host/recompute tiers (their regions move per step). Keepers refuse for their own
-    modes too (:meth:`~alisa.kv.keeper.Keeper.static_slots`: host retention's INT8/INT4 host
-    region), and the cache host retention on CUDA."""
+    step yet: device/host/recompute tiers (their regions move per step), and host retention
+    over a device region coded to fewer bits (its static fetch writes plain rows). Keepers
+    refuse for their own modes too (:meth:`~alisa.kv.keeper.Keeper.static_slots`: host
+    retention's INT4 host region), and the cache host retention on CUDA."""
     if max_cache_len is None:
         return None
     check_int("max_cache_len", max_cache_len, minimum=1)
@@ -716,13 +718,21 @@ def _check_static(
             f"max_cache_len={max_cache_len} is longer than the model's context of {context[0]} "
             f"tokens ({context[1]}); at most {context[0]}"
         )
-    reasons = {"kv_bits": config.kv_bits != 16, "gpu_memory": config.gpu_memory is not None}
-    for name, refused in reasons.items():
-        if refused:
-            raise ValueError(
-                f"{name}={getattr(config, name)!r} has no static (compiled) decode step yet: "
-                "run it eager (compile='off' or 'auto'; a cache built without max_cache_len)"
-            )
+    why = None
+    if config.gpu_memory is not None:  # issue 65 lets the tiered pool stay eager, saying why
+        why = (
+            f"gpu_memory={config.gpu_memory!r} has no static (compiled) decode step: its KV "
+            "moves between the device, host and recompute tiers as the planner schedules"
+        )
+    elif config.kv_bits != 16 and config.retention == "host":
+        why = (
+            f"kv_bits={config.kv_bits} with retention='host' has no static (compiled) decode "
+            "step yet"
+        )
+    if why is not None:
+        raise ValueError(
+            f"{why}: run it eager (compile='off' or 'auto'; a cache built without max_cache_len)"
+        )
     return int(max_cache_len)
 
 
@@ -793,11 +803,15 @@ def store_factory(
     compiled: bool,
     operators: bool = False,
     context: int | None = None,
+    static: bool = False,
+    branch: bool = False,
 ) -> StoreFactory:
     """Dense storage for ``kv_bits=16``, else INT8/INT4 storage checked against the head size;
     ``compiled``: the stores run the compiled CPU kernels, ``operators``: a static step's
-    attention runs them as operators (:class:`~alisa.ops.backends.Ops`; INT8/INT4 storage has
-    no static step).
+    attention runs them as operators (:class:`~alisa.ops.backends.Ops`; INT8/INT4 storage's
+    static step reads its codes decoded by PyTorch's operators), ``static``: the stores of a
+    static cache (INT8/INT4 codes with fixed-shape writes, :class:`StaticPair`), ``branch``:
+    their step decodes the codes in one dtype picked by a branch (:attr:`Ops.branches`).
     The full-precision ring holds ``residual_tokens`` but never more than the model's
     ``context`` (None: unknown): no sequence has more tokens to keep there."""
     if config.kv_bits == 16:
@@ -821,6 +835,8 @@ def store_factory(
         group_size=group,
         residual_tokens=ring_tokens(config, context),
         compiled=compiled,
+        static=static,
+        branch=branch,
     )
 
 

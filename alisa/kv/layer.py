@@ -105,7 +105,7 @@ class AlisaLayer(CacheLayerMixin):
             position = self.keeper.pack.position()
             self.keeper.write_static(position, key_states, value_states)
             slot = self.slots.claim_free(position)
-            self.store.write_slots(slot, key_states, value_states)
+            self.store.write_slots(slot, key_states, value_states, position)
         else:
             self.keeper.on_write(self.slots.seen, key_states, value_states, self.slots)
             if key_states.shape[2] == 1:

@@ -62,6 +62,10 @@ class Ops:
     pinned
         Host buffers are page-locked (the device is CUDA): copies to the device run
         asynchronously, and a kernel on the device can read host rows.
+    branches
+        A traced step may branch on a device number (``torch.cond``, which reads it on the
+        host): on a CPU, where that read is free; a CUDA graph replays no branch, so there
+        every alternative is computed and one selected.
     feature
         What decided the product on a CPU (its bfloat16 support), for the record; else ``""``.
     products
@@ -107,6 +111,7 @@ class Ops:
     parts: int | None = None
     operators: bool = False
     pinned: bool = field(init=False)
+    branches: bool = field(init=False)
     select: Callable[[reference.SelectionStep], reference.Selected] = field(
         init=False, repr=False, compare=False
     )
@@ -149,6 +154,7 @@ class Ops:
         ):
             raise ValueError(f"parts={self.parts!r} must be a whole number of at least 1 or None")
         object.__setattr__(self, "pinned", self.device == "cuda")
+        object.__setattr__(self, "branches", self.device == "cpu")
         object.__setattr__(self, "select", self._bound_select())
         evict, add_sums = reference.evict, reference.add_sums
         if self.compiled:

@@ -25,6 +25,7 @@ from alisa.storage.store import (
     with_capacity,
 )
 from quant import QuantizedTensor, dequantize, quantize
+from quant.asymmetric import SCALE_LEVELS, dequantize_fixed, quantize_fixed
 
 SCALE_DTYPE = torch.float16
 
@@ -188,6 +189,67 @@ class QuantizedPair:
         return both[0], both[1]
 
 
+class StaticPair(QuantizedPair):
+    """A :class:`QuantizedPair` a static (compiled) decode step writes with one shape and no
+    host read (issue 65): the same codes, scales and zero points, bit for bit.
+
+    :class:`QuantizedPair` widens its scales' dtype when a token needs it (a host read and a
+    new tensor). Here scales and zero points are kept as float64 from the start (it holds every
+    dtype's values exactly) and the dtype they are values of is a device number, ``level``
+    (an index in :data:`quant.asymmetric.SCALE_LEVELS`), which only rises:
+    :func:`quant.asymmetric.quantize_fixed` codes at it and :func:`~quant.asymmetric.
+    dequantize_fixed` decodes as :func:`quant.dequantize` would at it. The price is memory:
+    16 bytes of scale and zero point a group against 4 (a D = 64 row with one group: 80
+    against 68 bytes).
+    """
+
+    def __init__(
+        self,
+        shape: tuple[int, int, int, int],
+        bits: int,
+        group: int,
+        dtype,
+        device,
+        *,
+        branch: bool = False,
+    ):
+        super().__init__(shape, bits, group, dtype, device)
+        self.branch = branch  # decode by torch.cond (alisa.ops.backends.Ops.branches)
+        self.scale = self.scale.double()
+        self.zero = self.zero.double()
+        self.level = torch.tensor([SCALE_LEVELS.index(SCALE_DTYPE)], device=device)
+
+    def nbytes(self) -> int:
+        return super().nbytes() + self.level.nbytes
+
+    def int8_rows(self) -> bool:
+        """Never the compiled kernels' format (their scales are float16)."""
+        return False
+
+    def write(self, index: tuple, pair: torch.Tensor) -> None:
+        """Quantize ``pair`` (shaped like ``data[index]`` with D values last) into ``index`` at
+        the scales' level (raised where a group needs it, as :meth:`QuantizedPair.write`)."""
+        data, scale, zero, level = quantize_fixed(
+            pair, None, self.level, bits=self.bits, group_size=self.group
+        )
+        self.put(index, data, scale, zero)
+        self.level.copy_(level)
+
+    def dequantized(self, spare: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        both = self.decode(self.data, self.scale, self.zero)
+        if spare:  # the spare slots after the capacity: zeros
+            both = tuple(torch.nn.functional.pad(half, (0, 0, 0, spare)) for half in both)
+        return both[0], both[1]
+
+    def decode(
+        self, data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        both = dequantize_fixed(
+            data, scale, zero, self.level, self.dtype, bits=self.bits, branch=self.branch
+        )
+        return both[0], both[1]
+
+
 class QuantizedStore(DeviceResident):
     """Drop-in for :class:`~alisa.storage.store.DenseStore` holding K/V as ``bits``-bit codes.
 
@@ -206,6 +268,12 @@ class QuantizedStore(DeviceResident):
     compiled
         Whether :meth:`attend` may run its compiled CPU kernel (None: when the tokens are on a
         CPU; False: attention always reads the dequantized :meth:`read`, the reference).
+    static
+        Code with one shape and no host read (:class:`StaticPair`), for a static cache whose
+        decode step is compiled; its attention reads :meth:`read`.
+    branch
+        A static store decodes in the one dtype its scales' level picks, by a branch
+        (:attr:`alisa.ops.backends.Ops.branches`).
     """
 
     def __init__(
@@ -219,6 +287,8 @@ class QuantizedStore(DeviceResident):
         residual_tokens: int,
         groups: int,
         compiled: bool = False,
+        static: bool = False,
+        branch: bool = False,
     ) -> None:
         batch, heads, length, head_dim = keys.shape
         group = group_size or head_dim
@@ -226,7 +296,10 @@ class QuantizedStore(DeviceResident):
         # attention then reads the codes in place (:meth:`attend`).
         self.compiled = compiled
         shape = (batch, heads, capacity, head_dim)
-        self.codes = QuantizedPair(shape, bits, group, keys.dtype, keys.device)
+        if static:
+            self.codes = StaticPair(shape, bits, group, keys.dtype, keys.device, branch=branch)
+        else:
+            self.codes = QuantizedPair(shape, bits, group, keys.dtype, keys.device)
         self.residual = residual_tokens
         self.ring_keys = keys.new_zeros(batch, heads, residual_tokens, head_dim)
         self.ring_values = values.new_zeros(batch, heads, residual_tokens, head_dim)
@@ -252,6 +325,14 @@ class QuantizedStore(DeviceResident):
         """Bytes held: codes, scales, zero points and the full-precision ring."""
         ring = self.ring_keys.nbytes + self.ring_values.nbytes
         return self.codes.nbytes() + ring
+
+    def static_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The codes, scales, zero points and their level, and the ring: a static step writes
+        its token into them in place."""
+        if not isinstance(self.codes, StaticPair):
+            raise NotImplementedError("a QuantizedStore built without static=True")
+        ring = (self.ring_keys, self.ring_values, self.ring_slots, self.ring_positions)
+        return (*self.codes.tensors(), self.codes.level, *ring)
 
     def read(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, H_kv, capacity, D) keys and values in the model dtype.
@@ -363,10 +444,11 @@ class QuantizedStore(DeviceResident):
         slots: torch.Tensor,
         keys: torch.Tensor,
         values: torch.Tensor,
-        position: int,
+        position: int | torch.Tensor,
         inputs: TokenInputs | None = None,
     ) -> None:
-        """Store one token per (sequence, group) at ``slots`` (B, Hs, 1)."""
+        """Store one token per (sequence, group) at ``slots`` (B, Hs, 1); ``position`` is a
+        (1,) device tensor in a static step."""
         if self._code_token(slots, keys, values, position):
             return
         kv_heads = keys.shape[1]
@@ -523,9 +605,17 @@ class QuantizedStore(DeviceResident):
         ring = (self.ring_keys, self.ring_values, self.ring_slots, self.ring_positions)
         return self.codes.pinned() and page_locked(*ring)
 
-    def _remember(self, slots: torch.Tensor, keys, values, position: int) -> None:
-        """Put one token (B, H_kv, D) into the full-precision ring at entry position % R."""
+    def _remember(self, slots: torch.Tensor, keys, values, position: int | torch.Tensor) -> None:
+        """Put one token (B, H_kv, D) into the full-precision ring at entry position % R
+        (``position`` a (1,) device tensor in a static step: the entry is found there)."""
         if not self.residual:
+            return
+        if isinstance(position, torch.Tensor):
+            entry = position % self.residual
+            self.ring_keys.index_copy_(2, entry, keys.unsqueeze(2))
+            self.ring_values.index_copy_(2, entry, values.unsqueeze(2))
+            self.ring_slots.index_copy_(2, entry, slots)
+            self.ring_positions.index_copy_(0, entry, position)
             return
         entry = position % self.residual
         self.ring_keys[:, :, entry] = keys
