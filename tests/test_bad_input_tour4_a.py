@@ -95,9 +95,10 @@ def test_a_damaged_tokenizer_file_is_named(tmp_path):
     ("fields", "needle"),
     [
         (
-            {"kv_bits": 8, "policy": "swa", "caching_ratio": 0.3, "retention": "host"},
-            "kv_bits=8 with retention='host' has no static (compiled) decode step yet: "
-            "run it eager",
+            {"kv_bits": 4, "policy": "swa", "caching_ratio": 0.3, "retention": "host"},
+            "kv_bits=4 with retention='host', host_bits=8 and quant_group_size=None "
+            "has no static (compiled) decode step yet (kv_bits=8 over host_bits=8, one scale a "
+            "row, has): run it eager",
         ),
         ({"gpu_memory": "1GB"}, "gpu_memory='1GB' has no static (compiled) decode step: its"),
         (

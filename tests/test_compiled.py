@@ -67,9 +67,10 @@ def test_compiled_steps_equal_eager_ones_in_one_graph():
         (
             {
                 "compile": "on",
-                "config": AlisaConfig(kv_bits=8, policy="swa", caching_ratio=0.3, retention="host"),
+                "config": AlisaConfig(kv_bits=4, policy="swa", caching_ratio=0.3, retention="host"),
             },
-            "kv_bits=8 with retention='host' has no static (compiled) decode step yet",
+            "kv_bits=4 with retention='host', host_bits=8 and quant_group_size=None "
+            "has no static (compiled) decode step yet",
         ),
         (
             {"compile": "on", "prune_finished": True},
@@ -143,21 +144,27 @@ def test_auto_settles_eager_where_the_cache_cannot_compile_and_on_refuses():
     wants = CompileChoice(asked="auto", compiled=True, reason="auto: CUDA")
     cache, settled = new_cache(
         model,
-        AlisaConfig(kv_bits=8, policy="swa", caching_ratio=0.3, retention="host"),
+        AlisaConfig(kv_bits=4, policy="swa", caching_ratio=0.3, retention="host"),
         4,
         16,
         wants,
     )
     assert cache.max_cache_len is None and not cache.is_compileable
     assert settled.describe() == (
-        "off (auto: kv_bits=8 with retention='host' has no static (compiled) decode step yet)"
+        "off (auto: kv_bits=4 with retention='host', host_bits=8 and quant_group_size=None "
+        "has no static (compiled) decode step yet (kv_bits=8 over host_bits=8, one scale a row, "
+        "has))"
     )
     cache, settled = new_cache(model, AlisaConfig(policy="swa", caching_ratio=0.5), 4, 16, wants)
     assert cache.max_cache_len == 128 and settled == wants
-    with pytest.raises(ValueError, match="kv_bits=8 with retention='host' has no static"):
+    with pytest.raises(
+        ValueError,
+        match="kv_bits=4 with retention='host', host_bits=8 and quant_group_size=None "
+        "has no static",
+    ):
         new_cache(
             model,
-            AlisaConfig(kv_bits=8, policy="swa", caching_ratio=0.3, retention="host"),
+            AlisaConfig(kv_bits=4, policy="swa", caching_ratio=0.3, retention="host"),
             4,
             16,
             CompileChoice(**{**vars(wants), "asked": "on"}),
@@ -194,11 +201,11 @@ def test_the_cli_takes_compile_and_shows_what_it_settled(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "\ncompile: off (auto: a CPU" in err
     assert "| compile off (auto)" in err.split("[alisa]")[1]
-    host = ["--kv-bits", "8", "--retention", "host", "--policy", "swa", "--caching-ratio", "0.3"]
+    host = ["--kv-bits", "4", "--retention", "host", "--policy", "swa", "--caching-ratio", "0.3"]
     assert main([*argv, "--compile", "on", *host]) == 1
     assert (
-        "kv_bits=8 with retention='host' has no static (compiled) decode step yet"
-        in capsys.readouterr().err
+        "kv_bits=4 with retention='host', host_bits=8 and quant_group_size=None "
+        "has no static (compiled) decode step yet" in capsys.readouterr().err
     )
 
 

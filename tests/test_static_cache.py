@@ -43,6 +43,8 @@ MODES = {
     # KV coded to INT8 (one scale a row, the full-precision ring of the newest 64 tokens) and
     # to INT4 in groups of 4 with a ring of 5 that wraps while evictions empty its slots.
     "int8": {"policy": "swa", "caching_ratio": 0.3, "kv_bits": 8},
+    # Host retention over INT8 device KV: fetched rows' codes copied from the INT8 host region.
+    "host-int8": {"policy": "swa", "caching_ratio": 0.3, "retention": "host", "kv_bits": 8},
     "int4": {
         "policy": "h2o",
         "caching_ratio": 0.4,
@@ -157,11 +159,13 @@ def test_the_static_step_keeps_what_the_growing_cache_keeps(mode, kernels):
 
 
 @pytest.mark.parametrize("kernels", ["reference", "cpu"])
-@pytest.mark.parametrize("name", ["mistral", "gemma3_text", "qwen2-window", "gpt2", "qwen3"])
+@pytest.mark.parametrize("name", ["mistral", "gemma3_text", "qwen2-window", "gpt2", "qwen3", "opt"])
 @pytest.mark.parametrize("mode", ["dense", "swa", "int8"])
 def test_each_family_traces_its_static_step_to_the_eager_tokens(name, mode, kernels):
     """Sliding-window layers (Mistral, Gemma 3's hybrid, Qwen2's window), GPT-2's fused
-    projections, Qwen3's norms, over 16-bit or INT8 KV: the traced static step is the eager
+    projections, Qwen3's norms, OPT's ``get_seq_length()`` in every forward (a host count
+    there recompiled every step; a traced step now reads a device count, as HF's
+    ``StaticLayer`` gives), over 16-bit or INT8 KV: the traced static step is the eager
     step, in one graph, with
     PyTorch's operators or the CPU's (whose attention then masks a sliding layer's window:
     PyTorch's tokens)."""
@@ -278,8 +282,9 @@ def test_the_static_slot_space_is_fixed_and_bounded_by_the_budget():
     ("fields", "needle"),
     [
         (
-            {"kv_bits": 8, "policy": "swa", "caching_ratio": 0.3, "retention": "host"},
-            "kv_bits=8 with retention='host' has no static (compiled) decode step yet",
+            {"kv_bits": 4, "policy": "swa", "caching_ratio": 0.3, "retention": "host"},
+            "kv_bits=4 with retention='host', host_bits=8 and quant_group_size=None "
+            "has no static (compiled) decode step yet",
         ),
         ({"gpu_memory": "1GiB"}, "gpu_memory='1GiB' has no static (compiled) decode step: its"),
         (

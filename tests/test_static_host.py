@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from alisa.ops.reference import fetch_placed, fetch_placed_static
+from alisa.ops.reference import fetch_codes_static, fetch_placed, fetch_placed_static
 from alisa.storage.pages import PAGE_TOKENS, HostPages
+from alisa.storage.quantized import QuantizedStore
 from quant.asymmetric import SCALE_LEVELS
 
 BATCH, HEADS, DIM = 2, 2, 8
@@ -93,6 +94,61 @@ def test_the_static_fetch_writes_what_the_eager_fetch_writes_and_nothing_else(co
     fetch_placed(eager_region, chosen, fetch, target, *expected)
     fetch_placed_static(static_region, chosen, fetch, target, anchor, keys, values)
     assert torch.equal(keys, expected[0]) and torch.equal(values, expected[1])
+
+
+@pytest.mark.parametrize("widen", ["none", "offset"])
+@pytest.mark.parametrize("fetches", [True, False])
+def test_the_static_fetch_of_codes_copies_rows_and_raises_the_level(widen, fetches):
+    """Over INT8 device KV the static fetch copies each fetched row's codes, scales and zero
+    points from the INT8 host region as they are, leaves every other slot alone, and raises
+    the device's scale level to the region's where a row was fetched (as the eager store's
+    ``put`` widens its scales), not where none was."""
+    generator = torch.Generator().manual_seed(5)
+    capacity, slots, entries = 40, 12, 6
+    pages = HostPages(BATCH, HEADS, DIM, bits=8, dtype=torch.float32, device="cpu")
+    region = torch.randn(2, BATCH, HEADS, capacity, DIM, generator=generator)
+    if widen == "offset":  # a zero point past float16's and float32's integers: float64
+        region[0, 1, 0, 7] = 1e9 + torch.arange(DIM) * 64.0
+    pages.write(0, *region)
+    pages.make_static(capacity)
+    device = QuantizedStore(
+        *(torch.randn(BATCH, HEADS, slots, DIM, generator=generator) for _ in "kv"),
+        slots,
+        bits=8,
+        group_size=None,
+        residual_tokens=0,
+        groups=1,
+        static=True,
+    )
+    chosen = torch.stack(
+        [torch.randperm(capacity, generator=generator)[:entries] for _ in range(BATCH * HEADS)]
+    ).view(BATCH, HEADS, entries)
+    chosen[1, 0, 0] = 7  # the widened row, where it is fetched
+    fetch = torch.rand(BATCH, HEADS, entries, generator=generator) < 0.5
+    fetch[1, 0, 0] = True
+    fetch &= fetches
+    target = torch.where(fetch, fetch.cumsum(-1), slots)
+    anchor = torch.zeros(BATCH, HEADS, 1, dtype=torch.int64)
+    before = [t.clone() for t in device.codes.tensors()]
+    level = device.codes.level.clone()
+    fetch_codes_static(
+        pages.tensors(),
+        pages.level,
+        chosen,
+        fetch,
+        target,
+        anchor,
+        device.codes.tensors(),
+        device.codes.level,
+    )
+    for mine, old, theirs in zip(device.codes.tensors(), before, pages.tensors(), strict=True):
+        expected = old.clone()
+        for b, h, e in fetch.nonzero().tolist():
+            expected[:, b, h, target[b, h, e]] = theirs[:, b, h, chosen[b, h, e]]
+        assert torch.equal(mine, expected)
+    raised = torch.maximum(level, pages.level) if fetches else level
+    assert torch.equal(device.codes.level, raised)
+    assert int(pages.level) == (2 if widen == "offset" else 0)
 
 
 def _selection(seed: int, *, history: bool):

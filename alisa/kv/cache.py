@@ -223,11 +223,18 @@ class AlisaCache(Cache):
             self._planned = False  # a static step's token is being stored: counted from now
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
+    def get_seq_length(self, layer_idx: int = 0) -> int | torch.Tensor:
         """Tokens seen per sequence (padding included). Between a static step's host half
         (:meth:`begin_forward`, which counts its token ahead) and the step storing it, the
         count before the step: a model that derives positions from it (no ``position_ids``
-        given) places the token where the growing cache would."""
+        given) places the token where the growing cache would.
+
+        In a traced static step the count is a () device tensor, as HF's ``StaticLayer``
+        returns: OPT, BERT, BioGPT and their kin call this in every forward, and a host
+        number read there would be baked into the graph and guarded (a recompile per step)."""
+        if self._pack is not None and torch.compiler.is_compiling():
+            position = self._pack.position()[0]  # the token this step writes
+            return position if self._planned else position + 1
         seen = super().get_seq_length(layer_idx)
         return seen - 1 if self._planned else seen
 
@@ -706,9 +713,10 @@ def _check_static(
 ) -> int | None:
     """``max_cache_len`` as an int, refused (naming the setting) where the mode has no static
     step yet: device/host/recompute tiers (their regions move per step), and host retention
-    over a device region coded to fewer bits (its static fetch writes plain rows). Keepers
-    refuse for their own modes too (:meth:`~alisa.kv.keeper.Keeper.static_slots`: host
-    retention's INT4 host region), and the cache host retention on CUDA."""
+    over device codes of another format than its host region's (its static fetch copies
+    them). Keepers refuse for their own modes too (:meth:`~alisa.kv.keeper.Keeper.
+    static_slots`: host retention's INT4 host region), and the cache host retention on
+    CUDA."""
     if max_cache_len is None:
         return None
     check_int("max_cache_len", max_cache_len, minimum=1)
@@ -724,10 +732,15 @@ def _check_static(
             f"gpu_memory={config.gpu_memory!r} has no static (compiled) decode step: its KV "
             "moves between the device, host and recompute tiers as the planner schedules"
         )
-    elif config.kv_bits != 16 and config.retention == "host":
+    elif (
+        config.retention == "host"
+        and config.kv_bits != 16
+        and not (config.kv_bits == 8 and config.quant_group_size is None and config.host_bits == 8)
+    ):  # the static fetch copies the host region's codes as they are: one format on both sides
         why = (
-            f"kv_bits={config.kv_bits} with retention='host' has no static (compiled) decode "
-            "step yet"
+            f"kv_bits={config.kv_bits} with retention='host', host_bits={config.host_bits} and "
+            f"quant_group_size={config.quant_group_size!r} has no static (compiled) decode step "
+            "yet (kv_bits=8 over host_bits=8, one scale a row, has)"
         )
     if why is not None:
         raise ValueError(

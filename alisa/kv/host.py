@@ -44,7 +44,6 @@ from alisa.ops.reference import (
     ChoiceInputs,
     SelectionStep,
     StaticChoice,
-    fetch_placed_static,
     place,
     select_rule_static,
 )
@@ -565,8 +564,9 @@ class HostKeeper(Keeper):
         logits = self.sketch.logits(grouped)
         position = self.pack.position()  # the step's token, held through the step
         seen = position + 1
-        keys, values = store.plain_heads()
-        if self.ops.operators:  # the eager step's compiled choice and swap, as one operator
+        plain = store.plain_heads()
+        if self.ops.operators and plain is not None:  # the eager step's choice and swap
+            keys, values = plain
             history = (
                 self.history.total
                 if self.history is not None
@@ -604,7 +604,7 @@ class HostKeeper(Keeper):
         chosen, taken = select_rule_static(inputs)
         placement = place(slots.positions, chosen, taken, self.static_width)
         anchor = slots.holding(position)
-        fetch_placed_static(self.pages.tensors(), *placement, anchor, keys, values)
+        store.fetch_static(self.pages.tensors(), self.pages.level, placement, anchor)
         self._fetched_on_device.add_(placement.fetch.sum())
 
     # ---- bookkeeping ----------------------------------------------------------------------

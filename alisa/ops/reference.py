@@ -728,13 +728,60 @@ def fetch_placed_static(
     scatter needs neither a copy of the buffers nor a slot to spare. Same parameters as
     :func:`fetch_placed` otherwise.
     """
-    head_dim = keys.shape[-1]
     rows_out = _region_rows(region, torch.where(fetch, chosen, 0), keys)
-    fetched = fetch.unsqueeze(-1)
-    slots = torch.where(fetch, target, anchor).unsqueeze(-1).expand(-1, -1, -1, head_dim)
-    held = anchor.unsqueeze(-1).expand(-1, -1, 1, head_dim)
     for buffer, rows_half in zip((keys, values), rows_out, strict=True):
-        buffer.scatter_(2, slots, torch.where(fetched, rows_half, buffer.gather(2, held)))
+        _scatter_placed(buffer, rows_half, fetch, target, anchor)
+
+
+def fetch_codes_static(
+    region: tuple[torch.Tensor, ...],
+    region_level: torch.Tensor,
+    chosen: torch.Tensor,
+    fetch: torch.Tensor,
+    target: torch.Tensor,
+    anchor: torch.Tensor,
+    codes: tuple[torch.Tensor, ...],
+    level: torch.Tensor,
+) -> None:
+    """:func:`fetch_placed_static` into a device region of codes from a host region coded the
+    same way (INT8, one scale a row, scales and zero points kept as float64 values of the
+    dtype their ``level`` names): the fetched rows' codes, scales and zero points copied as
+    they are, and the device's level raised to the host's where a row was fetched (as
+    :meth:`alisa.storage.quantized.QuantizedPair.put` widens the scales).
+
+    Parameters
+    ----------
+    region, region_level
+        The host region's (data, scale, zero point), each (2, B, H_kv, positions, ·), and
+        its (1,) int64 level.
+    chosen, fetch, target, anchor
+        As :func:`fetch_placed_static`.
+    codes, level
+        The device's (data, scale, zero point), each (2, B, H_kv, capacity, ·), and its
+        (1,) level, written in place.
+    """
+    picked = _region_picked(region, torch.where(fetch, chosen, 0))
+    for buffer, rows in zip(codes, picked, strict=True):
+        for half in range(2):  # a view of the buffer: the scatter writes the buffer
+            _scatter_placed(buffer[half], rows[half].to(buffer.device), fetch, target, anchor)
+    raised = torch.maximum(level, region_level.to(level.device))
+    level.copy_(torch.where(fetch.any(), raised, level))
+
+
+def _scatter_placed(
+    buffer: torch.Tensor,
+    rows: torch.Tensor,
+    fetch: torch.Tensor,
+    target: torch.Tensor,
+    anchor: torch.Tensor,
+) -> None:
+    """Write (B, H_kv, K, ·) ``rows`` into (B, H_kv, capacity, ·) ``buffer`` at their
+    ``target`` slots where ``fetch``; the others rewrite the ``anchor`` slot with its own value
+    (:func:`fetch_placed_static`)."""
+    width = buffer.shape[-1]
+    slots = torch.where(fetch, target, anchor).unsqueeze(-1).expand(-1, -1, -1, width)
+    held = anchor.unsqueeze(-1).expand(-1, -1, 1, width)
+    buffer.scatter_(2, slots, torch.where(fetch.unsqueeze(-1), rows, buffer.gather(2, held)))
 
 
 def _region_rows(
@@ -743,12 +790,22 @@ def _region_rows(
     """(2, B, H_kv, K, D) keys and values of a host region's (B, H_kv, K) ``positions`` (each
     within the region), read where the region is and decoded to ``keys``' dtype and device."""
     batch, heads, entries = positions.shape
+    picked = [t.flatten(1, 3) for t in _region_picked(region, positions)]
+    read = decoded(picked, keys.dtype).to(keys.device, keys.dtype)
+    return read.view(2, batch, heads, entries, keys.shape[-1])
+
+
+def _region_picked(region: tuple[torch.Tensor, ...], positions: torch.Tensor) -> list[torch.Tensor]:
+    """A host region's tensors at (B, H_kv, K) ``positions``, as stored: (2, B, H_kv, K, ·)
+    each, where the region is."""
+    batch, heads, entries = positions.shape
     capacity = region[0].shape[3]
     rows = torch.arange(batch * heads, device=positions.device).view(batch, heads, 1)
     source = (rows * capacity + positions).view(-1).to(region[0].device)
-    picked = [t.view(2, -1, t.shape[-1]).index_select(1, source) for t in region]
-    read = decoded(picked, keys.dtype).to(keys.device, keys.dtype)
-    return read.view(2, batch, heads, entries, keys.shape[-1])
+    return [
+        t.view(2, -1, t.shape[-1]).index_select(1, source).view(2, batch, heads, entries, -1)
+        for t in region
+    ]
 
 
 def decoded(picked: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

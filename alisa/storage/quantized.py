@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from alisa.ops.cpu import Ring, Scales, attend_slots, code_rows, code_token, takes
+from alisa.ops.reference import fetch_codes_static
 from alisa.storage.store import (
     DeviceResident,
     HostRows,
@@ -533,6 +534,15 @@ class QuantizedStore(DeviceResident):
     def plain_heads(self) -> None:
         """Codes, not plain rows: fetched tokens go through :meth:`write_heads`."""
         return None
+
+    def fetch_static(self, region, region_level, placement, anchor) -> None:
+        """A static step's fetch from an INT8 host region of this store's format: the rows'
+        codes, scales and zero points as they are (:func:`~alisa.ops.reference.
+        fetch_codes_static`), as :meth:`write_heads` copies them."""
+        pair = self.codes
+        if not isinstance(pair, StaticPair) or region_level is None:
+            raise NotImplementedError("a static fetch needs static=True and an INT8 host region")
+        fetch_codes_static(region, region_level, *placement, anchor, pair.tensors(), pair.level)
 
     def reindex(self, index: torch.Tensor, capacity: int) -> None:
         """New slot j holds old slot index[b, g, j]; grow to ``capacity``; remap the ring."""

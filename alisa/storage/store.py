@@ -17,6 +17,7 @@ import torch
 
 from alisa.ops import library
 from alisa.ops.cpu import attend_slots, put_slots, takes
+from alisa.ops.reference import fetch_placed_static
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,19 @@ class KVStore(Protocol):
         :func:`alisa.ops.cuda.fetch_placed`); None when it codes them."""
         ...
 
+    def fetch_static(
+        self,
+        region: tuple[torch.Tensor, ...],
+        region_level: torch.Tensor | None,
+        placement: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        anchor: torch.Tensor,
+    ) -> None:
+        """A static host-retention step's fetch (:func:`alisa.ops.reference.
+        fetch_placed_static`): the host ``region``'s rows the ``placement`` (chosen, fetch,
+        target) fetches, written into their slots with one shape; ``region_level``: an INT8
+        region's scale level (None for a 16-bit one)."""
+        ...
+
     def attend(
         self,
         positions: torch.Tensor,
@@ -230,6 +244,9 @@ class DeviceResident:
 
     def static_buffers(self) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError(f"{type(self).__name__} has no static decode step")
+
+    def fetch_static(self, region, region_level, placement, anchor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no static host fetch")
 
     def read(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -425,6 +442,10 @@ class DenseStore(DeviceResident):
 
     def plain_heads(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys, self.values
+
+    def fetch_static(self, region, region_level, placement, anchor) -> None:
+        """The fetched rows, decoded, into the keys and values (:meth:`KVStore.fetch_static`)."""
+        fetch_placed_static(region, *placement, anchor, self.keys, self.values)
 
     def reindex(self, index: torch.Tensor, capacity: int) -> None:
         """New slot j holds old slot index[b, g, j]; then grow to ``capacity`` slots."""

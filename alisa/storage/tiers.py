@@ -104,6 +104,9 @@ class TieredStore:
     def static_buffers(self) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError("a tiered store has no static decode step (its regions move)")
 
+    def fetch_static(self, region, region_level, placement, anchor) -> None:
+        raise NotImplementedError("a tiered store has no static decode step (its regions move)")
+
     def tier_bytes(self) -> dict[str, int]:
         """Bytes held per tier (device KV, host KV, host hidden states for recomputation)."""
         totals: dict[str, int] = {}
