@@ -136,27 +136,19 @@ def dequantize(q: QuantizedTensor, *, out: torch.Tensor | None = None) -> torch.
         Optional tensor of ``q.shape`` and ``q.dtype`` to write into (a view is fine, e.g. part
         of a larger buffer): the same values, without allocating the result.
     """
-    codes = unpack_nibbles(q.data) if q.bits == 4 else q.data
     compute = _compute_dtype(q)
-    groups = q.shape[-1] // q.group_size
-    if out is not None:
-        if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype:
-            raise ValueError(
-                f"out has shape {tuple(out.shape)} and dtype {out.dtype}; "
-                f"expected {tuple(q.shape)} and {q.dtype}"
-            )
-        if compute != q.dtype:
-            return out.copy_(dequantize(q))
-        values = out.copy_(codes)  # the codes are small integers: exact in the output dtype
-    else:
-        values = codes.to(compute)
-    # Splitting the last (unit-stride) dimension is a view whatever the outer strides.
-    grouped = values.view(*q.shape[:-1], groups, q.group_size)
-    grouped.sub_(q.zero_point.to(compute).unsqueeze(-1)).mul_(q.scale.to(compute).unsqueeze(-1))
-    if out is not None:
-        return out
-    values = grouped.view(q.shape)
-    return values if values.dtype == q.dtype else values.to(q.dtype)
+    if out is None:
+        return _decoded(q.data, q.scale, q.zero_point, compute=compute, dtype=q.dtype, bits=q.bits)
+    if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype:
+        raise ValueError(
+            f"out has shape {tuple(out.shape)} and dtype {out.dtype}; "
+            f"expected {tuple(q.shape)} and {q.dtype}"
+        )
+    if compute != q.dtype:
+        return out.copy_(dequantize(q))
+    codes = unpack_nibbles(q.data) if q.bits == 4 else q.data
+    # The codes are small integers: exact in the output dtype.
+    return _scaled(out.copy_(codes), q.scale, q.zero_point)
 
 
 def _compute_dtype(q: QuantizedTensor) -> torch.dtype:
@@ -354,10 +346,17 @@ def _decoded(
 ) -> torch.Tensor:
     """:func:`dequantize`'s arithmetic in ``compute``, cast to ``dtype``: (..., D) values."""
     codes = unpack_nibbles(data) if bits == 4 else data
-    groups = scale.shape[-1]
-    values = codes.to(compute).view(*codes.shape[:-1], groups, codes.shape[-1] // groups)
-    decoded = (values - zero.to(compute).unsqueeze(-1)) * scale.to(compute).unsqueeze(-1)
-    return decoded.to(dtype).view(codes.shape)
+    return _scaled(codes.to(compute), scale, zero).to(dtype)
+
+
+def _scaled(values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """(..., D) ``values`` (codes in the compute dtype) made lambda * (x_q - z) per group, in
+    place; (..., D / group) ``scale`` and ``zero`` are cast to ``values``' dtype."""
+    # Splitting the last (unit-stride) dimension is a view whatever the outer strides.
+    grouped = values.view(*values.shape[:-1], scale.shape[-1], -1)
+    compute = values.dtype
+    grouped.sub_(zero.to(compute).unsqueeze(-1)).mul_(scale.to(compute).unsqueeze(-1))
+    return values
 
 
 def _branches(variants: list, level: torch.Tensor, operands: tuple) -> torch.Tensor:
