@@ -15,6 +15,7 @@ from alisa.ops.backends import Ops, choose_ops
 from alisa.ops.products import (
     MARGIN,
     ORDER,
+    ROW_KERNEL_ROWS,
     SETTLING,
     TRIALS,
     WeightProducts,
@@ -34,6 +35,40 @@ def test_the_transposed_product_is_the_linear_one(shape, bias):
     out = transposed_linear(x, weight, offset)
     assert out.shape == (*shape[:-1], 24) and out.is_contiguous()
     torch.testing.assert_close(out, nn.functional.linear(x, weight, offset))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, ROW_KERNEL_ROWS, ROW_KERNEL_ROWS + 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_transposed_form_runs_the_row_kernel_at_few_float32_rows(rows, dtype, monkeypatch):
+    """Up to ROW_KERNEL_ROWS float32 rows the transposed form is the CPU's row kernel (each output
+    one dot product, another summing order than the BLAS: float rounding only, and the check
+    accepts it); more rows, and other dtypes, go to the BLAS."""
+    from alisa.ops import cpu
+
+    calls = []
+    kernel = cpu.weight_product
+    monkeypatch.setattr(cpu, "weight_product", lambda *a: calls.append(a) or kernel(*a))
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 1, 300, generator=generator).to(dtype)  # odd sizes: no even split
+    weight = torch.randn(37, 300, generator=generator).to(dtype)
+    out = transposed_linear(x, weight)
+    assert out.shape == (rows, 1, 37) and out.dtype == dtype and out.is_contiguous()
+    assert len(calls) == (rows <= ROW_KERNEL_ROWS and dtype is torch.float32)
+    assert WeightProducts().check(x, weight, None, out)  # a few ulps of the sums' size
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_the_row_kernel_is_the_product_whatever_its_parts(parts):
+    """Each output is summed by one thread: the parts change which thread, not the value."""
+    from alisa.ops import cpu
+
+    generator = torch.Generator().manual_seed(parts)
+    x = torch.randn(3, 64, generator=generator)
+    weight = torch.randn(41, 64, generator=generator)
+    out = torch.empty(3, 41)
+    cpu.weight_rows(x.numpy(), weight.numpy(), out.numpy(), parts)
+    torch.testing.assert_close(out, cpu.weight_product(x, weight), rtol=0, atol=0)
+    torch.testing.assert_close(out, x @ weight.T)
 
 
 def test_batch_sizes_are_measured_by_powers_of_two():
@@ -74,10 +109,18 @@ def test_a_batch_size_keeps_the_transposed_form_where_it_wins_clearly():
     trials = 2 * (TRIALS + 1)
     assert forms[:trials] == [False, True, True, False] * ((TRIALS + 1) // 2)  # ORDER
     assert forms[trials:] == [True] * 3 and products.chosen == {8: True}
-    assert products.describe() == "weight products measured: transposed at 5-8 rows"
+    # six float32 rows ran by the CPU's row kernel, and the record says so
+    assert products.describe() == "weight products measured: transposed (row kernel) at 5-8 rows"
     # another batch size is measured on its own
     assert _run_steps(products, clock, rows=2, steps=2) == [False, True]
     assert 2 not in products.chosen
+
+
+def test_past_the_row_kernels_rows_the_transposed_form_is_the_blas():
+    clock = _Clock({False: [3.0], True: [1.0]})
+    products = WeightProducts(clock=clock)
+    _run_steps(products, clock, rows=ROW_KERNEL_ROWS + 4, steps=2 * (TRIALS + 1) + 1)
+    assert products.describe() == "weight products measured: transposed at 9-16 rows"
 
 
 def test_a_win_inside_the_noise_keeps_the_standard_form():

@@ -2034,3 +2034,71 @@ def _rule_inputs(inputs: ChoiceInputs) -> tuple:
         inputs.sinks,
         inputs.seen,
     )
+
+
+# =================================================================================================
+# Weight products at a few rows
+# =================================================================================================
+
+# A decode step multiplies its B new rows by every weight matrix (alisa.ops.products). At one
+# to eight rows that is a pass over the weights with little arithmetic per byte, and the BLAS
+# torch ships runs it on one thread: on a 2-core AMD EPYC (AVX-512) one pass over SmolLM2-135M's
+# float32 weights (538 MB) took 43-47 ms as ``F.linear`` at one row, with one thread or two
+# (11-12 GB/s), where two threads read 27 GB/s. Here each thread takes a block of the weight's
+# rows and computes their dot products with every input row, reading each weight byte once:
+# 20-21 ms at one row, 18-20 at two, 20-21 at four, 35 at eight against the BLAS's best form's
+# 47, 21, 28 and 45 (throw-away loops over the 211 matrices, medians of 7, docs/host-speed.md,
+# stop 89). At sixteen rows it no longer wins (62 against 60 ms), so the transposed form takes it
+# up to eight rows only (alisa.ops.products.ROW_KERNEL_ROWS).
+
+
+@kernel(parallel=True, nogil=True, fastmath={"reassoc", "contract"})
+def weight_rows(x: np.ndarray, weight: np.ndarray, out: np.ndarray, parts: int) -> None:
+    """``out = x @ weight.T``, the weight's rows split into ``parts`` blocks run in parallel.
+
+    Parameters
+    ----------
+    x
+        (R, K) float32 input rows, contiguous.
+    weight
+        (N, K) float32, contiguous.
+    out
+        (R, N) float32, written.
+    parts
+        Blocks of the weight's rows (:func:`kernel_parts`); each output is one dot product
+        summed by one thread, so the result does not depend on it.
+    """
+    rows = x.shape[0]
+    for part in numba.prange(parts):
+        start, stop = _span(part, parts, weight.shape[0])
+        for n in range(start, stop):
+            for r in range(rows):
+                total = np.float32(0.0)
+                for k in range(weight.shape[1]):
+                    total += weight[n, k] * x[r, k]
+                out[r, n] = total
+
+
+def weight_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(R, N) ``x @ weight.T`` by :func:`weight_rows` (a few rows: alisa.ops.products).
+
+    Parameters
+    ----------
+    x
+        (R, K) float32 rows.
+    weight
+        (N, K) float32, contiguous.
+
+    Returns
+    -------
+    torch.Tensor
+        (R, N) float32, contiguous; the sums in another order than the BLAS's (float rounding).
+    """
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    weight_rows(
+        x.detach().contiguous().numpy(),
+        weight.detach().numpy(),
+        out.numpy(),
+        kernel_parts(weight.shape[0]),
+    )
+    return out

@@ -6,7 +6,10 @@ A decode step multiplies B rows (one new token a sequence) by every weight matri
 Which path is faster depends on the CPU, the BLAS and B, by a lot: on a 2-core AMD EPYC (AVX-512,
 MKL 2024.2) one pass over SmolLM2-135M's float32 weights took 78 ms as ``x @ Wᵀ`` and 21 ms as
 ``(W @ xᵀ)ᵀ`` at B = 2, 86 / 46 ms at B = 7 and 173 / 127 ms at B = 64, but the same at B = 1
-and 838 / 1,102 ms at B = 512 (docs/host-speed.md, "The weights' product form"). No rule of
+and 838 / 1,102 ms at B = 512 (docs/host-speed.md, "The weights' product form"). At one row the
+BLAS runs on one thread, so up to eight float32 rows the transposed form is the CPU's own compiled
+kernel, which reads the weights on every thread (20 against 47 ms at B = 1, 35 against 45 at B =
+8, :func:`alisa.ops.cpu.weight_product`). No rule of
 thumb holds across machines, so :class:`WeightProducts` measures both forms on the model's own
 decode steps, per batch size (rounded up to a power of two), and keeps the faster one.
 
@@ -58,12 +61,17 @@ ORDER = (False, True, True, False)
 SETTLING = 2 * (TRIALS + 1)
 # How decode steps' weight products run: measured per batch size, or one form always.
 FORMS = ("measured", "transposed", "standard")
+# The most rows the transposed form runs by the CPU's row kernel (alisa.ops.cpu.weight_rows): at
+# sixteen it no longer beats the BLAS (62 against 60 ms a pass over SmolLM2-135M, stop 89).
+ROW_KERNEL_ROWS = 8
 
 
 def transposed_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` computed as ``(weight @ x2ᵀ)ᵀ``.
+    """``F.linear(x, weight, bias)`` computed as ``(weight @ x2ᵀ)ᵀ``: float32 rows up to
+    :data:`ROW_KERNEL_ROWS` by the CPU's compiled kernel (each thread a block of the
+    weight's rows, 2.2x the BLAS at one row, where it runs on one thread), the rest by the BLAS.
 
     Parameters
     ----------
@@ -79,11 +87,22 @@ def transposed_linear(
     torch.Tensor
         (..., N), contiguous, as ``F.linear`` returns it.
     """
+    from alisa.ops import cpu  # numba loads only where this form runs
+
     rows = x.reshape(-1, x.shape[-1])
-    out = torch.mm(weight, rows.t()).t()
+    if by_row_kernel(rows.shape[0], weight):
+        out = cpu.weight_product(rows, weight)
+    else:
+        out = torch.mm(weight, rows.t()).t()
     if bias is not None:
         out = out + bias
     return out.contiguous().view(*x.shape[:-1], weight.shape[0])
+
+
+def by_row_kernel(rows: int, weight: torch.Tensor) -> bool:
+    """Whether :func:`transposed_linear` runs ``rows`` rows by the CPU's row kernel: float32,
+    a contiguous weight, at most :data:`ROW_KERNEL_ROWS` rows."""
+    return rows <= ROW_KERNEL_ROWS and weight.dtype is torch.float32 and weight.is_contiguous()
 
 
 def bucket(rows: int) -> int:
@@ -129,6 +148,7 @@ class WeightProducts(TorchFunctionMode):
         self.chosen: dict[int, bool] = {}  # bucket -> transposed (once measured)
         self.checked: bool | None = None  # None: no transposed product checked yet
         self._transposed = False
+        self.row_kernel = False  # a transposed product ran by the CPU's row kernel
 
     def form(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows runs the transposed form now."""
@@ -188,13 +208,15 @@ class WeightProducts(TorchFunctionMode):
         x, weight, bias = _operands(args, kwargs)
         if self._transposed and _plain(x, weight, bias):
             out = transposed_linear(x, weight, bias)
+            self.row_kernel = self.row_kernel or by_row_kernel(out.numel() // out.shape[-1], weight)
             if self.checked is None:
                 self.checked = self.check(x, weight, bias, out)
             return out
         return func(*args, **kwargs)
 
     def describe(self) -> str:
-        """e.g. ``weight products measured: transposed at 2 rows, 3-4 rows; standard at 1 row``."""
+        """e.g. ``weight products measured: transposed at 2 rows, 3-4 rows; standard at 1 row``
+        (``transposed (row kernel)`` once a product ran by the CPU's row kernel)."""
         if self.asked != "measured":
             return f"weight products {self.asked} (asked)"
         if self.checked is False:
@@ -205,7 +227,10 @@ class WeightProducts(TorchFunctionMode):
         for form in (True, False):
             sizes = [_rows(key) for key in sorted(self.chosen) if self.chosen[key] is form]
             if sizes:
-                parts.append(f"{'transposed' if form else 'standard'} at {', '.join(sizes)}")
+                name = "standard"
+                if form:
+                    name = "transposed (row kernel)" if self.row_kernel else "transposed"
+                parts.append(f"{name} at {', '.join(sizes)}")
         return "weight products measured: " + "; ".join(parts)
 
 
