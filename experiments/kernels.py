@@ -6,6 +6,8 @@
     python -m experiments.kernels attend --batches 4 --slots 1700 --heads 8 --groups 4
     python -m experiments.kernels fetch    # the fetched rows' gather, Llama-3.1-8B, B = 16 x 8K
     python -m experiments.kernels fetch --batch 16 --heads 3 --head-dim 64 --positions 2080
+    python -m experiments.kernels products # one pass over SmolLM2-135M's weights, each form
+    python -m experiments.kernels products --model llama-3.2-1b --batches 1,4
 
 ``sketch``: ``KeySketch.logits``, each product forced (PyTorch in bfloat16, PyTorch on the sketch
 widened to float32, the compiled kernel), so :func:`alisa.ops.backends.choose_ops`'s choice can be
@@ -13,6 +15,10 @@ checked. ``attend``: a float32 and an INT8 region's attention by the store's com
 (:func:`alisa.ops.cpu.attend_slots`) against PyTorch's path, every slot held. ``fetch``: the rows
 a step fetches from the host region (INT8 codes, scale, zero point), ``index_select`` (then pinned
 on CUDA) against :func:`alisa.storage.pages.gathered`, each through the copy to ``--device``.
+``products``: a decode step's weight products, one pass over every matrix of a model shape
+(:mod:`experiments.shapes`, float32) at each batch size: PyTorch's ``F.linear``, ``(W @ xᵀ)ᵀ`` by
+the BLAS, and by the CPU's row kernel (:func:`alisa.ops.cpu.weight_product`), which the
+transposed form runs at up to :data:`alisa.ops.products.ROW_KERNEL_ROWS` rows.
 
 Random tensors (time depends on shapes, not values); each cell is the median of ``--calls`` calls
 after warm-up (:func:`experiments.timing.median_seconds`). Prints a table, then one JSON line
@@ -195,18 +201,73 @@ def fetch(args: argparse.Namespace, ops: Ops) -> Report:
     return Report("host_fetch", [], columns, fields, results)
 
 
+PRODUCT_WAYS = ("linear", "blas_transposed", "row_kernel")
+
+
+def products(args: argparse.Namespace, ops: Ops) -> Report:
+    """Each way's median ms for one pass over the shape's weight matrices, per batch size."""
+    from alisa.ops.cpu import weight_product
+    from experiments.shapes import shape_config
+
+    overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
+    config = shape_config(args.model, **overrides)
+    hidden, inner = config.hidden_size, config.intermediate_size
+    query, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads
+    kv *= config.head_dim
+    layer = [(query, hidden), (kv, hidden), (kv, hidden), (hidden, query)]
+    layer += [(inner, hidden), (inner, hidden), (hidden, inner)]
+    shapes = layer * config.num_hidden_layers + [(config.vocab_size, hidden)]
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(shape, generator=generator) for shape in shapes]
+    ways = {
+        "linear": torch.nn.functional.linear,
+        "blas_transposed": lambda x, w: torch.mm(w, x.t()).t().contiguous(),
+        "row_kernel": weight_product,
+    }
+
+    def cell(batch: int) -> dict:
+        inputs = {k: torch.randn(batch, k, generator=generator) for k in {k for _, k in shapes}}
+        row = {"batch": batch}
+        for way, product in ways.items():
+
+            def one_pass(product=product) -> None:
+                for weight in weights:
+                    product(inputs[weight.shape[1]], weight)
+
+            timed = median_seconds(one_pass, repeats=args.calls, warm_up=2)
+            row[f"{way}_ms"] = 1000 * timed
+        row["gb_per_s_row_kernel"] = (
+            sum(w.numel() * 4 for w in weights) / row["row_kernel_ms"] / 1e6
+        )
+        return row
+
+    rows = [cell(batch) for batch in args.batches]
+    columns = [("B", lambda r: str(r["batch"]))]
+    labels = ("F.linear ms", "(W @ xᵀ)ᵀ by the BLAS ms", "row kernel ms")
+    for way, label in zip(PRODUCT_WAYS, labels, strict=True):
+        columns.append((label, lambda r, key=f"{way}_ms": f"{r[key]:,.1f}"))
+    columns.append(("row kernel GB/s", lambda r: f"{r['gb_per_s_row_kernel']:.1f}"))
+    megabytes = sum(w.numel() * 4 for w in weights) / 1e6
+    preamble = [f"{len(weights)} float32 matrices of {args.model}, {megabytes:,.0f} MB a pass"]
+    fields = {"model": args.model, "layers": config.num_hidden_layers, "megabytes": megabytes}
+    fields["matrices"] = len(weights)
+    return Report("weight_products", preamble, columns, fields, rows)
+
+
 def shape_fields(args: argparse.Namespace, *names: str) -> dict:
     return {name: getattr(args, name) for name in names}
 
 
-KERNELS = {"sketch": sketch, "attend": attend, "fetch": fetch}
+KERNELS = {"sketch": sketch, "attend": attend, "fetch": fetch, "products": products}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m experiments.kernels", description=__doc__.splitlines()[0]
     )
-    commands = parser.add_subparsers(dest="kernel", required=True, metavar="{sketch,attend,fetch}")
+    commands = parser.add_subparsers(
+        dest="kernel", required=True, metavar="{" + ",".join(KERNELS) + "}"
+    )
     subs = {name: commands.add_parser(name, help=f"time the {name} kernel") for name in KERNELS}
     # Defaults: SmolLM2-135M's shapes for the two per-token kernels, Llama-3.1-8B's for the fetch.
     for name, (heads, head_dim, calls) in (
@@ -234,12 +295,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     fetch_.add_argument(
         "--fetched", type=positive_ints, default=[32, 128, 512], help="rows per head"
     )
+    subs["products"].add_argument("--model", default="smollm2-135m", help="a shape's name")
+    subs["products"].add_argument("--layers", type=int, help="fewer layers than the shape's")
+    subs["products"].add_argument("--batches", type=positive_ints, default=[1, 2, 4, 8, 16])
+    subs["products"].add_argument("--calls", type=int, default=7, help="timed passes per cell")
+    subs["products"].add_argument("--threads", type=int, default=2)
     default = "cuda" if torch.cuda.is_available() else "cpu"
     fetch_.add_argument("--device", type=device_name, default=torch.device(default))
     args = parser.parse_args(argv)
     # The smallest value of each integer option (one a kernel lacks, or a list, is skipped).
     least = {"heads": 1, "head_dim": 1, "calls": 1, "threads": 1, "groups": 1, "ring": 0}
-    least.update(batch=1, positions=1, head_dim=2 if args.kernel == "sketch" else 1)
+    if args.kernel == "products":  # a shape's name checked here, as the others' numbers
+        from experiments.shapes import shape_config
+
+        try:
+            shape_config(args.model)
+        except ValueError as error:
+            subs["products"].error(str(error))
+    least.update(batch=1, positions=1, layers=1, head_dim=2 if args.kernel == "sketch" else 1)
     for name, low in least.items():
         value = getattr(args, name, low)
         if isinstance(value, int) and value < low:

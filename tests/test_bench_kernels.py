@@ -122,3 +122,28 @@ def test_median_seconds_reads_the_clock_of_the_device_it_is_given(monkeypatch):
 def test_median_seconds_refuses_impossible_counts(kwargs, message):
     with pytest.raises(ValueError, match=message):
         median_seconds(lambda: None, **kwargs)
+
+
+def test_products_times_each_form_over_a_shapes_weights(capsys):
+    argv = ["products", "--layers", "1", "--batches", "1,9", "--calls", "1", "--threads", "1"]
+    out, line = run(argv, capsys)
+    assert line["benchmark"] == "weight_products"
+    assert (line["model"], line["layers"], line["matrices"]) == ("smollm2-135m", 1, 8)
+    assert [r["batch"] for r in line["rows"]] == [1, 9]
+    ways = ("linear_ms", "blas_transposed_ms", "row_kernel_ms", "gb_per_s_row_kernel")
+    assert all(r[way] > 0 for r in line["rows"] for way in ways)
+    assert out[0].startswith("8 float32 matrices of smollm2-135m")
+    check_recorded(line)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["products", "--model", "gpt-5"], "is not a known shape"),
+        (["products", "--layers", "0"], "--layers=0 must be at least 1"),
+    ],
+)
+def test_products_refuses_an_unknown_shape_and_no_layers(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -57,15 +57,17 @@ def test_the_transposed_form_runs_the_row_kernel_at_few_float32_rows(rows, dtype
     assert WeightProducts().check(x, weight, None, out)  # a few ulps of the sums' size
 
 
+@pytest.mark.parametrize("rows", [3, 9, 14])  # one product at a time; tiles, a part one
 @pytest.mark.parametrize("parts", [1, 2, 3])
-def test_the_row_kernel_is_the_product_whatever_its_parts(parts):
-    """Each output is summed by one thread: the parts change which thread, not the value."""
+def test_the_row_kernel_is_the_product_whatever_its_parts(rows, parts):
+    """Each output is summed by one thread in a tile slot set by its row's parity: the parts
+    change which thread, not the value (41 weight rows: a tile past the last repeats it)."""
     from alisa.ops import cpu
 
     generator = torch.Generator().manual_seed(parts)
-    x = torch.randn(3, 64, generator=generator)
+    x = torch.randn(rows, 64, generator=generator)
     weight = torch.randn(41, 64, generator=generator)
-    out = torch.empty(3, 41)
+    out = torch.full((rows, 41), float("nan"))
     cpu.weight_rows(x.numpy(), weight.numpy(), out.numpy(), parts)
     torch.testing.assert_close(out, cpu.weight_product(x, weight), rtol=0, atol=0)
     torch.testing.assert_close(out, x @ weight.T)
@@ -120,7 +122,7 @@ def test_past_the_row_kernels_rows_the_transposed_form_is_the_blas():
     clock = _Clock({False: [3.0], True: [1.0]})
     products = WeightProducts(clock=clock)
     _run_steps(products, clock, rows=ROW_KERNEL_ROWS + 4, steps=2 * (TRIALS + 1) + 1)
-    assert products.describe() == "weight products measured: transposed at 9-16 rows"
+    assert products.describe() == "weight products measured: transposed at 17-32 rows"
 
 
 def test_a_win_inside_the_noise_keeps_the_standard_form():

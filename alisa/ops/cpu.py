@@ -2048,13 +2048,24 @@ def _rule_inputs(inputs: ChoiceInputs) -> tuple:
 # rows and computes their dot products with every input row, reading each weight byte once:
 # 20-21 ms at one row, 18-20 at two, 20-21 at four, 35 at eight against the BLAS's best form's
 # 47, 21, 28 and 45 (throw-away loops over the 211 matrices, medians of 7, docs/host-speed.md,
-# stop 89). At sixteen rows it no longer wins (62 against 60 ms), so the transposed form takes it
-# up to eight rows only (alisa.ops.products.ROW_KERNEL_ROWS).
+# stop 89). From eight rows on it works in tiles (:func:`weight_rows`), 15-40 % faster than the
+# BLAS's transposed product at eight and sixteen rows; at thirty-two they are even, so the
+# transposed form takes it up to sixteen rows (alisa.ops.products.ROW_KERNEL_ROWS).
+
+# Input rows from which :func:`weight_rows` sums in tiles rather than one product at a time.
+TILED_ROWS = 8
 
 
 @kernel(parallel=True, nogil=True, fastmath={"reassoc", "contract"})
 def weight_rows(x: np.ndarray, weight: np.ndarray, out: np.ndarray, parts: int) -> None:
     """``out = x @ weight.T``, the weight's rows split into ``parts`` blocks run in parallel.
+
+    Below :data:`TILED_ROWS` input rows each weight row's dot products are summed one at a time
+    (the pass is the memory's); from there on, in tiles of two weight rows by four input rows,
+    whose eight sums share each value loaded (the pass is the arithmetic's: a pass over
+    SmolLM2-135M's weights at eight rows took 50 against 59 ms one product at a time, at sixteen
+    84 against 119; at four 36 against 26, docs/host-speed.md, stop 89). A tile past the last
+    row repeats it (the same sum, written again).
 
     Parameters
     ----------
@@ -2065,18 +2076,40 @@ def weight_rows(x: np.ndarray, weight: np.ndarray, out: np.ndarray, parts: int) 
     out
         (R, N) float32, written.
     parts
-        Blocks of the weight's rows (:func:`kernel_parts`); each output is one dot product
-        summed by one thread, so the result does not depend on it.
+        Blocks of the weight's rows (:func:`kernel_parts`), each of an even count but the last;
+        each output is summed by one thread in a tile slot set by its row's parity, so the
+        result does not depend on ``parts``.
     """
-    rows = x.shape[0]
+    rows, count, size = x.shape[0], weight.shape[0], weight.shape[1]
+    block = ((count + parts - 1) // parts + 1) // 2 * 2
     for part in numba.prange(parts):
-        start, stop = _span(part, parts, weight.shape[0])
-        for n in range(start, stop):
-            for r in range(rows):
-                total = np.float32(0.0)
-                for k in range(weight.shape[1]):
-                    total += weight[n, k] * x[r, k]
-                out[r, n] = total
+        start, stop = part * block, min(count, (part + 1) * block)
+        if rows < TILED_ROWS:
+            for n in range(start, stop):
+                for r in range(rows):
+                    total = np.float32(0.0)
+                    for k in range(size):
+                        total += weight[n, k] * x[r, k]
+                    out[r, n] = total
+            continue
+        for n in range(start, stop, 2):
+            m = min(n + 1, stop - 1)
+            for r in range(0, rows, 4):
+                r1, r2, r3 = min(r + 1, rows - 1), min(r + 2, rows - 1), min(r + 3, rows - 1)
+                s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = np.float32(0.0)
+                for k in range(size):
+                    w0, w1 = weight[n, k], weight[m, k]
+                    x0, x1, x2, x3 = x[r, k], x[r1, k], x[r2, k], x[r3, k]
+                    s00 += w0 * x0
+                    s01 += w0 * x1
+                    s02 += w0 * x2
+                    s03 += w0 * x3
+                    s10 += w1 * x0
+                    s11 += w1 * x1
+                    s12 += w1 * x2
+                    s13 += w1 * x3
+                out[r, n], out[r1, n], out[r2, n], out[r3, n] = s00, s01, s02, s03
+                out[r, m], out[r1, m], out[r2, m], out[r3, m] = s10, s11, s12, s13
 
 
 def weight_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -7,9 +7,9 @@ Which path is faster depends on the CPU, the BLAS and B, by a lot: on a 2-core A
 MKL 2024.2) one pass over SmolLM2-135M's float32 weights took 78 ms as ``x @ Wᵀ`` and 21 ms as
 ``(W @ xᵀ)ᵀ`` at B = 2, 86 / 46 ms at B = 7 and 173 / 127 ms at B = 64, but the same at B = 1
 and 838 / 1,102 ms at B = 512 (docs/host-speed.md, "The weights' product form"). At one row the
-BLAS runs on one thread, so up to eight float32 rows the transposed form is the CPU's own compiled
-kernel, which reads the weights on every thread (20 against 47 ms at B = 1, 35 against 45 at B =
-8, :func:`alisa.ops.cpu.weight_product`). No rule of
+BLAS runs on one thread, so up to sixteen float32 rows the transposed form is the CPU's own
+compiled kernel, which reads the weights on every thread (20 against 47 ms at B = 1, 50 against
+79-92 at B = 8, :func:`alisa.ops.cpu.weight_product`). No rule of
 thumb holds across machines, so :class:`WeightProducts` measures both forms on the model's own
 decode steps, per batch size (rounded up to a power of two), and keeps the faster one.
 
@@ -62,8 +62,8 @@ SETTLING = 2 * (TRIALS + 1)
 # How decode steps' weight products run: measured per batch size, or one form always.
 FORMS = ("measured", "transposed", "standard")
 # The most rows the transposed form runs by the CPU's row kernel (alisa.ops.cpu.weight_rows): at
-# sixteen it no longer beats the BLAS (62 against 60 ms a pass over SmolLM2-135M, stop 89).
-ROW_KERNEL_ROWS = 8
+# thirty-two it no longer beats the BLAS (138 against 147 ms a pass over SmolLM2-135M, stop 89).
+ROW_KERNEL_ROWS = 16
 
 
 def transposed_linear(
