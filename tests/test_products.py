@@ -99,7 +99,7 @@ def _run_steps(products: WeightProducts, clock: _Clock, rows: int, steps: int) -
     for _ in range(steps):
         clock.form = products.form(rows)
         forms.append(clock.form)
-        with products.step(rows):
+        with products.step(rows, layer):
             layer(torch.randn(rows, 1, 8))
     return forms
 
@@ -246,7 +246,7 @@ def test_a_linear_called_by_name_or_on_a_subclassed_weight_still_computes():
 
     products = WeightProducts("transposed")
     x, weight = torch.randn(3, 8), torch.randn(5, 8)
-    with products.step(3):
+    with products.step(3, nn.Linear(8, 5)), products:  # the mode, as a linear module enters it
         named = nn.functional.linear(input=x, weight=weight)
         odd = nn.functional.linear(x, weight.as_subclass(Marked))
         mixed = nn.functional.linear(x.double(), weight.double(), bias=torch.ones(5).double())
@@ -310,9 +310,32 @@ def test_a_step_is_timed_whole_and_pytorchs_form_runs_outside_the_mode():
         transposed = products.form(3)
         assert transposed is expected
         before = Counting.seen
-        with products.step(3):
+        with products.step(3, layer):
             layer(torch.randn(3, 8))
+            inside = Counting.seen
             torch.relu(torch.randn(3))
+            assert Counting.seen == inside  # the mode only inside a linear module's forward
         assert (Counting.seen > before) is transposed  # the standard form: no dispatch at all
+        assert not layer._forward_pre_hooks and not layer._forward_hooks  # nothing left
     assert len(reads) == 2 * len(ORDER)  # one read as each step starts, one as it ends
     assert [seconds for _, seconds in products.samples[4]] == [1.0] * len(ORDER)
+
+
+def test_a_linear_that_raises_leaves_no_mode_and_no_hook_behind():
+    from torch.overrides import _get_current_function_mode_stack
+
+    class Failing(nn.Linear):
+        def forward(self, x):
+            super().forward(x)
+            raise RuntimeError("boom")
+
+    model = nn.Sequential(nn.Linear(8, 8), Failing(8, 4))
+    products = WeightProducts("transposed")
+    with pytest.raises(RuntimeError, match="boom"), products.step(3, model):
+        model(torch.randn(3, 8))
+    assert not _get_current_function_mode_stack()
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+    torch.testing.assert_close(
+        model[0](torch.ones(1, 8)),
+        nn.functional.linear(torch.ones(1, 8), model[0].weight, model[0].bias),
+    )

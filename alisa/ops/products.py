@@ -13,9 +13,10 @@ compiled kernel, which reads the weights on every thread (20 against 47 ms at B 
 thumb holds across machines, so :class:`WeightProducts` measures both forms on the model's own
 decode steps, per batch size (rounded up to a power of two), and keeps the faster one.
 
-It is a ``TorchFunctionMode`` entered around a transposed decode step's forward (by
-:class:`alisa.runtime.engine.Engine`): it sees the model's own ``F.linear`` calls, changes no
-model or class, and is gone when the step ends; a step in PyTorch's form runs without it. The
+It is a ``TorchFunctionMode`` entered around each ``nn.Linear`` module's forward of a transposed
+decode step (by hooks that :class:`alisa.runtime.engine.Engine`'s step registers and removes):
+it sees the model's own ``F.linear`` calls, changes no model or class, and is gone when the step
+ends; a step in PyTorch's form runs without it. The
 first decode steps of a batch size alternate the two forms in the order :data:`ORDER`
 (balanced against a machine whose speed drifts over those steps), each step timed whole as it
 would run once settled (a CPU computes synchronously), and after :data:`TRIALS` more of each
@@ -44,6 +45,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+from torch import nn
 from torch.nn import functional
 from torch.overrides import TorchFunctionMode
 
@@ -167,18 +169,23 @@ class WeightProducts(TorchFunctionMode):
         return self.asked != "measured" or self.checked is False or bucket(rows) in self.chosen
 
     @contextmanager
-    def step(self, rows: int) -> Iterator[None]:
-        """Run one decode step of ``rows`` rows (a ``with`` block around its forward): in the
-        transposed form under this mode, in PyTorch's form outside it (the model's calls go
-        straight through). While measuring, the step is timed whole, each form as it runs
-        once settled: the mode's dispatch, which every operator of a transposed step pays, and
-        whatever else the form changes count, not only the products (at one row the products
-        alone measured alike and the transposed steps ran 5-10 % slower, stop 85)."""
+    def step(self, rows: int, model: nn.Module) -> Iterator[None]:
+        """Run one decode step of ``rows`` rows of ``model`` (a ``with`` block around its
+        forward): in the transposed form, this mode entered around each of its ``nn.Linear``
+        modules' forwards only, or in PyTorch's form (no mode, no hook). While measuring, the
+        step is timed whole, each form as it runs once settled: the hooks and the mode's
+        dispatch count, not only the products.
+
+        The mode is entered per linear module, not around the whole forward, because a mode
+        dispatches every operator of the step through Python: 1.8 µs each, 6 ms of a 71 ms
+        step of SmolLM2-135M at one row (3,234 operators) and 15 of 89 ms with INT4 KV (7,854;
+        stop 89), where the transposed steps had run 5-10 % slower than their products gain
+        (stop 85). A linear function called outside an ``nn.Linear`` runs PyTorch's form."""
         self._transposed = self.form(rows)
         measuring = not self.settled(rows)
         start = self.clock() if measuring else 0.0
         if self._transposed:
-            with self:
+            with self._around_linears(model):
                 yield
         else:
             yield
@@ -188,6 +195,28 @@ class WeightProducts(TorchFunctionMode):
             taken.append((self._transposed, self.clock() - start))
             if len(taken) == SETTLING:
                 self.chosen[key] = transposed_wins(taken)
+
+    @contextmanager
+    def _around_linears(self, model: nn.Module) -> Iterator[None]:
+        """Hooks that enter this mode as each ``nn.Linear`` of ``model`` starts and leave it as
+        it ends (also when it raises), removed when the block ends: nothing stays on the
+        model."""
+        handles = []
+        try:
+            for module in model.modules():
+                if isinstance(module, nn.Linear):
+                    handles.append(module.register_forward_pre_hook(self._enter))
+                    handles.append(module.register_forward_hook(self._leave, always_call=True))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _enter(self, module: nn.Module, args: tuple) -> None:
+        self.__enter__()
+
+    def _leave(self, module: nn.Module, args: tuple, output: object) -> None:
+        self.__exit__(None, None, None)
 
     def check(self, x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor) -> bool:
         """Whether the transposed product ``out`` equals PyTorch's within float rounding (a

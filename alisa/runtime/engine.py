@@ -393,7 +393,7 @@ class Engine:
         if decode and isinstance(cache, AlisaCache) and cache.ops.products != "standard":
             if self.products is None or self.products.asked != cache.ops.products:
                 self.products = WeightProducts(cache.ops.products)
-            with self.products.step(feed.shape[0]):
+            with self.products.step(feed.shape[0], self.model):
                 return last_logits(self.model, feed, positions, mask, cache, **options)
         return last_logits(self.model, feed, positions, mask, cache, **options)
 
