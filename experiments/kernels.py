@@ -207,6 +207,7 @@ PRODUCT_WAYS = ("linear", "blas_transposed", "row_kernel")
 def products(args: argparse.Namespace, ops: Ops) -> Report:
     """Each way's median ms for one pass over the shape's weight matrices, per batch size."""
     from alisa.ops.cpu import weight_product
+    from alisa.ops.products import blas_transposed
     from experiments.shapes import shape_config
 
     overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
@@ -219,9 +220,10 @@ def products(args: argparse.Namespace, ops: Ops) -> Report:
     shapes = layer * config.num_hidden_layers + [(config.vocab_size, hidden)]
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(shape, generator=generator) for shape in shapes]
+    megabytes = sum(w.numel() * 4 for w in weights) / 1e6
     ways = {
         "linear": torch.nn.functional.linear,
-        "blas_transposed": lambda x, w: torch.mm(w, x.t()).t().contiguous(),
+        "blas_transposed": lambda x, w: blas_transposed(x, w).contiguous(),
         "row_kernel": weight_product,
     }
 
@@ -236,9 +238,7 @@ def products(args: argparse.Namespace, ops: Ops) -> Report:
 
             timed = median_seconds(one_pass, repeats=args.calls, warm_up=2)
             row[f"{way}_ms"] = 1000 * timed
-        row["gb_per_s_row_kernel"] = (
-            sum(w.numel() * 4 for w in weights) / row["row_kernel_ms"] / 1e6
-        )
+        row["gb_per_s_row_kernel"] = megabytes / row["row_kernel_ms"]  # MB per ms
         return row
 
     rows = [cell(batch) for batch in args.batches]
@@ -247,7 +247,6 @@ def products(args: argparse.Namespace, ops: Ops) -> Report:
     for way, label in zip(PRODUCT_WAYS, labels, strict=True):
         columns.append((label, lambda r, key=f"{way}_ms": f"{r[key]:,.1f}"))
     columns.append(("row kernel GB/s", lambda r: f"{r['gb_per_s_row_kernel']:.1f}"))
-    megabytes = sum(w.numel() * 4 for w in weights) / 1e6
     preamble = [f"{len(weights)} float32 matrices of {args.model}, {megabytes:,.0f} MB a pass"]
     fields = {"model": args.model, "layers": config.num_hidden_layers, "megabytes": megabytes}
     fields["matrices"] = len(weights)

@@ -2045,12 +2045,12 @@ def _rule_inputs(inputs: ChoiceInputs) -> tuple:
 # torch ships runs it on one thread: on a 2-core AMD EPYC (AVX-512) one pass over SmolLM2-135M's
 # float32 weights (538 MB) took 43-47 ms as ``F.linear`` at one row, with one thread or two
 # (11-12 GB/s), where two threads read 27 GB/s. Here each thread takes a block of the weight's
-# rows and computes their dot products with every input row, reading each weight byte once:
-# 20-21 ms at one row, 18-20 at two, 20-21 at four, 35 at eight against the BLAS's best form's
-# 47, 21, 28 and 45 (throw-away loops over the 211 matrices, medians of 7, docs/host-speed.md,
-# stop 89). From eight rows on it works in tiles (:func:`weight_rows`), 15-40 % faster than the
-# BLAS's transposed product at eight and sixteen rows; at thirty-two they are even, so the
-# transposed form takes it up to sixteen rows (alisa.ops.products.ROW_KERNEL_ROWS).
+# rows and computes their dot products with every input row, reading each weight byte once,
+# from eight rows on in tiles (:func:`weight_rows`): 25.9 ms at one row, 26.6 at two, 23.9 at
+# four, 37.5 at eight and 52.8 at sixteen against the BLAS's faster form's 49.8, 32.1, 30.4,
+# 47.3 and 65.7; at thirty-two 106.9 against 102.1, so the transposed form takes it up to
+# sixteen rows (alisa.ops.products.ROW_KERNEL_ROWS; ``python -m experiments.kernels products``,
+# docs/host-speed.md, stop 89).
 
 # Input rows from which :func:`weight_rows` sums in tiles rather than one product at a time.
 TILED_ROWS = 8

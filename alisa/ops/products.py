@@ -8,8 +8,9 @@ MKL 2024.2) one pass over SmolLM2-135M's float32 weights took 78 ms as ``x @ W�
 ``(W @ xᵀ)ᵀ`` at B = 2, 86 / 46 ms at B = 7 and 173 / 127 ms at B = 64, but the same at B = 1
 and 838 / 1,102 ms at B = 512 (docs/host-speed.md, "The weights' product form"). At one row the
 BLAS runs on one thread, so up to sixteen float32 rows the transposed form is the CPU's own
-compiled kernel, which reads the weights on every thread (20 against 47 ms at B = 1, 50 against
-79-92 at B = 8, :func:`alisa.ops.cpu.weight_product`). No rule of
+compiled kernel, which reads the weights on every thread (26 against 50-53 ms at B = 1, 38
+against 47-61 at B = 8, ``python -m experiments.kernels products``,
+:func:`alisa.ops.cpu.weight_product`). No rule of
 thumb holds across machines, so :class:`WeightProducts` measures both forms on the model's own
 decode steps, per batch size (rounded up to a power of two), and keeps the faster one.
 
@@ -95,10 +96,15 @@ def transposed_linear(
     if by_row_kernel(rows.shape[0], weight):
         out = cpu.weight_product(rows, weight)
     else:
-        out = torch.mm(weight, rows.t()).t()
+        out = blas_transposed(rows, weight)
     if bias is not None:
         out = out + bias
     return out.contiguous().view(*x.shape[:-1], weight.shape[0])
+
+
+def blas_transposed(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(R, N) ``rows @ weight.T`` as ``(weight @ rowsᵀ)ᵀ`` by the BLAS (a transposed view)."""
+    return torch.mm(weight, rows.t()).t()
 
 
 def by_row_kernel(rows: int, weight: torch.Tensor) -> bool:
