@@ -333,15 +333,23 @@ def test_a_static_steps_attention_operator_is_the_compiled_attention(window):
 def test_a_static_cache_on_a_cpu_runs_its_kernels_as_operators_when_asked():
     """A static cache's ``cpu`` kernels on a CPU: the attention and the eviction as operators
     (said by ``describe``), nothing of the eager step's compiled paths (which the compiler
-    cannot trace); ``auto`` and ``reference`` trace PyTorch's (faster compiled code at one
-    sequence); a growing cache's ``auto`` is the eager CPU kernels."""
+    cannot trace); ``auto`` traces PyTorch's (faster compiled code at one sequence) with the
+    weights' products measured, ``reference`` PyTorch's alone; a growing cache's ``auto`` is the
+    eager CPU kernels."""
     model = tiny_llama()
     ops = AlisaCache(model, AlisaConfig(kernels="cpu"), max_cache_len=64).ops
-    assert ops.operators and not ops.compiled and not ops.fused
+    assert ops.operators and not ops.compiled and not ops.fused and ops.traced
     assert "attention, eviction and host selection as operators" in ops.describe()
-    for kernels in ("auto", "reference"):
-        static = AlisaCache(model, AlisaConfig(kernels=kernels), max_cache_len=64).ops
-        assert static.name == "reference" and not static.operators
+    assert ops.products == "measured"
+    auto = AlisaCache(model, AlisaConfig(kernels="auto"), max_cache_len=64).ops
+    assert auto.name == "cpu" and not auto.operators and not auto.compiled
+    assert auto.products == "measured"
+    assert auto.describe() == (
+        f"cpu (numba): a static step's attention and eviction by PyTorch's operators "
+        f"({auto.feature}), weight products measured"
+    )
+    static = AlisaCache(model, AlisaConfig(kernels="reference"), max_cache_len=64).ops
+    assert static.name == "reference" and not static.operators and static.products == "standard"
     growing = AlisaCache(model, AlisaConfig()).ops
     assert growing.name == "cpu" and growing.compiled and not growing.operators
     with pytest.raises(ValueError, match="operators=True runs a static step's CPU kernels"):

@@ -339,3 +339,91 @@ def test_a_linear_that_raises_leaves_no_mode_and_no_hook_behind():
         model[0](torch.ones(1, 8)),
         nn.functional.linear(torch.ones(1, 8), model[0].weight, model[0].bias),
     )
+
+
+class _Passes(_Clock):
+    """Seconds of a compiled batch size's measurement (passes over the weights in the order
+    ORDER, one read as each starts and one as it ends): ``cost[form]`` a pass."""
+
+    def __call__(self) -> float:
+        self.reads += 1
+        if self.reads % 2 == 0:
+            self.now += self.cost[ORDER[(self.reads // 2 - 1) % len(ORDER)]][0]
+        return self.now
+
+
+@pytest.mark.parametrize(("kernel", "wins"), [(0.5, True), (1 - MARGIN / 2, False)])
+def test_a_compiled_batch_size_takes_the_row_kernel_where_its_products_win_clearly(kernel, wins):
+    """A compiled step's form is measured on the products alone, once per batch size, before
+    its graph is made: a clear win takes the row kernel, one inside the margin does not; past
+    ROW_KERNEL_ROWS rows, with 16-bit weights or asked for PyTorch's form nothing is timed."""
+    model = tiny_llama()
+    clock = _Passes({False: [1.0], True: [kernel]})
+    products = WeightProducts(clock=clock)
+    assert products.traced_form(2, model) is wins
+    assert clock.reads == 2 * SETTLING and products.chosen == {2: wins} and products.checked
+    assert products.traced_form(2, model) is wins  # decided once: the graph keeps it
+    assert not products.traced_form(ROW_KERNEL_ROWS + 1, model)
+    assert clock.reads == 2 * SETTLING
+    assert ("transposed (row kernel) at 2 rows" in products.describe()) is wins
+    half = tiny_llama().to(torch.bfloat16)
+    assert not WeightProducts(clock=clock).traced_form(1, half) and clock.reads == 2 * SETTLING
+    assert not WeightProducts("standard").traced_form(1, model)
+    assert WeightProducts("transposed").traced_form(1, model)
+
+
+def test_the_weight_product_operator_is_the_row_kernel():
+    from alisa.ops import cpu, library
+
+    generator = torch.Generator().manual_seed(3)
+    x, weight = torch.randn(5, 40, generator=generator), torch.randn(9, 40, generator=generator)
+    assert torch.equal(library.weight_product(x, weight), cpu.weight_product(x, weight))
+    torch.testing.assert_close(library.weight_product(x, weight), x @ weight.T)
+    torch.library.opcheck(library.weight_product, (x, weight))
+
+
+def test_a_compiled_forward_calls_the_row_kernel_operator_from_one_graph():
+    """Under :meth:`WeightProducts.traced` the compiler traces the mode once: the graph calls
+    ``alisa::weight_product`` for every linear module (the tied head's too), the logits are
+    the eager forward's within the sums' rounding, one graph serves every call and no mode is
+    left behind; a batch size past the kernel's rows runs PyTorch's products."""
+    from torch._dynamo.utils import counters
+    from torch.overrides import _get_current_function_mode_stack
+
+    model = tiny_llama()
+    linears = sum(isinstance(module, nn.Linear) for module in model.modules())
+    forward = torch.compile(model.forward, backend="eager", fullgraph=True, dynamic=False)
+    products = WeightProducts("transposed")
+    ids = torch.randint(0, model.config.vocab_size, (2, 1))
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        eager = model(ids).logits
+        with products.traced(2, model):  # its graph made (the compiler's calls are fake ones)
+            forward(ids)
+    with torch.no_grad(), torch.profiler.profile() as profile:
+        for _ in range(3):
+            with products.traced(2, model):
+                logits = forward(ids).logits
+        wide = torch.randint(0, model.config.vocab_size, (ROW_KERNEL_ROWS + 1, 1))
+        with products.traced(ROW_KERNEL_ROWS + 1, model):
+            forward(wide)
+    calls = [event for event in profile.events() if event.name == "alisa::weight_product"]
+    assert len(calls) == 3 * linears
+    assert counters["stats"]["unique_graphs"] == 2  # one per batch size
+    torch.testing.assert_close(logits, eager)
+    assert not _get_current_function_mode_stack()
+    assert products.row_kernel
+
+
+def test_a_compiled_generation_measures_its_products_and_keeps_the_tokens(tokenizer):
+    """A static cache's compiled steps with the weights' products measured (``kernels="auto"``
+    on a CPU) give the eager steps' tokens, and the record says what the products settled on."""
+    model = tiny_llama()
+    prompts = ["one two three", "four five"]
+    config = AlisaConfig(policy="swa", caching_ratio=0.5)
+    run = dict(max_new_tokens=6, stop_at_eos=False)
+    eager = generate(model, tokenizer, prompts, config, compile="off", **run)
+    compiled = generate(model, tokenizer, prompts, config, compile="on", **run)
+    assert compiled.compile_s is not None and compiled.token_ids == eager.token_ids
+    assert "weight products measured: " in compiled.kernels and "at 2 rows" in compiled.kernels

@@ -82,6 +82,10 @@ class Ops:
         (:mod:`alisa.ops.library`): its attention over a float32 region, dropping's choice
         of victims and host retention's choice, swap and fetch; False: the compiler traces
         PyTorch's (:mod:`alisa.ops.reference`).
+    traced
+        The choices of a static cache, whose decode step ``torch.compile`` may trace (a CPU
+        backend's step then runs no numba kernel but through :attr:`operators` and the weights'
+        product operator).
     select
         Host retention's selection of one layer, ``select(step: SelectionStep) -> Selected``
         (:mod:`alisa.ops.reference`): a plain function bound once from the choices above, so a
@@ -110,6 +114,7 @@ class Ops:
     products: str = "standard"
     parts: int | None = None
     operators: bool = False
+    traced: bool = False
     pinned: bool = field(init=False)
     branches: bool = field(init=False)
     select: Callable[[reference.SelectionStep], reference.Selected] = field(
@@ -142,10 +147,10 @@ class Ops:
             raise ValueError(f"products={self.products!r} must be one of {', '.join(FORMS)}")
         if self.products != "standard" and self.device != "cpu":
             raise ValueError(f"products={self.products!r} runs on a CPU, not {self.device}")
-        if self.operators and (self.device != "cpu" or self.compiled):
+        if self.operators and (self.device != "cpu" or self.compiled or not self.traced):
             raise ValueError(
-                "operators=True runs a static step's CPU kernels as operators: a CPU, and "
-                "compiled=False (the eager step's kernels are not traced)"
+                "operators=True runs a static step's CPU kernels as operators: a CPU, "
+                "traced=True and compiled=False (the eager step's kernels are not traced)"
             )
         if self.parts is not None and not self.compiled:
             raise ValueError(f"parts={self.parts!r} needs compiled=True (it splits kernel rows)")
@@ -208,10 +213,15 @@ class Ops:
         ``products``: what the weights' products settled on, said in place of ``weight products
         measured`` (:meth:`alisa.ops.products.WeightProducts.describe`, after a run)."""
         engine = {"reference": "pytorch", "cpu": "numba", "cuda": "triton"}[self.name]
-        if self.operators:
+        weights = "" if self.products == "standard" else f", weight products {self.products}"
+        if products is not None:
+            weights = f", {products}"
+        if self.traced and self.name == "cpu":
             feature = f" ({self.feature})" if self.feature else ""
             static = "a static step's attention, eviction and host selection as operators"
-            return f"{self.name} ({engine}): {static}{feature}"
+            if not self.operators:
+                static = "a static step's attention and eviction by PyTorch's operators"
+            return f"{self.name} ({engine}): {static}{feature}{weights}"
         product = f"sketch product {self.product}"
         if self.feature:
             product += f" ({self.feature})"
@@ -222,9 +232,6 @@ class Ops:
         else:
             selection = "selection in separate calls"
         fetch = ", device-read fetch" if self.mapped else ""
-        weights = "" if self.products == "standard" else f", weight products {self.products}"
-        if products is not None:
-            weights = f", {products}"
         return f"{self.name} ({engine}): {product}, {selection}{fetch}{weights}"
 
 
@@ -314,10 +321,11 @@ def choose_ops(
     traced
         The decode step runs under ``torch.compile`` (a static cache), which cannot trace
         numba's kernels: ``cpu`` then runs the step's attention and eviction as registered
-        operators (:attr:`Ops.operators`) and PyTorch's operators for the rest; ``auto`` takes
-        ``reference`` on a CPU, whose operators inductor compiles into faster code at one
-        sequence (SmolLM2-135M, B = 1 x 2,048, SWA r = 0.2: 56 against 61 ms a step) and as
-        fast at sixteen (docs/compile.md).
+        operators (:attr:`Ops.operators`) and PyTorch's operators for the rest; ``auto`` traces
+        PyTorch's operators for the step on a CPU, which inductor compiles into faster code at
+        one sequence (SmolLM2-135M, B = 1 x 2,048, SWA r = 0.2: 56 against 61 ms a step) and
+        as fast at sixteen (docs/compile.md). Both take the weights' products by the row
+        kernel's operator where measured faster (:attr:`Ops.products`).
 
     Returns
     -------
@@ -340,9 +348,9 @@ def choose_ops(
     if kernels == "auto":
         if device.type == "cuda" and triton_installed():
             name = "cuda"
-        elif device.type == "cpu" and not traced:
+        elif device.type == "cpu":
             name = "cpu"
-        else:  # a static step on a CPU: inductor's code of PyTorch's operators (see traced)
+        else:
             name = "reference"
     if name in ("cpu", "cuda") and device.type != name:
         raise ValueError(
@@ -363,7 +371,12 @@ def choose_ops(
             mapped=False,
             placing=False,
             feature=cpu_feature(),
-            operators=True,
+            # "auto" traces PyTorch's operators for the step's attention and eviction (see
+            # traced); either way the weights' products take the row kernel where measured
+            # faster (alisa.ops.products.WeightProducts.traced).
+            operators=kernels == "cpu",
+            traced=True,
+            products="measured",
         )
     if name == "cpu":
         # A float32 model's selection in one call beats PyTorch's bfloat16 product in separate
@@ -399,4 +412,5 @@ def choose_ops(
         mapped=cuda,
         placing=cuda,
         feature=cpu_feature() if device.type == "cpu" else "",
+        traced=traced,
     )

@@ -5,11 +5,13 @@
 what the operator computes, so a static step (:mod:`alisa.kv.static`) compiles a third fewer
 nodes and runs the kernels the eager step runs. Each operator has a fake (meta) twin that gives
 the compiler its outputs' shapes: the attention over a float32 region's slots, dropping's
-eviction, and host retention's choice, swap and fetch. Registered for CPU tensors only: a CUDA
-step traces
-PyTorch's operators (:mod:`alisa.ops.reference`), which a CUDA graph captures. A static cache
-calls them with ``kernels="cpu"`` (``Ops.operators``); ``auto`` traces PyTorch's on a CPU too,
-whose compiled code measured as fast at 16 sequences and faster at one (docs/compile.md).
+eviction, host retention's choice, swap and fetch, and the weights' product at a few rows
+(:func:`alisa.ops.cpu.weight_product`, which a compiled step's linear functions call where
+:mod:`alisa.ops.products` measured it faster). Registered for CPU tensors only: a CUDA step
+traces PyTorch's operators (:mod:`alisa.ops.reference`), which a CUDA graph captures. A static
+cache calls the step's kernels with ``kernels="cpu"`` (``Ops.operators``); ``auto`` traces
+PyTorch's on a CPU too, whose compiled code measured as fast at 16 sequences and faster at one
+(docs/compile.md), and the weights' product under either.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ EVICT_ONE = (
     "evict_one(Tensor scores, Tensor positions, Tensor first, Tensor seen, Tensor recent, "
     "int sinks) -> Tensor"
 )
+
+WEIGHT_PRODUCT = "weight_product(Tensor x, Tensor weight) -> Tensor"
 
 CHOOSE_AND_FETCH = (
     "choose_and_fetch(Tensor logits, Tensor history, Tensor shares, Tensor(a!) positions, "
@@ -174,11 +178,23 @@ def _choose_and_fetch_shapes(
     return positions.new_empty(())
 
 
+def _weight_product_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(R, N) ``x @ weight.T`` by :func:`alisa.ops.cpu.weight_product`, the row kernel a
+    decode step's weight products take at a few float32 rows (:mod:`alisa.ops.products`):
+    ``x`` (R, K) float32 rows, ``weight`` (N, K) float32, contiguous."""
+    return cpu.weight_product(x, weight)
+
+
+def _weight_product_shapes(x, weight):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
 # (schema, CPU kernel, fake kernel) of each operator; its name is the schema's.
 OPERATORS = (
     (ATTEND_SLOTS, _attend_slots_cpu, _attend_slots_shapes),
     (EVICT_ONE, _evict_one_cpu, _evict_one_shapes),
     (CHOOSE_AND_FETCH, _choose_and_fetch_cpu, _choose_and_fetch_shapes),
+    (WEIGHT_PRODUCT, _weight_product_cpu, _weight_product_shapes),
 )
 
 
@@ -199,3 +215,4 @@ _LIBRARY = _register()
 attend_slots = torch.ops.alisa.attend_slots.default
 evict_one = torch.ops.alisa.evict_one.default
 choose_and_fetch = torch.ops.alisa.choose_and_fetch.default
+weight_product = torch.ops.alisa.weight_product.default

@@ -31,6 +31,12 @@ forms give the same products up to float rounding (the sums run in another order
 transposed product is checked against PyTorch's (:meth:`WeightProducts.check`) and a mismatch
 keeps the standard form for good.
 
+A compiled decode step (:mod:`alisa.runtime.compiled`) takes the row kernel as a registered
+operator instead (:data:`alisa.ops.library.weight_product`): :meth:`WeightProducts.traced`
+enters :class:`TracedProducts` around the compiled call, which the compiler traces into the
+graph, so no Python runs per operator; its form is measured once per batch size on the
+products alone, before the graph is made (docs/compile.md, stop 90).
+
 What is measured lives as long as its owner: a server keeps it for its life (each scheduler it
 starts goes on with it), a continuous batch for every step it runs, while each ``generate``
 call measures afresh: its first :data:`SETTLING` steps of a batch size alternate, half of them
@@ -156,6 +162,8 @@ class WeightProducts(TorchFunctionMode):
         self.chosen: dict[int, bool] = {}  # bucket -> transposed (once measured)
         self.checked: bool | None = None  # None: no transposed product checked yet
         self._transposed = False
+        self._traced: TracedProducts | None = None  # made at the first compiled row-kernel step
+        self._traced_forms: dict[int, bool] = {}  # bucket -> a compiled step runs the kernel
         self.row_kernel = False  # a transposed product ran by the CPU's row kernel
 
     def form(self, rows: int) -> bool:
@@ -171,8 +179,15 @@ class WeightProducts(TorchFunctionMode):
 
     def settled(self, rows: int) -> bool:
         """Whether steps of ``rows`` rows run one form from now on (asked for, measured, or
-        the transposed form refused): a calibration times steps only then."""
-        return self.asked != "measured" or self.checked is False or bucket(rows) in self.chosen
+        the transposed form refused, or a compiled step's form decided): a calibration times
+        steps only then."""
+        key = bucket(rows)
+        return (
+            self.asked != "measured"
+            or self.checked is False
+            or key in self.chosen
+            or key in self._traced_forms
+        )
 
     @contextmanager
     def step(self, rows: int, model: nn.Module) -> Iterator[None]:
@@ -217,6 +232,75 @@ class WeightProducts(TorchFunctionMode):
         finally:
             for handle in handles:
                 handle.remove()
+
+    @contextmanager
+    def traced(self, rows: int, model: nn.Module) -> Iterator[None]:
+        """Run one compiled decode step of ``rows`` rows of ``model`` (a ``with`` block around
+        the call of its compiled forward): where the row kernel is this batch size's form, under
+        :class:`TracedProducts`, which the compiler traces once into calls of the registered
+        operator, else as it is. A compiled step runs no Python per operator, so its form is
+        measured on the products alone (:meth:`traced_form`), before its graph is compiled:
+        the choice is made once per batch size, and the graph never changes with it."""
+        if self.traced_form(rows, model):
+            if self._traced is None:
+                from alisa.ops import library  # numba loads only where the kernel runs
+
+                self._traced = TracedProducts(library.weight_product)
+            with self._traced:
+                yield
+        else:
+            yield
+
+    def traced_form(self, rows: int, model: nn.Module) -> bool:
+        """Whether a compiled step of ``rows`` rows runs the row kernel: where it can (float32
+        weights, at most :data:`ROW_KERNEL_ROWS` rows) and was asked or measured faster. The
+        measurement, at a batch size's first step, times one pass over the model's linear
+        weights at ``rows`` random rows each way, :data:`SETTLING` passes in the order
+        :data:`ORDER`, and keeps the kernel where it clearly wins (:func:`transposed_wins`):
+        about eight passes, 0.4 s for SmolLM2-135M. The first product is checked against
+        PyTorch's (:meth:`check`) as in an eager step."""
+        key = bucket(rows)
+        if key not in self._traced_forms:  # decided once per batch size: the graph keeps it
+            self._traced_forms[key] = self._decide_traced(rows, model)
+            self.row_kernel = self.row_kernel or self._traced_forms[key]
+        return self._traced_forms[key]
+
+    def _decide_traced(self, rows: int, model: nn.Module) -> bool:
+        """:meth:`traced_form`'s decision for a batch size (see there)."""
+        weights = _row_kernel_weights(model, rows)
+        if not weights or self.asked == "standard":
+            return False
+        from alisa.ops import library  # numba loads only where the kernel runs
+
+        generator = torch.Generator().manual_seed(0)
+        inputs: dict[int, torch.Tensor] = {}
+        for weight in weights:
+            size = weight.shape[1]
+            inputs.setdefault(size, torch.randn(rows, size, generator=generator))
+        if self.checked is None:
+            x, first = inputs[weights[0].shape[1]], weights[0]
+            with torch.no_grad():
+                self.checked = self.check(x, first, None, library.weight_product(x, first))
+        if not self.checked or self.asked == "transposed":
+            return bool(self.checked)
+        key = bucket(rows)
+        self.chosen[key] = self._row_kernel_wins(weights, inputs, library.weight_product)
+        return self.chosen[key]
+
+    def _row_kernel_wins(
+        self, weights: list[torch.Tensor], inputs: dict[int, torch.Tensor], kernel: Callable
+    ) -> bool:
+        """:meth:`traced_form`'s measurement (see there): ``inputs`` the rows by size K."""
+        taken = []
+        with torch.no_grad():
+            for index in range(SETTLING):
+                transposed = ORDER[index % len(ORDER)]
+                product = kernel if transposed else functional.linear
+                start = self.clock()
+                for weight in weights:
+                    product(inputs[weight.shape[1]], weight)
+                taken.append((transposed, self.clock() - start))
+        return transposed_wins(taken)
 
     def _enter(self, module: nn.Module, args: tuple) -> None:
         self.__enter__()
@@ -267,6 +351,49 @@ class WeightProducts(TorchFunctionMode):
                     name = "transposed (row kernel)" if self.row_kernel else "transposed"
                 parts.append(f"{name} at {', '.join(sizes)}")
         return "weight products measured: " + "; ".join(parts)
+
+
+class TracedProducts(TorchFunctionMode):
+    """A compiled decode step's ``F.linear`` calls of a few float32 rows as ``operator`` (the
+    row kernel registered as a PyTorch operator, :data:`alisa.ops.library.weight_product`),
+    the others as they are.
+
+    ``torch.compile`` traces a mode active when the compiled function is called: its
+    ``__torch_function__`` runs once, while the graph is made, and the graph calls the operator
+    (one node per product), so the step pays nothing per operator at run time, as the eager
+    :class:`WeightProducts` does. Entered by :meth:`WeightProducts.traced` around the compiled
+    forward only; the graph is guarded on the mode, so a batch size keeps one form.
+
+    Parameters
+    ----------
+    operator
+        ``operator(x, weight) -> x @ weight.T``: x (R, K) float32 rows, weight (N, K).
+    """
+
+    def __init__(self, operator: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.operator = operator
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is functional.linear:
+            x, weight, bias = _operands(args, kwargs)
+            if _plain(x, weight, bias) and by_row_kernel(x.numel() // x.shape[-1], weight):
+                out = self.operator(x.reshape(-1, x.shape[-1]), weight)
+                if bias is not None:
+                    out = out + bias
+                return out.view(*x.shape[:-1], weight.shape[0])
+        return func(*args, **kwargs)
+
+
+def _row_kernel_weights(model: nn.Module, rows: int) -> list[torch.Tensor]:
+    """The weights of ``model``'s linear modules the row kernel can multiply ``rows`` rows by
+    (:func:`by_row_kernel`), each tensor once (a tied head shares the embedding's)."""
+    weights: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and by_row_kernel(rows, module.weight):
+            weights.setdefault(id(module.weight), module.weight)
+    return list(weights.values())
 
 
 def _operands(args: tuple, kwargs: dict) -> tuple:

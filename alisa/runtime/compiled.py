@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -197,6 +198,7 @@ class CompiledDecode:
         mask: torch.Tensor | None,
         cache,
         clock: Callable[[], float],
+        around: AbstractContextManager | None = None,
         **options,
     ) -> torch.Tensor:
         """(B, V) last-position logits of one decode step.
@@ -211,6 +213,9 @@ class CompiledDecode:
             A compileable cache (:func:`check_compileable`) that holds the rows' past.
         clock
             Seconds after the device caught up (times the first, compiling step).
+        around
+            Entered around the compiled forward's call only (the compiler traces what it
+            sets up): :meth:`alisa.ops.products.WeightProducts.traced`; None: nothing.
         options
             Extra model keyword arguments (they reach attention).
 
@@ -235,7 +240,8 @@ class CompiledDecode:
             return eager()
         start = clock() if self.compile_s is None else None
         try:
-            logits = last_logits(self.forward, feed, positions, mask, cache, **options)
+            with around if around is not None else nullcontext():
+                logits = last_logits(self.forward, feed, positions, mask, cache, **options)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             # A new shape past torch.compile's limit of graphs per function (8 by default;
             # fullgraph=True makes it an error): this step runs eager, with the same tokens,

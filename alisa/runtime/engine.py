@@ -388,14 +388,23 @@ class Engine:
         # A decode step only: a one-token prompt's prefill feeds one token too, but writes an
         # empty cache (eager: its slots are laid out then, which a traced step cannot branch on).
         decode = feed.shape[1] == 1 and cache.get_seq_length() > 0
+        products = self._products(cache) if decode else None
         if self.compiled is not None and decode:
-            return self.compiled(feed, positions, mask, cache, self.clock, **options)
-        if decode and isinstance(cache, AlisaCache) and cache.ops.products != "standard":
-            if self.products is None or self.products.asked != cache.ops.products:
-                self.products = WeightProducts(cache.ops.products)
-            with self.products.step(feed.shape[0], self.model):
+            around = products.traced(feed.shape[0], self.model) if products else None
+            return self.compiled(feed, positions, mask, cache, self.clock, around, **options)
+        if products is not None:
+            with products.step(feed.shape[0], self.model):
                 return last_logits(self.model, feed, positions, mask, cache, **options)
         return last_logits(self.model, feed, positions, mask, cache, **options)
+
+    def _products(self, cache) -> WeightProducts | None:
+        """The weights' product form of ``cache``'s decode steps, where its kernels ask for one
+        (made, or remade for another ask, here); None: PyTorch's form, unmeasured."""
+        if not isinstance(cache, AlisaCache) or cache.ops.products == "standard":
+            return None
+        if self.products is None or self.products.asked != cache.ops.products:
+            self.products = WeightProducts(cache.ops.products)
+        return self.products
 
     def settled(self, rows: int) -> bool:
         """Whether this engine's decode steps of ``rows`` rows run one weight-product form from
