@@ -29,8 +29,8 @@ from conftest import tiny_llama  # noqa: E402
 from test_static_cache import decode  # noqa: E402
 
 from alisa import AlisaCache, AlisaConfig  # noqa: E402
-from experiments.architectures import prompts  # noqa: E402
 from experiments.shapes import load_benchmark_model, random_prompts  # noqa: E402
+from tests.architectures import prompts  # noqa: E402
 
 
 def inputs(args, device: str):

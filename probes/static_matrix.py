@@ -1,6 +1,6 @@
 """The static step over the architecture matrix (docs/compile.md, stop 88, issue 65).
 
-For every exact family of ``experiments.architectures`` and each mode (dense, SWA r = 0.3 over
+For every exact family of ``tests.architectures`` and each mode (dense, SWA r = 0.3 over
 16-bit, INT8 and INT4 KV), the tokens of ``--steps`` greedy decode steps three ways: the
 growing cache, the static cache's eager step, and its step traced by dynamo in one graph
 (``fullgraph=True``, a recompile an error; the eager backend, so no code generation):
@@ -22,7 +22,7 @@ from torch._dynamo.utils import counters
 
 from alisa import AlisaCache, AlisaConfig
 from alisa.runtime.compiled import last_logits
-from experiments.architectures import EXACT, FAMILIES, build, prompts
+from tests.architectures import EXACT, FAMILIES, build, prompts
 
 MODES = {
     "dense": {"caching_ratio": 1.0},

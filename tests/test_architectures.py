@@ -5,12 +5,7 @@ offload never changes a token, and recomputation either does not either or is re
 
 import pytest
 import torch
-from conftest import Forwards, hf_generate, padded_batch
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-from alisa import AlisaCache, AlisaConfig
-from alisa.model.adapter import model_shape
-from experiments.architectures import (
+from architectures import (
     EXACT,
     FAMILIES,
     NOT_RUN,
@@ -21,6 +16,11 @@ from experiments.architectures import (
     families,
     run_family,
 )
+from conftest import Forwards, hf_generate, padded_batch
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from alisa import AlisaCache, AlisaConfig
+from alisa.model.adapter import model_shape
 
 NEW = 6
 MODES = {
@@ -59,7 +59,7 @@ def test_a_model_type_a_new_release_adds_is_a_row_owed_exactness():
 
 
 def test_a_refused_row_owes_the_reason_not_just_any_refusal():
-    from experiments.architectures import Outcome
+    from architectures import Outcome
 
     family = FAMILIES["bloom"]
     right = Outcome(family="bloom", model="", status="refused", detail=family.expected + " ...")
@@ -193,7 +193,7 @@ def test_batch_sizing_counts_a_sliding_layer_at_its_window():
 
 
 def test_the_supported_models_report_groups_the_rows_by_outcome(capsys, tmp_path):
-    from experiments.architectures import main
+    from architectures import main
 
     doc = tmp_path / "supported-models.md"
     main(["--families", "gpt_neox,bloom,llama", "--write", str(doc)])
@@ -276,10 +276,10 @@ def test_parallel_paths_refuse_what_their_own_attention_does_not_apply(name, rea
 def test_the_host_mode_runs_host_retention():
     """The matrix's host mode builds host retention on every full-attention layer (at r = 1 a
     policy evicts nothing, so the cache would drop instead and the mode test nothing new)."""
+    from architectures import MODES as MATRIX_MODES
     from conftest import tiny_llama
 
     from alisa.kv.host import HostKeeper
-    from experiments.architectures import MODES as MATRIX_MODES
 
     model = tiny_llama()
     for config in (MODES["host"], AlisaConfig(**MATRIX_MODES["host"])):

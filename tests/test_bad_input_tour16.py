@@ -9,6 +9,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+from architectures import FAMILIES, build
 from conftest import byte_tokenizer, tiny_llama
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -23,7 +24,6 @@ from alisa.serve.errors import APIError
 from alisa.serve.metrics import ServeMetrics
 from alisa.serve.protocol import parse_chat
 from alisa.sizes import parse_budget, parse_bytes
-from experiments.architectures import FAMILIES, build
 
 HOST = AlisaConfig(policy="swa", caching_ratio=0.5, retention="host", host_memory="30KB")
 

@@ -49,7 +49,7 @@ def test_an_arrival_not_yet_or_never_read_is_refused(arrival):
 
 
 def saved_llama(tmp_path):
-    from experiments.architectures import FAMILIES, build
+    from architectures import FAMILIES, build
 
     model_dir = tmp_path / "llama"
     build(FAMILIES["llama"]).save_pretrained(model_dir)

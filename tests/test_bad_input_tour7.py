@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
+from architectures import FAMILIES, build
 from conftest import byte_tokenizer, tiny_llama
 from serve_support import request, running_server
 
@@ -14,7 +15,6 @@ from alisa.jobs.runner import BatchJob, run_batch
 from alisa.runtime.requests import StreamRequest
 from alisa.serve import ServeSettings
 from alisa.settings import IgnoredSettingWarning
-from experiments.architectures import FAMILIES, build
 
 CONTEXT = 128  # a short context: the ring of residual_tokens reaches it
 

@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from architectures import FAMILIES, build
 from conftest import byte_tokenizer, run_main, tiny_llama
 from serve_support import HOST, request, running_server
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -19,7 +20,6 @@ from alisa.serve import ServeSettings
 from alisa.settings import IgnoredSettingWarning
 from alisa.sizes import parse_bytes
 from alisa.threads import use_threads
-from experiments.architectures import FAMILIES, build
 
 HUGE = 10**23  # past 2**63: numpy's int64 cannot hold it
 SAMPLED = SamplingOptions(do_sample=True, seed=1)

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from architectures import FAMILIES, build
 from conftest import byte_tokenizer, config_notes, run_main, tiny_llama
 
 from alisa import AlisaCache, AlisaConfig, load_model
 from alisa.jobs.runner import BatchJob, run_batch
-from experiments.architectures import FAMILIES, build
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -3,6 +3,7 @@ result bit for bit, and a sliding-window model generates the tokens of HF's dens
 
 import pytest
 import torch
+from architectures import FAMILIES, build
 from conftest import hf_generate, padded_batch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -10,7 +11,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 import alisa.kv.attention as attention_module
 from alisa import AlisaCache, AlisaConfig
 from alisa.kv.banded import KEY_BLOCK, banded_prefill
-from experiments.architectures import FAMILIES, build
 
 
 class Attention(nn.Module):

@@ -4,12 +4,12 @@ own ``DynamicCache`` does, token for token, or is refused before anything is sto
 import numpy as np
 import pytest
 import torch
+from architectures import FAMILIES, MODES, build, prompts
 from conftest import PAD, VOCAB, padded_batch, tiny_llama
 from transformers import DynamicCache
 
 from alisa import AlisaCache, AlisaConfig
 from alisa.kv.host import HostKeeper
-from experiments.architectures import FAMILIES, MODES, build, prompts
 
 NEW_TOKENS = 5
 TURN_TOKENS = 6  # the second turn's own tokens, after the first answer

@@ -4,6 +4,7 @@ from itertools import pairwise
 
 import pytest
 import torch
+from architectures import FAMILIES, build
 from conftest import VOCAB, Forwards, byte_tokenizer, hf_generate, tiny_gpt2, tiny_llama
 
 from alisa import AlisaCache, AlisaConfig
@@ -15,7 +16,6 @@ from alisa.runtime.continuous import ContinuousScheduler
 from alisa.runtime.engine import DecodeState, Engine
 from alisa.runtime.requests import RowLimit, RowShape, StreamRequest
 from alisa.storage.store import headroom
-from experiments.architectures import FAMILIES, build
 
 # Prompts of different lengths and lengths to generate: rows finish at different steps and
 # waiting ones join a batch whose rows are longer, shorter, older and younger than they are.

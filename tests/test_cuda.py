@@ -12,6 +12,7 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
+from architectures import EXACT, FAMILIES, run_family
 from conftest import (
     forced_ops,
     hf_generate,
@@ -24,7 +25,6 @@ from transformers import DynamicCache
 
 from alisa import AlisaCache, AlisaConfig
 from alisa.kv.cache import default_keeper
-from experiments.architectures import EXACT, FAMILIES, run_family
 
 DEVICE = torch.device(os.environ.get("ALISA_TEST_DEVICE", "cuda"))
 CUDA = DEVICE.type == "cuda"
@@ -429,10 +429,10 @@ def test_the_banded_sliding_prefill_equals_the_full_call_on_the_device(dtype):
 def test_a_capped_or_sink_prefill_by_chunk_bands_gives_hfs_tokens_on_the_device(name, monkeypatch):
     """Gemma 2's soft-capped and GPT-OSS's sink prefill, in chunks of 5 queries each reading its
     band of keys (tests/test_banded.py), generate HF's tokens on the device's kernels."""
+    from architectures import build
     from test_banded import FIVE_QUERY_CHUNKS
 
     import alisa.kv.attention as attention_module
-    from experiments.architectures import build
 
     monkeypatch.setattr(attention_module, "SEED_CHUNK_VALUES", FIVE_QUERY_CHUNKS)
     model = build(FAMILIES[name]).to(DEVICE)

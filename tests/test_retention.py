@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from architectures import FAMILIES, build
 from conftest import hf_generate, padded_batch, tiny_gpt2, tiny_llama
 
 from alisa import AlisaCache, AlisaConfig, generate
@@ -19,7 +20,6 @@ from alisa.policies import POLICIES
 from alisa.runtime.engine import DecodeState, Engine
 from alisa.storage.pages import PAGE_TOKENS, FetchedRows
 from alisa.storage.quantized import QuantizedStore
-from experiments.architectures import FAMILIES, build
 
 HOST = {"retention": "host"}
 

@@ -7,11 +7,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from architectures import FAMILIES as ARCHITECTURES
+from architectures import build
 from conftest import byte_tokenizer, saved_tiny_llama, tiny_llama
 
 from alisa import generate
-from experiments.architectures import FAMILIES as ARCHITECTURES
-from experiments.architectures import build
 from experiments.systems import make_cache
 from experiments.tasks.ruler.families import (
     FAMILIES,

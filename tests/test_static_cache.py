@@ -7,12 +7,12 @@ import re
 
 import pytest
 import torch
+from architectures import FAMILIES, build, prompts
 from conftest import byte_tokenizer, tiny_llama
 from torch._dynamo.utils import counters
 
 from alisa import AlisaCache, AlisaConfig, generate
 from alisa.runtime.compiled import last_logits
-from experiments.architectures import FAMILIES, build, prompts
 
 # Modes with a static step: dense, SWA's default preset (decayed sums, per KV head, head max),
 # SWA's exact window (the paper's: snapshots of the sums), TOVA's last step, H2O's
