@@ -57,7 +57,8 @@ class DecodeFit:
     """Rates fitted from decode steps.
 
     ``fitted``: the rate fields the steps identified (the others are the fallbacks);
-    ``worst_miss``: the largest relative miss of the fitted step on a sample.
+    ``worst_miss``: the largest relative miss of the fitted step on a sample (of the anchor
+    batch, where :func:`fit_decode` was given one).
     """
 
     step_overhead_s: float
@@ -79,6 +80,7 @@ def fit_decode(
     pick: str = "median",
     fallback: tuple[float, float] | None = None,
     device_type: str = "",
+    anchor: int | None = None,
 ) -> DecodeFit:
     """Least-squares fit of overhead, FLOP rate and KV read rate to decode step timings.
 
@@ -99,6 +101,13 @@ def fit_decode(
     device_type
         ``"cpu"``, ``"cuda"``, ...: a fitted rate above the device's physical bound
         (``scheduler.hardware.CEILINGS``) counts as not identified.
+    anchor
+        The batch size the profile is for (the plan's, the largest calibrated): the overhead is
+        fitted on its steps alone, and the miss measured there. A CPU's step is not linear in
+        the batch (at one row the BLAS multiplies on one thread, alisa's row kernel takes up to
+        sixteen rows, oneDNN's bfloat16 product at one row cost as much as at eight: stop 90),
+        so an overhead fitted over every batch missed the plan's step by 22-35 %. None: every
+        step.
 
     Raises
     ------
@@ -121,13 +130,16 @@ def fit_decode(
     seconds_per, fitted = _slopes(design, times, fallback, (flops_ceiling, bytes_ceiling))
     variable = np.maximum(weight_seconds, design[:, 1] * seconds_per[1])
     variable = variable + design[:, 2] * seconds_per[2]
-    overhead = max(0.0, float(np.mean(times - variable)))
+    at = np.array([anchor is None or s.batch == anchor for s in samples])
+    if not at.any():
+        raise ValueError(f"anchor={anchor!r} is none of the samples' batch sizes")
+    overhead = max(0.0, float(np.mean((times - variable)[at])))
     return DecodeFit(
         step_overhead_s=overhead,
         flops=1.0 / seconds_per[1],
         kv_bytes_per_s=1.0 / seconds_per[2],
         fitted=fitted,
-        worst_miss=float(np.max(np.abs((overhead + variable) / times - 1.0))),
+        worst_miss=float(np.max(np.abs((overhead + variable[at]) / times[at] - 1.0))),
     )
 
 

@@ -87,6 +87,25 @@ def test_a_step_that_does_not_grow_is_rejected_or_falls_back():
     assert fit.kv_bytes_per_s == pytest.approx(KV_RATE, rel=1e-3)
 
 
+def test_the_overhead_is_fitted_at_the_plans_batch_where_the_step_is_not_linear_in_it():
+    """A CPU's step need not grow with the batch as its FLOPs do (oneDNN's bfloat16 product at
+    one row cost as much as at eight, stop 90): the FLOP rate falls back, and an overhead fitted
+    over both batch sizes misses the plan's steps by 40 %; anchored at the plan's batch the fit
+    is exact there (the miss is measured there too)."""
+    batch_one = OVERHEAD + 7 * FLOPS_PER_TOKEN / FLOPS  # a one-row step as dear as eight rows
+    steps = synthetic([(8, 128), (8, 1024)]) + synthetic([(1, 128), (1, 1024)], overhead=batch_one)
+    options = dict(fallback=(FLOPS, KV_RATE))
+    anchored = fit_decode(steps, FLOPS_PER_TOKEN, KV_PER_TOKEN, anchor=8, **options)
+    everywhere = fit_decode(steps, FLOPS_PER_TOKEN, KV_PER_TOKEN, **options)
+    # Neither rate is identified across batch sizes whose steps cost alike: both fall back
+    # (here to the true rates), and only where the overhead is fitted differs.
+    assert anchored.fitted == everywhere.fitted == ()
+    assert anchored.step_overhead_s == pytest.approx(OVERHEAD, rel=1e-6)
+    assert anchored.worst_miss < 1e-9 and everywhere.worst_miss > 0.35
+    with pytest.raises(ValueError, match="anchor=4 is none of the samples' batch sizes"):
+        fit_decode(steps, FLOPS_PER_TOKEN, KV_PER_TOKEN, anchor=4, **options)
+
+
 def test_samples_must_span_two_batches_and_two_contexts():
     with pytest.raises(ValueError, match="two batch sizes"):
         fit_decode(synthetic([(8, 128), (8, 1024)]), FLOPS_PER_TOKEN, KV_PER_TOKEN)

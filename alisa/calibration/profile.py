@@ -283,7 +283,7 @@ def _fit_decode_twice(
     for _ in range(2):
         samples = decode_samples(model, device, *sizes, tick=tick)
         resident = next(list(s.seconds) for s in samples if (s.batch, s.context) == sizes)
-        fitted, miss = fit_decode_terms(model, samples, weight_seconds, fallback)
+        fitted, miss = fit_decode_terms(model, samples, weight_seconds, fallback, sizes[0])
         if best is None or miss < best[0]:
             best = (miss, {t.field: t for t in fitted}, resident)
         if miss <= FIT_TOLERANCE:

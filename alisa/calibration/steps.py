@@ -165,13 +165,18 @@ def decode_samples(
 
 
 def fit_decode_terms(
-    model, samples: list[StepSample], weight_seconds: float, fallback: tuple[float, float]
+    model,
+    samples: list[StepSample],
+    weight_seconds: float,
+    fallback: tuple[float, float],
+    anchor: int | None = None,
 ) -> tuple[list[Spread], float]:
     """(overhead, FLOP rate and KV read rate fitted to real decode steps with their spreads,
     the median fit's largest relative miss on a step).
 
     ``fallback``: micro-benchmark (FLOP/s, bytes/s) for a rate the steps do not identify,
-    labelled as such in the spread's source.
+    labelled as such in the spread's source; ``anchor``: the plan's batch size, whose steps
+    the overhead is fitted on (:func:`scheduler.calibrate.fit_decode`).
     """
     spec = model_spec(model, model_shape(model))
     fits = [
@@ -183,6 +188,7 @@ def fit_decode_terms(
             pick=pick,
             fallback=fallback,
             device_type=next(model.parameters()).device.type,
+            anchor=anchor,
         )
         for pick in PICKS
     ]
