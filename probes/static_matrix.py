@@ -6,9 +6,13 @@ growing cache, the static cache's eager step, and its step traced by dynamo in o
 (``fullgraph=True``, a recompile an error; the eager backend, so no code generation):
 
     python -m probes.static_matrix            # or --families opt bert --steps 24
+    python -m probes.static_matrix --products # the traced step's products by the row kernel
 
-Prints one line per family and a summary line; a family whose forward dynamo cannot trace in
-one graph is named with the error (``compile="auto"`` runs such a model eager with a warning).
+``--products`` traces the step with the weights' products forced onto alisa's row kernel
+(:meth:`alisa.ops.products.WeightProducts.traced`, as a compiled step whose products measured
+faster runs it; docs/compile.md, stop 90). Prints one line per family and a summary line; a
+family whose forward dynamo cannot trace in one graph is named with the error
+(``compile="auto"`` runs such a model eager with a warning).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from alisa import AlisaCache, AlisaConfig
+from alisa.ops.products import WeightProducts
 from alisa.runtime.compiled import last_logits
 from tests.architectures import EXACT, FAMILIES, build, prompts
 
@@ -54,8 +59,9 @@ def greedy(model, cache, ids, mask, steps: int, forward=None) -> torch.Tensor:
     return torch.stack(tokens, dim=1)
 
 
-def check(model, fields: dict, steps: int) -> str:
-    """``ok``, or how the three runs of one mode differ, or the error."""
+def check(model, fields: dict, steps: int, products: bool = False) -> str:
+    """``ok``, or how the three runs of one mode differ, or the error; ``products``: the
+    traced step's weight products by the row kernel."""
     ids, mask = prompts()
     longest = ids.shape[1] + steps + 1
     try:
@@ -63,6 +69,8 @@ def check(model, fields: dict, steps: int) -> str:
         static = AlisaCache(model, AlisaConfig(**fields), max_cache_len=longest)
         eager = greedy(model, static, ids, mask, steps)
         traced = torch.compile(model.forward, backend="eager", fullgraph=True, dynamic=False)
+        if products:
+            traced = _on_row_kernel(traced, model, ids.shape[0])
         torch._dynamo.reset()
         counters.clear()
         with torch._dynamo.config.patch(error_on_recompile=True):
@@ -79,17 +87,33 @@ def check(model, fields: dict, steps: int) -> str:
     )
 
 
+def _on_row_kernel(forward, model, rows: int):
+    """``forward`` called under the row kernel's products (forced on, no measurement)."""
+    chosen = WeightProducts("transposed")
+
+    def call(*args, **kwargs):
+        with chosen.traced(rows, model):
+            return forward(*args, **kwargs)
+
+    return call
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", nargs="*", help="rows to run (default: every exact one)")
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument(
+        "--products", action="store_true", help="the traced step's products by the row kernel"
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     names = args.families or [name for name, row in FAMILIES.items() if row.expected == EXACT]
     outcomes = {}
     for name in names:
         model = build(FAMILIES[name])
-        outcomes[name] = {mode: check(model, fields, args.steps) for mode, fields in MODES.items()}
+        outcomes[name] = {
+            mode: check(model, fields, args.steps, args.products) for mode, fields in MODES.items()
+        }
         row = " ".join(f"{mode}: {what}" for mode, what in outcomes[name].items())
         print(name, row, flush=True)
     exact = [name for name, row in outcomes.items() if set(row.values()) == {"ok"}]
