@@ -98,11 +98,20 @@ def transposed_linear(
     """
     from alisa.ops import cpu  # numba loads only where this form runs
 
-    rows = x.reshape(-1, x.shape[-1])
-    if by_row_kernel(rows.shape[0], weight):
-        out = cpu.weight_product(rows, weight)
-    else:
-        out = blas_transposed(rows, weight)
+    kernel = by_row_kernel(x.numel() // x.shape[-1], weight)
+    return linear_by_rows(x, weight, bias, cpu.weight_product if kernel else blas_transposed)
+
+
+def linear_by_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with ``x``'s rows multiplied by ``product(rows, weight)``
+    ((R, K) rows, (N, K) weight -> (R, N)): the one shape of the eager transposed form and of
+    a compiled step's operator (:class:`TracedProducts`). Returns (..., N), contiguous."""
+    out = product(x.reshape(-1, x.shape[-1]), weight)
     if bias is not None:
         out = out + bias
     return out.contiguous().view(*x.shape[:-1], weight.shape[0])
@@ -267,8 +276,10 @@ class WeightProducts(TorchFunctionMode):
 
     def _decide_traced(self, rows: int, model: nn.Module) -> bool:
         """:meth:`traced_form`'s decision for a batch size (see there)."""
+        if self.asked == "standard":
+            return False
         weights = _row_kernel_weights(model, rows)
-        if not weights or self.asked == "standard":
+        if not weights:
             return False
         from alisa.ops import library  # numba loads only where the kernel runs
 
@@ -379,10 +390,7 @@ class TracedProducts(TorchFunctionMode):
         if func is functional.linear:
             x, weight, bias = _operands(args, kwargs)
             if _plain(x, weight, bias) and by_row_kernel(x.numel() // x.shape[-1], weight):
-                out = self.operator(x.reshape(-1, x.shape[-1]), weight)
-                if bias is not None:
-                    out = out + bias
-                return out.view(*x.shape[:-1], weight.shape[0])
+                return linear_by_rows(x, weight, bias, self.operator)
         return func(*args, **kwargs)
 
 
