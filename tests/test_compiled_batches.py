@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import byte_tokenizer, run_main, tiny_llama
+from conftest import byte_tokenizer, tiny_llama
 from torch._dynamo.utils import counters
 from transformers import LlamaForCausalLM
 
@@ -108,7 +108,8 @@ def test_compiled_static_batches_give_the_eager_rows_with_one_graph_per_batch_si
 
 def test_auto_runs_eager_on_a_cpu_and_settles_what_cannot_compile(tmp_path):
     """``"auto"`` on this CPU runs eager without a word; where it would compile (CUDA), the job
-    settles continuous batching and a mode without a static step eager, naming why."""
+    compiles continuous batching too (tests/test_compiled_continuous.py) and settles a mode
+    without a static step eager, naming why."""
     model, tokenizer = tiny_llama(), byte_tokenizer()
     summary = run_batch(
         model,
@@ -118,11 +119,7 @@ def test_auto_runs_eager_on_a_cpu_and_settles_what_cannot_compile(tmp_path):
     assert summary.compile.describe().startswith("off (auto: a CPU")
     assert "decode steps" not in summary.describe()
     source, out = tmp_path / "in.jsonl", tmp_path / "x.jsonl"
-    continuous = job_compile(CUDA_AUTO, model, BatchJob(input=source, output=out), None)
-    assert continuous.describe() == (
-        "off (auto: continuous batching, whose rows join and leave a running batch)"
-    )
-    assert continuous.settled
+    assert job_compile(CUDA_AUTO, model, BatchJob(input=source, output=out), None) == CUDA_AUTO
     host = BatchJob(input=source, output=out, static=True, config=HOST)
     settled = job_compile(CUDA_AUTO, model, host, None)
     assert (
@@ -134,14 +131,9 @@ def test_auto_runs_eager_on_a_cpu_and_settles_what_cannot_compile(tmp_path):
     assert job_compile(CUDA_AUTO, model, static, None) == CUDA_AUTO
 
 
-def test_compile_on_is_refused_for_continuous_batching_and_modes_without_a_static_step(
-    tmp_path,
-):
-    """``compile="on"`` needs static batches (a ValueError naming both fields) and a mode with
-    a static step (refused before any row is written)."""
+def test_compile_on_is_refused_for_modes_without_a_static_step(tmp_path):
+    """``compile="on"`` needs a mode with a static step (refused before any row is written)."""
     source = _prompts(tmp_path, (3, 4))
-    with pytest.raises(ValueError, match=r"compile='on' runs static batches.*static=True"):
-        BatchJob(input=source, output=tmp_path / "o.jsonl", compile="on")
     with pytest.raises(ValueError, match="compile='maybe' must be one of 'auto', 'on', 'off'"):
         BatchJob(input=source, output=tmp_path / "o.jsonl", compile="maybe")
     out = tmp_path / "host.jsonl"
@@ -156,17 +148,6 @@ def test_compile_on_is_refused_for_continuous_batching_and_modes_without_a_stati
     with pytest.raises(ValueError, match="retention='host' with host_bits=4 has no static"):
         run_batch(tiny_llama(), byte_tokenizer(), job)
     assert not out.exists()  # refused before any row: the run leaves no output behind
-
-
-def test_the_cli_takes_compile_for_static_batches_only(tmp_path, capsys):
-    model_dir = tmp_path / "model"
-    tiny_llama().save_pretrained(model_dir)
-    byte_tokenizer().save_pretrained(model_dir)
-    source = _prompts(tmp_path, (3,))
-    argv = ["batch", str(source), "-o", str(tmp_path / "o.jsonl"), "--model", str(model_dir)]
-    code, err = run_main([*argv, "--compile", "on"], capsys)
-    assert code == 1 and "--compile on runs --static batches' decode steps" in err
-    assert "Traceback" not in err and not (tmp_path / "o.jsonl").exists()
 
 
 def test_steps_past_the_recompile_limit_run_eager_with_one_warning():

@@ -83,10 +83,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     add_compile_option(
         parser,
-        "static batches' decode steps",
-        " (with --static: continuous batching runs eager, its rows join and leave a running "
-        "batch; each batch's cache is sized to a length bucket, so nearby lengths share one "
-        "compiled step)",
+        "the decode steps",
+        " (continuous batching: one compiled step per bucket of rows, 1, 2, 4, ..., rows "
+        "joining and leaving static caches sized to a length bucket; --static: one per "
+        "batch size and length bucket)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -120,12 +120,6 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(
             "--separate-prefills applies to continuous batching; --static batches prefill "
             "every batch apart"
-        )
-    if args.compile == "on" and not args.static:
-        raise CommandError(
-            "--compile on runs --static batches' decode steps compiled; continuous batching "
-            "runs them eager, since its rows join and leave a running batch and a compiled step "
-            "keeps one: add --static, or --compile auto"
         )
     if args.rank_timeout is not None and not 0 < args.rank_timeout < math.inf:
         raise CommandError(f"--rank-timeout={args.rank_timeout} must be a finite number > 0")

@@ -10,6 +10,7 @@ from functools import partial
 from alisa.jobs.io import OutputLog, Request
 from alisa.jobs.stream import ByteBudget
 from alisa.kv.cache import AlisaCache
+from alisa.runtime.compiled import CompileChoice
 from alisa.runtime.continuous import ContinuousScheduler
 from alisa.runtime.engine import Engine
 from alisa.runtime.requests import SchedulerStats, StepRecord, StreamRequest, StreamResult
@@ -32,6 +33,8 @@ def continuous_results(
     *,
     started_s: float,
     on_step: Callable[[StepRecord], None] | None = None,
+    compiled: CompileChoice | None = None,
+    max_cache_len: int | None = None,
 ) -> Iterator[tuple[Request, StreamResult, SchedulerStats]]:
     """(request, result, scheduler stats) of every request, in completion order.
 
@@ -52,6 +55,10 @@ def continuous_results(
         so TTFTs count the wait in the queue.
     on_step
         Told each scheduler iteration (timelines).
+    compiled, max_cache_len
+        Decode steps compiled (settled for the job's mode: :func:`~alisa.jobs.runner.
+        job_compile`) over static caches of ``max_cache_len`` tokens per row, which every
+        request's prompt and new tokens fit; None: eager over growing caches.
     """
     groups: dict[tuple, list[Request]] = {}
     for request in requests:
@@ -66,7 +73,13 @@ def continuous_results(
         reserve_tokens=job.reserve_tokens,
     )
     for group in groups.values():
-        engine = Engine(model, tokenizer, sampling(group[0].options), stop_at_eos=job.stop_at_eos)
+        engine = Engine(
+            model,
+            tokenizer,
+            sampling(group[0].options),
+            stop_at_eos=job.stop_at_eos,
+            compile=compiled,
+        )
         scheduler = ContinuousScheduler(
             engine,
             partial(AlisaCache, model, admission.cache_config),
@@ -74,6 +87,7 @@ def continuous_results(
             prefill_tokens=job.prefill_tokens,
             on_step=on_step,
             packing=job.mixed_forwards,
+            max_cache_len=max_cache_len if compiled is not None and compiled.compiled else None,
         )
         by_id = {request.id: request for request in group}
         requests_in = (
@@ -110,7 +124,10 @@ def recorded(
     Yields what the static path yields per batch, for its progress loop: [request], or
     [error row] from ``refused`` for a request no budget admits even alone.
     """
+    schedulers: dict[int, SchedulerStats] = {}  # one a sampling setting, each its own compile
     for request, result, stats in rows:
+        schedulers[id(stats)] = stats
+        summary.compile_s = sum(s.compile_s or 0.0 for s in schedulers.values())
         summary.progress = {"rows": stats.running, "queued": stats.queued}
         if stats.preemptions:  # only where rows outgrew a reservation
             summary.progress["paused"] = stats.paused

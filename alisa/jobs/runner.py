@@ -41,9 +41,9 @@ from alisa.runtime.compiled import (
     check_compile,
     check_compileable,
     choose_compile,
-    compiled_capacity,
+    static_capacity,
 )
-from alisa.runtime.generate import SamplingOptions, new_cache, run_notes
+from alisa.runtime.generate import SamplingOptions, new_cache, rows_compile, run_notes
 from alisa.runtime.requests import (
     PREFILL_TOKENS,
     TOKENIZER_HINT,
@@ -100,11 +100,12 @@ class BatchJob:
         seed every row draws from its own generator, so its tokens do not depend on what
         shares its batch.
     compile
-        Static batches' decode steps through ``torch.compile`` (:mod:`alisa.jobs.static`):
-        ``"auto"`` compiles where that pays on the model's device (CUDA) and the mode has a
-        static step, ``"on"`` forces it (refused for a mode without one, and for continuous
-        batching, whose rows join and leave a running batch), ``"off"`` never. The tokens are
-        the same either way; ``JobSummary.compile`` says what ran and why.
+        Decode steps through ``torch.compile``: static batches' (:mod:`alisa.jobs.static`) or
+        continuous batching's, over static caches that rows join and leave, one graph per
+        bucket of rows (:mod:`alisa.runtime.continuous`). ``"auto"`` compiles where that pays
+        on the model's device (CUDA) and the mode has a static step, ``"on"`` forces it
+        (refused for a mode without one), ``"off"`` never. The tokens are the same either way;
+        ``JobSummary.compile`` says what ran and why.
     """
 
     input: str | Path
@@ -128,12 +129,6 @@ class BatchJob:
         check_field_types(self)  # None or a wrong type fails here, naming the field
         check_compile(self.compile)
         check_untiered(self.config, "a batch job", "BatchJob(gpu_memory=...)")
-        if self.compile == "on" and not self.static:
-            raise ValueError(
-                "compile='on' runs static batches' decode steps compiled; continuous batching "
-                "(static=False) runs them eager, since its rows join and leave a running batch "
-                "and a compiled step keeps one: add static=True (--static), or compile='auto'"
-            )
         # Path("") is ".": the messages of an empty name would speak of a directory.
         if self.input == "":
             raise ValueError("input='' is empty; give a JSONL file path, or '-' for stdin")
@@ -628,13 +623,10 @@ def run_requests(
     # Settled before any row runs: a refusal of compile='on' loses nothing.
     asked = choose_compile(job.compile, device)
     compiled = summary.compile = job_compile(asked, model, job, cache_factory)
-    known = context_length(model)  # as generate caps a compiled batch's capacity bucket
 
     def held(tokens: int) -> int:
         """Tokens per row the cache of a batch whose longest row needs ``tokens`` holds."""
-        if not compiled.compiled:
-            return tokens
-        return compiled_capacity(tokens, None if known is None else known[0])
+        return static_capacity(model, tokens) if compiled.compiled else tokens
 
     started = time.perf_counter()
     with PeakMemory(device) as memory:
@@ -676,6 +668,10 @@ def run_requests(
                 _sampling,
                 started_s=started,
                 on_step=on_step,
+                compiled=compiled,
+                max_cache_len=held(
+                    max((lengths[r.id] + _new_tokens(r, job) for r in pending), default=1)
+                ),
             )
             batches = recorded(
                 rows, log, summary, lambda r: _refused(r, lengths[r.id], spec, job, budgets), own
@@ -700,20 +696,21 @@ def job_compile(
     cache_factory: Callable | None,
 ) -> CompileChoice:
     """``choice`` (:attr:`BatchJob.compile` for the model's device) settled for ``job``'s
-    batching and mode, before any row runs: ``"auto"`` runs continuous batching, a mode
-    without a static step and a factory's caches that cannot compile eager, saying why.
+    batching and mode, before any row runs: ``"auto"`` runs a mode without a static step
+    (or, batched continuously, one whose static rows cannot change) and a factory's caches
+    that cannot compile eager, saying why.
 
     Raises
     ------
     ValueError
-        ``compile="on"`` for a mode without a static step, or a ``cache_factory`` whose caches
-        cannot be compiled (the cache's message).
+        ``compile="on"`` for such a mode, or a ``cache_factory`` whose caches cannot be
+        compiled (the cache's message).
     """
     if not choice.compiled:
         return choice
-    if not job.static and cache_factory is None:  # compile="on" is refused by BatchJob
-        return choice.eager("continuous batching, whose rows join and leave a running batch")
     if cache_factory is None:  # as generate builds each batch's cache (the smallest bucket)
+        if not job.static:
+            return rows_compile(choice, model, job.config, job.max_new_tokens)
         with warnings.catch_warnings():  # said by the job's run notes and each batch
             warnings.simplefilter("ignore")
             return new_cache(model, job.config, job.max_new_tokens, 1, choice)[1]

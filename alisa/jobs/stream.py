@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from functools import cached_property
+from functools import cached_property, partial
 
 from alisa.checks import check_bool, check_int, unordered
 from alisa.config import AlisaConfig, config_or_default
@@ -13,9 +13,10 @@ from alisa.kv.cache import AlisaCache
 from alisa.kv.hooks import attached
 from alisa.model.adapter import model_shape
 from alisa.planning.spec import model_spec
+from alisa.runtime.compiled import choose_compile, static_capacity
 from alisa.runtime.continuous import ContinuousScheduler
 from alisa.runtime.engine import Engine
-from alisa.runtime.generate import check_prompt
+from alisa.runtime.generate import check_prompt, rows_compile
 from alisa.runtime.requests import PREFILL_TOKENS, RowShape, StreamRequest, StreamResult
 from alisa.runtime.sampling import RepeatedPrompts, SamplingOptions, sampling_or_default
 from alisa.settings import check_host_admission, check_untiered, no_host_region
@@ -179,6 +180,8 @@ def stream_generate(
     prefill_tokens: int | None = PREFILL_TOKENS,
     reserve_tokens: int | None = None,
     stop_at_eos: bool = True,
+    compile: str = "auto",
+    max_cache_len: int | None = None,
 ) -> Iterator[StreamResult]:
     """Complete a stream of prompts with continuous batching; results in completion order.
 
@@ -206,6 +209,15 @@ def stream_generate(
     reserve_tokens
         Admit rows with room for this many new tokens rather than all of them; rows that
         outgrow it are paused in host memory and resumed (see :class:`ByteBudget`).
+    compile
+        Decode steps through ``torch.compile`` (:mod:`alisa.runtime.continuous`: one graph
+        per bucket of rows, rows joining and leaving static caches): ``"auto"`` where that
+        pays on the model's device (CUDA) and the mode has a static step, ``"on"`` forced
+        (refused for a mode without one), ``"off"`` never. The tokens are the same.
+    max_cache_len
+        Tokens per row (prompt and new tokens) of the static caches of compiled steps,
+        rounded up to a capacity bucket (:func:`~alisa.runtime.compiled.compiled_capacity`);
+        a prompt that needs more ends ``"context_exceeded"``. None: the model's context.
 
     Yields
     ------
@@ -237,13 +249,19 @@ def stream_generate(
     )
     _check_weights_fit(admission, gpu_memory)
     sampling = sampling_or_default(sampling)
-    engine = Engine(model, tokenizer, sampling, stop_at_eos=stop_at_eos)
+    device = next(model.parameters()).device
+    compiled = rows_compile(choose_compile(compile, device), model, config, max_new_tokens)
+    capacity = None
+    if compiled.compiled:
+        capacity = static_capacity(model, max_cache_len)
+    engine = Engine(model, tokenizer, sampling, stop_at_eos=stop_at_eos, compile=compiled)
     scheduler = ContinuousScheduler(
         engine,
-        lambda: AlisaCache(model, admission.cache_config),
+        partial(AlisaCache, model, admission.cache_config),
         admission,
         prefill_rows=prefill_rows,
         prefill_tokens=prefill_tokens,
+        max_cache_len=capacity,
     )
     # The scheduler checks each request's ids against the vocabulary as it queues it.
     pending: dict[object, StreamRequest] = {}  # by id, until its result comes

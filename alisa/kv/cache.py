@@ -83,7 +83,9 @@ class AlisaCache(Cache):
         with a static step: dense and dropping (every policy whose scores are not summed over
         an exact window of steps), sliding-window layers, 16-bit KV; the others are refused
         here naming why. ``kernels="auto"`` then runs PyTorch's operators on a CPU (numba's
-        cannot be traced). None: the cache grows and compacts as needed.
+        cannot be traced). Rows join and leave it as they do a growing cache (:meth:`extend`
+        of another cache of the same ``max_cache_len``, :meth:`keep_rows`, :meth:`take_rows`:
+        continuous batching compiled). None: the cache grows and compacts as needed.
     keeper
         Builds each full-attention layer's :class:`~alisa.kv.keeper.Keeper` from the config and
         the layer's policy; None: :func:`default_keeper` (dropping, or host retention running
@@ -558,7 +560,12 @@ class AlisaCache(Cache):
         """
         if other.config != self.config or len(other.layers) != len(self.layers):
             raise ValueError("caches of different configs or models cannot share a batch")
-        _refuse_static("take rows into a running batch", self, other)
+        self._check_rows_change("take rows into a running batch")
+        if other.max_cache_len != self.max_cache_len:  # one slot space a layer, one shape
+            raise ValueError(
+                f"caches of max_cache_len={self.max_cache_len} and {other.max_cache_len} cannot "
+                "share a batch: build the rows joining as the running ones"
+            )
         if self.planner is not None or other.planner is not None:
             raise ValueError(
                 f"gpu_memory={self.config.gpu_memory!r}: tiered caches cannot take rows into a "
@@ -570,6 +577,32 @@ class AlisaCache(Cache):
         (self if delta > 0 else other).shift_positions(abs(delta))
         for mine, theirs in zip(self.layers, other.layers, strict=True):
             mine.extend_rows(theirs)
+        self._rows_changed()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the sequences ``indices`` (in that order; one may be named more than once, a
+        copy: continuous batching fills a compiled step's batch so)."""
+        self._check_rows_change("change its rows")
+        super().batch_select_indices(indices)
+        self._rows_changed()
+
+    @property
+    def batch_rows(self) -> int:
+        """Sequences the cache holds (0 before its prefill)."""
+        started = self._started()
+        return len(started[0].slots.first) if started else 0
+
+    def _check_rows_change(self, action: str) -> None:
+        """Refuse to change a static cache's rows where its layers cannot carry them yet."""
+        if self.max_cache_len is not None and (why := static_rows_refusal(self.config)):
+            raise ValueError(
+                f"max_cache_len={self.max_cache_len}: a static cache cannot {action}: {why}"
+            )
+
+    def _rows_changed(self) -> None:
+        """A static cache's rows are new tensors: its next step binds its numbers to them
+        again (and marks their addresses for the compiler), whatever the batch size."""
+        self._pack = None
 
     def keep_rows(self, indices: torch.Tensor) -> None:
         """Keep only the sequences ``indices`` (in that order) and return what they no longer
@@ -608,7 +641,7 @@ class AlisaCache(Cache):
         ValueError
             ``indices`` empty or holding every sequence, or device tiers (``gpu_memory``).
         """
-        batch = len(self.layers[0].slots.first) if self._started() else 0
+        batch = self.batch_rows
         chosen = set(indices.tolist())
         if not chosen or len(chosen) >= batch or not chosen <= set(range(batch)):
             raise ValueError(
@@ -620,7 +653,6 @@ class AlisaCache(Cache):
                 f"gpu_memory={self.config.gpu_memory!r}: tiered caches cannot split their rows "
                 "(their tier sizes are planned per batch)"
             )
-        _refuse_static("split its rows", self)
         taken = copy_replacing(self, lambda tensor: tensor)
         taken.keep_rows(indices)
         rest = [row for row in range(batch) if row not in chosen]
@@ -749,6 +781,17 @@ def _check_static(
     return int(max_cache_len)
 
 
+def static_rows_refusal(config: AlisaConfig) -> str | None:
+    """Why rows cannot join or leave a static cache of ``config`` (so continuous batching runs
+    its growing cache, eager), or None where they can."""
+    if config.retention == "host":
+        return (
+            "retention='host' keeps its static step's tokens not coded yet in a ring of its "
+            "host region, which rows joining or leaving do not carry yet"
+        )
+    return None
+
+
 def _check_static_host(config: AlisaConfig, device: str, dtype: torch.dtype) -> None:
     """Refuse a static host-retention cache where its step is not static yet: on CUDA (its host
     region is page-locked host memory the device reads by a kernel of its own,
@@ -764,17 +807,6 @@ def _check_static_host(config: AlisaConfig, device: str, dtype: torch.dtype) -> 
         f"retention='host' has no static (compiled) decode step {why}: run it eager "
         "(compile='off' or 'auto'; a cache built without max_cache_len)"
     )
-
-
-def _refuse_static(action: str, *caches: AlisaCache) -> None:
-    """Static caches keep one batch: its rows joining or leaving would change every
-    layer's numbers of the step (continuous batching runs eager)."""
-    for cache in caches:
-        if cache.max_cache_len is not None:
-            raise ValueError(
-                f"max_cache_len={cache.max_cache_len}: a static cache cannot {action}; "
-                "continuous batching runs caches built without max_cache_len"
-            )
 
 
 def _holds_host(layers: list[AlisaLayer]) -> bool:

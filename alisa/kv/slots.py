@@ -244,16 +244,19 @@ class SlotMap:
         """
         live = int(self.kept.max(initial=0))  # compaction drops padding slots as well
         target = grown(live, limit) if capacity is None else capacity
+        # A static step places its tokens on the device, in any free slot of the whole space,
+        # and keeps no width bound on the host: all of it is read.
+        width = self.width if capacity is None else self.capacity
         if force:
             if capacity is None:
                 fits = self.capacity <= target
             else:  # a static space: its exact size, and no padding slot left (never reused)
                 fits = self.capacity == target and not self.dead.any()
-            if self.width == live and fits:
+            if width == live and fits:
                 return None
-        elif self.width - live <= max(32, self.width // 3):
+        elif width - live <= max(32, width // 3):
             return None
-        occupied = self.positions[..., : self.width] >= 0
+        occupied = self.positions[..., :width] >= 0
         order = torch.argsort((~occupied).to(torch.int8), dim=-1, stable=True)
         index = order[..., :live]
         capacity = target

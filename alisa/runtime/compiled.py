@@ -22,8 +22,10 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from alisa.checks import check_int
 from alisa.kv.cache import AlisaCache
 from alisa.kv.hooks import route_to_alisa
+from alisa.model.loading import context_length
 from alisa.ops import COMPILE
 from alisa.ops.backends import compiles_by_default
 
@@ -79,6 +81,42 @@ def compiled_capacity(tokens: int, context: int | None) -> int:
     while capacity < tokens:  # 2^k -> 3 * 2^(k-1) -> 2^(k+1)
         capacity = capacity * 3 // 2 if capacity & (capacity - 1) == 0 else capacity * 4 // 3
     return capacity if context is None else max(min(capacity, context), tokens)
+
+
+def static_capacity(model: nn.Module, tokens: int | None) -> int:
+    """Tokens per row of the static caches of a compiled run whose rows need at most ``tokens``
+    (prompt, padding and new tokens): its capacity bucket (:func:`compiled_capacity`); None:
+    the model's context.
+
+    Raises
+    ------
+    ValueError
+        ``tokens`` not an integer >= 1, or None for a model whose context is not known
+        (naming ``max_cache_len``).
+    """
+    known = context_length(model)
+    context = None if known is None else known[0]
+    if tokens is None:
+        if context is None:
+            raise ValueError(
+                "max_cache_len=None: the model's context is not known, so a compiled step's "
+                "static caches need their length: give max_cache_len"
+            )
+        tokens = context
+    check_int("max_cache_len", tokens, minimum=1)
+    return compiled_capacity(tokens, context)
+
+
+def batch_bucket(rows: int) -> int:
+    """Rows of the compiled step that runs ``rows`` running rows: the next power of two at or
+    above it. Continuous batching fills the difference with copies of its last row (their
+    tokens are not read), so a batch whose rows come and go replays a few graphs (one per
+    bucket, as nano-vllm's captured batch sizes) instead of compiling one per size, for at
+    most twice the rows' compute and KV.
+    """
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows={rows!r} must be an integer >= 1")
+    return 1 << (rows - 1).bit_length()
 
 
 # compile="on", as asked: what a caller that compiles regardless of the device passes.

@@ -27,6 +27,13 @@ the newest row is paused: its cache rows are taken out (:meth:`AlisaCache.take_r
 device KV copied to host memory (:func:`alisa.kv.swap.swap_out`), never re-prefilled (under
 eviction a prefill would keep another token set). It rejoins, as a newcomer's cache does,
 before any new request starts, and continues exactly where it stopped.
+
+Compiled (the engine's decode steps through ``torch.compile``, issue 65): every row lives in a
+static cache of one ``max_cache_len`` (:mod:`alisa.kv.static`), rows join and leave it as they
+do a growing one, and each decode step runs over a bucket of rows (:func:`~alisa.runtime.
+compiled.batch_bucket`, the next power of two), the difference filled with copies of the last
+row whose tokens are not read: one graph per bucket, replayed while rows come and go (nano-vllm's
+captured batch sizes). Newcomers prefill in a forward of their own (eager), never mixed.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from alisa.kv.cache import AlisaCache, PackedCache
 from alisa.kv.swap import Swapped, swap_out
 from alisa.model.adapter import ModelAdapter
 from alisa.model.loading import context_length, prompt_length_error
+from alisa.runtime.compiled import batch_bucket
 from alisa.runtime.engine import DecodeState, Engine
 from alisa.runtime.requests import (
     PREFILL_TOKENS,
@@ -107,6 +115,11 @@ class ContinuousScheduler:
     packing
         Prefill a newcomer inside the running rows' decode step when the model allows it
         (:func:`packs`); False: always in a forward of its own.
+    max_cache_len
+        Run the rows in static caches of this many tokens per row (``new_cache`` takes it),
+        for decode steps compiled by the engine (one graph per bucket of rows); a request
+        whose prompt and new tokens would pass it does not run (``"context_exceeded"``, the
+        error naming it). None: growing caches.
     """
 
     def __init__(
@@ -119,6 +132,7 @@ class ContinuousScheduler:
         prefill_tokens: int | None = PREFILL_TOKENS,
         on_step: Callable[[StepRecord], None] | None = None,
         packing: bool = True,
+        max_cache_len: int | None = None,
     ) -> None:
         for name, value in (("prefill_rows", prefill_rows), ("prefill_tokens", prefill_tokens)):
             if value is None and name == "prefill_tokens":
@@ -133,7 +147,11 @@ class ContinuousScheduler:
         self.admission = admission or RowLimit(64)
         self.prefill_rows = prefill_rows
         self.on_step = on_step
-        self.packing = packing and packs(engine.model)
+        self.max_cache_len = max_cache_len
+        # A static cache's rows prefill in a forward of their own (a mixed one is eager and
+        # grows what a static layer keeps fixed).
+        self.packing = packing and packs(engine.model) and max_cache_len is None
+        self._fillers = 0  # copies of the last row after the running ones (a compiled bucket)
         self.queue: deque[_Row] = deque()
         self.rows: list[_Row] = []  # running, in cache row order
         self.paused: list[_Paused] = []  # in arrival order
@@ -225,11 +243,35 @@ class ContinuousScheduler:
         stepped = len(self.rows)
         if self.rows:
             self.stats.peak_rows = max(self.stats.peak_rows, len(self.rows))
-            tokens = self.engine.step(self.state, self.cache)
+            tokens = self._decode()
             self.state.advance(tokens)
             done += self._leave(self._append(tokens, 0))
         self._record(stepped)
         return done
+
+    def _decode(self) -> torch.Tensor:
+        """(rows,) the running rows' next tokens from one decode step: compiled, over their
+        bucket (copies of the last row fill it; their tokens are not read)."""
+        compiled = self.engine.compiled
+        if compiled is None or not compiled.choice.compiled:
+            self._unfill()
+            return self.engine.step(self.state, self.cache)
+        rows = len(self.rows)
+        bucket = batch_bucket(rows)
+        if rows + self._fillers != bucket:
+            index = list(range(rows)) + [rows - 1] * (bucket - rows)
+            self.cache.batch_select_indices(torch.tensor(index, device=self.engine.device))
+            self._fillers = bucket - rows
+        logits = self.engine.forward(self.state.filled(bucket), self.cache)[:rows]
+        self.stats.compile_s = compiled.compile_s
+        return self.engine.choose(self.state, logits)
+
+    def _unfill(self) -> None:
+        """The cache back to the running rows alone (before they change)."""
+        if self._fillers:
+            rows = torch.arange(len(self.rows), device=self.engine.device)
+            self.cache.batch_select_indices(rows)
+            self._fillers = 0
 
     def _record(self, rows: int) -> None:
         """Update the counts and tell ``on_step`` of the forward just run over ``rows`` rows:
@@ -264,6 +306,14 @@ class ContinuousScheduler:
                 continue
             prompt, new = len(head.request.prompt_ids), head.request.max_new_tokens
             error = prompt_length_error(prompt, self.context, new)
+            if (
+                error is None
+                and self.max_cache_len is not None
+                and prompt + new > self.max_cache_len
+            ):
+                reason, error = "context_exceeded", self._too_long(head)
+                done.append(self._result(self.queue.popleft(), reason, error))
+                continue
             if error is not None:  # past the context, positions are garbage: never run it
                 alone = self.context is not None and prompt > self.context[0]
                 reason = "prompt_too_long" if alone else "context_exceeded"
@@ -289,16 +339,26 @@ class ContinuousScheduler:
         return done
 
     def _fits_prefill(self, rows: list[_Row]) -> bool:
-        """Whether ``rows`` prefill together within ``prefill_tokens`` (padding counted)."""
-        if self.prefill_tokens is None:
-            return True
+        """Whether ``rows`` prefill together within ``prefill_tokens`` (padding counted) and,
+        in static caches, every row's padded prompt and new tokens within their length."""
         longest = max(len(row.request.prompt_ids) for row in rows)
-        return len(rows) * longest <= self.prefill_tokens
+        if self.max_cache_len is not None:
+            most = max(row.request.max_new_tokens for row in rows)
+            if longest + most > self.max_cache_len:
+                return False
+        return self.prefill_tokens is None or len(rows) * longest <= self.prefill_tokens
+
+    def _too_long(self, row: _Row) -> str:
+        prompt, new = len(row.request.prompt_ids), row.request.max_new_tokens
+        return (
+            f"a prompt of {prompt} tokens with max_new_tokens={new} passes the "
+            f"max_cache_len={self.max_cache_len} of the compiled step's static caches"
+        )
 
     def _prefill(self, joining: list[_Row]) -> list[StreamResult]:
         """Prefill ``joining`` in a cache of their own, pick their first tokens, merge."""
         state = _padded_state(joining, self.engine.pad, self.engine.device)
-        cache = self.new_cache()
+        cache = self._new_cache()
         tokens = self.engine.step(state, cache)
         state.advance(tokens)
         first = len(self.rows)
@@ -309,7 +369,7 @@ class ContinuousScheduler:
         """Prefill ``row`` in the running rows' next decode step (one mixed forward), pick the
         tokens of both, let finished rows leave, and merge the newcomer after the others."""
         state = _padded_state([row], self.engine.pad, self.engine.device)
-        cache = self.new_cache()
+        cache = self._new_cache()
         packed = PackedCache(self.cache, cache, len(self.rows))
         running_logits, prompt_logits = self.engine.forward_packed(self.state, state, packed)
         tokens = self.engine.choose(self.state, running_logits)
@@ -320,8 +380,14 @@ class ContinuousScheduler:
         self._join([row], cache, state)
         return done + self._leave(self._append(first, len(self.rows) - 1))
 
+    def _new_cache(self) -> AlisaCache:
+        if self.max_cache_len is None:
+            return self.new_cache()
+        return self.new_cache(max_cache_len=self.max_cache_len)
+
     def _join(self, rows: list[_Row], cache: AlisaCache, state: DecodeState) -> None:
         """Rows past their prefill (new or resumed) join the running ones, after them."""
+        self._unfill()
         self.rows.extend(rows)
         if self.cache is None:
             cache.trim()  # as extend() trims the rows joining: sizing counts kept tokens
@@ -339,6 +405,7 @@ class ContinuousScheduler:
 
     def _pause(self, index: int) -> None:
         """Row ``index`` leaves the batch for host memory, its state intact."""
+        self._unfill()
         row = self.rows.pop(index)
         chosen = torch.tensor([index], device=self.engine.device)
         cache = swap_out(self.cache.take_rows(chosen), self.engine.device)
@@ -398,6 +465,7 @@ class ContinuousScheduler:
         """Rows ``gone`` leave the cache and the state; the others keep their order."""
         kept = [index for index in range(len(self.rows)) if index not in gone]
         self.rows = [self.rows[index] for index in kept]
+        self._fillers = 0  # kept names the running rows alone
         if not kept:
             self.cache = self.state = None
         else:

@@ -291,6 +291,19 @@ class DecodeState:
         if self.generators is not None:
             self.generators = [self.generators[row] for row in rows.tolist()]
 
+    def filled(self, rows: int) -> DecodeState:
+        """This state for a forward over ``rows`` rows, its last row repeated after the others
+        (the copies a compiled step's bucket holds: :func:`~alisa.runtime.compiled.
+        batch_bucket`); this state itself is unchanged."""
+        count = self.feed.shape[0]
+        if rows == count:
+            return self
+        index = torch.arange(rows, device=self.feed.device).clamp(max=count - 1)
+        view = copy.copy(self)
+        view.generators = None  # the copies draw nothing: only the rows' logits are read
+        view.keep(index)
+        return view
+
     def take(self, rows: torch.Tensor) -> DecodeState:
         """Rows ``rows`` leave into a state of their own (no padding mask: they are past their
         prefill); this state keeps the others, in order."""

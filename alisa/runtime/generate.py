@@ -12,7 +12,7 @@ from transformers.cache_utils import Cache
 
 from alisa.checks import check_bool, check_int, check_text, unordered
 from alisa.config import AlisaConfig, config_or_default
-from alisa.kv.cache import AlisaCache
+from alisa.kv.cache import AlisaCache, static_rows_refusal
 from alisa.kv.hooks import attached
 from alisa.memory import PeakMemory
 from alisa.model.adapter import ModelShape, check_model_and_tokenizer
@@ -190,6 +190,32 @@ def new_cache(
         else:
             return cache, choice
     return AlisaCache(model, config, max_new_tokens=max_new_tokens), choice
+
+
+def rows_compile(
+    choice: CompileChoice, model: nn.Module, config: AlisaConfig | None, max_new_tokens: int
+) -> CompileChoice:
+    """``choice`` settled for continuous batching over ``config`` (rows joining and leaving
+    static caches, :mod:`alisa.runtime.continuous`): ``"auto"`` runs eager, naming why, a mode
+    without a static step or whose static rows cannot change; ``"on"`` refuses it.
+
+    Raises
+    ------
+    ValueError
+        ``compile="on"`` for such a mode, naming the setting.
+    """
+    if not choice.compiled:
+        return choice
+    why = static_rows_refusal(config_or_default(config))
+    if why is not None:
+        if choice.asked != "auto":
+            raise ValueError(
+                f"compile={choice.asked!r} with continuous batching: {why}; use compile='off'"
+            )
+        return choice.eager(why)
+    with warnings.catch_warnings():  # the run's own notes say what the config ignores
+        warnings.simplefilter("ignore")
+        return new_cache(model, config, max_new_tokens, 1, choice)[1]
 
 
 def _check_vocabulary(model, input_ids: torch.Tensor) -> None:

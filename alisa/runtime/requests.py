@@ -270,6 +270,7 @@ class SchedulerStats:
     generated_tokens: int = 0
     kv_bytes: int = 0  # device KV held by the running rows (the key sketch included)
     peak_kv_bytes: int = 0
+    compile_s: float | None = None  # the first compiled decode step's (None: none ran)
     started_s: float = field(default_factory=time.perf_counter)
 
     @property

@@ -1,0 +1,201 @@
+"""Continuous batching compiled (issue 65): rows join and leave static caches, each decode step
+runs over a bucket of rows, and every token is the eager scheduler's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import byte_tokenizer, run_main, tiny_llama
+from test_continuous import prompts, requests
+from test_static_cache import MODES
+from torch._dynamo.utils import counters
+
+from alisa import AlisaCache, AlisaConfig
+from alisa.jobs import BatchJob
+from alisa.jobs.runner import job_compile, run_batch
+from alisa.jobs.stream import stream_generate
+from alisa.runtime.compiled import ASKED_ON, CompileChoice, batch_bucket
+from alisa.runtime.continuous import ContinuousScheduler
+from alisa.runtime.engine import DecodeState, Engine
+from alisa.runtime.requests import RowLimit, StreamRequest
+
+CUDA_AUTO = CompileChoice(asked="auto", compiled=True, reason="auto: CUDA")
+SWA = AlisaConfig(policy="swa", caching_ratio=0.3, min_budget_tokens=0)
+# Rows of many lengths finishing at many steps: up to 7 run at once (buckets 1, 2, 4 and 8),
+# prefilled three at a time (padded), so rows join a bucket holding copies, leave and change
+# bucket throughout.
+LENGTHS = (23, 6, 41, 12, 30, 3, 17, 9, 35, 14, 27, 5, 44, 19)
+LONG = (155, 195, 125, 210, 145, 180, 110, 170, 200, 140, 190, 130, 160, 175)  # 2,285 tokens
+SHORT = (9, 14, 4, 11, 6, 13, 8, 12, 5, 10, 7, 15, 3, 9)
+CAPACITY = 256
+
+
+def scheduled(model, config, new_tokens, *, compiled: bool):
+    """Every request's tokens by id and the rows of each scheduler iteration, over static
+    caches of CAPACITY tokens: eager, or compiled (traced by dynamo alone, which finds every
+    graph break and recompile without generating code).
+
+    The eager run is the reference, not the growing cache: a static layer attends over its
+    whole slot space, a growing one over its width, so their sums may round apart (1e-7) and,
+    over a hundred steps of eviction, flip a near tie (the same holds between batch shapes)."""
+    engine = Engine(
+        model, byte_tokenizer(), stop_at_eos=False, compile=ASKED_ON if compiled else None
+    )
+    if compiled:
+        engine.compiled.forward = torch.compile(
+            model.forward, backend="eager", fullgraph=True, dynamic=False
+        )
+    steps = []
+    scheduler = ContinuousScheduler(
+        engine,
+        lambda **static: AlisaCache(model, config, **static),
+        RowLimit(7),
+        prefill_rows=3,
+        on_step=lambda record: steps.append(record.rows),
+        max_cache_len=CAPACITY,
+    )
+    results = list(scheduler.run(requests(prompts(LENGTHS), new_tokens)))
+    assert sorted(r.id for r in results) == list(range(len(LENGTHS)))
+    return {r.id: r.token_ids for r in results}, steps
+
+
+def eager_and_compiled(mode: str, new_tokens) -> tuple[dict, dict, list[int]]:
+    """:func:`scheduled` eager and compiled in ``mode`` (the compile counters cleared between)."""
+    model = tiny_llama()
+    config = AlisaConfig(kernels="reference", **MODES[mode])
+    eager, _ = scheduled(model, config, new_tokens, compiled=False)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, steps = scheduled(model, config, new_tokens, compiled=True)
+    return eager, compiled, steps
+
+
+@pytest.mark.parametrize("mode", ["swa", "dense", "int8"])
+def test_300_compiled_steps_of_rows_joining_and_leaving_give_the_eager_tokens(mode):
+    """Over 300 scheduler iterations, rows joining (three prefilled together, padded) and leaving
+    at every bucket size: every token of every row is the eager scheduler's, from one graph
+    per bucket of rows (and one more for the first rows' padding mask), none recompiled."""
+    eager, compiled, steps = eager_and_compiled(mode, LONG)
+    assert len(steps) >= 300
+    assert compiled == eager
+    buckets = {batch_bucket(rows) for rows in steps if rows}
+    assert buckets == {1, 2, 4, 8}
+    assert counters["stats"]["unique_graphs"] <= len(buckets) + 1
+    assert not counters["graph_break"]
+
+
+@pytest.mark.parametrize(
+    "mode", ["swa-exact-window", "swa-paper", "tova", "h2o-one-set", "streaming", "int4"]
+)
+def test_every_dropping_policy_and_coded_kv_joins_compiled_steps_exactly(mode):
+    eager, compiled, _ = eager_and_compiled(mode, SHORT)
+    assert compiled == eager
+    assert counters["stats"]["unique_graphs"] <= 5 and not counters["graph_break"]
+
+
+def test_the_bucket_is_the_next_power_of_two_and_the_filled_state_repeats_the_last_row():
+    assert [batch_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 33)] == [1, 2, 4, 4, 8, 8, 16, 64]
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=f"rows={bad!r} must be an integer >= 1"):
+            batch_bucket(bad)
+    state = DecodeState.start(torch.tensor([[5, 6], [7, 8], [9, 10]]))
+    state.advance(torch.tensor([1, 2, 3]))
+    filled = state.filled(4)
+    assert filled.feed.view(-1).tolist() == [1, 2, 3, 3]
+    assert filled.positions.view(-1).tolist() == [2, 2, 2, 2]
+    assert state.feed.shape[0] == 3 and state.filled(3) is state
+
+
+def test_static_caches_of_other_lengths_do_not_share_a_batch():
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    caches = []
+    for capacity in (64, 96):
+        engine = Engine(model, tokenizer, stop_at_eos=False)
+        cache = AlisaCache(model, SWA, max_cache_len=capacity)
+        engine.step(DecodeState.start(torch.tensor([[5, 6, 7]])), cache)
+        caches.append(cache)
+    with pytest.raises(ValueError, match="max_cache_len=64 and 96 cannot share a batch"):
+        caches[0].extend(caches[1])
+
+
+def test_host_retention_keeps_its_static_rows_and_settles_continuous_batching_eager(tmp_path):
+    """Its static step's ring of tokens not coded yet does not follow rows joining or leaving:
+    a static host cache refuses to change its rows, ``auto`` batches it continuously eager
+    (naming why) and ``on`` is refused before any row is written."""
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    host = AlisaConfig(policy="swa", caching_ratio=0.3, retention="host")
+    cache = AlisaCache(model, host, max_cache_len=64)
+    Engine(model, tokenizer).step(DecodeState.start(torch.tensor([[5, 6, 7], [8, 9, 4]])), cache)
+    with pytest.raises(ValueError, match="a static cache cannot change its rows: retention='host'"):
+        cache.take_rows(torch.tensor([0]))
+    source, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    source.write_text(json.dumps({"id": 0, "prompt": "word word"}) + "\n")
+    job = BatchJob(input=source, output=out, config=host, progress=False)
+    settled = job_compile(CUDA_AUTO, model, job, None)
+    assert settled.describe().startswith("off (auto: retention='host' keeps its static step's")
+    with pytest.raises(ValueError, match="compile='on' with continuous batching: retention='host'"):
+        run_batch(model, tokenizer, BatchJob(input=source, output=out, config=host, compile="on"))
+    assert not out.exists()
+
+
+def test_a_batch_job_batched_continuously_runs_its_steps_compiled(tmp_path):
+    """``alisa batch --compile on`` without ``--static``: continuous batching over static
+    caches, compiled by inductor, writes the eager job's rows and says it compiled."""
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    source = tmp_path / "in.jsonl"
+    words = (3, 9, 14, 22, 5)
+    source.write_text(
+        "".join(json.dumps({"id": i, "prompt": "word " * n}) + "\n" for i, n in enumerate(words))
+    )
+    job = dict(input=source, config=SWA, max_batch=3, max_new_tokens=10, progress=False)
+    run_batch(model, tokenizer, BatchJob(output=tmp_path / "off.jsonl", compile="off", **job))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = run_batch(
+        model, tokenizer, BatchJob(output=tmp_path / "on.jsonl", compile="on", **job)
+    )
+    texts = [
+        {row["id"]: row["text"] for row in map(json.loads, path.read_text().splitlines())}
+        for path in (tmp_path / "off.jsonl", tmp_path / "on.jsonl")
+    ]
+    assert texts[0] == texts[1] and len(texts[0]) == 5
+    assert compiled.compile == ASKED_ON and compiled.compile_s > 0
+    assert "continuous batching" in compiled.describe()
+    assert "decode steps compiled (first steps" in compiled.describe()
+    assert counters["stats"]["unique_graphs"] <= 4  # buckets 1, 2 and 4, and a padding mask
+
+
+def test_stream_generate_compiles_and_ends_a_request_past_its_static_length():
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    ids = prompts((7, 12, 5))
+    stream = [StreamRequest(prompt_ids=p, max_new_tokens=6, id=i) for i, p in enumerate(ids)]
+    too_long = StreamRequest(prompt_ids=ids[0], max_new_tokens=200, id="long")
+    run = dict(stop_at_eos=False, max_cache_len=100)
+    off = stream_generate(model, tokenizer, stream, SWA, stop_at_eos=False, compile="off")
+    eager = {r.id: r.token_ids for r in off}
+    results = {
+        r.id: r
+        for r in stream_generate(model, tokenizer, [*stream, too_long], SWA, compile="on", **run)
+    }
+    assert {key: results[key].token_ids for key in eager} == eager
+    assert results["long"].finish_reason == "context_exceeded"
+    assert (
+        "passes the max_cache_len=128 of the compiled step's static caches" in results["long"].error
+    )
+    with pytest.raises(ValueError, match="max_cache_len=0 must be an integer >= 1"):
+        next(stream_generate(model, tokenizer, stream, compile="on", max_cache_len=0))
+
+
+def test_the_cli_compiles_continuous_batching(tmp_path, capsys):
+    model_dir = tmp_path / "model"
+    tiny_llama().save_pretrained(model_dir)
+    byte_tokenizer().save_pretrained(model_dir)
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"id": 0, "prompt": "word word word"}) + "\n")
+    out = tmp_path / "o.jsonl"
+    argv = ["batch", str(source), "-o", str(out), "--model", str(model_dir), "--no-progress"]
+    code, err = run_main([*argv, "--compile", "on", "--max-new-tokens", "4"], capsys)
+    assert code == 0, err
+    assert "decode steps compiled (first steps" in err and len(out.read_text().splitlines()) == 1
