@@ -25,6 +25,8 @@ Named only (not in ``all``):
     static-dense-compiled               batch's cache sized to a capacity bucket, finished
                                         rows kept in their batch (one graph per batch size
                                         and bucket; ``--new-tokens 64`` keeps one group)
+    continuous-drop-compiled,           ``--compile on``: continuous batching's decode steps
+    continuous-dense-compiled           compiled, one graph per bucket of rows (1, 2, 4, ...)
 
 Prints a table, then one JSON line with :func:`experiments.timing.environment`; ``--plot PATH``
 draws rows in flight and tokens/s over time (``--plot-systems`` picks the lines). Seconds the
@@ -66,7 +68,10 @@ SYSTEMS = (
 )
 # Named only, not in "all": compiling takes minutes on a CPU, and the default workload's drawn
 # answer lengths split static batches into many shapes.
-NAMED_ONLY = ("static-dense", "static-drop-compiled", "static-dense-compiled")
+NAMED_ONLY = (
+    *("static-dense", "static-drop-compiled", "static-dense-compiled"),
+    *("continuous-drop-compiled", "continuous-dense-compiled"),
+)
 
 
 def workload_parser(*, prompts: int, systems: str) -> argparse.ArgumentParser:
@@ -297,7 +302,7 @@ class System:
     static: bool = False
     reserve: bool = False  # admit rows with room for --reserve-tokens only
     mixed: bool = True  # newcomers prefilled inside the running rows' decode step
-    compiled: bool = False  # static batches' decode steps through torch.compile
+    compiled: bool = False  # decode steps through torch.compile
 
 
 def systems(names: str) -> list[System]:
@@ -469,6 +474,9 @@ RATIOS = {
     "ttft_p95_continuous_vs_static_host": ("ttft_p95_s", "continuous-host", "static-host"),
     "compiled_vs_eager_static_drop": ("tokens_per_s", "static-drop-compiled", "static-drop"),
     "compiled_vs_eager_static_dense": ("tokens_per_s", "static-dense-compiled", "static-dense"),
+    "compiled_vs_eager_continuous_drop": (
+        *("tokens_per_s", "continuous-drop-compiled", "continuous-drop"),
+    ),
 }
 
 

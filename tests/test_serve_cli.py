@@ -82,6 +82,15 @@ CASES = {
         ERR,
         ("--max-new-tokens=64", "context of 64"),
     ),
+    "serve-max-cache-len-zero": Case(
+        "serve --model {model} --max-cache-len 0", ERR, ("--max-cache-len=0", ">= 1")
+    ),
+    "serve-compile-on-host-retention": Case(
+        "serve --model {model} --compile on --retention host --policy swa --caching-ratio 0.5 "
+        "--port 0",
+        ERR,
+        ("compile='on' with continuous batching", "retention='host'"),
+    ),
     "serve-dense-layers-past-the-model": Case(
         "serve --model {model} --policy swa --caching-ratio 0.5 --dense-layers 9 --port 0",
         ERR,

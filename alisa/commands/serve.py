@@ -10,6 +10,7 @@ import threading
 from alisa.commands.options import (
     CommandError,
     add_cache_options,
+    add_compile_option,
     add_model_options,
     add_scheduler_options,
     add_threads_option,
@@ -33,6 +34,7 @@ SETTINGS_FLAGS = {
     "prefill_tokens": "--prefill-tokens",
     "kv_bytes": "--kv-memory",
     "device_bytes": "--gpu-memory",
+    "max_cache_len": "--max-cache-len",
 }
 
 
@@ -59,6 +61,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "model's context; default 64)",
     )
     add_scheduler_options(parser)
+    add_compile_option(
+        parser,
+        "the decode steps",
+        " (one compiled step per bucket of rows, 1, 2, 4, ..., compiled once for the "
+        "server's life, rows in static caches of --max-cache-len tokens)",
+    )
+    parser.add_argument(
+        "--max-cache-len",
+        type=int,
+        help="compiled steps: tokens per row (prompt and new tokens) of their static caches, "
+        "rounded up to a length bucket; a longer request is answered 400 (default: the "
+        "model's context)",
+    )
     parser.add_argument(
         "--max-queue",
         type=int,
@@ -89,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     check_minimum("--max-queue", args.max_queue, 1)
     check_minimum("--prefill-tokens", args.prefill_tokens, 1)
     check_minimum("--reserve-tokens", args.reserve_tokens, 0)
+    check_minimum("--max-cache-len", args.max_cache_len, 1)
     if not 0 <= args.port <= 65535:
         raise CommandError(f"--port={args.port} must be in 0..65535")
     kv_bytes = None if args.kv_memory is None else parse_budget(args.kv_memory, field="--kv-memory")
@@ -113,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_new_tokens,
         reserve_tokens=args.reserve_tokens,
         prefill_tokens=args.prefill_tokens,
+        compile=args.compile,
+        max_cache_len=args.max_cache_len,
     )
     apply_threads("serve", args.threads)
     try:  # before the model loads: a port in use fails at once
@@ -133,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
             host, port = sock.getsockname()[:2]
             print(
                 f"alisa serve: {settings.model_name} on {base_url(host, port)} "
-                f"(policy {settings.config.policy} r={settings.config.caching_ratio:g}); "
+                f"(policy {settings.config.policy} r={settings.config.caching_ratio:g}, "
+                f"compile {server.engine.compile.describe()}); "
                 "SIGTERM or Ctrl-C drains and stops",
                 file=sys.stderr,
             )

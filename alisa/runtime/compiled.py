@@ -7,8 +7,8 @@ gpt-fast) do; prefill stays eager, since every prompt length would be a new grap
 mask grows by one column a step, which would make every step a new shape; it is padded to the
 cache's capacity instead (a zero column is a slot not written yet, which the causal mask hides
 anyway), so the compiler sees one shape from the first decode step to the last. Compiling is
-measured, not assumed: the first compiled step's seconds (tracing and code generation
-included) are kept as :attr:`CompiledDecode.compile_s`. See issue 65 and
+measured, not assumed: the seconds of each shape's first compiled step (tracing and code
+generation included) add up in :attr:`CompiledDecode.compile_s`. See issue 65 and
 https://pytorch.org/docs/stable/torch.compiler.html.
 """
 
@@ -107,16 +107,18 @@ def static_capacity(model: nn.Module, tokens: int | None) -> int:
     return compiled_capacity(tokens, context)
 
 
-def batch_bucket(rows: int) -> int:
+def batch_bucket(rows: int, most: int | None = None) -> int:
     """Rows of the compiled step that runs ``rows`` running rows: the next power of two at or
-    above it. Continuous batching fills the difference with copies of its last row (their
-    tokens are not read), so a batch whose rows come and go replays a few graphs (one per
-    bucket, as nano-vllm's captured batch sizes) instead of compiling one per size, for at
-    most twice the rows' compute and KV.
+    above it, at most ``most`` (the rows the admission rule allows; None: no bound). Continuous
+    batching fills the difference with copies of its last row (their tokens are not read), so
+    a batch whose rows come and go replays a few graphs (one per bucket, as nano-vllm's
+    captured batch sizes) instead of compiling one per size, for at most twice the rows'
+    compute and KV (which admission counts).
     """
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
         raise ValueError(f"rows={rows!r} must be an integer >= 1")
-    return 1 << (rows - 1).bit_length()
+    bucket = 1 << (rows - 1).bit_length()
+    return bucket if most is None else max(rows, min(bucket, most))
 
 
 # compile="on", as asked: what a caller that compiles regardless of the device passes.
@@ -212,8 +214,8 @@ class CompiledDecode:
     Attributes
     ----------
     compile_s
-        Seconds of the first compiled step (tracing and code generation included); None
-        before it.
+        Seconds of the first compiled step of each shape (rows and cache capacity: a new
+        graph, tracing and code generation included), added up; None before the first.
     choice
         As given, or settled eager (``choice.compiled`` False, the reason said) once the
         compiler could not trace the step under ``"auto"``.
@@ -226,6 +228,7 @@ class CompiledDecode:
         )
         self.choice = choice or ASKED_ON
         self.compile_s: float | None = None
+        self._shapes: set[tuple[int, int]] = set()  # (rows, capacity) of the graphs made
         # Whether torch.compile's recompile limit was reached (said once; see __call__).
         self.limited = False
 
@@ -276,7 +279,8 @@ class CompiledDecode:
 
         if not self.choice.compiled:  # "auto" found the step untraceable: eager from then on
             return eager()
-        start = clock() if self.compile_s is None else None
+        shape = (feed.shape[0], cache.get_max_length())
+        start = clock() if shape not in self._shapes else None
         try:
             with around if around is not None else nullcontext():
                 logits = last_logits(self.forward, feed, positions, mask, cache, **options)
@@ -313,5 +317,6 @@ class CompiledDecode:
             self.choice = self.choice.eager(why)
             return eager()
         if start is not None:
-            self.compile_s = clock() - start
+            self._shapes.add(shape)
+            self.compile_s = (self.compile_s or 0.0) + clock() - start
         return logits

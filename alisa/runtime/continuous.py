@@ -257,7 +257,7 @@ class ContinuousScheduler:
             self._unfill()
             return self.engine.step(self.state, self.cache)
         rows = len(self.rows)
-        bucket = batch_bucket(rows)
+        bucket = batch_bucket(rows, self.admission.max_rows)
         if rows + self._fillers != bucket:
             index = list(range(rows)) + [rows - 1] * (bucket - rows)
             self.cache.batch_select_indices(torch.tensor(index, device=self.engine.device))
@@ -321,7 +321,7 @@ class ContinuousScheduler:
                 continue
             if joining and not self._fits_prefill([*joining, head]):
                 break
-            if not self.admission.admits(running, [r.shape for r in [*joining, head]]):
+            if not self._admits(running, [r.shape for r in [*joining, head]]):
                 if not running and not joining:  # nothing will ever leave to make room
                     done.append(self._refused(self.queue.popleft()))
                     continue
@@ -380,6 +380,27 @@ class ContinuousScheduler:
         self._join([row], cache, state)
         return done + self._leave(self._append(first, len(self.rows) - 1))
 
+    def _admits(self, running: list[RowShape], joining: list[RowShape]) -> bool:
+        """The admission rule's answer for the rows as their caches hold them: a static cache
+        holds every row's slot space for ``max_cache_len`` tokens whatever its length, and the
+        copies that fill a compiled step's bucket hold as much."""
+        if self.max_cache_len is None:
+            return self.admission.admits(running, joining)
+        return self.admission.admits(self._static(len(running) + len(joining)), [])
+
+    def _fits(self, running: list[RowShape]) -> bool:
+        """:meth:`_admits` for the running rows' next step."""
+        if self.max_cache_len is None:
+            return self.admission.fits(running)
+        return self.admission.fits(self._static(len(running)))
+
+    def _static(self, rows: int) -> list[RowShape]:
+        """``rows`` rows of static caches as their bytes count, with the copies of a compiled
+        step's bucket."""
+        compiled = self.engine.compiled is not None and self.engine.compiled.choice.compiled
+        held = batch_bucket(rows, self.admission.max_rows) if compiled else rows
+        return [RowShape(self.max_cache_len, 0)] * held
+
     def _new_cache(self) -> AlisaCache:
         if self.max_cache_len is None:
             return self.new_cache()
@@ -399,7 +420,7 @@ class ContinuousScheduler:
     def _make_room(self) -> None:
         """Pause the newest row while the running rows do not fit their next step (the
         oldest always stays: alone it fits, or it would not have been admitted)."""
-        while len(self.rows) > 1 and not self.admission.fits([row.shape for row in self.rows]):
+        while len(self.rows) > 1 and not self._fits([row.shape for row in self.rows]):
             newest = max(range(len(self.rows)), key=lambda index: self.rows[index].order)
             self._pause(newest)
 
@@ -421,7 +442,7 @@ class ContinuousScheduler:
         while self.paused:
             entry = self.paused[0]
             running = [row.shape for row in self.rows]
-            if self.rows and not self.admission.admits([*running, entry.row.shape], []):
+            if self.rows and not self._admits([*running, entry.row.shape], []):
                 return
             self.paused.pop(0)
             self._join([entry.row], entry.cache.swap_in(), entry.state)

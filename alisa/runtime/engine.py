@@ -360,6 +360,9 @@ class Engine:
         A measurement of the weights' product form to go on with (a server keeps one across
         the schedulers it starts, :mod:`alisa.serve.engine`); None: this engine measures its
         own once a decode step needs it.
+    compiled
+        A compiled decode step to go on with instead of ``compile`` (a server and a batch job
+        keep one across the schedulers they start, whose graphs then compile once).
     """
 
     def __init__(
@@ -371,10 +374,13 @@ class Engine:
         stop_at_eos: bool = True,
         compile: CompileChoice | None = None,
         products: WeightProducts | None = None,
+        compiled: CompiledDecode | None = None,
     ) -> None:
+        if compile is not None and compiled is not None:
+            raise ValueError("an Engine takes compile or compiled, not both")
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
-        self.compiled = None
+        self.compiled = compiled
         # The form of the weights' products, measured over this engine's decode steps where the
         # cache's kernels ask for it (alisa.ops.products); None until a step needs it.
         self.products = products

@@ -171,6 +171,8 @@ class Admission(Protocol):
     """Decides whether waiting requests may join the running rows, and whether the running
     rows may take their next step."""
 
+    max_rows: int  # rows running together at most (a compiled step's bucket stays within it)
+
     def admits(self, running: Sequence[RowShape], joining: Sequence[RowShape]) -> bool:
         """Whether ``joining`` (prefilled together) fit next to ``running``."""
         ...
@@ -270,7 +272,7 @@ class SchedulerStats:
     generated_tokens: int = 0
     kv_bytes: int = 0  # device KV held by the running rows (the key sketch included)
     peak_kv_bytes: int = 0
-    compile_s: float | None = None  # the first compiled decode step's (None: none ran)
+    compile_s: float | None = None  # the compiled step's first steps, per shape (None: none)
     started_s: float = field(default_factory=time.perf_counter)
 
     @property

@@ -34,15 +34,18 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from alisa.config import AlisaConfig
 from alisa.jobs.stream import ByteBudget
 from alisa.kv.cache import AlisaCache
 from alisa.kv.hooks import attached
-from alisa.ops.backends import model_ops
+from alisa.ops.backends import compile_mode, model_ops
 from alisa.ops.products import WeightProducts
+from alisa.runtime.compiled import CompiledDecode, choose_compile, static_capacity
 from alisa.runtime.continuous import ContinuousScheduler
 from alisa.runtime.engine import Engine
+from alisa.runtime.generate import rows_compile
 from alisa.runtime.requests import StreamRequest, StreamResult
 from alisa.runtime.sampling import SamplingOptions
 from alisa.serve.errors import APIError, bad_request, internal_error
@@ -169,6 +172,18 @@ class ServeEngine:
         # The weights' product form measured per form asked (alisa.ops.products), kept for the
         # server's life: each group's scheduler goes on with it instead of measuring afresh.
         self._products: dict[str, WeightProducts] = {}
+        # The decode step compiled once for the server's life (its graphs, one per bucket of
+        # rows, serve every group), settled for the default config before anything runs.
+        device = next(model.parameters()).device
+        choice = rows_compile(
+            choose_compile(settings.compile, device), model, settings.config, settings.max_tokens
+        )
+        self.compile = choice  # what the decode steps of the default config run as, and why
+        self._decode = None
+        self._capacity = None
+        if choice.compiled:
+            self._decode = CompiledDecode(model, compile_mode(device), choice)
+            self._capacity = static_capacity(model, settings.max_cache_len)
         self._thread: threading.Thread | None = None  # the engine's own, when start()ed
         self._ready = threading.Event()
         self._running = False  # the loop has begun (on whichever thread runs it)
@@ -326,6 +341,15 @@ class ServeEngine:
         )
         form = model_ops(self.model, config.kernels).products
         products = self._products.setdefault(form, WeightProducts(form))
+        decode = self._decode
+        if decode is not None and config != settings.config:  # a request's own settings
+            try:
+                settled = rows_compile(decode.choice, self.model, config, settings.max_tokens)
+            except ValueError as refusal:  # "on", and a mode without static rows
+                settled = decode.choice.eager(str(refusal))
+            if not settled.compiled:  # those requests run eager, said once per group
+                logger.warning("decode steps eager for these requests: %s", settled.reason)
+                decode = None
         return ContinuousScheduler(
             Engine(
                 self.model,
@@ -333,11 +357,13 @@ class ServeEngine:
                 sampling,
                 stop_at_eos=not ignore_eos,
                 products=products,
+                compiled=decode,
             ),
-            lambda: AlisaCache(self.model, admission.cache_config),
+            partial(AlisaCache, self.model, admission.cache_config),
             admission,
             prefill_tokens=settings.prefill_tokens,
             packing=settings.packing,
+            max_cache_len=None if decode is None else self._capacity,
         )
 
     def _begin(self, group: _Group, job: Job) -> None:

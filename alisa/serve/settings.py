@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from alisa.checks import check_int, check_text
 from alisa.config import AlisaConfig
+from alisa.runtime.compiled import check_compile
 from alisa.runtime.requests import PREFILL_TOKENS
 from alisa.settings import check_host_admission, check_untiered
 
@@ -39,6 +40,15 @@ class ServeSettings:
         Padded prompt tokens of one prefill forward at most (None: no bound).
     packing
         Prefill a newcomer inside the running rows' decode step where the model allows it.
+    compile
+        Decode steps through ``torch.compile`` (``"auto"``: where that pays on the model's
+        device, CUDA, and the mode has a static step; ``"on"``, ``"off"``): one graph per
+        bucket of rows, rows joining and leaving static caches (:mod:`alisa.runtime.
+        continuous`), compiled once for the server's life. The tokens are the same.
+    max_cache_len
+        Tokens per row (prompt and new tokens) of those static caches, rounded up to a
+        capacity bucket; a request that needs more ends ``"context_exceeded"``. None: the
+        model's context.
     """
 
     model_name: str
@@ -51,6 +61,8 @@ class ServeSettings:
     reserve_tokens: int | None = None
     prefill_tokens: int | None = PREFILL_TOKENS
     packing: bool = True
+    compile: str = "auto"
+    max_cache_len: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name.strip():
@@ -71,6 +83,9 @@ class ServeSettings:
         ):
             if getattr(self, name) is not None:  # past 2**62: refused, as the CLI's flags
                 check_int(name, getattr(self, name), minimum=minimum)
+        check_compile(self.compile)
+        if self.max_cache_len is not None:
+            check_int("max_cache_len", self.max_cache_len, minimum=1)
         if not isinstance(self.packing, bool):
             raise ValueError(f"packing={self.packing!r} must be True or False")
 
