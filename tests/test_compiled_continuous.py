@@ -287,3 +287,24 @@ def test_admission_counts_the_static_rows_and_the_bucket_copies_within_the_kv_bu
     assert scheduler.stats.peak_kv_bytes <= budget
     assert widest == 4  # a fifth row would make a bucket of 8: eight static rows do not fit
     assert sorted(r.id for r in finished) == list(range(8))
+
+
+def test_a_row_refused_for_its_static_space_says_so(tmp_path):
+    """A KV budget one static row does not fit (though each prompt would, at its own length):
+    compiled, every row is refused naming the static cache's length; eager, every row runs."""
+    model, tokenizer = tiny_llama(), byte_tokenizer()
+    spec = model_spec(model, model_shape(model))
+    budget = running_memory(spec, SWA, [(CAPACITY // 2, 0)]).kv - 1  # 128: the bucket of 20
+    source = tmp_path / "in.jsonl"
+    source.write_text(
+        "".join(json.dumps({"id": i, "prompt": "word " * 2}) + "\n" for i in range(2))
+    )
+    job = dict(input=source, config=SWA, max_new_tokens=8, kv_memory=budget, progress=False)
+    eager = run_batch(model, tokenizer, BatchJob(output=tmp_path / "off.jsonl", **job))
+    assert eager.completed == 2 and not eager.did_not_fit
+    compiled = run_batch(
+        model, tokenizer, BatchJob(output=tmp_path / "on.jsonl", compile="on", **job)
+    )
+    assert sorted(compiled.did_not_fit) == [0, 1] and compiled.completed == 0
+    for row in compiled.errors.values():
+        assert "a static cache of max_cache_len=128 tokens whatever its length" in row["error"]

@@ -42,6 +42,7 @@ from alisa.runtime.compiled import (
     check_compileable,
     choose_compile,
     static_capacity,
+    static_row_note,
 )
 from alisa.runtime.generate import SamplingOptions, new_cache, rows_compile, run_notes
 from alisa.runtime.requests import (
@@ -657,6 +658,8 @@ def run_requests(
                 compiled=compiled,
             )
         else:
+            longest = max((lengths[r.id] + _new_tokens(r, job) for r in pending), default=1)
+            static = held(longest) if compiled.compiled else None
             rows = continuous_results(
                 model,
                 tokenizer,
@@ -669,12 +672,14 @@ def run_requests(
                 started_s=started,
                 on_step=on_step,
                 compiled=compiled,
-                max_cache_len=held(
-                    max((lengths[r.id] + _new_tokens(r, job) for r in pending), default=1)
-                ),
+                max_cache_len=static,
             )
             batches = recorded(
-                rows, log, summary, lambda r: _refused(r, lengths[r.id], spec, job, budgets), own
+                rows,
+                log,
+                summary,
+                lambda r: _refused(r, lengths[r.id], spec, job, budgets, static),
+                own,
             )
         for batch in batches:
             if len(batch) == 1 and isinstance(batch[0], dict):  # did not fit even alone
@@ -767,10 +772,21 @@ def _new_tokens(request: Request, job: BatchJob) -> int:
     return request.options.get("max_new_tokens", job.max_new_tokens)
 
 
-def _refused(request: Request, length: int, spec, job: BatchJob, budgets: _Budgets) -> dict:
+def _refused(
+    request: Request,
+    length: int,
+    spec,
+    job: BatchJob,
+    budgets: _Budgets,
+    static: int | None = None,
+) -> dict:
     """The error row of a request (``length`` prompt tokens) that continuous batching could not
-    admit even alone."""
+    admit even alone; ``static``: the ``max_cache_len`` of its compiled steps' static caches,
+    whose slot space a row holds whatever its length (None: growing caches)."""
     shape = (length, _new_tokens(request, job))
+    if static is not None:
+        need = running_memory(spec, job.config, [(static, 0)])
+        return _too_large(request, need, budgets, static_row_note(static))
     hint = ring_refusal_note(spec, job.config, *shape)
     return _too_large(request, running_memory(spec, job.config, [shape]), budgets, hint)
 

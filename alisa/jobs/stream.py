@@ -13,7 +13,7 @@ from alisa.kv.cache import AlisaCache
 from alisa.kv.hooks import attached
 from alisa.model.adapter import model_shape
 from alisa.planning.spec import model_spec
-from alisa.runtime.compiled import choose_compile, static_capacity
+from alisa.runtime.compiled import choose_compile, static_capacity, static_row_note
 from alisa.runtime.continuous import ContinuousScheduler
 from alisa.runtime.engine import Engine
 from alisa.runtime.generate import check_prompt, rows_compile
@@ -271,7 +271,8 @@ def stream_generate(
         for result in scheduler.run(requests, lookahead=max_rows):
             request = pending.pop(result.id)
             if result.finish_reason == "did_not_fit":  # the scheduler knows no bytes: say them
-                result = replace(result, error=_refusal(admission, request, gpu_memory, kv_memory))
+                error = _refusal(admission, request, gpu_memory, kv_memory, capacity)
+                result = replace(result, error=error)
             yield result
 
 
@@ -291,11 +292,14 @@ def _refusal(
     request: StreamRequest,
     gpu_memory: int | str | None,
     kv_memory: int | str | None,
+    static: int | None = None,
 ) -> str:
     """Why ``request`` never ran: the bytes it needs even alone and the budget they exceed,
-    as ``alisa batch`` says it."""
+    as ``alisa batch`` says it; ``static``: the ``max_cache_len`` of compiled steps' static
+    caches, whose slot space a row holds whatever its length."""
     tokens, new = len(request.prompt_ids), request.max_new_tokens
-    need = running_memory(admission.spec, admission.config, [], [(tokens, new)])
+    held = (tokens, new) if static is None else (static, 0)
+    need = running_memory(admission.spec, admission.config, [], [held])
     over = over_budget(
         need,
         admission.device_bytes,
@@ -307,6 +311,8 @@ def _refusal(
     )
     error = f"a prompt of {tokens} tokens with max_new_tokens={new} needs about {over} even alone"
     hint = ring_refusal_note(admission.spec, admission.config, tokens, new)
+    if static is not None:
+        hint = static_row_note(static)
     return f"{error}: {hint}" if hint else error
 
 

@@ -107,6 +107,15 @@ def static_capacity(model: nn.Module, tokens: int | None) -> int:
     return compiled_capacity(tokens, context)
 
 
+def static_row_note(max_cache_len: int) -> str:
+    """Why a row of compiled continuous batching needs more than its length would: what a
+    refusal quotes (:mod:`alisa.runtime.continuous`)."""
+    return (
+        f"compiled steps hold each row in a static cache of max_cache_len={max_cache_len} "
+        "tokens whatever its length; compile off sizes rows by their own length"
+    )
+
+
 def batch_bucket(rows: int, most: int | None = None) -> int:
     """Rows of the compiled step that runs ``rows`` running rows: the next power of two at or
     above it, at most ``most`` (the rows the admission rule allows; None: no bound). Continuous

@@ -31,9 +31,11 @@ before any new request starts, and continues exactly where it stopped.
 Compiled (the engine's decode steps through ``torch.compile``, issue 65): every row lives in a
 static cache of one ``max_cache_len`` (:mod:`alisa.kv.static`), rows join and leave it as they
 do a growing one, and each decode step runs over a bucket of rows (:func:`~alisa.runtime.
-compiled.batch_bucket`, the next power of two), the difference filled with copies of the last
-row whose tokens are not read: one graph per bucket, replayed while rows come and go (nano-vllm's
-captured batch sizes). Newcomers prefill in a forward of their own (eager), never mixed.
+compiled.batch_bucket`, the next power of two within the admission's rows), the difference
+filled with copies of the last row whose tokens are not read: one graph per bucket, replayed
+while rows come and go (nano-vllm's captured batch sizes). Admission counts every row, and every
+copy, at the static slot space of ``max_cache_len`` tokens. Newcomers prefill in a forward of
+their own (eager), never mixed.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ class ContinuousScheduler:
         generator per row, so a row's tokens do not depend on its batch).
     new_cache
         Builds an empty :class:`AlisaCache` for each group of newcomers (same config every
-        time).
+        time; given ``max_cache_len=`` when the rows run in static caches).
     admission
         Whether waiting requests may join, and running rows step (default: at most 64 rows).
     prefill_rows
@@ -125,7 +127,7 @@ class ContinuousScheduler:
     def __init__(
         self,
         engine: Engine,
-        new_cache: Callable[[], AlisaCache],
+        new_cache: Callable[..., AlisaCache],
         admission: Admission | None = None,
         *,
         prefill_rows: int = 8,
@@ -252,8 +254,7 @@ class ContinuousScheduler:
     def _decode(self) -> torch.Tensor:
         """(rows,) the running rows' next tokens from one decode step: compiled, over their
         bucket (copies of the last row fill it; their tokens are not read)."""
-        compiled = self.engine.compiled
-        if compiled is None or not compiled.choice.compiled:
+        if not self._compiled:
             self._unfill()
             return self.engine.step(self.state, self.cache)
         rows = len(self.rows)
@@ -263,8 +264,13 @@ class ContinuousScheduler:
             self.cache.batch_select_indices(torch.tensor(index, device=self.engine.device))
             self._fillers = bucket - rows
         logits = self.engine.forward(self.state.filled(bucket), self.cache)[:rows]
-        self.stats.compile_s = compiled.compile_s
+        self.stats.compile_s = self.engine.compiled.compile_s
         return self.engine.choose(self.state, logits)
+
+    @property
+    def _compiled(self) -> bool:
+        """Whether the decode steps run compiled (over buckets of rows) from here on."""
+        return self.engine.compiled is not None and self.engine.compiled.choice.compiled
 
     def _unfill(self) -> None:
         """The cache back to the running rows alone (before they change)."""
@@ -397,8 +403,7 @@ class ContinuousScheduler:
     def _static(self, rows: int) -> list[RowShape]:
         """``rows`` rows of static caches as their bytes count, with the copies of a compiled
         step's bucket."""
-        compiled = self.engine.compiled is not None and self.engine.compiled.choice.compiled
-        held = batch_bucket(rows, self.admission.max_rows) if compiled else rows
+        held = batch_bucket(rows, self.admission.max_rows) if self._compiled else rows
         return [RowShape(self.max_cache_len, 0)] * held
 
     def _new_cache(self) -> AlisaCache:
