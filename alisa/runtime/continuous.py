@@ -154,6 +154,10 @@ class ContinuousScheduler:
         # grows what a static layer keeps fixed).
         self.packing = packing and packs(engine.model) and max_cache_len is None
         self._fillers = 0  # copies of the last row after the running ones (a compiled bucket)
+        # Positions from position_ids alone (a rotary embedding): past the prefill a compiled
+        # step needs no padding mask (attention masks by slot positions), and one graph serves
+        # the first rows, prefilled with padding, and every later batch, which has none.
+        self._unmasked = ModelAdapter.of(engine.model).rotary is not None
         self.queue: deque[_Row] = deque()
         self.rows: list[_Row] = []  # running, in cache row order
         self.paused: list[_Paused] = []  # in arrival order
@@ -263,7 +267,8 @@ class ContinuousScheduler:
             index = list(range(rows)) + [rows - 1] * (bucket - rows)
             self.cache.batch_select_indices(torch.tensor(index, device=self.engine.device))
             self._fillers = bucket - rows
-        logits = self.engine.forward(self.state.filled(bucket), self.cache)[:rows]
+        feeding = self.state.filled(bucket, mask=not self._unmasked)
+        logits = self.engine.forward(feeding, self.cache)[:rows]
         self.stats.compile_s = self.engine.compiled.compile_s
         return self.engine.choose(self.state, logits)
 

@@ -291,17 +291,19 @@ class DecodeState:
         if self.generators is not None:
             self.generators = [self.generators[row] for row in rows.tolist()]
 
-    def filled(self, rows: int) -> DecodeState:
+    def filled(self, rows: int, *, mask: bool = True) -> DecodeState:
         """This state for a forward over ``rows`` rows, its last row repeated after the others
         (the copies a compiled step's bucket holds: :func:`~alisa.runtime.compiled.
-        batch_bucket`); this state itself is unchanged."""
+        batch_bucket`), without its padding mask unless ``mask``; this state is unchanged."""
         count = self.feed.shape[0]
-        if rows == count:
+        if rows == count and (mask or self.attention_mask is None):
             return self
         index = torch.arange(rows, device=self.feed.device).clamp(max=count - 1)
         view = copy.copy(self)
         view.generators = None  # the copies draw nothing: only the rows' logits are read
         view.keep(index)
+        if not mask:
+            view.attention_mask = None
         return view
 
     def take(self, rows: torch.Tensor) -> DecodeState:
