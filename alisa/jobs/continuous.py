@@ -10,8 +10,7 @@ from functools import partial
 from alisa.jobs.io import OutputLog, Request
 from alisa.jobs.stream import ByteBudget
 from alisa.kv.cache import AlisaCache
-from alisa.ops.backends import compile_mode
-from alisa.runtime.compiled import CompileChoice, CompiledDecode
+from alisa.runtime.compiled import CompileChoice, compiled_decode
 from alisa.runtime.continuous import ContinuousScheduler
 from alisa.runtime.engine import Engine
 from alisa.runtime.requests import SchedulerStats, StepRecord, StreamRequest, StreamResult
@@ -73,9 +72,7 @@ def continuous_results(
         max_rows=job.max_batch,
         reserve_tokens=job.reserve_tokens,
     )
-    decode = None  # one compiled step for every group: its graphs compile once
-    if compiled is not None and compiled.compiled:
-        decode = CompiledDecode(model, compile_mode(next(model.parameters()).device), compiled)
+    decode = compiled_decode(model, compiled)  # one for every group: its graphs compile once
     for group in groups.values():
         engine = Engine(
             model,

@@ -310,9 +310,10 @@ def _refusal(
         f"config.host_memory={admission.config.host_memory!r}",
     )
     error = f"a prompt of {tokens} tokens with max_new_tokens={new} needs about {over} even alone"
-    hint = ring_refusal_note(admission.spec, admission.config, tokens, new)
     if static is not None:
         hint = static_row_note(static)
+    else:
+        hint = ring_refusal_note(admission.spec, admission.config, tokens, new)
     return f"{error}: {hint}" if hint else error
 
 

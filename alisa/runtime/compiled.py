@@ -27,7 +27,7 @@ from alisa.kv.cache import AlisaCache
 from alisa.kv.hooks import route_to_alisa
 from alisa.model.loading import context_length
 from alisa.ops import COMPILE
-from alisa.ops.backends import compiles_by_default
+from alisa.ops.backends import compile_mode, compiles_by_default
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,6 +128,15 @@ def batch_bucket(rows: int, most: int | None = None) -> int:
         raise ValueError(f"rows={rows!r} must be an integer >= 1")
     bucket = 1 << (rows - 1).bit_length()
     return bucket if most is None else max(rows, min(bucket, most))
+
+
+def compiled_decode(model: nn.Module, choice: CompileChoice | None) -> CompiledDecode | None:
+    """The model's decode step compiled as ``choice`` settled (its device's mode:
+    :func:`alisa.ops.backends.compile_mode`), or None where it runs eager (or ``choice`` is
+    None)."""
+    if choice is None or not choice.compiled:
+        return None
+    return CompiledDecode(model, compile_mode(next(model.parameters()).device), choice)
 
 
 # compile="on", as asked: what a caller that compiles regardless of the device passes.

@@ -153,7 +153,6 @@ class ContinuousScheduler:
         # A static cache's rows prefill in a forward of their own (a mixed one is eager and
         # grows what a static layer keeps fixed).
         self.packing = packing and packs(engine.model) and max_cache_len is None
-        self._fillers = 0  # copies of the last row after the running ones (a compiled bucket)
         # Positions from position_ids alone (a rotary embedding): past the prefill a compiled
         # step needs no padding mask (attention masks by slot positions), and one graph serves
         # the first rows, prefilled with padding, and every later batch, which has none.
@@ -263,10 +262,9 @@ class ContinuousScheduler:
             return self.engine.step(self.state, self.cache)
         rows = len(self.rows)
         bucket = batch_bucket(rows, self.admission.max_rows)
-        if rows + self._fillers != bucket:
+        if self.cache.batch_rows != bucket:  # the running rows, then copies of the last
             index = list(range(rows)) + [rows - 1] * (bucket - rows)
             self.cache.batch_select_indices(torch.tensor(index, device=self.engine.device))
-            self._fillers = bucket - rows
         feeding = self.state.filled(bucket, mask=not self._unmasked)
         logits = self.engine.forward(feeding, self.cache)[:rows]
         self.stats.compile_s = self.engine.compiled.compile_s
@@ -279,10 +277,9 @@ class ContinuousScheduler:
 
     def _unfill(self) -> None:
         """The cache back to the running rows alone (before they change)."""
-        if self._fillers:
+        if self.cache is not None and self.cache.batch_rows > len(self.rows):
             rows = torch.arange(len(self.rows), device=self.engine.device)
             self.cache.batch_select_indices(rows)
-            self._fillers = 0
 
     def _record(self, rows: int) -> None:
         """Update the counts and tell ``on_step`` of the forward just run over ``rows`` rows:
@@ -317,11 +314,7 @@ class ContinuousScheduler:
                 continue
             prompt, new = len(head.request.prompt_ids), head.request.max_new_tokens
             error = prompt_length_error(prompt, self.context, new)
-            if (
-                error is None
-                and self.max_cache_len is not None
-                and prompt + new > self.max_cache_len
-            ):
+            if error is None and not self._fits_static([head]):
                 reason, error = "context_exceeded", self._too_long(head)
                 done.append(self._result(self.queue.popleft(), reason, error))
                 continue
@@ -352,12 +345,19 @@ class ContinuousScheduler:
     def _fits_prefill(self, rows: list[_Row]) -> bool:
         """Whether ``rows`` prefill together within ``prefill_tokens`` (padding counted) and,
         in static caches, every row's padded prompt and new tokens within their length."""
+        if not self._fits_static(rows):
+            return False
         longest = max(len(row.request.prompt_ids) for row in rows)
-        if self.max_cache_len is not None:
-            most = max(row.request.max_new_tokens for row in rows)
-            if longest + most > self.max_cache_len:
-                return False
         return self.prefill_tokens is None or len(rows) * longest <= self.prefill_tokens
+
+    def _fits_static(self, rows: list[_Row]) -> bool:
+        """Whether ``rows``, prefilled together (left-padded to the longest prompt), keep their
+        new tokens within the static caches' ``max_cache_len`` (growing caches: always)."""
+        if self.max_cache_len is None:
+            return True
+        longest = max(len(row.request.prompt_ids) for row in rows)
+        most = max(row.request.max_new_tokens for row in rows)
+        return longest + most <= self.max_cache_len
 
     def _too_long(self, row: _Row) -> str:
         prompt, new = len(row.request.prompt_ids), row.request.max_new_tokens
@@ -496,7 +496,6 @@ class ContinuousScheduler:
         """Rows ``gone`` leave the cache and the state; the others keep their order."""
         kept = [index for index in range(len(self.rows)) if index not in gone]
         self.rows = [self.rows[index] for index in kept]
-        self._fillers = 0  # kept names the running rows alone
         if not kept:
             self.cache = self.state = None
         else:

@@ -19,9 +19,8 @@ from torch import nn
 from alisa.checks import check_int, check_number
 from alisa.kv.cache import TIERS, AlisaCache
 from alisa.memory import tensor_bytes
-from alisa.ops.backends import compile_mode
 from alisa.ops.products import SETTLING, WeightProducts
-from alisa.runtime.compiled import CompileChoice, CompiledDecode, last_logits
+from alisa.runtime.compiled import CompileChoice, CompiledDecode, compiled_decode, last_logits
 from alisa.runtime.sampling import SamplingOptions, TokenPicker
 
 
@@ -382,12 +381,10 @@ class Engine:
             raise ValueError("an Engine takes compile or compiled, not both")
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
-        self.compiled = compiled
+        self.compiled = compiled if compiled is not None else compiled_decode(model, compile)
         # The form of the weights' products, measured over this engine's decode steps where the
         # cache's kernels ask for it (alisa.ops.products); None until a step needs it.
         self.products = products
-        if compile is not None and compile.compiled:
-            self.compiled = CompiledDecode(model, compile_mode(self.device), compile)
         self.pick = TokenPicker(model, sampling or SamplingOptions())
         eos = model.generation_config.eos_token_id
         if eos is None and tokenizer is not None:

@@ -40,9 +40,9 @@ from alisa.config import AlisaConfig
 from alisa.jobs.stream import ByteBudget
 from alisa.kv.cache import AlisaCache
 from alisa.kv.hooks import attached
-from alisa.ops.backends import compile_mode, model_ops
+from alisa.ops.backends import model_ops
 from alisa.ops.products import WeightProducts
-from alisa.runtime.compiled import CompiledDecode, choose_compile, static_capacity
+from alisa.runtime.compiled import choose_compile, compiled_decode, static_capacity
 from alisa.runtime.continuous import ContinuousScheduler
 from alisa.runtime.engine import Engine
 from alisa.runtime.generate import rows_compile
@@ -179,10 +179,9 @@ class ServeEngine:
             choose_compile(settings.compile, device), model, settings.config, settings.max_tokens
         )
         self.compile = choice  # what the decode steps of the default config run as, and why
-        self._decode = None
+        self._decode = compiled_decode(model, choice)
         self._capacity = None
-        if choice.compiled:
-            self._decode = CompiledDecode(model, compile_mode(device), choice)
+        if self._decode is not None:
             self._capacity = static_capacity(model, settings.max_cache_len)
         self._thread: threading.Thread | None = None  # the engine's own, when start()ed
         self._ready = threading.Event()
