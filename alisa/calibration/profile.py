@@ -209,7 +209,7 @@ def _calibrated_terms(
                 f"about {left:.0f} s left at their pace"
             )
 
-    terms, resident, decode_miss = _fit_decode_twice(model, device, micro, sizes, decode_tick)
+    terms, decode_miss = _fit_decode_twice(model, device, micro, sizes, decode_tick)
     bar.total = bar.n + sum(later)  # a first fit that held skips the second round
     later_units = iter(later)
 
@@ -223,7 +223,6 @@ def _calibrated_terms(
         micro["h2d_bytes_per_s"].median,
         micro_recompute(model, device),
         *sizes,
-        resident=resident,
         tick=tick,
     )
     terms = {**micro, **terms, "h2d_bytes_per_s": reads, "recompute_flops": rebuilds}
@@ -256,7 +255,7 @@ def calibration_estimate(
     rates = (micro["device_flops"].median, micro["device_bytes_per_s"].median)
     batch, context = sizes
     decode = [estimated_seconds(spec, *rates, b, n) for b, n in decode_points(batch, context)]
-    tiered = [estimated_seconds(spec, *rates, batch, context)] * 2
+    tiered = [3 * estimated_seconds(spec, *rates, batch, context)]  # three runs in turns
     selection = [  # each host step in turns with a resident step over what it attends
         estimated_seconds(spec, *rates, batch, n)
         + estimated_seconds(spec, *rates, batch, selection_attended(spec.num_layers, n))
@@ -272,23 +271,21 @@ def _fit_decode_twice(
     micro: dict[str, Spread],
     sizes: tuple[int, int],
     tick: Callable[[], object],
-) -> tuple[dict[str, Spread], list[float], float]:
-    """(fitted decode terms, timings of the step at ``sizes``, the fit's largest relative miss
-    on its steps); a fit that misses its own steps (noise, a stall) is measured once more and
-    the better fit kept."""
+) -> tuple[dict[str, Spread], float]:
+    """(fitted decode terms, the fit's largest relative miss on its steps); a fit that misses
+    its own steps (noise, a stall) is measured once more and the better fit kept."""
     spec = model_spec(model, model_shape(model))
     weight_seconds = spec.total_weight_bytes / micro["device_bytes_per_s"].median
     fallback = (micro["device_flops"].median, micro["device_bytes_per_s"].median)
-    best: tuple[float, dict[str, Spread], list[float]] | None = None
+    best: tuple[float, dict[str, Spread]] | None = None
     for _ in range(2):
         samples = decode_samples(model, device, *sizes, tick=tick)
-        resident = next(list(s.seconds) for s in samples if (s.batch, s.context) == sizes)
         fitted, miss = fit_decode_terms(model, samples, weight_seconds, fallback, sizes[0])
         if best is None or miss < best[0]:
-            best = (miss, {t.field: t for t in fitted}, resident)
+            best = (miss, {t.field: t for t in fitted})
         if miss <= FIT_TOLERANCE:
             break
-    return best[1], best[2], best[0]
+    return best[1], best[0]
 
 
 def micro_recompute(model, device: torch.device, tokens: int = 512) -> float:

@@ -214,36 +214,35 @@ def calibrate_tiers(
     rebuild: float,
     batch: int = 4,
     context: int = 1024,
-    resident: list[float] | None = None,
     tick: Callable[[], object] = lambda: None,
 ) -> tuple[Spread, Spread]:
     """Host-read bytes/s and recompute FLOP/s as the tiered cache really achieves them.
 
     Copy and matmul micro-benchmarks miss the per-layer gathers, small copies and the extra
     attention parts of a tiered step. Real decode steps (all resident, about half on the host,
-    about half recomputed) give the effective rates. The host read only ever lowers the
-    micro-benchmark figure ``h2d`` (copies hidden behind compute on CUDA would otherwise read
-    as free; a tiered step no slower than the resident one, noise, keeps the micro-benchmark);
-    the recompute rate is :func:`rebuild_rate`'s, ``rebuild`` where the steps do not tell.
-    ``resident``: timings of the all-resident step if already measured. ``tick`` is called
-    after each tiered step (a progress bar).
+    about half recomputed) give the effective rates, timed in turns (:func:`steps_in_turns`):
+    each rate is a difference of two steps, and a resident step timed minutes earlier (the
+    decode fit's) would carry the machine's drift into it. The host read only ever lowers
+    the micro-benchmark figure ``h2d`` (copies hidden behind compute on CUDA would otherwise
+    read as free; a tiered step no slower than the resident one, noise, keeps the
+    micro-benchmark); the recompute rate is :func:`rebuild_rate`'s, ``rebuild`` where the steps
+    do not tell. ``tick`` is called once the three runs are timed (a progress bar).
     """
     spec = model_spec(model, model_shape(model))
     bits = torch.finfo(next(model.parameters()).dtype).bits
     budget = half_offload_budget(spec, batch, context + 16)
-    if resident is None:  # the same step with everything on the device
-        resident, _ = decode_step(model, device, batch, context)
+    runs = [
+        (context, None),
+        (context, AlisaConfig(gpu_memory=budget, recompute="never")),
+        (context, AlisaConfig(gpu_memory=budget, recompute="always")),
+    ]
+    (resident, _), (hosted, hosting), (rebuilt, rebuilding) = steps_in_turns(
+        model, device, batch, runs
+    )
     base = _picks(resident)
-    hosted, cache = decode_step(
-        model, device, batch, context, AlisaConfig(gpu_memory=budget, recompute="never")
-    )
-    host_bytes = cache.tier_tokens()["host"] * spec.kv_bytes_per_token() / spec.num_layers
+    host_bytes = hosting.tier_tokens()["host"] * spec.kv_bytes_per_token() / spec.num_layers
     reads = [_rate(host_bytes, t - r, h2d) for t, r in zip(_picks(hosted), base, strict=True)]
-    tick()
-    rebuilt, cache = decode_step(
-        model, device, batch, context, AlisaConfig(gpu_memory=budget, recompute="always")
-    )
-    tokens = cache.tier_tokens()["recompute"] / spec.num_layers  # per layer, as the cost model
+    tokens = rebuilding.tier_tokens()["recompute"] / spec.num_layers  # per layer, as the model
     # The hidden states are read like host KV (at the median read rate), then projected.
     read = tokens * spec.hidden_bytes_per_token(bits) / statistics.median(reads)
     flops = tokens * spec.recompute_flops_per_token()

@@ -73,7 +73,7 @@ def compiled_capacity(tokens: int, context: int | None) -> int:
 
     A compiled step has one graph per batch size and capacity; rounding up by at most half
     lets calls and batches of nearby lengths replay one graph instead of compiling their own
-    (16-150 s each on a CPU, about a minute on an H200: docs/compile.md, docs/gpu.md; and
+    (15-215 s each on a CPU, about a minute on an H200: docs/compile.md, docs/gpu.md; and
     torch.compile stops compiling a function after 8 shapes), for at most half again the
     slots of the exact size.
     """
