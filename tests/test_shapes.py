@@ -337,6 +337,42 @@ def test_the_cost_model_benchmark_takes_a_shape_with_random_prompts(monkeypatch)
     assert loaded == [("shape:llama-3.2-1b", "bfloat16", "bytes")]
 
 
+def test_the_cost_model_benchmark_holds_each_row_to_the_median_of_its_processes(monkeypatch):
+    """Each configuration's worker runs ``--repeats`` times, the configurations in turns (the
+    machine's drift reaches every row alike), and the row's measured step is the median of its
+    processes: one slow process (a third slower, seen on a shared machine) does not set it."""
+    from experiments import bench_cost_model
+    from experiments.worker import PROFILE
+
+    args = bench_cost_model.parse_args(["--model", "shape:smollm2-135m", "--repeats", "3"])
+    tiny = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128}
+    tiny |= {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+
+    def load(spec, *, dtype, tokenizer):
+        return shapes.build_shape_model(spec, dtype=dtype, vocab_size=300, **tiny), None
+
+    profile = {"name": "test", "device_bytes": 2**34, "host_bytes": 2**36}
+    profile |= {"h2d_bytes_per_s": 1e9, "d2h_bytes_per_s": 1e9, "device_flops": 1e12}
+    profile |= {"device_bytes_per_s": 1e11, "overlap": False}
+    calls, slow = [], iter([30.0, 10.0, 20.0] + [10.0] * 9)
+
+    def run(system, options):
+        if system == PROFILE:
+            return {"profile": profile, "terms": {}}
+        calls.append(system)
+        placement = {"g": 1.0, "c": 0.0, "x": 0.0, "w": 0.0}
+        return {"median_step_ms": next(slow), "placement": placement, "kernels": "test"}
+
+    monkeypatch.setattr(bench_cost_model, "load_benchmark_model", load)
+    monkeypatch.setattr(bench_cost_model, "run_in_subprocess", run)
+    result = bench_cost_model.bench_dtype(args, "float32")
+    rows = {row["config"]: row for row in result["rows"]}
+    assert calls[:4] == calls[4:8] == calls[8:] and len(set(calls[:4])) == 4
+    assert rows["resident"]["process_steps_ms"] == [30.0, 10.0, 10.0]
+    assert rows["resident"]["measured_step_ms"] == pytest.approx(10.0)
+    assert rows["half on host"]["process_steps_ms"] == [10.0, 10.0, 10.0]
+
+
 def timed_row(system: str, ms: float, round_: int = 0, tokens=((1,),)) -> dict:
     """A worker's row of a system whose decode step took ``ms`` at batch 2."""
     return {
