@@ -255,7 +255,10 @@ def _validate(raw: dict, file: Path) -> RunConfig:
     unknown = sorted(set(raw) - set(TOP_KEYS))
     if unknown:
         raise ValueError(f"config {file}: unknown key(s) {unknown}; valid: {', '.join(TOP_KEYS)}")
-    name = raw.get("name")
+    if "name" not in raw:
+        held = f"holds only {', '.join(sorted(raw))}" if raw else "holds no settings"
+        raise ValueError(f'config {file} {held}: it needs a name (name = "my_run")')
+    name = raw["name"]
     # The name is a directory under results_dir: letters, digits, '_', '-', '.' and no leading
     # '.', so that neither '..' nor a path separator can place a run outside it.
     if not isinstance(name, str) or not NAME.fullmatch(name):

@@ -46,13 +46,14 @@ def run(args: argparse.Namespace) -> int:
 
     dtype_from_flag(args.dtype)
     calibrated = args.model.lower() != "none"
+    check_minimum("--batch", args.batch, 1)  # out of range is said first, with a model or not
+    check_minimum("--context", args.context, 1)
     for flag in ("--batch", "--context"):
         if getattr(args, flag[2:]) is not None and not calibrated:
             raise CommandError(
                 f"{flag}={getattr(args, flag[2:])} has no effect with --model none (no decode "
                 "steps are calibrated, only micro-benchmarks run)"
             )
-    check_minimum("--batch", args.batch, 1)
     if args.output is not None:
         check_new_file("--output", args.output, force=args.force)  # before measuring, not after
     apply_threads("profile", args.threads)

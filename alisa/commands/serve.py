@@ -20,6 +20,7 @@ from alisa.commands.options import (
     check_minimum,
     load_for_cli,
     model_notes_said,
+    with_flag,
 )
 
 HELP = "serve a model over HTTP with the OpenAI API (completions, chat, streaming, metrics)"
@@ -90,6 +91,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from alisa.runtime.compiled import eager_length_note
     from alisa.serve import AlisaServer, ServeSettings, bind
     from alisa.serve.server import base_url
     from alisa.sizes import parse_budget
@@ -144,6 +146,10 @@ def run(args: argparse.Namespace) -> int:
         with model_notes_said("serve", model, settings.config):
             _check_fits(model, tokenizer, settings)
             server = AlisaServer(model, tokenizer, settings, log_level=args.log_level)
+            unread = eager_length_note(server.engine.compile, settings.max_cache_len)
+            if unread is not None:
+                text = with_flag(unread, {"max_cache_len": None})
+                print(f"alisa serve: warning: {text}", file=sys.stderr)
             # From the line below on, SIGTERM drains (uvicorn takes the signal over once it
             # serves): one sent as soon as the address is printed does not kill the server.
             if threading.current_thread() is threading.main_thread():  # where signals land

@@ -116,6 +116,20 @@ def static_row_note(max_cache_len: int) -> str:
     )
 
 
+def eager_length_note(choice: CompileChoice, max_cache_len: int | None) -> str | None:
+    """What a ``max_cache_len`` given to a run whose decode steps settled eager changes:
+    nothing (it sizes the static caches of compiled steps only), or None where it is read.
+    ``stream_generate`` warns of it and ``alisa serve`` says it (a setting accepted and
+    ignored is a silent wrong result to its user)."""
+    if max_cache_len is None or choice.compiled:
+        return None
+    return (
+        f"max_cache_len={max_cache_len} has no effect: the decode steps run eager over "
+        f"growing caches (compile {choice.describe()}), and only compiled steps' static "
+        "caches take their length from it"
+    )
+
+
 def batch_bucket(rows: int, most: int | None = None) -> int:
     """Rows of the compiled step that runs ``rows`` running rows: the next power of two at or
     above it, at most ``most`` (the rows the admission rule allows; None: no bound). Continuous
