@@ -65,3 +65,14 @@ def test_an_experiment_config_without_a_name_says_so(tmp_path, capsys, text, sai
     code, err = run_main(["experiment", "--config", str(config)], capsys)
     assert code == 1 and "Traceback" not in err
     assert f"{said}: it needs a name" in err
+
+
+def test_the_server_engine_warns_of_a_cache_length_its_eager_steps_never_read():
+    """The Python twin of ``alisa serve --max-cache-len`` (``ServeSettings``) is told too."""
+    from alisa.serve import ServeSettings
+    from alisa.serve.engine import ServeEngine
+    from alisa.serve.metrics import ServeMetrics
+
+    settings = ServeSettings(model_name="tiny", compile="off", max_cache_len=64)
+    with pytest.warns(IgnoredSettingWarning, match=r"max_cache_len=64 has no effect"):
+        ServeEngine(tiny_llama(), byte_tokenizer(), settings, ServeMetrics(settings.config, {}))
