@@ -288,11 +288,12 @@ CONTEXT_RING = r"residual_tokens=\d+ keeps every token of the model's"
 
 
 @contextmanager
-def run_notes_said(command: str) -> Iterator[None]:
+def run_notes_said(command: str, flags: dict[str, str | None] | None = None) -> Iterator[None]:
     """Inside the block, an :class:`~alisa.settings.IgnoredSettingWarning` a run gives (a
     batch's, once its rows' lengths are known: :func:`alisa.runtime.generate.run_notes`) is
     one ``alisa <command>: warning: ...`` line naming the flag, as the notes said before the
-    run, instead of Python's warning with a source line; other warnings show as before."""
+    run, instead of Python's warning with a source line; other warnings show as before.
+    ``flags`` maps the fields the notes name to their flags (None: the floor settings')."""
     with warnings.catch_warnings():
         shown = warnings.showwarning
 
@@ -300,7 +301,7 @@ def run_notes_said(command: str) -> Iterator[None]:
             if not issubclass(category, IgnoredSettingWarning):
                 shown(message, category, filename, lineno, file, line)
                 return
-            text = with_flag(str(message), FLOOR_FLAGS)
+            text = with_flag(str(message), FLOOR_FLAGS if flags is None else flags)
             print(f"alisa {command}: warning: {text}", file=sys.stderr)
 
         warnings.showwarning = said  # restored by catch_warnings on the way out

@@ -6,7 +6,6 @@ import argparse
 import signal
 import sys
 import threading
-import warnings
 
 from alisa.commands.options import (
     CommandError,
@@ -21,7 +20,7 @@ from alisa.commands.options import (
     check_minimum,
     load_for_cli,
     model_notes_said,
-    with_flag,
+    run_notes_said,
 )
 
 HELP = "serve a model over HTTP with the OpenAI API (completions, chat, streaming, metrics)"
@@ -94,7 +93,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from alisa.serve import AlisaServer, ServeSettings, bind
     from alisa.serve.server import base_url
-    from alisa.settings import IgnoredSettingWarning
     from alisa.sizes import parse_budget
 
     if not args.host.strip():  # an unset $HOST in a script: never "every interface" by accident
@@ -146,15 +144,8 @@ def run(args: argparse.Namespace) -> int:
         model, tokenizer = load_for_cli(args.model, args.dtype)
         with model_notes_said("serve", model, settings.config):
             _check_fits(model, tokenizer, settings)
-            with warnings.catch_warnings(record=True) as said:
-                warnings.filterwarnings("always", "max_cache_len=", IgnoredSettingWarning)
+            with run_notes_said("serve", {"max_cache_len": None}):  # the engine's notes
                 server = AlisaServer(model, tokenizer, settings, log_level=args.log_level)
-            for note in said:  # the engine's notes (max_cache_len), naming the flag
-                if note.category is IgnoredSettingWarning:
-                    text = with_flag(str(note.message), {"max_cache_len": None})
-                    print(f"alisa serve: warning: {text}", file=sys.stderr)
-                else:
-                    warnings.showwarning(note.message, note.category, note.filename, note.lineno)
             # From the line below on, SIGTERM drains (uvicorn takes the signal over once it
             # serves): one sent as soon as the address is printed does not kill the server.
             if threading.current_thread() is threading.main_thread():  # where signals land

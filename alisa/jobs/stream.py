@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property, partial
@@ -14,23 +13,13 @@ from alisa.kv.cache import AlisaCache
 from alisa.kv.hooks import attached
 from alisa.model.adapter import model_shape
 from alisa.planning.spec import model_spec
-from alisa.runtime.compiled import (
-    choose_compile,
-    eager_length_note,
-    static_capacity,
-    static_row_note,
-)
+from alisa.runtime.compiled import choose_compile, rows_capacity, static_row_note
 from alisa.runtime.continuous import ContinuousScheduler
 from alisa.runtime.engine import Engine
 from alisa.runtime.generate import check_prompt, rows_compile
 from alisa.runtime.requests import PREFILL_TOKENS, RowShape, StreamRequest, StreamResult
 from alisa.runtime.sampling import RepeatedPrompts, SamplingOptions, sampling_or_default
-from alisa.settings import (
-    IgnoredSettingWarning,
-    check_host_admission,
-    check_untiered,
-    no_host_region,
-)
+from alisa.settings import check_host_admission, check_untiered, no_host_region
 from alisa.sizes import parse_budget
 from scheduler import ModelSpec
 
@@ -262,14 +251,7 @@ def stream_generate(
     sampling = sampling_or_default(sampling)
     device = next(model.parameters()).device
     compiled = rows_compile(choose_compile(compile, device), model, config, max_new_tokens)
-    if max_cache_len is not None:  # refused alike whether or not the steps compile
-        check_int("max_cache_len", max_cache_len, minimum=1)
-    capacity = None
-    if compiled.compiled:
-        capacity = static_capacity(model, max_cache_len)
-    note = eager_length_note(compiled, max_cache_len)
-    if note is not None:
-        warnings.warn(note, IgnoredSettingWarning, stacklevel=2)
+    capacity = rows_capacity(model, compiled, max_cache_len)
     engine = Engine(model, tokenizer, sampling, stop_at_eos=stop_at_eos, compile=compiled)
     scheduler = ContinuousScheduler(
         engine,

@@ -28,6 +28,7 @@ from alisa.kv.hooks import route_to_alisa
 from alisa.model.loading import context_length
 from alisa.ops import COMPILE
 from alisa.ops.backends import compile_mode, compiles_by_default
+from alisa.settings import IgnoredSettingWarning
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,18 +117,28 @@ def static_row_note(max_cache_len: int) -> str:
     )
 
 
-def eager_length_note(choice: CompileChoice, max_cache_len: int | None) -> str | None:
-    """What a ``max_cache_len`` given to a run whose decode steps settled eager changes:
-    nothing (it sizes the static caches of compiled steps only), or None where it is read.
-    ``stream_generate`` warns of it and ``alisa serve`` says it (a setting accepted and
-    ignored is a silent wrong result to its user)."""
-    if max_cache_len is None or choice.compiled:
-        return None
-    return (
-        f"max_cache_len={max_cache_len} has no effect: the decode steps run eager over "
-        f"growing caches (compile {choice.describe()}), and only compiled steps' static "
-        "caches take their length from it"
-    )
+def rows_capacity(model: nn.Module, choice: CompileChoice, max_cache_len: int | None) -> int | None:
+    """Tokens per row of the static caches of a continuous-batching run (``stream_generate``,
+    the server) whose decode steps settled as ``choice``: :func:`static_capacity`, or None
+    where the steps run eager over growing caches.
+
+    A ``max_cache_len`` is checked either way, and one given to eager steps, which never read
+    it, is said with an :class:`~alisa.settings.IgnoredSettingWarning` (a setting accepted
+    and ignored is a silent wrong result to its user).
+    """
+    if max_cache_len is not None:
+        check_int("max_cache_len", max_cache_len, minimum=1)
+    if choice.compiled:
+        return static_capacity(model, max_cache_len)
+    if max_cache_len is not None:
+        warnings.warn(
+            f"max_cache_len={max_cache_len} has no effect: the decode steps run eager over "
+            f"growing caches (compile {choice.describe()}), and only compiled steps' static "
+            "caches take their length from it",
+            IgnoredSettingWarning,
+            stacklevel=3,
+        )
+    return None
 
 
 def batch_bucket(rows: int, most: int | None = None) -> int:

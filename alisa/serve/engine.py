@@ -31,7 +31,6 @@ import logging
 import queue
 import threading
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,12 +42,7 @@ from alisa.kv.cache import AlisaCache
 from alisa.kv.hooks import attached
 from alisa.ops.backends import model_ops
 from alisa.ops.products import WeightProducts
-from alisa.runtime.compiled import (
-    choose_compile,
-    compiled_decode,
-    eager_length_note,
-    static_capacity,
-)
+from alisa.runtime.compiled import choose_compile, compiled_decode, rows_capacity
 from alisa.runtime.continuous import ContinuousScheduler
 from alisa.runtime.engine import Engine
 from alisa.runtime.generate import rows_compile
@@ -59,7 +53,6 @@ from alisa.serve.metrics import ServeMetrics
 from alisa.serve.prepare import Prepared
 from alisa.serve.settings import ServeSettings
 from alisa.serve.text import TextStream
-from alisa.settings import IgnoredSettingWarning
 
 logger = logging.getLogger("alisa.serve")
 
@@ -187,12 +180,7 @@ class ServeEngine:
         )
         self.compile = choice  # what the decode steps of the default config run as, and why
         self._decode = compiled_decode(model, choice)
-        self._capacity = None
-        if self._decode is not None:
-            self._capacity = static_capacity(model, settings.max_cache_len)
-        unread = eager_length_note(choice, settings.max_cache_len)
-        if unread is not None:  # `alisa serve` says it in its own words
-            warnings.warn(unread, IgnoredSettingWarning, stacklevel=2)
+        self._capacity = rows_capacity(model, choice, settings.max_cache_len)
         self._thread: threading.Thread | None = None  # the engine's own, when start()ed
         self._ready = threading.Event()
         self._running = False  # the loop has begun (on whichever thread runs it)
