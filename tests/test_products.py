@@ -321,6 +321,27 @@ def test_a_step_is_timed_whole_and_pytorchs_form_runs_outside_the_mode():
     assert [seconds for _, seconds in products.samples[4]] == [1.0] * len(ORDER)
 
 
+def test_only_the_steps_own_rows_take_its_transposed_form(monkeypatch):
+    """A product of more rows than the step's (a recompute region rebuilding batch x slots
+    keys through the layer's projections) runs PyTorch's form: only the step's rows were
+    measured, and at hundreds of rows the BLAS's own form is the faster one."""
+    from alisa.ops import products as module
+
+    seen = []
+    transposed = module.transposed_linear
+    monkeypatch.setattr(
+        module, "transposed_linear", lambda x, *a: seen.append(x.shape) or transposed(x, *a)
+    )
+    layer = nn.Linear(8, 4)
+    products = WeightProducts("transposed")
+    inputs = {rows: torch.randn(rows, 1, 8) for rows in (1, 3, 4, 40)}
+    with products.step(3, layer):
+        outputs = {rows: layer(x) for rows, x in inputs.items()}
+    assert seen == [(1, 1, 8), (3, 1, 8)]  # the rebuild-like 4 and 40 rows ran PyTorch's form
+    for rows, x in inputs.items():
+        torch.testing.assert_close(outputs[rows], layer(x))
+
+
 def test_a_linear_that_raises_leaves_no_mode_and_no_hook_behind():
     from torch.overrides import _get_current_function_mode_stack
 

@@ -17,7 +17,8 @@ decode steps, per batch size (rounded up to a power of two), and keeps the faste
 It is a ``TorchFunctionMode`` entered around each ``nn.Linear`` module's forward of a transposed
 decode step (by hooks that :class:`alisa.runtime.engine.Engine`'s step registers and removes):
 it sees the model's own ``F.linear`` calls, changes no model or class, and is gone when the step
-ends; a step in PyTorch's form runs without it. The
+ends; a step in PyTorch's form runs without it. Only products of the step's own rows take its
+form: one of more rows (a recompute region's rebuild, batch x slots rows) runs PyTorch's. The
 first decode steps of a batch size alternate the two forms in the order :data:`ORDER`
 (balanced against a machine whose speed drifts over those steps), each step timed whole as it
 would run once settled (a CPU computes synchronously), and after :data:`TRIALS` more of each
@@ -98,7 +99,7 @@ def transposed_linear(
     """
     from alisa.ops import cpu  # numba loads only where this form runs
 
-    kernel = by_row_kernel(x.numel() // x.shape[-1], weight)
+    kernel = by_row_kernel(_product_rows(x), weight)
     return linear_by_rows(x, weight, bias, cpu.weight_product if kernel else blas_transposed)
 
 
@@ -171,6 +172,7 @@ class WeightProducts(TorchFunctionMode):
         self.chosen: dict[int, bool] = {}  # bucket -> transposed (once measured)
         self.checked: bool | None = None  # None: no transposed product checked yet
         self._transposed = False
+        self._step_rows = 0  # rows of the step running now (its products' rows, measured)
         self._traced: TracedProducts | None = None  # made at the first compiled row-kernel step
         self._traced_forms: dict[int, bool] = {}  # bucket -> a compiled step runs the kernel
         self.row_kernel = False  # a transposed product ran by the CPU's row kernel
@@ -211,7 +213,7 @@ class WeightProducts(TorchFunctionMode):
         step of SmolLM2-135M at one row (3,234 operators) and 15 of 89 ms with INT4 KV (7,854;
         stop 89), where the transposed steps had run 5-10 % slower than their products gain
         (stop 85). A linear function called outside an ``nn.Linear`` runs PyTorch's form."""
-        self._transposed = self.form(rows)
+        self._transposed, self._step_rows = self.form(rows), rows
         measuring = not self.settled(rows)
         start = self.clock() if measuring else 0.0
         if self._transposed:
@@ -336,9 +338,14 @@ class WeightProducts(TorchFunctionMode):
         if func is not functional.linear:
             return func(*args, **kwargs)
         x, weight, bias = _operands(args, kwargs)
-        if self._transposed and _plain(x, weight, bias):
+        # Only the step's own products take its form: one of more rows (a recompute region
+        # rebuilding its keys and values, batch x slots rows through the layer's projections)
+        # was never measured, and there the BLAS's own form is the faster one (838 against
+        # 1,102 ms at 512 rows). A rebuild that took the form of the decode rows it ran beside
+        # ran 20 % slower in a calibration than in a user's run (float32, AVX2; stop 95).
+        if self._transposed and _plain(x, weight, bias) and _product_rows(x) <= self._step_rows:
             out = transposed_linear(x, weight, bias)
-            self.row_kernel = self.row_kernel or by_row_kernel(out.numel() // out.shape[-1], weight)
+            self.row_kernel = self.row_kernel or by_row_kernel(_product_rows(x), weight)
             if self.checked is None:
                 self.checked = self.check(x, weight, bias, out)
             return out
@@ -389,7 +396,7 @@ class TracedProducts(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is functional.linear:
             x, weight, bias = _operands(args, kwargs)
-            if _plain(x, weight, bias) and by_row_kernel(x.numel() // x.shape[-1], weight):
+            if _plain(x, weight, bias) and by_row_kernel(_product_rows(x), weight):
                 return linear_by_rows(x, weight, bias, self.operator)
         return func(*args, **kwargs)
 
@@ -402,6 +409,11 @@ def _row_kernel_weights(model: nn.Module, rows: int) -> list[torch.Tensor]:
         if isinstance(module, nn.Linear) and by_row_kernel(rows, module.weight):
             weights.setdefault(id(module.weight), module.weight)
     return list(weights.values())
+
+
+def _product_rows(x: torch.Tensor) -> int:
+    """The rows of a product of ``x`` (..., K): every leading dimension together."""
+    return x.numel() // max(x.shape[-1], 1)
 
 
 def _operands(args: tuple, kwargs: dict) -> tuple:
