@@ -338,14 +338,15 @@ class WeightProducts(TorchFunctionMode):
         if func is not functional.linear:
             return func(*args, **kwargs)
         x, weight, bias = _operands(args, kwargs)
+        rows = _product_rows(x)
         # Only the step's own products take its form: one of more rows (a recompute region
         # rebuilding its keys and values, batch x slots rows through the layer's projections)
         # was never measured, and there the BLAS's own form is the faster one (838 against
         # 1,102 ms at 512 rows). A rebuild that took the form of the decode rows it ran beside
-        # ran 20 % slower in a calibration than in a user's run (float32, AVX2; stop 95).
-        if self._transposed and _plain(x, weight, bias) and _product_rows(x) <= self._step_rows:
+        # ran 1.2-1.3x as long in a calibration as in a user's run (float32, AVX2; stops 94-95).
+        if self._transposed and _plain(x, weight, bias) and rows <= self._step_rows:
             out = transposed_linear(x, weight, bias)
-            self.row_kernel = self.row_kernel or by_row_kernel(_product_rows(x), weight)
+            self.row_kernel = self.row_kernel or by_row_kernel(rows, weight)
             if self.checked is None:
                 self.checked = self.check(x, weight, bias, out)
             return out
