@@ -18,7 +18,7 @@ __getattr__, __dir__, __all__ = lazy_loader.attach(
         "jobs": ["BatchJob", "JobSummary", "run_batch"],
         "jobs.stream": ["stream_generate"],
         "kv.cache": ["AlisaCache"],
-        "kv.hooks": ["attach", "attached", "detach"],
+        "kv.attention": ["attach", "attached", "detach"],
         "model.loading": ["load_model"],
         "policies": ["POLICIES", "KVPolicy", "get_policy"],
         "runtime.generate": ["GenerationOutput", "SamplingOptions", "generate"],

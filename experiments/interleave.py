@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from alisa import AlisaCache
-from alisa.kv.hooks import attached
+from alisa.kv.attention import attached
 from alisa.ops.products import SETTLING
 from alisa.runtime.compiled import ASKED_ON
 from alisa.runtime.engine import DecodeState, Engine, cache_kv_bytes, cache_tier_bytes

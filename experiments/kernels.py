@@ -36,11 +36,11 @@ from typing import NamedTuple
 import torch
 
 from alisa.kv.attention import _visible, grouped_attention_parts
+from alisa.kv.ranking import KeySketch
 from alisa.ops.backends import PRODUCTS, Ops, choose_ops
 from alisa.ops.cpu import kernel_parts
 from alisa.storage.pages import gathered
 from alisa.storage.quantized import QuantizedStore
-from alisa.storage.sketch import KeySketch
 from alisa.storage.store import DenseStore
 from experiments.flags import markdown_table, positive_ints
 from experiments.timing import environment, median_seconds

@@ -1,4 +1,4 @@
-"""A step's budgets, computed once for the layers that share a policy (alisa.kv.budgets)."""
+"""A step's budgets, computed once for the layers sharing a policy (alisa.policies.BudgetBook)."""
 
 import numpy as np
 import pytest
@@ -6,7 +6,7 @@ from conftest import tiny_llama
 
 from alisa import AlisaCache, AlisaConfig
 from alisa.config import policy_for_layer
-from alisa.kv.budgets import BudgetBook
+from alisa.policies import BudgetBook
 
 
 def policy(**options):

@@ -14,7 +14,7 @@ from transformers import LlamaForCausalLM
 from alisa import AlisaConfig, generate
 from alisa.jobs import BatchJob
 from alisa.jobs.runner import job_compile, run_batch
-from alisa.kv.hooks import attached
+from alisa.kv.attention import attached
 from alisa.runtime.compiled import CompileChoice, compiled_capacity
 from alisa.runtime.engine import DecodeState, Engine
 from alisa.runtime.generate import new_cache

@@ -5,7 +5,7 @@ import torch
 from conftest import hf_generate, padded_batch, tiny_gpt2, tiny_llama
 
 from alisa import AlisaCache, AlisaConfig, attached, generate
-from alisa.kv.hooks import detach
+from alisa.kv.attention import detach
 
 NEW = 12
 

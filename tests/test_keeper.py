@@ -5,7 +5,7 @@ import torch
 from conftest import hf_generate, padded_batch, tiny_llama
 
 from alisa import AlisaCache, AlisaConfig
-from alisa.kv.keeper import Keeper
+from alisa.kv.layer import Keeper
 from alisa.ops.reference import top_k, with_protections
 
 

@@ -25,13 +25,12 @@ import alisa.ops.cpu as compiled_ops
 import alisa.storage.pages
 from alisa import AlisaCache, AlisaConfig
 from alisa.kv.cache import default_keeper
-from alisa.kv.history import PositionHistory
+from alisa.kv.ranking import KeySketch, PositionHistory
 from alisa.kv.slots import SlotMap
 from alisa.ops import reference
 from alisa.ops.reference import FREE, ChoiceInputs, SelectionStep, ordered_key
 from alisa.storage.pages import FetchedRows, HostPages
 from alisa.storage.quantized import QuantizedStore
-from alisa.storage.sketch import KeySketch
 from alisa.storage.store import DenseStore
 
 

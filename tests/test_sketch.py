@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
+from alisa.kv.ranking import PRODUCTS, SKETCH_DTYPE, KeySketch
 from alisa.ops.cpu import BLOCK, kernel_parts, shares_torch_threads
-from alisa.storage.sketch import PRODUCTS, SKETCH_DTYPE, KeySketch
 
 STRONG = ((1, 6, 2, 5), (3, 4, 7, 6), (2, 5, 1, 7))  # per KV head: its strong RoPE pairs
 

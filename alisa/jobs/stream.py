@@ -9,8 +9,8 @@ from functools import cached_property, partial
 from alisa.checks import check_bool, check_int, unordered
 from alisa.config import AlisaConfig, config_or_default
 from alisa.jobs.sizing import BatchMemory, fits, ring_refusal_note, rows_host, running_memory
+from alisa.kv.attention import attached
 from alisa.kv.cache import AlisaCache
-from alisa.kv.hooks import attached
 from alisa.model.adapter import model_shape
 from alisa.planning.spec import model_spec
 from alisa.runtime.compiled import choose_compile, rows_capacity, static_row_note

@@ -14,13 +14,10 @@ from transformers.cache_utils import Cache
 
 from alisa.checks import check_int
 from alisa.config import AlisaConfig, config_or_default, policy_for_layer
-from alisa.kv.attention import ATTENTION_NAME
-from alisa.kv.budgets import BudgetBook
+from alisa.kv.attention import ATTENTION_NAME, attach
 from alisa.kv.drop import DropKeeper
-from alisa.kv.hooks import attach
 from alisa.kv.host import HostKeeper
-from alisa.kv.keeper import Keeper
-from alisa.kv.layer import AlisaLayer
+from alisa.kv.layer import AlisaLayer, Keeper
 from alisa.kv.packed import PackedLayer, split_kv
 from alisa.kv.static import StepPack
 from alisa.kv.swap import copy_replacing
@@ -30,7 +27,7 @@ from alisa.model.loading import context_length
 from alisa.ops.backends import Ops, model_ops
 from alisa.ops.transfer import upload
 from alisa.planning.tiers import TierPlanner
-from alisa.policies import DensePolicy, KVPolicy
+from alisa.policies import BudgetBook, DensePolicy, KVPolicy
 from alisa.settings import (
     IgnoredSettingWarning,
     coded_size_note,
@@ -57,8 +54,8 @@ class AlisaCache(Cache):
         cache = AlisaCache(model, AlisaConfig(policy="swa", caching_ratio=0.2))
         model.generate(**inputs, past_key_values=cache)
 
-    Building it routes the model's attention through the ``alisa`` attention function (see
-    :func:`alisa.kv.hooks.attach`), which is plain SDPA for any other cache; the model's previous
+    Building it routes the model's attention through the ``alisa`` attention function
+    (:func:`~alisa.kv.attention.attach`), plain SDPA for any other cache; the model's previous
     attention comes back at its first forward with another cache. One cache serves one batch
     of sequences; given to ``model.generate`` again with the whole conversation (a second chat
     turn), it continues as HF's own ``DynamicCache`` does, or refuses what it cannot continue
@@ -87,7 +84,7 @@ class AlisaCache(Cache):
         of another cache of the same ``max_cache_len``, :meth:`keep_rows`, :meth:`take_rows`:
         continuous batching compiled). None: the cache grows and compacts as needed.
     keeper
-        Builds each full-attention layer's :class:`~alisa.kv.keeper.Keeper` from the config and
+        Builds each full-attention layer's :class:`~alisa.kv.layer.Keeper` from the config and
         the layer's policy; None: :func:`default_keeper` (dropping, or host retention running
         the kernels of ``config.kernels``, chosen once: :attr:`ops`).
         Sliding-window layers (Gemma 2/3, Mistral with a window, ...) always keep exactly the
@@ -257,7 +254,7 @@ class AlisaCache(Cache):
         holds, each extended by ``tokens`` >= 1 new, unpadded tokens (a decode step is one).
         More than one new token is a second prefill over what the cache keeps; it is refused
         where that is not well defined (:meth:`_check_extends`). The model's forward hook
-        (:mod:`alisa.kv.hooks`) calls this; the first layer's :meth:`update` checks the rows
+        (:mod:`alisa.kv.attention`) calls this; the first layer's :meth:`update` checks the rows
         and the mode again, for forwards that bypass the hook.
 
         Parameters
@@ -746,7 +743,7 @@ def _check_static(
     """``max_cache_len`` as an int, refused (naming the setting) where the mode has no static
     step yet: device/host/recompute tiers (their regions move per step), and host retention
     over device codes of another format than its host region's (its static fetch copies
-    them). Keepers refuse for their own modes too (:meth:`~alisa.kv.keeper.Keeper.
+    them). Keepers refuse for their own modes too (:meth:`~alisa.kv.layer.Keeper.
     static_slots`: host retention's INT4 host region), and the cache host retention on
     CUDA."""
     if max_cache_len is None:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from alisa.kv.accumulator import AttentionAccumulator
-from alisa.kv.keeper import Keeper
+from alisa.kv.layer import Keeper
 from alisa.kv.slots import SlotMap
 from alisa.kv.static import StepPack
 from alisa.ops.backends import Ops, choose_ops
@@ -37,7 +37,7 @@ class DropKeeper(Keeper):
     Parameters
     ----------
     policy, per_head
-        As :class:`~alisa.kv.keeper.Keeper` takes them.
+        As :class:`~alisa.kv.layer.Keeper` takes them.
     ops
         The kernels that add the sums and choose the victims
         (:func:`alisa.ops.backends.choose_ops`: the compiled CPU kernels on a CPU); None: the

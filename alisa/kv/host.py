@@ -4,7 +4,7 @@ ALISA's phase II keeps the KV of tokens that are not cached on the device in hos
 brings the selected ones back each step (https://arxiv.org/abs/2403.17312, §IV; Quest, InfiniGen
 and ShadowKV select per head from a complete store the same way). Here every token of a layer is
 written once to the host region (:class:`~alisa.storage.pages.HostPages`) and its strongest key
-channels are kept in a sketch on the device (:class:`~alisa.storage.sketch.KeySketch`). Before
+channels are kept in a sketch on the device (:class:`~alisa.kv.ranking.KeySketch`). Before
 attention, per sequence and KV head:
 
 1. the budget is the policy's (``round(n*r)``, at least ``min_budget_tokens``, sinks covered);
@@ -32,9 +32,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from alisa.kv.budgets import StepShares
-from alisa.kv.history import PositionHistory
-from alisa.kv.keeper import Keeper
+from alisa.kv.layer import Keeper
+from alisa.kv.ranking import KeySketch, PositionHistory, Scoring
 from alisa.kv.rest import RestColumn, ValueTotals, rest_logit
 from alisa.kv.slots import SlotMap
 from alisa.kv.static import StepPack
@@ -48,9 +47,8 @@ from alisa.ops.reference import (
     select_rule_static,
 )
 from alisa.ops.transfer import upload
-from alisa.policies import KVPolicy
+from alisa.policies import KVPolicy, StepShares
 from alisa.storage.pages import PAGE_TOKENS, HostPages, host_region_bytes
-from alisa.storage.sketch import KeySketch, Scoring
 from alisa.storage.store import KVStore
 
 # A static step's numbers per sequence (HostKeeper.reserve): the budget, the recent window, the
@@ -62,7 +60,7 @@ STATIC_FIELDS = 8
 class HostStep(NamedTuple):
     """A host-retention step's numbers for the current lengths: the same in every layer that
     runs an equal policy with the same history share, so computed once a step
-    (:meth:`alisa.kv.budgets.BudgetBook.derived`). Arrays are (B,) int64, read, never written.
+    (:meth:`alisa.policies.BudgetBook.derived`). Arrays are (B,) int64, read, never written.
 
     Attributes
     ----------

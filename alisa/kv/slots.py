@@ -211,7 +211,7 @@ class SlotMap:
 
         The slot the eager step picks too (:meth:`place_one`: the first free slot below the
         width, else the frontier, which is the first free slot). A static slot space always
-        has one (:meth:`alisa.kv.keeper.Keeper.static_slots`). Returns the (B, Hs, 1) slots.
+        has one (:meth:`alisa.kv.layer.Keeper.static_slots`). Returns the (B, Hs, 1) slots.
         """
         slot = first_free(self.positions, self.capacity)
         self.positions.scatter_(-1, slot, position.view(1, 1, 1).expand(slot.shape))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from alisa.kv.keeper import Keeper
+from alisa.kv.layer import Keeper
 from alisa.kv.slots import SlotMap
 from alisa.policies import KVPolicy
 from alisa.storage.store import KVStore

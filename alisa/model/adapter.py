@@ -2,7 +2,7 @@
 
 :class:`ModelAdapter` inspects a model once (attention modules in layer order, geometry, rotary
 embedding, key/value projections, softmax scales); the cache, the recomputer and
-:func:`alisa.kv.hooks.attach` read it instead of probing the model themselves.
+:func:`alisa.kv.attention.attach` read it instead of probing the model themselves.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import torch
 from alisa.ops import KERNELS, reference
 from alisa.ops.products import FORMS
 
-# How the key sketch's product runs (alisa.storage.sketch): PyTorch in bfloat16, PyTorch on the
+# How the key sketch's product runs (alisa.kv.ranking): PyTorch in bfloat16, PyTorch on the
 # sketch widened to float32, or the compiled CPU kernel.
 PRODUCTS = ("bfloat16", "float32", "compiled")
 

@@ -146,7 +146,7 @@ def kernel_parts(rows: int, parts: int | None = None) -> int:
 # bfloat16 product.
 #
 # Host retention scores every stored token against each step's queries through the key sketch
-# (:class:`~alisa.storage.sketch.KeySketch`): per (sequence, KV head), G query heads against W
+# (:class:`~alisa.kv.ranking.KeySketch`): per (sequence, KV head), G query heads against W
 # kept channels of every position, a (G, W) x (W, N) product with W = 32 and G = 3-4 on the
 # models users run. On a CPU without AVX-512 BF16 PyTorch has no fast bfloat16 product, and
 # widening the sketch to float32 for its product costs a copy of it per layer and step; a GEMM
@@ -398,7 +398,7 @@ def logits_rows(
 #   a fetch list (for :class:`~alisa.kv.slots.SlotMap`), each row's slots are then made exactly
 #   those positions: the slots of tokens not chosen freed, each chosen token the device lacks
 #   given a free slot and listed to fetch;
-# * :func:`accumulate` (for :class:`~alisa.kv.history.PositionHistory`): add a step's attention to
+# * :func:`accumulate` (for :class:`~alisa.kv.ranking.PositionHistory`): add a step's attention to
 #   the history of the positions the slots hold;
 # * :func:`place_one` (for :class:`~alisa.kv.slots.SlotMap`): each (sequence, group)'s slot for a
 #   decode step's new token, the lowest free one below the frontier or the frontier.

@@ -388,7 +388,7 @@ class SelectionStep(NamedTuple):
     inputs
         The choice's inputs; ``inputs.positions`` (the layer's slot map) is rewritten in place.
     operands
-        The key sketch's product not yet run (:meth:`alisa.storage.sketch.KeySketch.scoring`:
+        The key sketch's product not yet run (:meth:`alisa.kv.ranking.KeySketch.scoring`:
         its operands, whose output is ``inputs.logits``) for a backend that runs it inside its
         own call, or None: ``inputs.logits`` hold the logits.
     host

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from alisa.checks import check_int
+from alisa.kv.attention import route_to_alisa
 from alisa.kv.cache import AlisaCache
-from alisa.kv.hooks import route_to_alisa
 from alisa.model.loading import context_length
 from alisa.ops import COMPILE
 from alisa.ops.backends import compile_mode, compiles_by_default

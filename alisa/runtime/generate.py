@@ -12,8 +12,8 @@ from transformers.cache_utils import Cache
 
 from alisa.checks import check_bool, check_int, check_text, unordered
 from alisa.config import AlisaConfig, config_or_default
+from alisa.kv.attention import attached
 from alisa.kv.cache import AlisaCache, static_rows_refusal
-from alisa.kv.hooks import attached
 from alisa.memory import PeakMemory
 from alisa.model.adapter import ModelShape, check_model_and_tokenizer
 from alisa.model.loading import chat_prompt, check_prompt_length, context_length

@@ -38,8 +38,8 @@ from functools import partial
 
 from alisa.config import AlisaConfig
 from alisa.jobs.stream import ByteBudget
+from alisa.kv.attention import attached
 from alisa.kv.cache import AlisaCache
-from alisa.kv.hooks import attached
 from alisa.ops.backends import model_ops
 from alisa.ops.products import WeightProducts
 from alisa.runtime.compiled import choose_compile, compiled_decode, rows_capacity

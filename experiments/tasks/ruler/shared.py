@@ -24,8 +24,7 @@ from transformers.cache_utils import Cache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from alisa import AlisaCache, AlisaConfig
-from alisa.kv.attention import LogitOptions, alisa_attention, prefill_layer
-from alisa.kv.hooks import attached
+from alisa.kv.attention import LogitOptions, alisa_attention, attached, prefill_layer
 from alisa.memory import PeakMemory
 from alisa.runtime.engine import (
     DecodeState,
