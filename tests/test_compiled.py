@@ -23,9 +23,11 @@ def static_cache(model, tokenizer) -> StaticCache:
     return StaticCache(config=model.config, max_cache_len=width + NEW)
 
 
-def test_compiled_steps_equal_eager_ones_in_one_graph():
+def test_compiled_steps_equal_eager_ones_in_one_graph(caplog):
     """Padded rows, a StaticCache: the compiled decode gives the eager tokens (and HF's dense
-    cache's), compiles one graph for all its steps and reports its compile time."""
+    cache's), compiles one graph for all its steps and reports its compile time; the first
+    step of the shape says it compiles (minutes on a CPU, which looked like a hang)."""
+    caplog.set_level("INFO", logger="alisa")
     model, tokenizer = tiny_llama(), byte_tokenizer()
     run = dict(max_new_tokens=NEW, stop_at_eos=False)
     dense = generate(model, tokenizer, PROMPTS, past_key_values=DynamicCache(), **run)
@@ -45,6 +47,8 @@ def test_compiled_steps_equal_eager_ones_in_one_graph():
     assert compiled.token_ids == eager.token_ids == dense.token_ids
     assert counters["stats"]["unique_graphs"] == 1  # every decode step replayed the first graph
     assert eager.compile_s is None and compiled.compile_s > 0
+    said = [r.getMessage() for r in caplog.records if "compiling the decode step" in r.getMessage()]
+    assert len(said) == 1 and "for 3 rows of" in said[0], said  # once: one shape
     again = generate(
         model,
         tokenizer,

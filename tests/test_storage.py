@@ -32,8 +32,8 @@ class ScratchRegion:
     def nbytes(self):
         return self.keys.nbytes + self.values.nbytes
 
-    def read(self, positions):
-        return self.keys, self.values
+    def read(self, positions, used):
+        return self.keys, self.values  # every slot: the ones from ``used`` on are free
 
     def write_range(self, start, keys, values, position, inputs):
         end = start + keys.shape[2]
@@ -54,7 +54,7 @@ class ScratchRegion:
         self.keys, self.values = self.keys[indices], self.values[indices]
         self.hidden = self.hidden[indices]
 
-    def prefetch(self):
+    def prefetch(self, used):
         pass
 
 

@@ -59,6 +59,31 @@ def test_tokens_really_come_back_from_the_slower_tiers():
     assert cache.layers[0].store.recomputed_tokens > 0
 
 
+@pytest.mark.parametrize("recompute", ["never", "always"])
+def test_a_slower_tier_reads_only_the_slots_below_the_frontier(recompute):
+    """A host region copies, and a recompute region rebuilds, its slots below the slot map's
+    width, not the spare ones its growth allocated (a fifth of a recompute region's work at
+    B = 8 x 1,024); what attention reads is exact either way (the test above)."""
+    model = tiny_gpt2()
+    config = AlisaConfig(gpu_memory=weights(model) + 350_000, recompute=recompute)
+    _, cache = run(model, config)
+    layer = cache.layers[0]
+    store, width = layer.store, layer.slots.width
+    (_, device), (tier, slots) = store.regions
+    used = width - device
+    assert tier == ("host" if recompute == "never" else "recompute")
+    assert 0 < used < slots  # the last region grew: spare slots past the frontier
+    before = (store.fetched_bytes, store.recomputed_tokens)
+    parts = layer.parts()
+    assert [part.keys.shape[2] for part in parts] == [device, used]
+    assert [part.positions.shape[-1] for part in parts] == [device, used]
+    batch = parts[1].keys.shape[0]
+    if recompute == "never":
+        assert store.fetched_bytes - before[0] == parts[1].keys.nbytes + parts[1].values.nbytes
+    else:
+        assert store.recomputed_tokens - before[1] == batch * used
+
+
 def test_host_copies_are_prefetched_a_layer_ahead():
     model = tiny_gpt2(n_layer=4)  # prefetching needs more than two layers
     resident, _ = run(model, AlisaConfig())

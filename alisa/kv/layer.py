@@ -456,7 +456,7 @@ class AlisaLayer(CacheLayerMixin):
 
     def parts(self, query: torch.Tensor | None = None) -> list[Part]:
         """(K, V, positions) per storage region, on the model's device, in slot order."""
-        return self.store.parts(self.slots.positions, query)
+        return self.store.parts(self.slots.positions, query, self.slots.width)
 
     def attend(
         self, query: torch.Tensor, scaling: float

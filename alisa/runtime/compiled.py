@@ -14,6 +14,7 @@ https://pytorch.org/docs/stable/torch.compiler.html.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -29,6 +30,8 @@ from alisa.model.loading import context_length
 from alisa.ops import COMPILE
 from alisa.ops.backends import compile_mode, compiles_by_default
 from alisa.settings import IgnoredSettingWarning
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -324,6 +327,12 @@ class CompiledDecode:
             return eager()
         shape = (feed.shape[0], cache.get_max_length())
         start = clock() if shape not in self._shapes else None
+        if start is not None:  # minutes on a CPU: say why the first step is slow
+            logger.info(
+                "compiling the decode step for %d rows of %d slots (the first step of each "
+                "shape; 15-215 s on a 2-core CPU, less from torch's compile cache)",
+                *shape,
+            )
         try:
             with around if around is not None else nullcontext():
                 logits = last_logits(self.forward, feed, positions, mask, cache, **options)

@@ -70,8 +70,10 @@ class Region(Protocol):
 
     def nbytes(self) -> int: ...
 
-    def read(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, H_kv, slots, D) keys and values on the model's device; positions (B, Hs, slots)."""
+    def read(self, positions: torch.Tensor, used: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, H_kv, n, D) keys and values of the region's first n slots on the model's device,
+        ``used`` <= n <= slots (the slots from ``used`` on are free: a region may leave them
+        out); positions (B, Hs, slots)."""
         ...
 
     def write_range(
@@ -86,7 +88,9 @@ class Region(Protocol):
 
     def select_batch(self, indices: torch.Tensor) -> None: ...
 
-    def prefetch(self) -> None: ...
+    def prefetch(self, used: int) -> None:
+        """Start copying the first ``used`` slots (at least) that the next :meth:`read` needs."""
+        ...
 
     def pinned(self) -> bool:
         """Whether its host buffers are page-locked (True when it has none): on CUDA they
@@ -114,7 +118,9 @@ class DeviceRegion:
     def nbytes(self) -> int:
         return self.store.nbytes()
 
-    def read(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, positions: torch.Tensor, used: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slot: the buffers are read in place (a view of the used ones would be strided,
+        and a strided bfloat16 product takes a slow path on a CPU)."""
         return self.store.read(positions)
 
     def write_range(self, start, keys, values, position, inputs) -> None:
@@ -131,7 +137,7 @@ class DeviceRegion:
     def select_batch(self, indices: torch.Tensor) -> None:
         self.store.select_batch(indices)
 
-    def prefetch(self) -> None:
+    def prefetch(self, used: int) -> None:
         """Already resident."""
 
     def pinned(self) -> bool:
@@ -171,9 +177,10 @@ class HostRegion:
     def nbytes(self) -> int:
         return self.store.nbytes()
 
-    def prefetch(self) -> None:
-        """Start copying the region to the device; the next :meth:`read` finds it ready."""
-        if not self.store.lossless or self._prefetched is not None:
+    def prefetch(self, used: int) -> None:
+        """Start copying the region's first ``used`` slots to the device; the next :meth:`read`
+        finds them ready."""
+        if not self.store.lossless or self._prefetched is not None or used <= 0:
             return
         if self.pin:
             if self._stream is None:
@@ -181,35 +188,38 @@ class HostRegion:
             stream = self._stream
             stream.wait_stream(torch.cuda.current_stream(self.model_device))
             with torch.cuda.stream(stream):
-                keys, values = self._copy(None)
+                keys, values = self._copy(None, used)
                 event = torch.cuda.Event()
                 event.record(stream)
         else:
-            (keys, values), event = self._copy(None), None
+            (keys, values), event = self._copy(None, used), None
         self._prefetched = (keys, values, event)
 
-    def read(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._prefetched is not None:
-            keys, values, event = self._prefetched
-            self._prefetched = None
+    def read(self, positions: torch.Tensor, used: int) -> tuple[torch.Tensor, torch.Tensor]:
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None and prefetched[0].shape[2] >= used:
+            keys, values, event = prefetched
             if event is not None:
                 torch.cuda.current_stream(self.model_device).wait_event(event)
             self.stats.prefetch_hits += 1
             return keys, values
         # A lossless store reads without the slot map: skip moving it to the host.
-        return self._copy(None if self.store.lossless else positions.to(self.store.device))
+        return self._copy(None if self.store.lossless else positions.to(self.store.device), used)
 
-    def _copy(self, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _copy(self, positions: torch.Tensor | None, used: int) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.store.read(positions)
         # A real copy even on CPU-only machines (where .to would be a no-op view): the host
-        # pool is a separate tier, and the cost model prices this traffic.
-        keys = keys.to(self.model_device, non_blocking=True, copy=True)
-        values = values.to(self.model_device, non_blocking=True, copy=True)
+        # pool is a separate tier, and the cost model prices this traffic. Only the used slots
+        # cross (the copy is contiguous whatever the view).
+        keys = keys[:, :, :used].to(self.model_device, non_blocking=True, copy=True)
+        values = values[:, :, :used].to(self.model_device, non_blocking=True, copy=True)
         self.stats.fetched_bytes += keys.nbytes + values.nbytes
         return keys, values
 
     def write_range(self, start, keys, values, position, inputs) -> None:
         end = start + keys.shape[2]
+        if self._prefetched is not None and end > self._prefetched[0].shape[2]:
+            self._prefetched = None  # past the slots copied ahead: read afresh
         if self._prefetched is not None:  # keep the copy in step with the store
             copied_keys, copied_values, _ = self._prefetched
             copied_keys[:, :, start:end] = keys
@@ -282,9 +292,11 @@ class RecomputeRegion:
     def nbytes(self) -> int:
         return self.hidden.nbytes + self.rope.nbytes
 
-    def read(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.hidden.to(self.model_device, non_blocking=True)
-        rope = self.rope.to(self.model_device, non_blocking=True)
+    def read(self, positions: torch.Tensor, used: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of the first ``used`` slots, rebuilt (the spare ones past them are not)."""
+        # Contiguous: a model's projection may view its input (GPT-2's Conv1D does).
+        hidden = self.hidden[:, :used].to(self.model_device, non_blocking=True).contiguous()
+        rope = self.rope[:, :used].to(self.model_device, non_blocking=True).contiguous()
         self.stats.recomputed_tokens += hidden.shape[0] * hidden.shape[1]
         return self.recompute(hidden, rope)
 
@@ -309,7 +321,7 @@ class RecomputeRegion:
         self.rope = self.rope.index_select(0, indices.to(self.rope.device))
         self._pin()
 
-    def prefetch(self) -> None:
+    def prefetch(self, used: int) -> None:
         """Rebuilt on read; nothing to copy ahead."""
 
     def pinned(self) -> bool:

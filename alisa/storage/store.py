@@ -124,7 +124,14 @@ class KVStore(Protocol):
         """(B, H_kv, capacity, D) keys and values; ``positions`` is the layer's slot map."""
         ...
 
-    def parts(self, positions: torch.Tensor, query: torch.Tensor | None = None) -> list[Part]: ...
+    def parts(
+        self, positions: torch.Tensor, query: torch.Tensor | None = None, width: int | None = None
+    ) -> list[Part]:
+        """(K, V, positions) per region on the model's device, in slot order. ``width``: slots
+        [width, capacity) are free (the slot map's frontier; None: not known), so a store whose
+        read copies or rebuilds each slot may leave them out: a part's positions then cover
+        only the slots it read."""
+        ...
 
     def write_range(
         self,
@@ -258,8 +265,11 @@ class DeviceResident:
     def tier_bytes(self) -> dict[str, int]:
         return {"device": self.nbytes()}
 
-    def parts(self, positions: torch.Tensor, query: torch.Tensor | None = None) -> list[Part]:
-        """The one region: ``read(positions)``."""
+    def parts(
+        self, positions: torch.Tensor, query: torch.Tensor | None = None, width: int | None = None
+    ) -> list[Part]:
+        """The one region: ``read(positions)``, every slot (``width`` is not needed: the
+        buffers are read in place, and a view of the used slots would be strided)."""
         return [Part(*self.read(positions), positions)]
 
     def attend(self, positions, query, seen: int, window, scaling: float) -> None:

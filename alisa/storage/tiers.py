@@ -68,6 +68,7 @@ class TieredStore:
         self.model_device = model_device
         self.stats = stats
         self.needs_inputs = any(region.needs_inputs for region in regions)
+        self._width: int | None = None  # the slot map's width at the last parts() (prefetch)
 
     # ---- traffic counters ---------------------------------------------------------------
 
@@ -114,12 +115,25 @@ class TieredStore:
             totals[region.tier] = totals.get(region.tier, 0) + region.nbytes()
         return totals
 
-    def parts(self, positions: torch.Tensor, query: torch.Tensor | None = None) -> list[Part]:
-        """(K, V, positions) per region on the model's device, in slot order."""
+    def parts(
+        self, positions: torch.Tensor, query: torch.Tensor | None = None, width: int | None = None
+    ) -> list[Part]:
+        """(K, V, positions) per region on the model's device, in slot order.
+
+        With the slot map's ``width``, a host region copies and a recompute region rebuilds only
+        its slots below it, not the spare ones its growth allocated (a recompute region's
+        capacity was 1.23x its tokens at B = 8 x 1,024); a region wholly past it holds nothing
+        and is left out. The width is kept for :meth:`prefetch`.
+        """
+        self._width = width
         parts = []
         for region, span in self._spans():
-            region_positions = positions[..., span]
-            parts.append(Part(*region.read(region_positions), region_positions))
+            used = _used(span, width)
+            if used <= 0 and parts:
+                continue
+            keys, values = region.read(positions[..., span], used)
+            read = slice(span.start, span.start + keys.shape[2])
+            parts.append(Part(keys, values, positions[..., read]))
         return parts
 
     def read(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,9 +214,12 @@ class TieredStore:
             region.select_batch(indices)
 
     def prefetch(self) -> None:
-        """Start copying what the next read needs (called while the previous layer runs)."""
-        for region in self._regions:
-            region.prefetch()
+        """Start copying what the next read needs (called while the previous layer runs): up
+        to one slot past the width of the last read, since a decode step places one token, at
+        the frontier or in a hole below it."""
+        width = None if self._width is None else self._width + 1
+        for region, span in self._spans():
+            region.prefetch(_used(span, width))
 
     def pin_memory(self) -> None:
         """Host regions are page-locked when built."""
@@ -216,6 +233,13 @@ class TieredStore:
         for region in self._regions:
             yield region, slice(offset, offset + region.slots)
             offset += region.slots
+
+
+def _used(span: slice, width: int | None) -> int:
+    """How many of a region's slots (``span`` of the layer's) lie below ``width`` (None: all)."""
+    if width is None:
+        return span.stop - span.start
+    return min(span.stop, width) - span.start
 
 
 def split_prefill(
