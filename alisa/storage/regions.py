@@ -229,6 +229,9 @@ class HostRegion:
 
     def write_entries(self, rows, slots, keys, values, position, inputs) -> None:
         if self._prefetched is not None:  # the same values go to the copy's slots
+            # Within the copy without a check (which would read the slots back to the host):
+            # entries are a decode step's one token per row, in a hole below the width or at
+            # the frontier, and the copy reaches one slot past the width (TieredStore.prefetch).
             copied_keys, copied_values, _ = self._prefetched
             copied_keys[rows, :, slots] = keys.to(copied_keys.dtype)
             copied_values[rows, :, slots] = values.to(copied_values.dtype)
