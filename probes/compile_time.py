@@ -3,13 +3,13 @@
 Run each system in a fresh process with an empty inductor cache, or the kernels of an earlier
 run are reused:
 
-    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python -m probes.compile_time swa    # or dense, hf
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python -m probes.compile_time swa    # or dense, hf, int8
 
 (``--kernels reference`` or ``cpu`` for the alisa systems' backend.)
 
-SmolLM2-135M float32, one random prompt of 256 tokens, 4 new tokens, 2 threads. Prints the
-first compiled step's seconds (tracing and code generation included) and inductor's largest
-phases.
+SmolLM2-135M float32, one random prompt of 256 tokens, 4 new tokens, 2 threads (int8: SWA
+dropping over INT8 KV). Prints the first compiled step's seconds (tracing and code generation
+included) and inductor's largest phases.
 """
 
 import argparse
@@ -26,7 +26,7 @@ PHASES = ("bytecode_tracing", "Scheduler.__init__", "GraphLowering.codegen", "co
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("system", choices=("swa", "dense", "hf"))
+    parser.add_argument("system", choices=("swa", "dense", "hf", "int8"))
     parser.add_argument("--kernels", default="auto", help="an alisa system's kernels")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -40,12 +40,17 @@ def main() -> None:
         run["config"] = AlisaConfig(caching_ratio=1.0, kernels=args.kernels)
     else:
         run["config"] = AlisaConfig(
-            policy="swa", caching_ratio=0.2, min_budget_tokens=0, kernels=args.kernels
+            policy="swa",
+            caching_ratio=0.2,
+            min_budget_tokens=0,
+            kernels=args.kernels,
+            kv_bits=8 if args.system == "int8" else 16,
         )
     result = generate(model, tokenizer, prompts, **run)
-    phases = dict(
-        line.rsplit(", ", 1) for line in compile_times(repr="str").splitlines()[2:] if ", " in line
-    )
+    phases = {}  # a phase's line lists each graph's seconds (a region's graphs too): summed
+    for line in compile_times(repr="str").splitlines()[2:]:
+        name, *seconds = line.split(", ")
+        phases[name] = sum(map(float, seconds))
     print(
         f"{args.system}: first compiled step {result.compile_s:.1f} s;",
         ", ".join(f"{name} {float(phases.get(name, 0)):.1f} s" for name in PHASES),

@@ -13,8 +13,9 @@ float64 as a last resort, so the error bound always holds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import partial, wraps
 
 import torch
 
@@ -22,6 +23,25 @@ from quant.packing import pack_nibbles, unpack_nibbles
 
 SUPPORTED_BITS = (4, 8)
 FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
+# Shapes one compiled step may call a region with (one a layer at most): past it torch.compile
+# raises rather than compile the region again, which a model whose layers differ in shape needs.
+_REGION_SHAPES = 256
+
+
+def _compiled_once(function: Callable) -> Callable:
+    """``function``, marked for ``torch.compile`` as a nested compile region: traced and
+    compiled once per input shape, and that code called again at every later call of a traced
+    step (hierarchical compilation,
+    https://docs.pytorch.org/docs/stable/generated/torch.compiler.nested_compile_region.html).
+    Outside a trace it is a plain call.
+
+    A static decode step codes and decodes with the same shapes in every layer; inlined, the
+    compiler traced, lowered and generated the code of these scale-dtype checks thirty times
+    (SmolLM2-135M's INT8 step, a cold compile of 504 s against 210 s as regions:
+    docs/compile.md).
+    """
+    region = torch.compiler.nested_compile_region(function, max_reuse_entries=_REGION_SHAPES)
+    return wraps(function)(region)
 
 
 @dataclass(frozen=True)
@@ -226,6 +246,7 @@ def _stored_as(
     return stored_scale, stored_zero, fits
 
 
+@_compiled_once
 def quantize_fixed(
     x: torch.Tensor,
     valid: torch.Tensor | None,
@@ -278,6 +299,7 @@ def quantize_fixed(
     return codes, stored_scale, stored_zero, chosen
 
 
+@_compiled_once
 def dequantize_fixed(
     data: torch.Tensor,
     scale: torch.Tensor,

@@ -194,3 +194,34 @@ def test_the_fixed_shape_coder_is_quantize_and_dequantize_bit_for_bit(
     assert torch.equal(scale, q.scale.double()) and torch.equal(zero, q.zero_point.double())
     decoded = dequantize_fixed(codes, scale, zero, chosen, dtype, bits=bits)
     assert decoded.dtype == dtype and torch.equal(decoded, dequantize(q))
+
+
+def test_a_traced_step_compiles_the_fixed_coder_once_for_every_layer():
+    """Layers of a compiled step code and decode with the same shapes: ``quantize_fixed`` and
+    ``dequantize_fixed`` are regions the compiler traces once each and calls again (a
+    30-layer INT8 step, inlined, took minutes more to compile: docs/compile.md), and the traced
+    step gives the eager values. Branching (``torch.cond``) inside a region included."""
+    graphs = []
+
+    def capture(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    def layers(first, second, level):
+        decoded = []
+        for rows in (first, second):
+            codes, scale, zero, chosen = quantize_fixed(rows, None, level)
+            decoded.append(dequantize_fixed(codes, scale, zero, chosen, rows.dtype, branch=True))
+        return decoded
+
+    generator = torch.Generator().manual_seed(0)
+    first, second = torch.randn(2, 2, 3, 5, 16, generator=generator)
+    second[0, 0, 0] = 1e4 + torch.arange(16) * 1e-3  # a row float16's scales cannot hold
+    level = torch.tensor([SCALE_LEVELS.index(torch.float16)])
+    torch._dynamo.reset()
+    traced = torch.compile(layers, backend=capture, fullgraph=True)(first, second, level)
+    assert all(map(torch.equal, traced, layers(first, second, level)))
+    (graph,) = graphs
+    calls = [n for n in graph.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+    assert len(calls) == 4  # two functions, two layers
+    assert len({call.args[0].target for call in calls}) == 2  # one traced body per function

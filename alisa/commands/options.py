@@ -461,7 +461,7 @@ def add_compile_option(parser: argparse.ArgumentParser, what: str, on: str = "")
         default="auto",
         help=f"run {what} through torch.compile: auto (default) compiles where that pays on "
         "the model's device (CUDA) and the cache has a static step, and runs eager on a CPU, "
-        f"where the first step takes 15-215 s to compile; on{on} / off force it",
+        f"where the first step takes 15-240 s to compile; on{on} / off force it",
     )
 
 

@@ -259,12 +259,12 @@ def compiles_by_default(device: torch.device | str) -> tuple[bool, str]:
     On CUDA a step is launch-bound (docs/gpu.md: the device busy 12-15 ms of a 60-100 ms eager
     step), which capturing it as a graph removes, as HF's ``generate`` does for a
     ``StaticCache``. On a CPU the compiled step measured 1.2-1.8x faster, but its first step
-    took 15-215 s to compile (SmolLM2-135M, 2 cores; docs/compile.md): more than one
+    took 15-240 s to compile (SmolLM2-135M, 2 cores; docs/compile.md): more than one
     ``generate`` call saves, so ``"auto"`` runs eager there and ``"on"`` is the user's call.
     """
     if torch.device(device).type == "cuda":
         return True, "auto: CUDA, where a captured step saves the kernel launches"
-    return False, "auto: a CPU, where compiling the first step (15-215 s) outweighs what it saves"
+    return False, "auto: a CPU, where compiling the first step (15-240 s) outweighs what it saves"
 
 
 def bands_match_sdpa(device: torch.device | str) -> bool:

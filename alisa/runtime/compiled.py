@@ -77,7 +77,7 @@ def compiled_capacity(tokens: int, context: int | None) -> int:
 
     A compiled step has one graph per batch size and capacity; rounding up by at most half
     lets calls and batches of nearby lengths replay one graph instead of compiling their own
-    (15-215 s each on a CPU, about a minute on an H200: docs/compile.md, docs/gpu.md; and
+    (15-240 s each on a CPU, about a minute on an H200: docs/compile.md, docs/gpu.md; and
     torch.compile stops compiling a function after 8 shapes), for at most half again the
     slots of the exact size.
     """
@@ -330,7 +330,7 @@ class CompiledDecode:
         if start is not None:  # minutes on a CPU: say why the first step is slow
             logger.info(
                 "compiling the decode step for %d rows of %d slots (the first step of each "
-                "shape; 15-215 s on a 2-core CPU, less from torch's compile cache)",
+                "shape; 15-240 s on a 2-core CPU, less from torch's compile cache)",
                 *shape,
             )
         try:
