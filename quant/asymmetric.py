@@ -23,8 +23,8 @@ from quant.packing import pack_nibbles, unpack_nibbles
 
 SUPPORTED_BITS = (4, 8)
 FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
-# Shapes one compiled step may call a region with (one a layer at most): past it torch.compile
-# raises rather than compile the region again, which a model whose layers differ in shape needs.
+# Input shapes a region may be compiled for in one traced step before torch.compile raises: a
+# layer's at most, so a model whose layers all differ in shape still compiles (each its own).
 _REGION_SHAPES = 256
 
 
