@@ -9,9 +9,9 @@ growing cache, the static cache's eager step, and its step traced by dynamo in o
     python -m probes.static_matrix --products # the traced step's products by the row kernel
 
 ``--products`` traces the step with the weights' products forced onto alisa's row kernel
-(:meth:`alisa.ops.products.WeightProducts.traced`, as a compiled step whose products measured
-faster runs it; docs/compile.md, stop 90). Prints one line per family and a summary line; a
-family whose forward dynamo cannot trace in one graph is named with the error
+(:func:`alisa.ops.products.route_linears` over the traced graph, as a compiled step whose
+products measured faster runs it; docs/compile.md, stop 90). Prints one line per family and a
+summary line; a family whose forward dynamo cannot trace in one graph is named with the error
 (``compile="auto"`` runs such a model eager with a warning).
 """
 
@@ -25,8 +25,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from alisa import AlisaCache, AlisaConfig
-from alisa.ops.products import WeightProducts
-from alisa.runtime.compiled import last_logits
+from alisa.ops.products import route_linears
+from alisa.runtime.compiled import CompiledDecode, last_logits
 from tests.architectures import EXACT, FAMILIES, build, prompts
 
 MODES = {
@@ -68,9 +68,8 @@ def check(model, fields: dict, steps: int, products: bool = False) -> str:
         growing = greedy(model, AlisaCache(model, AlisaConfig(**fields)), ids, mask, steps)
         static = AlisaCache(model, AlisaConfig(**fields), max_cache_len=longest)
         eager = greedy(model, static, ids, mask, steps)
-        traced = torch.compile(model.forward, backend="eager", fullgraph=True, dynamic=False)
-        if products:
-            traced = _on_row_kernel(traced, model, ids.shape[0])
+        decode = CompiledDecode(model, "default", backend="eager")
+        traced = decode.forward(route_linears if products else None)
         torch._dynamo.reset()
         counters.clear()
         with torch._dynamo.config.patch(error_on_recompile=True):
@@ -85,17 +84,6 @@ def check(model, fields: dict, steps: int, products: bool = False) -> str:
         f"differs (traced = eager {torch.equal(tokens, eager)}, eager = growing "
         f"{torch.equal(eager, growing)}, {graphs} graphs)"
     )
-
-
-def _on_row_kernel(forward, model, rows: int):
-    """``forward`` called under the row kernel's products (forced on, no measurement)."""
-    chosen = WeightProducts("transposed")
-
-    def call(*args, **kwargs):
-        with chosen.traced(rows, model):
-            return forward(*args, **kwargs)
-
-    return call
 
 
 def main() -> None:

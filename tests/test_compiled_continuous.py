@@ -21,7 +21,7 @@ from alisa.jobs.sizing import running_memory
 from alisa.jobs.stream import ByteBudget, stream_generate
 from alisa.model.adapter import model_shape
 from alisa.planning.spec import model_spec
-from alisa.runtime.compiled import ASKED_ON, CompileChoice, batch_bucket
+from alisa.runtime.compiled import ASKED_ON, CompileChoice, CompiledDecode, batch_bucket
 from alisa.runtime.continuous import ContinuousScheduler
 from alisa.runtime.engine import DecodeState, Engine
 from alisa.runtime.requests import RowLimit, StreamRequest
@@ -49,13 +49,8 @@ def scheduled(model, config, new_tokens, *, compiled: bool):
     The eager run is the reference, not the growing cache: a static layer attends over its
     whole slot space, a growing one over its width, so their sums may round apart (1e-7) and,
     over a hundred steps of eviction, flip a near tie (the same holds between batch shapes)."""
-    engine = Engine(
-        model, byte_tokenizer(), stop_at_eos=False, compile=ASKED_ON if compiled else None
-    )
-    if compiled:
-        engine.compiled.forward = torch.compile(
-            model.forward, backend="eager", fullgraph=True, dynamic=False
-        )
+    traced = CompiledDecode(model, "default", ASKED_ON, backend="eager") if compiled else None
+    engine = Engine(model, byte_tokenizer(), stop_at_eos=False, compiled=traced)
     steps = []
     scheduler = ContinuousScheduler(
         engine,
@@ -267,10 +262,8 @@ def test_admission_counts_the_static_rows_and_the_bucket_copies_within_the_kv_bu
     spec = model_spec(model, model_shape(model))
     budget = running_memory(spec, SWA, [(CAPACITY, 0)] * 5).kv  # five static rows, not six
     admission = ByteBudget(spec=spec, config=SWA, kv_bytes=budget)
-    engine = Engine(model, byte_tokenizer(), stop_at_eos=False, compile=ASKED_ON)
-    engine.compiled.forward = torch.compile(
-        model.forward, backend="eager", fullgraph=True, dynamic=False
-    )
+    traced = CompiledDecode(model, "default", ASKED_ON, backend="eager")
+    engine = Engine(model, byte_tokenizer(), stop_at_eos=False, compiled=traced)
     scheduler = ContinuousScheduler(
         engine,
         lambda **static: AlisaCache(model, SWA, **static),

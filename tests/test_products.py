@@ -20,8 +20,10 @@ from alisa.ops.products import (
     TRIALS,
     WeightProducts,
     bucket,
+    route_linears,
     transposed_linear,
 )
+from alisa.runtime.compiled import CompiledDecode
 from alisa.runtime.engine import Engine
 
 
@@ -404,37 +406,63 @@ def test_the_weight_product_operator_is_the_row_kernel():
 
 
 def test_a_compiled_forward_calls_the_row_kernel_operator_from_one_graph():
-    """Under :meth:`WeightProducts.traced` the compiler traces the mode once: the graph calls
+    """With :meth:`WeightProducts.graph_pass` the compiled forward's graph calls
     ``alisa::weight_product`` for every linear module (the tied head's too), the logits are
-    the eager forward's within the sums' rounding, one graph serves every call and no mode is
-    left behind; a batch size past the kernel's rows runs PyTorch's products."""
+    the eager forward's within the sums' rounding and one graph serves every call; a batch size
+    past the kernel's rows takes no pass and runs PyTorch's products, and the same batch size
+    compiled without the pass gets a graph of its own, not the rewritten one."""
     from torch._dynamo.utils import counters
-    from torch.overrides import _get_current_function_mode_stack
 
     model = tiny_llama()
     linears = sum(isinstance(module, nn.Linear) for module in model.modules())
-    forward = torch.compile(model.forward, backend="eager", fullgraph=True, dynamic=False)
+    decode = CompiledDecode(model, "default", backend="eager")
     products = WeightProducts("transposed")
     ids = torch.randint(0, model.config.vocab_size, (2, 1))
+    wide = torch.randint(0, model.config.vocab_size, (ROW_KERNEL_ROWS + 1, 1))
+    rewrite = products.graph_pass(2, model)
+    assert rewrite is route_linears and products.graph_pass(ROW_KERNEL_ROWS + 1, model) is None
     torch._dynamo.reset()
     counters.clear()
     with torch.no_grad():
         eager = model(ids).logits
-        with products.traced(2, model):  # its graph made (the compiler's calls are fake ones)
-            forward(ids)
+        decode.forward(rewrite)(ids)  # its graph made (the compiler's calls are fake ones)
     with torch.no_grad(), torch.profiler.profile() as profile:
         for _ in range(3):
-            with products.traced(2, model):
-                logits = forward(ids).logits
-        wide = torch.randint(0, model.config.vocab_size, (ROW_KERNEL_ROWS + 1, 1))
-        with products.traced(ROW_KERNEL_ROWS + 1, model):
-            forward(wide)
+            logits = decode.forward(rewrite)(ids).logits
+        decode.forward(None)(wide)
+        plain = decode.forward(None)(ids).logits
     calls = [event for event in profile.events() if event.name == "alisa::weight_product"]
     assert len(calls) == 3 * linears
-    assert counters["stats"]["unique_graphs"] == 2  # one per batch size
+    assert counters["stats"]["unique_graphs"] == 3  # two batch sizes, one of them twice
     torch.testing.assert_close(logits, eager)
-    assert not _get_current_function_mode_stack()
+    torch.testing.assert_close(plain, eager)
     assert products.row_kernel
+    with pytest.raises(ValueError, match="mode='default'"):
+        CompiledDecode(model, "reduce-overhead").forward(rewrite)
+
+
+def test_the_graph_pass_leaves_products_whose_rows_are_known_only_when_run():
+    """A product of rows the data picks (X-MOD's adapters route rows so) keeps PyTorch's
+    ``F.linear``: its row count is a symbol the pass cannot write into the graph (it did, and
+    the graph's code failed with ``NameError: name 'u0' is not defined``); the product of
+    fixed rows beside it takes the operator."""
+    routed = []
+
+    def backend(graph, inputs):
+        routed.append(route_linears(graph, inputs))
+        return graph
+
+    def step(x, weight):
+        return nn.functional.linear(x[x[:, 0] > 0], weight), nn.functional.linear(x, weight)
+
+    x, weight = torch.randn(5, 4), torch.randn(6, 4)
+    x[:2, 0] = torch.tensor([1.0, -1.0])
+    traced = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        picked, every = traced(x, weight)
+    assert routed == [1]
+    torch.testing.assert_close(picked, x[x[:, 0] > 0] @ weight.T)
+    torch.testing.assert_close(every, x @ weight.T)
 
 
 def test_a_compiled_generation_measures_its_products_and_keeps_the_tokens(tokenizer):

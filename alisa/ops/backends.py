@@ -373,7 +373,7 @@ def choose_ops(
             feature=cpu_feature(),
             # "auto" traces PyTorch's operators for the step's attention and eviction (see
             # traced); either way the weights' products take the row kernel where measured
-            # faster (alisa.ops.products.WeightProducts.traced).
+            # faster (alisa.ops.products.WeightProducts.graph_pass).
             operators=kernels == "cpu",
             traced=True,
             products="measured",

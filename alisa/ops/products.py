@@ -33,10 +33,10 @@ transposed product is checked against PyTorch's (:meth:`WeightProducts.check`) a
 keeps the standard form for good.
 
 A compiled decode step (:mod:`alisa.runtime.compiled`) takes the row kernel as a registered
-operator instead (:data:`alisa.ops.library.weight_product`): :meth:`WeightProducts.traced`
-enters :class:`TracedProducts` around the compiled call, which the compiler traces into the
-graph, so no Python runs per operator; its form is measured once per batch size on the
-products alone, before the graph is made (docs/compile.md, stop 90).
+operator instead (:data:`alisa.ops.library.weight_product`): :meth:`WeightProducts.graph_pass`
+gives the compiled call :func:`route_linears`, which rewrites the products in the graph dynamo
+traced, before inductor compiles it, so no Python runs per operator; its form is measured once
+per batch size on the products alone, before the graph is made (docs/compile.md, stop 90).
 
 What is measured lives as long as its owner: a server keeps it for its life (each scheduler it
 starts goes on with it), a continuous batch for every step it runs, while each ``generate``
@@ -47,9 +47,10 @@ do not, as at one row). Nothing is kept between processes, so nothing stale can 
 
 from __future__ import annotations
 
+import operator
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -74,6 +75,9 @@ FORMS = ("measured", "transposed", "standard")
 # The most rows the transposed form runs by the CPU's row kernel (alisa.ops.cpu.weight_rows): at
 # thirty-two it no longer beats the BLAS (138 against 147 ms a pass over SmolLM2-135M, stop 89).
 ROW_KERNEL_ROWS = 16
+# A rewrite of the graph dynamo traced for a compiled step, before its backend compiles it:
+# (graph, its placeholders' tensors) -> how many calls it rewrote (alisa.runtime.compiled).
+GraphPass = Callable[[torch.fx.GraphModule, Sequence[torch.Tensor]], int]
 
 
 def transposed_linear(
@@ -111,7 +115,7 @@ def linear_by_rows(
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with ``x``'s rows multiplied by ``product(rows, weight)``
     ((R, K) rows, (N, K) weight -> (R, N)): the one shape of the eager transposed form and of
-    a compiled step's operator (:class:`TracedProducts`). Returns (..., N), contiguous."""
+    a compiled step's operator (:func:`route_linears`). Returns (..., N), contiguous."""
     out = product(x.reshape(-1, x.shape[-1]), weight)
     if bias is not None:
         out = out + bias
@@ -173,7 +177,6 @@ class WeightProducts(TorchFunctionMode):
         self.checked: bool | None = None  # None: no transposed product checked yet
         self._transposed = False
         self._step_rows = 0  # rows of the step running now (its products' rows, measured)
-        self._traced: TracedProducts | None = None  # made at the first compiled row-kernel step
         self._traced_forms: dict[int, bool] = {}  # bucket -> a compiled step runs the kernel
         self.row_kernel = False  # a transposed product ran by the CPU's row kernel
 
@@ -244,23 +247,13 @@ class WeightProducts(TorchFunctionMode):
             for handle in handles:
                 handle.remove()
 
-    @contextmanager
-    def traced(self, rows: int, model: nn.Module) -> Iterator[None]:
-        """Run one compiled decode step of ``rows`` rows of ``model`` (a ``with`` block around
-        the call of its compiled forward): where the row kernel is this batch size's form, under
-        :class:`TracedProducts`, which the compiler traces once into calls of the registered
-        operator, else as it is. A compiled step runs no Python per operator, so its form is
-        measured on the products alone (:meth:`traced_form`), before its graph is compiled:
-        the choice is made once per batch size, and the graph never changes with it."""
-        if self.traced_form(rows, model):
-            if self._traced is None:
-                from alisa.ops import library  # numba loads only where the kernel runs
-
-                self._traced = TracedProducts(library.weight_product)
-            with self._traced:
-                yield
-        else:
-            yield
+    def graph_pass(self, rows: int, model: nn.Module) -> GraphPass | None:
+        """What a compiled decode step of ``rows`` rows of ``model`` does to the graph dynamo
+        traces: :func:`route_linears` where the row kernel is this batch size's form, else
+        nothing (None). A compiled step runs no Python per operator, so its form is measured on
+        the products alone (:meth:`traced_form`), before its graph is compiled: the choice is
+        made once per batch size, and the graph never changes with it."""
+        return route_linears if self.traced_form(rows, model) else None
 
     def traced_form(self, rows: int, model: nn.Module) -> bool:
         """Whether a compiled step of ``rows`` rows runs the row kernel: where it can (float32
@@ -372,34 +365,76 @@ class WeightProducts(TorchFunctionMode):
         return "weight products measured: " + "; ".join(parts)
 
 
-class TracedProducts(TorchFunctionMode):
-    """A compiled decode step's ``F.linear`` calls of a few float32 rows as ``operator`` (the
-    row kernel registered as a PyTorch operator, :data:`alisa.ops.library.weight_product`),
-    the others as they are.
+def route_linears(graph: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]) -> int:
+    """Rewrite a compiled decode step's ``F.linear`` calls of a few float32 rows as calls of the
+    row kernel's operator (:data:`alisa.ops.library.weight_product`), in the graph dynamo
+    traced, before inductor compiles it (a :data:`GraphPass`).
 
-    ``torch.compile`` traces a mode active when the compiled function is called: its
-    ``__torch_function__`` runs once, while the graph is made, and the graph calls the operator
-    (one node per product), so the step pays nothing per operator at run time, as the eager
-    :class:`WeightProducts` does. Entered by :meth:`WeightProducts.traced` around the compiled
-    forward only; the graph is guarded on the mode, so a batch size keeps one form.
+    A product is rewritten where :func:`by_row_kernel` takes it (at most
+    :data:`ROW_KERNEL_ROWS` rows, float32, a contiguous weight) and its weight and bias are the
+    step's inputs, plain dense tensors (a quantized or other subclassed weight keeps its own
+    ``F.linear``); the others stay PyTorch's. A graph pass, not a ``TorchFunctionMode``
+    around the compiled call: dynamo traces a mode's ``__torch_function__`` at every operator
+    of the step, which was about 40 % of dynamo's tracing of it (docs/compile.md, 2026-12-08).
 
     Parameters
     ----------
-    operator
-        ``operator(x, weight) -> x @ weight.T``: x (R, K) float32 rows, weight (N, K).
+    graph
+        The graph dynamo traced, rewritten in place.
+    inputs
+        Its placeholders' tensors, in order (the model's weights among them), as dynamo hands
+        them to a backend.
+
+    Returns
+    -------
+    int
+        How many products now call the operator.
     """
+    from alisa.ops import library  # numba loads only where the kernel runs
 
-    def __init__(self, operator: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-        super().__init__()
-        self.operator = operator
+    placeholders = [node for node in graph.graph.nodes if node.op == "placeholder"]
+    tensors = dict(zip(placeholders, inputs, strict=True))
+    routed = 0
+    for node in list(graph.graph.nodes):
+        if node.op != "call_function" or node.target is not functional.linear:
+            continue
+        x, weight, bias = _operands(node.args, node.kwargs)
+        rows = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
+        real = (tensors.get(weight), None if bias is None else tensors.get(bias))
+        if rows is None or real[0] is None or (bias is not None and real[1] is None):
+            continue  # a product of tensors the step computes: not a model's weight
+        if not all(isinstance(size, int) for size in rows.shape):
+            continue  # sizes known only when it runs (X-MOD's adapters route rows by data)
+        if not _plain(rows, *real, traced=True) or not by_row_kernel(_product_rows(rows), real[0]):
+            continue
+        # linear_by_rows's operations as nodes of torch's own (the operator, reshape, view,
+        # add): a call of a Python function would make AOTAutograd's cache refuse the graph, so
+        # that a warm compile traced it to aten again (about 30 s for SmolLM2-135M).
+        fakes = {part: part.meta["example_value"] for part in (x, weight, bias) if part is not None}
+        with graph.graph.inserting_before(node):
+            out = _traced_call(graph, "reshape", (x, -1, rows.shape[-1]), fakes)
+            out = _traced_call(graph, library.weight_product, (out, weight), fakes)
+            if bias is not None:
+                out = _traced_call(graph, operator.add, (out, bias), fakes)
+            out = _traced_call(graph, "view", (out, *rows.shape[:-1], real[0].shape[0]), fakes)
+        node.replace_all_uses_with(out)
+        graph.graph.erase_node(node)
+        routed += 1
+    if routed:
+        graph.recompile()
+    return routed
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is functional.linear:
-            x, weight, bias = _operands(args, kwargs)
-            if _plain(x, weight, bias) and by_row_kernel(_product_rows(x), weight):
-                return linear_by_rows(x, weight, bias, self.operator)
-        return func(*args, **kwargs)
+
+def _traced_call(graph: torch.fx.GraphModule, target, args: tuple, fakes: dict) -> torch.fx.Node:
+    """A node of ``graph`` (at its insertion point) calling ``target`` (a function, or a tensor
+    method by name) on ``args``, with the value dynamo's own nodes carry (``example_value``,
+    run on the arguments' fake tensors in ``fakes``, which it joins) for inductor's passes."""
+    method = isinstance(target, str)
+    node = graph.graph.create_node("call_method" if method else "call_function", target, args)
+    values = [fakes[arg] if isinstance(arg, torch.fx.Node) else arg for arg in args]
+    call = getattr(values.pop(0), target) if method else target
+    fakes[node] = node.meta["example_value"] = call(*values)
+    return node
 
 
 def _row_kernel_weights(model: nn.Module, rows: int) -> list[torch.Tensor]:
@@ -424,12 +459,13 @@ def _operands(args: tuple, kwargs: dict) -> tuple:
     return tuple(values)
 
 
-def _plain(x, weight, bias) -> bool:
+def _plain(x, weight, bias, *, traced: bool = False) -> bool:
     """Whether the product is one the transposed form computes alike: plain dense tensors of one
-    dtype (a quantized or other subclassed weight keeps its own ``F.linear``)."""
+    dtype (a quantized or other subclassed weight keeps its own ``F.linear``); ``traced``:
+    ``x`` is a traced graph's value of the rows (of the tracer's type; the weights are real)."""
     tensors = (x, weight) if bias is None else (x, weight, bias)
     return (
-        all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+        all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors[traced:])
         and all(t.layout is torch.strided and t.dtype is x.dtype for t in tensors)
         and weight.dim() == 2
         and x.dim() >= 1

@@ -17,8 +17,8 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ from alisa.kv.cache import AlisaCache
 from alisa.model.loading import context_length
 from alisa.ops import COMPILE
 from alisa.ops.backends import compile_mode, compiles_by_default
+from alisa.ops.products import GraphPass
 from alisa.settings import IgnoredSettingWarning
 
 logger = logging.getLogger(__name__)
@@ -267,16 +268,51 @@ class CompiledDecode:
         compiler could not trace the step under ``"auto"``.
     """
 
-    def __init__(self, model: nn.Module, mode: str, choice: CompileChoice | None = None) -> None:
-        self.model = model
-        self.forward: Callable = torch.compile(
-            model.forward, fullgraph=True, dynamic=False, mode=mode
-        )
+    def __init__(
+        self,
+        model: nn.Module,
+        mode: str,
+        choice: CompileChoice | None = None,
+        *,
+        backend: str = "inductor",
+    ) -> None:
+        self.model, self.mode, self.backend = model, mode, backend
         self.choice = choice or ASKED_ON
         self.compile_s: float | None = None
-        self._shapes: set[tuple[int, int]] = set()  # (rows, capacity) of the graphs made
+        self._shapes: set[tuple[int, int, bool]] = set()  # (rows, capacity, pass) of the graphs
+        self._forwards: dict[GraphPass | None, Callable] = {}  # compiled forward by graph pass
         # Whether torch.compile's recompile limit was reached (said once; see __call__).
         self.limited = False
+
+    def forward(self, graph_pass: GraphPass | None = None) -> Callable:
+        """The model's forward compiled, made at its first use: ``torch.compile`` with
+        ``fullgraph=True``, static shapes and this decode step's mode, or with ``graph_pass``
+        rewriting each graph dynamo traces before the backend compiles it. Dynamo keeps a graph
+        to the backend that made it, so a batch size compiled both with a pass and without one
+        keeps both graphs, and neither is replayed for the other.
+
+        Raises
+        ------
+        ValueError
+            A ``graph_pass`` under CUDA graphs (``mode="reduce-overhead"``): the passes are the
+            CPU's (:func:`alisa.ops.products.route_linears`).
+        """
+        forward = self._forwards.get(graph_pass)
+        if forward is not None:
+            return forward
+        if graph_pass is None:
+            options = {"mode": self.mode} if self.backend == "inductor" else {}
+            backend = self.backend
+        elif self.mode != "default":
+            raise ValueError(f"a graph pass runs under mode='default', not {self.mode!r}")
+        else:
+            options = {}
+            backend = partial(_rewritten, graph_pass, torch._dynamo.lookup_backend(self.backend))
+        forward = torch.compile(
+            self.model.forward, backend=backend, fullgraph=True, dynamic=False, **options
+        )
+        self._forwards[graph_pass] = forward
+        return forward
 
     def __call__(
         self,
@@ -285,7 +321,7 @@ class CompiledDecode:
         mask: torch.Tensor | None,
         cache,
         clock: Callable[[], float],
-        around: AbstractContextManager | None = None,
+        graph_pass: GraphPass | None = None,
         **options,
     ) -> torch.Tensor:
         """(B, V) last-position logits of one decode step.
@@ -300,9 +336,9 @@ class CompiledDecode:
             A compileable cache (:func:`check_compileable`) that holds the rows' past.
         clock
             Seconds after the device caught up (times the first, compiling step).
-        around
-            Entered around the compiled forward's call only (the compiler traces what it
-            sets up): :meth:`alisa.ops.products.WeightProducts.traced`; None: nothing.
+        graph_pass
+            A rewrite of the graph dynamo traces, before it is compiled
+            (:meth:`alisa.ops.products.WeightProducts.graph_pass`); None: none.
         options
             Extra model keyword arguments (they reach attention).
 
@@ -325,17 +361,17 @@ class CompiledDecode:
 
         if not self.choice.compiled:  # "auto" found the step untraceable: eager from then on
             return eager()
-        shape = (feed.shape[0], cache.get_max_length())
+        shape = (feed.shape[0], cache.get_max_length(), graph_pass is not None)
         start = clock() if shape not in self._shapes else None
         if start is not None:  # minutes on a CPU: say why the first step is slow
             logger.info(
                 "compiling the decode step for %d rows of %d slots (the first step of each "
                 "shape; 15-240 s on a 2-core CPU, less from torch's compile cache)",
-                *shape,
+                *shape[:2],
             )
+        forward = self.forward(graph_pass)
         try:
-            with around if around is not None else nullcontext():
-                logits = last_logits(self.forward, feed, positions, mask, cache, **options)
+            logits = last_logits(forward, feed, positions, mask, cache, **options)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             # A new shape past torch.compile's limit of graphs per function (8 by default;
             # fullgraph=True makes it an error): this step runs eager, with the same tokens,
@@ -372,3 +408,12 @@ class CompiledDecode:
             self._shapes.add(shape)
             self.compile_s = (self.compile_s or 0.0) + clock() - start
         return logits
+
+
+def _rewritten(
+    graph_pass: GraphPass, compiler: Callable, graph: torch.fx.GraphModule, inputs: list
+) -> Callable:
+    """A ``torch.compile`` backend: ``graph_pass`` over the graph dynamo traced, then
+    ``compiler`` (a backend by name, ``torch._dynamo.lookup_backend``) over the result."""
+    graph_pass(graph, inputs)
+    return compiler(graph, inputs)

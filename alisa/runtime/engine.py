@@ -408,8 +408,8 @@ class Engine:
         decode = feed.shape[1] == 1 and cache.get_seq_length() > 0
         products = self._products(cache) if decode else None
         if self.compiled is not None and decode:
-            around = None if products is None else products.traced(feed.shape[0], self.model)
-            return self.compiled(feed, positions, mask, cache, self.clock, around, **options)
+            rewrite = None if products is None else products.graph_pass(feed.shape[0], self.model)
+            return self.compiled(feed, positions, mask, cache, self.clock, rewrite, **options)
         if products is not None:
             with products.step(feed.shape[0], self.model):
                 return last_logits(self.model, feed, positions, mask, cache, **options)
