@@ -114,8 +114,9 @@ def linear_by_rows(
     product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with ``x``'s rows multiplied by ``product(rows, weight)``
-    ((R, K) rows, (N, K) weight -> (R, N)): the one shape of the eager transposed form and of
-    a compiled step's operator (:func:`route_linears`). Returns (..., N), contiguous."""
+    ((R, K) rows, (N, K) weight -> (R, N)): the eager transposed form's shape, whose operations
+    :func:`route_linears` writes into a compiled step's graph as nodes of their own. Returns
+    (..., N), contiguous."""
     out = product(x.reshape(-1, x.shape[-1]), weight)
     if bias is not None:
         out = out + bias
@@ -464,8 +465,9 @@ def _plain(x, weight, bias, *, traced: bool = False) -> bool:
     dtype (a quantized or other subclassed weight keeps its own ``F.linear``); ``traced``:
     ``x`` is a traced graph's value of the rows (of the tracer's type; the weights are real)."""
     tensors = (x, weight) if bias is None else (x, weight, bias)
+    real = tensors[1:] if traced else tensors
     return (
-        all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors[traced:])
+        all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in real)
         and all(t.layout is torch.strided and t.dtype is x.dtype for t in tensors)
         and weight.dim() == 2
         and x.dim() >= 1
